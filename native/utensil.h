@@ -76,6 +76,11 @@ typedef struct ut_tensor {
   bool dirty_cpu;  /* host copy is stale */
   bool dirty_gpu;  /* device copy is stale */
   int rc;          /* reference count */
+  bool borrowed;   /* made by ut_wrap: `data` (UT_CPU) or `gpu_buf` (UT_CUDA) is not ours */
+  /* Memory the tensor borrows (ut_wrap): called once, at the last ut_free, instead of freeing
+     it. NULL for memory the library owns. */
+  void (*release)(void* ctx);
+  void* release_ctx;
 } ut_tensor;
 
 /* ---- library ---------------------------------------------------------------------------- */
@@ -90,6 +95,10 @@ int ut_set_num_threads(int n);        /* CPU threads per op (n >= 1); returns st
 int ut_get_num_threads(void);
 long long ut_live_tensors(void);      /* tensors allocated and not yet freed */
 int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes); /* status; error without GPU */
+int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op without a GPU */
+/* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
+   the stream the library queues its work on). No-op without a GPU. */
+int ut_cuda_stream_wait(void* waiting, void* signalling);
 /* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
 long long ut_type_size(const char* type_name);
 long long ut_field_offset(const char* type_name, const char* field_name);
@@ -99,6 +108,12 @@ ut_shape ut_shape_new(int ndim, const int* shape); /* nelem = 0 if invalid (see 
 ut_tensor* ut_alloc(int ndim, const int* shape, ut_dev dev);   /* zero-filled */
 ut_tensor* ut_from_data(int ndim, const int* shape, const float* data, ut_dev dev); /* copies */
 ut_tensor* ut_randn(int ndim, const int* shape, float mean, float std, ut_dev dev);
+/* Zero-copy: a tensor over memory someone else owns: host memory for UT_CPU, device memory for
+   UT_CUDA (a GPU must be present; the host mirror is allocated and filled on demand). ptr must
+   hold nelem floats, contiguous, and stay valid until release(ctx) is called at the last ut_free
+   (release may be NULL). On failure release is not called. */
+ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*release)(void* ctx),
+                   void* ctx);
 ut_tensor* ut_retain(ut_tensor* t);   /* rc += 1, returns t */
 void ut_free(ut_tensor* t);           /* rc -= 1, frees at 0; NULL is ignored */
 void ut_free_n(ut_tensor** ts, int n);
@@ -330,6 +345,10 @@ typedef struct ut__backend {
   int (*upload)(void* dst, const float* src, size_t bytes);
   int (*download)(float* dst, const void* src, size_t bytes);
   int (*mem_info)(size_t* free_bytes, size_t* total_bytes);
+  int (*synchronize)(void);                            /* wait for all queued work */
+  /* make stream `waiting` wait for the work queued so far on `signalling` (NULL: the library's
+     stream, the legacy default stream) */
+  int (*stream_wait)(void* waiting, void* signalling);
 
   /* elementwise; cap > 0 clamps at cap (relu6), cap <= 0 is plain relu */
   int (*fill)(float* x, ut__i64 n, float v);
@@ -559,6 +578,14 @@ const char* ut_backend_name(ut_dev dev) {
   if (dev != UT_CPU && dev != UT_CUDA) return "invalid";
   return ut__backend_for(dev)->name;
 }
+int ut_cuda_synchronize(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->synchronize() : UT_OK;
+}
+int ut_cuda_stream_wait(void* waiting, void* signalling) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->stream_wait(waiting, signalling) : UT_OK;
+}
 int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
   UT__CHECK(free_bytes && total_bytes, UT_ERR_ARG, "ut_cuda_mem_info: NULL argument");
   const ut__backend* gpu = ut__cuda_backend();
@@ -660,6 +687,44 @@ ut_tensor* ut_randn(int ndim, const int* shape, float mean, float std, ut_dev de
   return t;
 }
 
+ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*release)(void* ctx),
+                   void* ctx) {
+  const char* who = "ut_wrap";
+  UT__CHECK_NULL(ptr, UT_ERR_ARG, "%s: ptr is NULL", who);
+  UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
+  const ut__backend* be = ut__backend_for(dev);
+  UT__CHECK_NULL(dev == UT_CPU || ut__is_device_backend(be), UT_ERR_DEVICE,
+                 "%s: device memory needs a CUDA device, and none is available", who);
+  ut_shape s;
+  if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
+  ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
+  float* host = NULL;
+  if (t && dev == UT_CUDA) {
+    size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
+    host = (float*)aligned_alloc(64, bytes);
+  }
+  if (!t || (dev == UT_CUDA && !host)) {
+    free(t);
+    ut__set_error(UT_ERR_MEMORY, "%s: out of host memory", who);
+    return NULL;
+  }
+  t->shape = s;
+  t->dev = dev;
+  t->rc = 1;
+  t->borrowed = true;
+  t->release = release;
+  t->release_ctx = ctx;
+  if (dev == UT_CUDA) {
+    t->data = host;
+    t->gpu_buf = ptr;
+    t->dirty_cpu = true; /* the device memory holds the values */
+  } else {
+    t->data = (float*)ptr;
+  }
+  atomic_fetch_add(&ut__live, 1);
+  return t;
+}
+
 ut_tensor* ut_retain(ut_tensor* t) {
   if (t) t->rc++;
   return t;
@@ -667,11 +732,13 @@ ut_tensor* ut_retain(ut_tensor* t) {
 
 void ut_free(ut_tensor* t) {
   if (!t || --t->rc > 0) return;
-  if (t->gpu_buf) {
+  bool own_gpu = !(t->borrowed && t->dev == UT_CUDA), own_host = !(t->borrowed && t->dev == UT_CPU);
+  if (t->gpu_buf && own_gpu) {
     const ut__backend* gpu = ut__cuda_backend();
     if (gpu) gpu->mem_free(t->gpu_buf);
   }
-  free(t->data);
+  if (own_host) free(t->data);
+  if (t->release) t->release(t->release_ctx);
   free(t);
   atomic_fetch_sub(&ut__live, 1);
 }
@@ -749,6 +816,8 @@ int ut_to_device(ut_tensor* t, ut_dev dev) {
   UT__TRY(ut__check_tensor(t, "ut_to_device", "t"));
   UT__CHECK(ut__dev_valid(dev), UT_ERR_ARG, "ut_to_device: invalid device %d", (int)dev);
   if (t->dev == dev) return UT_OK;
+  UT__CHECK(!t->borrowed, UT_ERR_ARG,
+            "ut_to_device: a tensor over borrowed memory (ut_wrap) cannot change device; copy it");
   const ut__backend* be = ut__backend_for(dev);
   if (ut__is_device_backend(be)) {
     size_t bytes = ((size_t)t->shape.nelem * sizeof(float) + 63) & ~(size_t)63;
@@ -1806,7 +1875,8 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_shape, nelem),
     UT__SIZE(ut_tensor), UT__FIELD(ut_tensor, shape), UT__FIELD(ut_tensor, data),
     UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
-    UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc),
+    UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
+    UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
     UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
     UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),
