@@ -1,0 +1,1817 @@
+/* test.c — utensil's C test suite.
+
+   Every public op has a test_<op>(ut_dev) with small hand-computed fixtures (the expected values
+   are derived in the comment above each one); main runs each test on UT_CPU and on UT_CUDA
+   (which runs on the CPU paths when no GPU is present). After every test main checks that
+   ut_live_tensors() is back where it started, so a leaked tensor fails the test that leaked it.
+
+   `assert` is redefined to record a failure (file:line and expression) and continue, so one run
+   reports every failure. The output ends with exactly "N passed, M failed" (N, M count test runs,
+   i.e. test function x device); the exit status is non-zero when M > 0.
+
+   Build: ./build.sh (plain) or ./build.sh test (ASan + UBSan, then plain). */
+#include <assert.h>
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "utensil.h"
+
+/* The seed's tests were written for the Metal backend; its role is now played by CUDA. */
+#define UT_METAL UT_CUDA
+
+/* ============================================================================================
+   Test harness
+   ============================================================================================ */
+static int g_checks;        /* checks run in total */
+static int g_test_failures; /* failed checks in the current test */
+static const char* g_test_name = "";
+static ut_dev g_test_dev = UT_CPU;
+
+static const char* dev_name(ut_dev d) { return d == UT_CPU ? "UT_CPU" : "UT_CUDA"; }
+
+static bool check_(bool ok, const char* expr, const char* file, int line) {
+  g_checks++;
+  if (!ok) {
+    g_test_failures++;
+    fprintf(stderr, "%s:%d: %s(%s): check failed: %s\n", file, line, g_test_name,
+            dev_name(g_test_dev), expr);
+  }
+  return ok;
+}
+
+#undef assert
+#define assert(e) ((void)check_((e) ? true : false, #e, __FILE__, __LINE__))
+/* Like assert, but returns from the calling (void) test when the check fails. */
+#define require(e)                                              \
+  do {                                                          \
+    if (!check_((e) ? true : false, #e, __FILE__, __LINE__)) return; \
+  } while (0)
+
+static bool close_enough(float got, float want, float tol) {
+  float diff = fabsf(got - want);
+  return diff <= tol * fmaxf(1.f, fabsf(want)); /* false for NaN */
+}
+
+/* Compares t->data elementwise with expected[0 .. t->shape.nelem); n_expected is the length
+   of the expected array, which must match. tol is absolute below 1, relative above. */
+static void assert_data_(const ut_tensor* t, const float* expected, int n_expected, float tol,
+                         const char* expr, const char* file, int line) {
+  char what[256];
+  snprintf(what, sizeof what, "assert_data(%s): tensor is not NULL", expr);
+  if (!check_(t != NULL, what, file, line)) return;
+  snprintf(what, sizeof what, "assert_data(%s): nelem %d == %d expected values", expr,
+           t->shape.nelem, n_expected);
+  if (!check_(t->shape.nelem == n_expected, what, file, line)) return;
+  snprintf(what, sizeof what, "assert_data(%s): host copy is current (not dirty_cpu)", expr);
+  check_(!t->dirty_cpu, what, file, line);
+  int bad = 0;
+  for (int i = 0; i < t->shape.nelem; i++) {
+    if (!close_enough(t->data[i], expected[i], tol)) {
+      if (bad < 8)
+        fprintf(stderr, "%s:%d:   %s[%d] = %.7g, expected %.7g (tol %g)\n", file, line, expr, i,
+                (double)t->data[i], (double)expected[i], (double)tol);
+      bad++;
+    }
+  }
+  snprintf(what, sizeof what, "assert_data(%s): %d of %d values differ", expr, bad,
+           t->shape.nelem);
+  check_(bad == 0, what, file, line);
+}
+#define assert_data(t, expected, tol)                                                      \
+  assert_data_((t), (expected), (int)(sizeof(expected) / sizeof((expected)[0])), (tol), #t, \
+               __FILE__, __LINE__)
+
+/* t has exactly the given shape */
+static bool has_shape(const ut_tensor* t, int ndim, const int* shape) {
+  if (!t || t->shape.ndim != ndim) return false;
+  int n = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (t->shape.shape[i] != shape[i]) return false;
+    n *= shape[i];
+  }
+  return t->shape.nelem == n;
+}
+#define assert_shape(t, ndim, ...) assert(has_shape((t), (ndim), (int[]){__VA_ARGS__}))
+
+/* ---- error checks: the call fails, sets the right status and a non-empty message --------- */
+static void expect_error_(bool failed, ut_status want, const char* expr, const char* file,
+                          int line) {
+  char what[512];
+  snprintf(what, sizeof what, "%s fails", expr);
+  check_(failed, what, file, line);
+  ut_status got = ut_last_status();
+  snprintf(what, sizeof what, "%s: ut_last_status() == %d (got %d, \"%s\")", expr, (int)want,
+           (int)got, ut_last_error());
+  check_(got == want, what, file, line);
+  const char* msg = ut_last_error();
+  snprintf(what, sizeof what, "%s: ut_last_error() is non-empty", expr);
+  check_(msg != NULL && msg[0] != '\0', what, file, line);
+}
+/* call returns a tensor: it must be NULL */
+#define expect_null(call, status)                                      \
+  do {                                                                 \
+    ut_clear_error();                                                  \
+    ut_tensor* r_ = (call);                                            \
+    expect_error_(r_ == NULL, (status), #call, __FILE__, __LINE__);    \
+    ut_free(r_);                                                       \
+  } while (0)
+/* call returns a status: it must be that (negative) status */
+#define expect_status(call, status)                                           \
+  do {                                                                        \
+    ut_clear_error();                                                         \
+    int s_ = (call);                                                          \
+    expect_error_(s_ == (int)(status), (status), #call, __FILE__, __LINE__);  \
+  } while (0)
+/* call returns a layer struct by value: its weight (and bias) must be NULL */
+#define expect_layer_fail(type, call, status)                                          \
+  do {                                                                                 \
+    ut_clear_error();                                                                  \
+    type l_ = (call);                                                                  \
+    expect_error_(l_.weight == NULL && l_.bias == NULL, (status), #call, __FILE__, __LINE__); \
+    ut_free_all(l_.weight, l_.bias);                                                   \
+  } while (0)
+
+#define F(...) ((float[]){__VA_ARGS__})
+#define S(...) ((int[]){__VA_ARGS__})
+
+/* ============================================================================================
+   Library
+   ============================================================================================ */
+static void test_library(ut_dev dev) {
+  assert(ut_version() == UT_VERSION);
+  assert(strcmp(ut_backend_name(UT_CPU), "cpu") == 0);
+  assert(strcmp(ut_backend_name(dev), (dev == UT_CUDA && ut_cuda_available()) ? "cuda" : "cpu") ==
+         0);
+  assert(ut_get_num_threads() >= 1);
+  int old = ut_get_num_threads();
+  assert(ut_set_num_threads(1) == UT_OK && ut_get_num_threads() == 1);
+  assert(ut_set_num_threads(old) == UT_OK && ut_get_num_threads() == old);
+  /* the layout the bindings check against */
+  assert(ut_type_size("ut_tensor") == (long long)sizeof(ut_tensor));
+  assert(ut_type_size("ut_shape") == (long long)sizeof(ut_shape));
+  assert(ut_type_size("ut_conv2d") == (long long)sizeof(ut_conv2d));
+  assert(ut_type_size("ut_batchnorm2d") == (long long)sizeof(ut_batchnorm2d));
+  assert(ut_type_size("no_such_type") == -1);
+  assert(ut_field_offset("ut_tensor", "data") == (long long)offsetof(ut_tensor, data));
+  assert(ut_field_offset("ut_tensor", "rc") == (long long)offsetof(ut_tensor, rc));
+  assert(ut_field_offset("ut_batchnorm2d", "training") ==
+         (long long)offsetof(ut_batchnorm2d, training));
+  assert(ut_field_offset("ut_tensor", "no_such_field") == -1);
+  size_t fr = 0, tot = 0;
+  int st = ut_cuda_mem_info(&fr, &tot);
+  if (ut_cuda_available())
+    assert(st == UT_OK && tot > 0 && fr <= tot);
+  else
+    assert(st < 0 && ut_last_error()[0] != '\0');
+  ut_clear_error();
+  assert(ut_last_status() == UT_OK && strcmp(ut_last_error(), "") == 0);
+}
+
+/* ============================================================================================
+   Tensors
+   ============================================================================================ */
+static void test_alloc(ut_dev dev) {
+  // ut_alloc zero-fills; ut_from_data copies (the caller's array is not aliased)
+  ut_tensor* z = ut_alloc(3, S(2, 3, 4), dev);
+  require(z);
+  assert_shape(z, 3, 2, 3, 4);
+  assert(z->dev == dev && z->rc == 1 && z->data != NULL && !z->dirty_cpu);
+  bool zero = true;
+  for (int i = 0; i < 24; i++) zero = zero && z->data[i] == 0.f;
+  assert(zero);
+
+  float src[] = {1.f, 2.f, 3.f};
+  ut_tensor* t = ut_from_data(1, S(3), src, dev);
+  require(t);
+  src[0] = 100.f;
+  assert_data(t, F(1.f, 2.f, 3.f), 0.f);
+  assert(t->data != src);
+
+  ut_shape s = ut_shape_new(4, S(2, 1, 3, 5));
+  assert(s.ndim == 4 && s.nelem == 30 && s.shape[3] == 5);
+  ut_free_all(z, t);
+}
+
+static void test_fill(ut_dev dev) {
+  ut_tensor* t = ut_alloc(2, S(2, 3), dev);
+  require(t);
+  assert(ut_fill(t, 2.5f) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(2.5f, 2.5f, 2.5f, 2.5f, 2.5f, 2.5f), 0.f);
+  assert(ut_fill(t, -1.f) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(-1.f, -1.f, -1.f, -1.f, -1.f, -1.f), 0.f);
+  ut_free(t);
+}
+
+static void test_copy_reshape(ut_dev dev) {
+  ut_tensor* t = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+  require(t);
+  // copy: same shape, device, values; independent storage
+  ut_tensor* c = ut_copy(t);
+  require(c);
+  ut_sync_cpu(c);
+  assert(c != t && c->data != t->data && c->dev == dev && c->rc == 1);
+  assert_shape(c, 2, 2, 3);
+  assert_data(c, F(1, 2, 3, 4, 5, 6), 0.f);
+  c->data[0] = 50.f;  // host owns c after ut_sync_cpu: the write must not reach t
+  assert(ut_scale(c, 2.f) == UT_OK);
+  ut_sync_cpu(c);
+  ut_sync_cpu(t);
+  assert_data(c, F(100, 4, 6, 8, 10, 12), 0.f);
+  assert_data(t, F(1, 2, 3, 4, 5, 6), 0.f);
+
+  // reshape: a copy with a new shape and the same row-major values
+  ut_tensor* r = ut_reshape(t, 3, S(3, 1, 2));
+  require(r);
+  ut_sync_cpu(r);
+  assert_shape(r, 3, 3, 1, 2);
+  assert(r != t && r->dev == dev);
+  assert_data(r, F(1, 2, 3, 4, 5, 6), 0.f);
+  ut_tensor* flat = ut_reshape(t, 1, S(6));
+  require(flat);
+  ut_sync_cpu(flat);
+  assert_shape(flat, 1, 6);
+  assert_data(flat, F(1, 2, 3, 4, 5, 6), 0.f);
+
+  // copy_into: same nelem is enough (a [6] from a [2,3]); dst keeps its shape
+  ut_tensor* d = ut_alloc(1, S(6), dev);
+  require(d);
+  assert(ut_copy_into(d, t) == UT_OK);
+  ut_sync_cpu(d);
+  assert_shape(d, 1, 6);
+  assert_data(d, F(1, 2, 3, 4, 5, 6), 0.f);
+  ut_free_all(t, c, r, flat, d);
+}
+
+static void test_transpose(ut_dev dev) {
+  {
+    // [2,3] {1,2,3;4,5,6} -> [3,2] {1,4;2,5;3,6}
+    ut_tensor* t = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+    ut_tensor* tt = ut_transpose(t, 0, 1);
+    require(tt);
+    ut_sync_cpu(tt);
+    assert_shape(tt, 2, 3, 2);
+    assert_data(tt, F(1, 4, 2, 5, 3, 6), 0.f);
+    // swapping (1, 0) is the same as (0, 1); transposing twice is the identity
+    ut_tensor* t10 = ut_transpose(t, 1, 0);
+    ut_tensor* back = ut_transpose(tt, 0, 1);
+    require(t10 && back);
+    ut_sync_cpu(t10);
+    ut_sync_cpu(back);
+    assert_data(t10, F(1, 4, 2, 5, 3, 6), 0.f);
+    assert_shape(back, 2, 2, 3);
+    assert_data(back, F(1, 2, 3, 4, 5, 6), 0.f);
+    ut_free_all(t, tt, t10, back);
+  }
+  {
+    // [2,2,2] with x[i][j][k] = 4i+2j+k, i.e. 0..7. Swapping dims 0 and 2 gives
+    // out[k][j][i] = 4i+2j+k; in out's row-major order (k, j, i):
+    // k=0: j=0 {0,4}, j=1 {2,6}; k=1: j=0 {1,5}, j=1 {3,7}
+    ut_tensor* t = ut_from_data(3, S(2, 2, 2), F(0, 1, 2, 3, 4, 5, 6, 7), dev);
+    ut_tensor* t02 = ut_transpose(t, 0, 2);
+    ut_tensor* t12 = ut_transpose(t, 1, 2);  // out[i][k][j]: {0,2,1,3, 4,6,5,7}
+    ut_tensor* t01 = ut_transpose(t, 0, 1);  // out[j][i][k]: {0,1,4,5, 2,3,6,7}
+    ut_tensor* t11 = ut_transpose(t, 1, 1);  // a plain copy
+    require(t02 && t12 && t01 && t11);
+    ut_sync_cpu(t02);
+    ut_sync_cpu(t12);
+    ut_sync_cpu(t01);
+    ut_sync_cpu(t11);
+    assert_data(t02, F(0, 4, 2, 6, 1, 5, 3, 7), 0.f);
+    assert_data(t12, F(0, 2, 1, 3, 4, 6, 5, 7), 0.f);
+    assert_data(t01, F(0, 1, 4, 5, 2, 3, 6, 7), 0.f);
+    assert_data(t11, F(0, 1, 2, 3, 4, 5, 6, 7), 0.f);
+    ut_free_all(t, t02, t12, t01, t11);
+  }
+  {
+    // non-square 3-D and 4-D: x[i0][i1][i2][i3] = linear index; checked by the index formula
+    // (each output position must hold the linear input index of its swapped coordinates)
+    const int shp[4] = {2, 3, 4, 5};
+    float vals[120];
+    for (int i = 0; i < 120; i++) vals[i] = (float)i;
+    ut_tensor* x4 = ut_from_data(4, shp, vals, dev);
+    require(x4);
+    const int pairs[][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+    for (int p = 0; p < 6; p++) {
+      int d0 = pairs[p][0], d1 = pairs[p][1];
+      ut_tensor* y = ut_transpose(x4, d0, d1);
+      require(y);
+      ut_sync_cpu(y);
+      int os[4] = {shp[0], shp[1], shp[2], shp[3]};
+      os[d0] = shp[d1];
+      os[d1] = shp[d0];
+      assert(has_shape(y, 4, os));
+      int bad = 0;
+      for (int a = 0; a < os[0]; a++)
+        for (int b = 0; b < os[1]; b++)
+          for (int c = 0; c < os[2]; c++)
+            for (int d = 0; d < os[3]; d++) {
+              int idx[4] = {a, b, c, d};
+              int tmp = idx[d0];
+              idx[d0] = idx[d1];
+              idx[d1] = tmp;
+              int src = ((idx[0] * shp[1] + idx[1]) * shp[2] + idx[2]) * shp[3] + idx[3];
+              int dst = ((a * os[1] + b) * os[2] + c) * os[3] + d;
+              if (y->data[dst] != (float)src) bad++;
+            }
+      if (bad) fprintf(stderr, "  transpose(%d,%d) of [2,3,4,5]: %d wrong\n", d0, d1, bad);
+      assert(bad == 0);
+      ut_free(y);
+    }
+    // a 3-D [3,1,4] -> (0,2) -> [4,1,3]: out[k][0][i] = 4i + k
+    ut_tensor* x3 = ut_from_data(3, S(3, 1, 4), vals, dev);
+    ut_tensor* y3 = ut_transpose(x3, 2, 0);
+    require(y3);
+    ut_sync_cpu(y3);
+    assert_shape(y3, 3, 4, 1, 3);
+    assert_data(y3, F(0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11), 0.f);
+    ut_free_all(x4, x3, y3);
+  }
+}
+
+/* ============================================================================================
+   Elementwise and dense
+   ============================================================================================ */
+static void test_relu(ut_dev dev) {
+  // relu = max(x, 0); shape is kept
+  ut_tensor* x = ut_from_data(2, S(2, 3), F(-1.5f, 0.f, 2.f, -3.f, 7.f, 0.5f), dev);
+  ut_tensor* y = ut_relu(x);
+  require(y);
+  ut_sync_cpu(y);
+  assert(y != x && y->dev == dev);
+  assert_shape(y, 2, 2, 3);
+  assert_data(y, F(0.f, 0.f, 2.f, 0.f, 7.f, 0.5f), 0.f);
+  ut_sync_cpu(x);
+  assert_data(x, F(-1.5f, 0.f, 2.f, -3.f, 7.f, 0.5f), 0.f);  // input untouched
+  ut_free_all(x, y);
+}
+
+static void test_relu6(ut_dev dev) {
+  // relu6 = min(max(x, 0), 6)
+  ut_tensor* x = ut_from_data(1, S(6), F(-1.f, 0.f, 3.f, 6.f, 7.f, 5.5f), dev);
+  ut_tensor* y = ut_relu6(x);
+  require(y);
+  ut_sync_cpu(y);
+  assert_data(y, F(0.f, 0.f, 3.f, 6.f, 6.f, 5.5f), 0.f);
+  ut_free_all(x, y);
+}
+
+static void test_relu_backward(ut_dev dev) {
+  // x = {-1,0,3,6,7,5.5}, go = {1..6}
+  // relu: passes where x > 0 (x = 0 blocks): {0,0,3,4,5,6}
+  // relu6: passes where 0 < x < 6 (6 and 7 block): {0,0,3,0,0,6}
+  ut_tensor* x = ut_from_data(1, S(6), F(-1.f, 0.f, 3.f, 6.f, 7.f, 5.5f), dev);
+  ut_tensor* go = ut_from_data(1, S(6), F(1, 2, 3, 4, 5, 6), dev);
+  ut_tensor* g1 = ut_relu_backward(go, x);
+  ut_tensor* g6 = ut_relu6_backward(go, x);
+  require(g1 && g6);
+  ut_sync_cpu(g1);
+  ut_sync_cpu(g6);
+  assert_data(g1, F(0, 0, 3, 4, 5, 6), 0.f);
+  assert_data(g6, F(0, 0, 3, 0, 0, 6), 0.f);
+  ut_free_all(x, go, g1, g6);
+}
+
+static void test_edge_activations(ut_dev dev) {
+  // a = {-2,-1,0,3,4,8}: relu6 -> {0,0,0,3,4,6} (8 clamps), relu -> {0,0,0,3,4,8}
+  ut_tensor* a = ut_from_data(1, (int[]){6}, (float[]){-2.f, -1.f, 0.f, 3.f, 4.f, 8.f}, dev);
+  {
+    ut_tensor* c = ut_relu6(a);
+    ut_sync_cpu(c);
+    assert_data(c, ((float[]){0.f, 0.f, 0.f, 3.f, 4.f, 6.f}), 1e-6f);
+    ut_free(c);
+  }
+  {
+    ut_tensor* c = ut_relu(a);
+    ut_sync_cpu(c);
+    assert_data(c, ((float[]){0.f, 0.f, 0.f, 3.f, 4.f, 8.f}), 1e-6f);
+    ut_free(c);
+  }
+  {
+    // gradient passes through only where 0 < a < 6: a=3,4 -> 1; everything else -> 0
+    ut_tensor* go = ut_from_data(1, (int[]){6}, (float[]){1.f, 1.f, 1.f, 1.f, 1.f, 1.f}, dev);
+    ut_tensor* gi = ut_relu6_backward(go, a);
+    ut_sync_cpu(gi);
+    assert_data(gi, ((float[]){0.f, 0.f, 0.f, 1.f, 1.f, 0.f}), 1e-6f);
+    ut_free_all(go, gi);
+  }
+  ut_free(a);
+}
+
+static void test_add_into(ut_dev dev) {
+  // dst += src: {1,2,3,4} + {10,20,30,40}; src may have another shape with the same nelem
+  ut_tensor* d = ut_from_data(2, S(2, 2), F(1, 2, 3, 4), dev);
+  ut_tensor* s = ut_from_data(1, S(4), F(10, 20, 30, 40), dev);
+  require(d && s);
+  assert(ut_add_into(d, s) == UT_OK);
+  ut_sync_cpu(d);
+  assert_shape(d, 2, 2, 2);
+  assert_data(d, F(11, 22, 33, 44), 0.f);
+  assert(ut_add_into(d, s) == UT_OK);  // accumulates
+  ut_sync_cpu(d);
+  assert_data(d, F(21, 42, 63, 84), 0.f);
+  ut_sync_cpu(s);
+  assert_data(s, F(10, 20, 30, 40), 0.f);
+  ut_free_all(d, s);
+}
+
+static void test_scale(ut_dev dev) {
+  // {1,-2,3} * -0.5 = {-0.5,1,-1.5}; * 0 = 0
+  ut_tensor* t = ut_from_data(1, S(3), F(1, -2, 3), dev);
+  require(t);
+  assert(ut_scale(t, -0.5f) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(-0.5f, 1.f, -1.5f), 0.f);
+  assert(ut_scale(t, 0.f) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(0, 0, 0), 0.f);
+  ut_free(t);
+}
+
+static void test_matmul(ut_dev dev) {
+  {
+    // [[1,2,3],[4,5,6]] @ [[7,8],[9,10],[11,12]]
+    // = [[7+18+33, 8+20+36], [28+45+66, 32+50+72]] = [[58,64],[139,154]]
+    ut_tensor* a = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+    ut_tensor* b = ut_from_data(2, S(3, 2), F(7, 8, 9, 10, 11, 12), dev);
+    ut_tensor* c = ut_matmul(a, b);
+    require(c);
+    ut_sync_cpu(c);
+    assert_shape(c, 2, 2, 2);
+    assert(c->dev == dev);
+    assert_data(c, F(58, 64, 139, 154), 1e-6f);
+    ut_free_all(a, b, c);
+  }
+  {
+    // K = 1: the outer product [1,2,3]^T [4,5] = [[4,5],[8,10],[12,15]]
+    ut_tensor* a = ut_from_data(2, S(3, 1), F(1, 2, 3), dev);
+    ut_tensor* b = ut_from_data(2, S(1, 2), F(4, 5), dev);
+    ut_tensor* c = ut_matmul(a, b);
+    require(c);
+    ut_sync_cpu(c);
+    assert_shape(c, 2, 3, 2);
+    assert_data(c, F(4, 5, 8, 10, 12, 15), 1e-6f);
+    ut_free_all(a, b, c);
+  }
+  {
+    // M = N = 1: a dot product [1,-1,2,0.5] . [2,3,-1,4] = 2 - 3 - 2 + 2 = -1
+    ut_tensor* a = ut_from_data(2, S(1, 4), F(1, -1, 2, 0.5f), dev);
+    ut_tensor* b = ut_from_data(2, S(4, 1), F(2, 3, -1, 4), dev);
+    ut_tensor* c = ut_matmul(a, b);
+    require(c);
+    ut_sync_cpu(c);
+    assert_shape(c, 2, 1, 1);
+    assert_data(c, F(-1), 1e-6f);
+    ut_free_all(a, b, c);
+  }
+}
+
+/* odd sizes (past any blocking), against a float64 reference; 1 thread and the default agree */
+static void test_matmul_large(ut_dev dev) {
+  enum { M = 37, K = 53, N = 29 };
+  ut_seed(7);
+  ut_tensor* a = ut_randn(2, S(M, K), 0.f, 1.f, dev);
+  ut_tensor* b = ut_randn(2, S(K, N), 0.f, 1.f, dev);
+  require(a && b);
+  ut_tensor* c = ut_matmul(a, b);
+  int old = ut_get_num_threads();
+  ut_set_num_threads(1);
+  ut_tensor* c1 = ut_matmul(a, b);
+  ut_set_num_threads(old);
+  require(c && c1);
+  ut_sync_cpu(a);
+  ut_sync_cpu(b);
+  ut_sync_cpu(c);
+  ut_sync_cpu(c1);
+  assert_shape(c, 2, M, N);
+  int bad = 0;
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double s = 0, mag = 0;
+      for (int k = 0; k < K; k++) {
+        s += (double)a->data[i * K + k] * b->data[k * N + j];
+        mag += fabs((double)a->data[i * K + k] * b->data[k * N + j]);
+      }
+      double tol = 1e-5 * (mag + 1);
+      if (fabs(c->data[i * N + j] - s) > tol || fabs(c1->data[i * N + j] - s) > tol) bad++;
+    }
+  assert(bad == 0);
+  ut_free_all(a, b, c, c1);
+}
+
+static void test_bias_add(ut_dev dev) {
+  {
+    // [N=2, C=3]: x[n,c] += bias[c]: {1,2,3,4,5,6} + {10,20,30} per row
+    ut_tensor* x = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+    ut_tensor* b = ut_from_data(1, S(3), F(10, 20, 30), dev);
+    require(x && b);
+    assert(ut_bias_add(x, b) == UT_OK);
+    ut_sync_cpu(x);
+    assert_data(x, F(11, 22, 33, 14, 25, 36), 0.f);
+    ut_free_all(x, b);
+  }
+  {
+    // [N=2, C=2, H=1, W=2]: bias {1,-1} adds 1 to channel 0 and -1 to channel 1 of each sample
+    ut_tensor* x = ut_alloc(4, S(2, 2, 1, 2), dev);
+    ut_tensor* b = ut_from_data(1, S(2), F(1, -1), dev);
+    require(x && b);
+    assert(ut_bias_add(x, b) == UT_OK);
+    ut_sync_cpu(x);
+    assert_data(x, F(1, 1, -1, -1, 1, 1, -1, -1), 0.f);
+    ut_free_all(x, b);
+  }
+}
+
+/* ============================================================================================
+   Conv2d
+   ============================================================================================ */
+static void set_weight(ut_tensor** slot, int ndim, const int* shape, const float* data,
+                       ut_dev dev) {
+  ut_free(*slot);
+  *slot = ut_from_data(ndim, shape, data, dev);
+}
+
+static void test_conv2d_forward(ut_dev dev) {
+  // N=1, in_c=out_c=1, k=2x2, s=1, p=0. x=[[1,2,3],[4,5,6],[7,8,9]], W=[1,0;0,-1]:
+  // out[i][j] = x[i][j] - x[i+1][j+1] = -4 everywhere (rows differ by 3, columns by 1)
+  ut_conv2d l = ut_conv2d_alloc(1, 1, 2, 2, 1, 0, false, dev);
+  require(l.weight);
+  assert(l.bias == NULL);
+  assert_shape(l.weight, 4, 1, 1, 2, 2);
+  set_weight(&l.weight, 4, S(1, 1, 2, 2), F(1, 0, 0, -1), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 1, 3, 3), F(1, 2, 3, 4, 5, 6, 7, 8, 9), dev);
+  ut_tensor* out = ut_conv2d_forward(&l, x, NULL);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 1, 2, 2);
+  assert(out->dev == dev);
+  assert_data(out, F(-4, -4, -4, -4), 1e-5f);
+  ut_free_all(out, x);
+  ut_conv2d_free(&l);
+  assert(l.weight == NULL && l.bias == NULL);
+}
+
+static void test_conv2d_backward(ut_dev dev) {
+  // the forward fixture with grad_out one-hot at output (0,0): only the window at the top-left
+  // contributes. dW[a][b] = x[a][b] -> {1,2,4,5}; dx[a][b] = W[a][b] there -> dx[0][0] = 1,
+  // dx[1][1] = -1, the rest 0.
+  ut_conv2d l = ut_conv2d_alloc(1, 1, 2, 2, 1, 0, false, dev);
+  require(l.weight);
+  set_weight(&l.weight, 4, S(1, 1, 2, 2), F(1, 0, 0, -1), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 1, 3, 3), F(1, 2, 3, 4, 5, 6, 7, 8, 9), dev);
+  ut_conv2d_cache c = {0};
+  ut_tensor* out = ut_conv2d_forward(&l, x, &c);
+  require(out);
+  assert(c.input == x && x->rc == 2);  // the cache holds a reference to the input
+  ut_free(out);
+
+  ut_tensor* go = ut_from_data(4, S(1, 1, 2, 2), F(1, 0, 0, 0), dev);
+  ut_tensor* dW = ut_alloc(1, S(4), dev);
+  ut_tensor* dx = ut_conv2d_backward(&l, &c, go, dW, NULL);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(dx);
+  assert_shape(dx, 4, 1, 1, 3, 3);
+  assert_data(dW, F(1, 2, 4, 5), 1e-5f);
+  assert_data(dx, F(1, 0, 0, 0, -1, 0, 0, 0, 0), 1e-5f);
+
+  // a second backward accumulates into dW (dW += ...), dx is fresh
+  ut_tensor* dx2 = ut_conv2d_backward(&l, &c, go, dW, NULL);
+  require(dx2);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(dx2);
+  assert_data(dW, F(2, 4, 8, 10), 1e-5f);
+  assert_data(dx2, F(1, 0, 0, 0, -1, 0, 0, 0, 0), 1e-5f);
+
+  ut_free_all(dx, dx2, dW, go, x);
+  ut_conv2d_cache_free(&c);
+  assert(c.input == NULL && c.col == NULL);
+  ut_conv2d_free(&l);
+}
+
+static void test_conv2d_stride_pad(ut_dev dev) {
+  // N=1, 1->1 channels, k=3x3, s=2, p=1, W = ones, bias 0.5, x = [[1,2,3],[4,5,6],[7,8,9]].
+  // Ho = (3+2-3)/2+1 = 2. Output (oh,ow) reads rows/cols {2oh-1, 2oh, 2oh+1}; padding drops
+  // -1 and 3, so rows {0,1} for oh=0, {1,2} for oh=1 (same for columns):
+  //   out = [[1+2+4+5, 2+3+5+6], [4+5+7+8, 5+6+8+9]] + 0.5 = [[12.5,16.5],[24.5,28.5]]
+  // Backward with grad_out = ones:
+  //   db = 4 (four outputs)
+  //   dW[a][b] = sum of x over rows R(a) x cols R(b), where R(k) = valid {2oh-1+k}:
+  //     R(0) = {1}, R(1) = {0,2}, R(2) = {1}
+  //     dW = [[5, 4+6, 5], [2+8, 1+3+7+9, 10], [5, 10, 5]] = [[5,10,5],[10,20,10],[5,10,5]]
+  //   dx[i][j] = (#windows covering row i) * (#covering col j), counts {1,2,1}:
+  //     dx = [[1,2,1],[2,4,2],[1,2,1]]
+  ut_conv2d l = ut_conv2d_alloc(1, 1, 3, 3, 2, 1, true, dev);
+  require(l.weight && l.bias);
+  assert_shape(l.bias, 1, 1);
+  set_weight(&l.weight, 4, S(1, 1, 3, 3), F(1, 1, 1, 1, 1, 1, 1, 1, 1), dev);
+  set_weight(&l.bias, 1, S(1), F(0.5f), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 1, 3, 3), F(1, 2, 3, 4, 5, 6, 7, 8, 9), dev);
+  ut_conv2d_cache c = {0};
+  ut_tensor* out = ut_conv2d_forward(&l, x, &c);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 1, 2, 2);
+  assert_data(out, F(12.5f, 16.5f, 24.5f, 28.5f), 1e-5f);
+
+  ut_tensor* go = ut_from_data(4, S(1, 1, 2, 2), F(1, 1, 1, 1), dev);
+  ut_tensor* dW = ut_alloc(4, S(1, 1, 3, 3), dev);
+  ut_tensor* db = ut_alloc(1, S(1), dev);
+  ut_tensor* dx = ut_conv2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(dx);
+  assert_data(dW, F(5, 10, 5, 10, 20, 10, 5, 10, 5), 1e-5f);
+  assert_data(db, F(4), 1e-5f);
+  assert_data(dx, F(1, 2, 1, 2, 4, 2, 1, 2, 1), 1e-5f);
+  ut_free_all(out, go, dW, db, dx, x);
+  ut_conv2d_cache_free(&c);
+  ut_conv2d_free(&l);
+}
+
+static void test_conv2d_1x1(ut_dev dev) {
+  // 1x1 conv, N=2, 2->2 channels, H=W=2, bias {1,-1}: per pixel out0 = x0 + 0.5 x1 + 1,
+  // out1 = -x0 + 2 x1 - 1 (W = [[1, 0.5], [-1, 2]]).
+  //   n0: x0 = {1,2,3,4}, x1 = {10,20,30,40}
+  //       out0 = {1+5+1, 2+10+1, 3+15+1, 4+20+1} = {7,13,19,25}
+  //       out1 = {-1+20-1, -2+40-1, -3+60-1, -4+80-1} = {18,37,56,75}
+  //   n1: x0 = {0,0,0,1}, x1 = {0,1,0,0}
+  //       out0 = {1, 1.5, 1, 2}, out1 = {-1, 1, -1, -2}
+  // Backward with grad_out = ones:
+  //   dW[o][i] = sum over n, pixels of x_i: i=0: 10 + 1 = 11, i=1: 100 + 1 = 101 (each o)
+  //   db = {8, 8} (2 samples x 4 pixels); dx_i = sum_o W[o][i]: x0: 1-1 = 0, x1: 0.5+2 = 2.5
+  // dW and db start at 1 to check that backward accumulates: dW = {12,102,12,102}, db = {9,9}
+  ut_conv2d l = ut_conv2d_alloc(2, 2, 1, 1, 1, 0, true, dev);
+  require(l.weight && l.bias);
+  set_weight(&l.weight, 4, S(2, 2, 1, 1), F(1, 0.5f, -1, 2), dev);
+  set_weight(&l.bias, 1, S(2), F(1, -1), dev);
+  ut_tensor* x = ut_from_data(4, S(2, 2, 2, 2),
+                              F(1, 2, 3, 4, 10, 20, 30, 40, 0, 0, 0, 1, 0, 1, 0, 0), dev);
+  ut_conv2d_cache c = {0};
+  ut_tensor* out = ut_conv2d_forward(&l, x, &c);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 2, 2, 2, 2);
+  assert_data(out, F(7, 13, 19, 25, 18, 37, 56, 75, 1, 1.5f, 1, 2, -1, 1, -1, -2), 1e-5f);
+
+  ut_tensor* go = ut_alloc(4, S(2, 2, 2, 2), dev);
+  ut_fill(go, 1.f);
+  ut_tensor* dW = ut_from_data(1, S(4), F(1, 1, 1, 1), dev);
+  ut_tensor* db = ut_from_data(1, S(2), F(1, 1), dev);
+  ut_tensor* dx = ut_conv2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(dx);
+  assert_data(dW, F(12, 102, 12, 102), 1e-5f);
+  assert_data(db, F(9, 9), 1e-5f);
+  assert_shape(dx, 4, 2, 2, 2, 2);
+  assert_data(dx, F(0, 0, 0, 0, 2.5f, 2.5f, 2.5f, 2.5f, 0, 0, 0, 0, 2.5f, 2.5f, 2.5f, 2.5f), 1e-5f);
+  ut_free_all(out, go, dW, db, dx, x);
+  ut_conv2d_cache_free(&c);
+  ut_conv2d_free(&l);
+}
+
+static void test_conv2d_rect_kernel(ut_dev dev) {
+  // kh=2 != kw=3, s=1, p=0, x = [[1,2,3,4],[5,6,7,8],[9,10,11,12]] (3x4) -> 2x2.
+  // W = [[1,0,0],[0,0,1]]: out[i][j] = x[i][j] + x[i+1][j+2]
+  //   = [[1+7, 2+8], [5+11, 6+12]] = [[8,10],[16,18]]
+  ut_conv2d l = ut_conv2d_alloc(1, 1, 2, 3, 1, 0, false, dev);
+  require(l.weight);
+  assert_shape(l.weight, 4, 1, 1, 2, 3);
+  set_weight(&l.weight, 4, S(1, 1, 2, 3), F(1, 0, 0, 0, 0, 1), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 1, 3, 4), F(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), dev);
+  ut_tensor* out = ut_conv2d_forward(&l, x, NULL);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 1, 2, 2);
+  assert_data(out, F(8, 10, 16, 18), 1e-5f);
+  ut_free_all(out, x);
+
+  // kernel as large as the padded input: 3x3 input, k=5, pad=1 -> a single output that sums
+  // the whole input (W = ones): 45
+  ut_conv2d big = ut_conv2d_alloc(1, 1, 5, 5, 1, 1, false, dev);
+  require(big.weight);
+  ut_fill(big.weight, 1.f);
+  ut_tensor* x3 = ut_from_data(4, S(1, 1, 3, 3), F(1, 2, 3, 4, 5, 6, 7, 8, 9), dev);
+  ut_tensor* o3 = ut_conv2d_forward(&big, x3, NULL);
+  require(o3);
+  ut_sync_cpu(o3);
+  assert_shape(o3, 4, 1, 1, 1, 1);
+  assert_data(o3, F(45), 1e-5f);
+  ut_free_all(x3, o3);
+  ut_conv2d_free(&l);
+  ut_conv2d_free(&big);
+}
+
+/* float64 reference for conv2d (groups = 1) or depthwise (dw = true) */
+static void ref_conv(bool dw, const float* x, const float* w, const float* b, double* y, int N,
+                     int C, int O, int H, int W, int kh, int kw, int s, int p, int Ho, int Wo) {
+  for (int n = 0; n < N; n++)
+    for (int o = 0; o < O; o++)
+      for (int oh = 0; oh < Ho; oh++)
+        for (int ow = 0; ow < Wo; ow++) {
+          double acc = b ? b[o] : 0;
+          for (int c = dw ? o : 0; c < (dw ? o + 1 : C); c++)
+            for (int a = 0; a < kh; a++)
+              for (int bb = 0; bb < kw; bb++) {
+                int ih = oh * s - p + a, iw = ow * s - p + bb;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                float wv = dw ? w[(o * kh + a) * kw + bb] : w[((o * C + c) * kh + a) * kw + bb];
+                acc += (double)x[((n * C + c) * H + ih) * W + iw] * wv;
+              }
+          y[((n * O + o) * Ho + oh) * Wo + ow] = acc;
+        }
+}
+
+/* gradients of sum(y * go) by the reference's adjoint */
+static void ref_conv_bwd(bool dw, const float* x, const float* w, const float* go, double* dx,
+                         double* dW, double* db, int N, int C, int O, int H, int W, int kh,
+                         int kw, int s, int p, int Ho, int Wo) {
+  for (int n = 0; n < N; n++)
+    for (int o = 0; o < O; o++)
+      for (int oh = 0; oh < Ho; oh++)
+        for (int ow = 0; ow < Wo; ow++) {
+          double g = go[((n * O + o) * Ho + oh) * Wo + ow];
+          db[o] += g;
+          for (int c = dw ? o : 0; c < (dw ? o + 1 : C); c++)
+            for (int a = 0; a < kh; a++)
+              for (int bb = 0; bb < kw; bb++) {
+                int ih = oh * s - p + a, iw = ow * s - p + bb;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                int wi = dw ? (o * kh + a) * kw + bb : ((o * C + c) * kh + a) * kw + bb;
+                int xi = ((n * C + c) * H + ih) * W + iw;
+                dW[wi] += g * x[xi];
+                dx[xi] += g * w[wi];
+              }
+        }
+}
+
+static int count_bad(const float* got, const double* want, int n, double tol) {
+  int bad = 0;
+  for (int i = 0; i < n; i++)
+    if (!(fabs(got[i] - want[i]) <= tol * (1 + fabs(want[i])))) bad++;
+  return bad;
+}
+
+/* batch 2, odd sizes, stride 2, padding 1, kh != kw, bias: forward and backward against the
+   float64 reference, for conv2d and dwconv2d */
+static void conv_random_case(ut_dev dev, bool dw, int N, int C, int O, int H, int W, int kh,
+                             int kw, int s, int p) {
+  int Ho = (H + 2 * p - kh) / s + 1, Wo = (W + 2 * p - kw) / s + 1;
+  int nw = dw ? C * kh * kw : O * C * kh * kw;
+  if (dw) O = C;
+  ut_conv2d l = {0};
+  ut_dwconv2d ld = {0};
+  ut_tensor *weight, *bias;
+  if (dw) {
+    ld = ut_dwconv2d_alloc(C, kh, kw, s, p, true, dev);
+    weight = ld.weight;
+    bias = ld.bias;
+  } else {
+    l = ut_conv2d_alloc(C, O, kh, kw, s, p, true, dev);
+    weight = l.weight;
+    bias = l.bias;
+  }
+  require(weight && bias);
+  ut_fill(bias, 0.25f);
+  ut_tensor* x = ut_randn(4, S(N, C, H, W), 0.f, 1.f, dev);
+  ut_tensor* go = ut_randn(4, S(N, O, Ho, Wo), 0.f, 1.f, dev);
+  ut_tensor* dW = ut_alloc(1, S(nw), dev);
+  ut_tensor* db = ut_alloc(1, S(O), dev);
+  require(x && go && dW && db);
+  ut_conv2d_cache c = {0};
+  ut_dwconv2d_cache cd = {0};
+  ut_tensor* y = dw ? ut_dwconv2d_forward(&ld, x, &cd) : ut_conv2d_forward(&l, x, &c);
+  require(y);
+  ut_tensor* dx = dw ? ut_dwconv2d_backward(&ld, &cd, go, dW, db)
+                     : ut_conv2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(y);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(x);
+  ut_sync_cpu(go);
+  ut_sync_cpu(weight);
+  ut_sync_cpu(bias);
+  assert(has_shape(y, 4, S(N, O, Ho, Wo)));
+  assert(has_shape(dx, 4, S(N, C, H, W)));
+  int ny = N * O * Ho * Wo, nx = N * C * H * W;
+  double* ry = calloc((size_t)ny, sizeof(double));
+  double* rdx = calloc((size_t)nx, sizeof(double));
+  double* rdW = calloc((size_t)nw, sizeof(double));
+  double* rdb = calloc((size_t)O, sizeof(double));
+  require(ry && rdx && rdW && rdb);
+  ref_conv(dw, x->data, weight->data, bias->data, ry, N, C, O, H, W, kh, kw, s, p, Ho, Wo);
+  ref_conv_bwd(dw, x->data, weight->data, go->data, rdx, rdW, rdb, N, C, O, H, W, kh, kw, s, p,
+               Ho, Wo);
+  int by = count_bad(y->data, ry, ny, 1e-4), bx = count_bad(dx->data, rdx, nx, 1e-4);
+  int bw = count_bad(dW->data, rdW, nw, 1e-4), bb = count_bad(db->data, rdb, O, 1e-4);
+  if (by || bx || bw || bb)
+    fprintf(stderr,
+            "  %s N=%d C=%d O=%d H=%d W=%d k=%dx%d s=%d p=%d: wrong y %d, dx %d, dW %d, db %d\n",
+            dw ? "dwconv2d" : "conv2d", N, C, O, H, W, kh, kw, s, p, by, bx, bw, bb);
+  assert(by == 0);
+  assert(bx == 0);
+  assert(bw == 0);
+  assert(bb == 0);
+  free(ry);
+  free(rdx);
+  free(rdW);
+  free(rdb);
+  ut_free_all(x, go, dW, db, y, dx);
+  if (dw) {
+    ut_dwconv2d_cache_free(&cd);
+    ut_dwconv2d_free(&ld);
+  } else {
+    ut_conv2d_cache_free(&c);
+    ut_conv2d_free(&l);
+  }
+}
+
+static void test_conv2d_random(ut_dev dev) {
+  ut_seed(11);
+  conv_random_case(dev, false, 2, 3, 4, 7, 6, 3, 2, 2, 1);
+  conv_random_case(dev, false, 3, 5, 2, 9, 5, 3, 3, 1, 1);
+  conv_random_case(dev, false, 2, 4, 3, 6, 7, 1, 1, 1, 0);  // the 1x1 fast path
+  conv_random_case(dev, false, 1, 2, 3, 5, 5, 1, 1, 2, 0);  // 1x1 with stride 2
+  conv_random_case(dev, false, 2, 1, 2, 8, 8, 4, 4, 3, 2);
+}
+
+static void test_dwconv2d_random(ut_dev dev) {
+  ut_seed(12);
+  conv_random_case(dev, true, 2, 3, 0, 7, 6, 3, 2, 2, 1);
+  conv_random_case(dev, true, 3, 5, 0, 9, 5, 3, 3, 1, 1);
+  conv_random_case(dev, true, 2, 4, 0, 6, 7, 1, 1, 1, 0);
+  conv_random_case(dev, true, 2, 2, 0, 8, 8, 4, 4, 3, 2);
+}
+
+/* ============================================================================================
+   Depthwise conv2d (the seed's tests, verbatim)
+   ============================================================================================ */
+static void test_dwconv2d_forward(ut_dev dev) {
+  // N=1,C=2,kh=kw=2,s=1,p=0. ch0=[[1,2,3],[4,5,6],[7,8,9]] W=[1,0;0,-1] (same as
+  // the plain conv2d fixture, restricted to one channel: out=[-4,-4,-4,-4]).
+  // ch1=[[9,8,7],[6,5,4],[3,2,1]] W=[0,1;1,0]: out=[14,12,8,6] (uses its OWN
+  // input, not ch0's -- the whole point of depthwise being channel-independent).
+  ut_dwconv2d l = ut_dwconv2d_alloc(2, 2, 2, 1, 0, true, dev);
+  ut_free(l.weight);
+  l.weight = ut_from_data(3, (int[]){2, 2, 2}, (float[]){1.f, 0.f, 0.f, -1.f, 0.f, 1.f, 1.f, 0.f},
+                          dev);
+  ut_free(l.bias);
+  l.bias = ut_from_data(1, (int[]){2}, (float[]){100.f, 1000.f}, dev);
+
+  ut_tensor* x = ut_from_data(
+      4, (int[]){1, 2, 3, 3},
+      (float[]){1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 9.f, 8.f, 7.f, 6.f, 5.f, 4.f, 3.f, 2.f,
+                1.f},
+      dev);
+  ut_tensor* out = ut_dwconv2d_forward(&l, x, NULL);
+  ut_sync_cpu(out);
+  assert(out->shape.ndim == 4 && out->shape.shape[1] == 2 && out->shape.shape[2] == 2 &&
+         out->shape.shape[3] == 2);
+  assert_data(out, ((float[]){96.f, 96.f, 96.f, 96.f, 1014.f, 1012.f, 1008.f, 1006.f}), 1e-4f);
+
+  ut_free_all(out, x);
+  ut_dwconv2d_free(&l);
+}
+
+static void test_dwconv2d_backward(ut_dev dev) {
+  // same x/weight as forward, no bias; grad_out one-hot on channel0's first
+  // output position -> channel1 (and thus its dW/dx) must stay exactly zero.
+  ut_dwconv2d l = ut_dwconv2d_alloc(2, 2, 2, 1, 0, false, dev);
+  ut_free(l.weight);
+  l.weight = ut_from_data(3, (int[]){2, 2, 2}, (float[]){1.f, 0.f, 0.f, -1.f, 0.f, 1.f, 1.f, 0.f},
+                          dev);
+
+  ut_tensor* x = ut_from_data(
+      4, (int[]){1, 2, 3, 3},
+      (float[]){1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 9.f, 8.f, 7.f, 6.f, 5.f, 4.f, 3.f, 2.f,
+                1.f},
+      dev);
+  ut_dwconv2d_cache c;
+  ut_tensor* out = ut_dwconv2d_forward(&l, x, &c);
+  ut_free(out);
+
+  ut_tensor* go = ut_from_data(4, (int[]){1, 2, 2, 2},
+                               (float[]){1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, dev);
+  ut_tensor* dW = ut_alloc(1, (int[]){2 * 2 * 2}, dev);
+  memset(dW->data, 0, 8 * sizeof(float));
+
+  ut_tensor* dx = ut_dwconv2d_backward(&l, &c, go, dW, NULL);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(dx);
+  // channel0: identical to the plain conv2d backward test's dW/dx
+  assert_data(dW, ((float[]){1.f, 2.f, 4.f, 5.f, 0.f, 0.f, 0.f, 0.f}), 1e-4f);
+  assert_data(dx,
+              ((float[]){1.f, 0.f, 0.f, 0.f, -1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f,
+                         0.f, 0.f, 0.f}),
+              1e-4f);
+
+  ut_free_all(dx, dW, go, x);
+  ut_dwconv2d_cache_free(&c);
+  ut_dwconv2d_free(&l);
+}
+
+static void test_dwconv2d_stride_pad(ut_dev dev) {
+  // C=2, kh=3 != kw=2, s=2, p=1, bias {0, 0.5}; H=W=3 -> Ho = (3+2-3)/2+1 = 2,
+  // Wo = (3+2-2)/2+1 = 2. Output (oh,ow) reads rows 2oh-1+a (a<3), cols 2ow-1+b (b<2):
+  //   rows: oh=0 -> {-1,0,1}, oh=1 -> {1,2,3};  cols: ow=0 -> {-1,0}, ow=1 -> {1,2}
+  // ch0: x = [[1,2,3],[4,5,6],[7,8,9]], W = ones(3x2):
+  //   out = [[x00+x10, x01+x02+x11+x12], [x10+x20, x11+x12+x21+x22]] = [[5,16],[11,28]]
+  // ch1: x = all 2, W = [[1,2],[3,4],[5,6]] (w[a][b]); only valid taps count:
+  //   (0,0): a in {1,2}, b = 1: 4+6 = 10 -> 20 ;  (0,1): a in {1,2}, b in {0,1}: 18 -> 36
+  //   (1,0): a in {0,1}, b = 1: 2+4 = 6 -> 12  ;  (1,1): a in {0,1}, b in {0,1}: 10 -> 20
+  //   + 0.5 -> {20.5, 36.5, 12.5, 20.5}
+  // Backward, grad_out = ones:
+  //   db = {4, 4}
+  //   taps reaching input row i: i=0: a=1; i=1: a=2 (oh=0) and a=0 (oh=1); i=2: a=1.
+  //   taps reaching input col j: j=0: b=1; j=1: b=0; j=2: b=1.
+  //   dx ch0 (W ones) = #row taps * #col taps = [[1,1,1],[2,2,2],[1,1,1]]
+  //   dx ch1 = sum of w over those taps: row 0: {w11, w10, w11} = {4,3,4};
+  //            row 1: {w21+w01, w20+w00, w21+w01} = {8,6,8}; row 2 = {4,3,4}
+  //   dW[a][b] = sum of x over rows Ra x cols Cb with Ra = valid {2oh-1+a}, Cb = valid
+  //   {2ow-1+b}: R0 = {1}, R1 = {0,2}, R2 = {1}; C0 = {1}, C1 = {0,2}
+  //   dW ch0 = [[x11, x10+x12], [x01+x21, x00+x02+x20+x22], [x11, x10+x12]]
+  //          = [[5,10],[10,20],[5,10]]
+  //   dW ch1 = 2 * |Ra| * |Cb| = [[2,4],[4,8],[2,4]]
+  ut_dwconv2d l = ut_dwconv2d_alloc(2, 3, 2, 2, 1, true, dev);
+  require(l.weight && l.bias);
+  assert_shape(l.weight, 3, 2, 3, 2);
+  set_weight(&l.weight, 3, S(2, 3, 2), F(1, 1, 1, 1, 1, 1, 1, 2, 3, 4, 5, 6), dev);
+  set_weight(&l.bias, 1, S(2), F(0, 0.5f), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 2, 3, 3),
+                              F(1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 2, 2, 2, 2, 2, 2, 2, 2), dev);
+  ut_dwconv2d_cache c = {0};
+  ut_tensor* out = ut_dwconv2d_forward(&l, x, &c);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 2, 2, 2);
+  assert_data(out, F(5, 16, 11, 28, 20.5f, 36.5f, 12.5f, 20.5f), 1e-5f);
+
+  ut_tensor* go = ut_alloc(4, S(1, 2, 2, 2), dev);
+  ut_fill(go, 1.f);
+  ut_tensor* dW = ut_alloc(3, S(2, 3, 2), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  ut_tensor* dx = ut_dwconv2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(dx);
+  assert_data(db, F(4, 4), 1e-5f);
+  assert_data(dW, F(5, 10, 10, 20, 5, 10, 2, 4, 4, 8, 2, 4), 1e-5f);
+  assert_data(dx, F(1, 1, 1, 2, 2, 2, 1, 1, 1, 4, 3, 4, 8, 6, 8, 4, 3, 4), 1e-5f);
+  ut_free_all(out, go, dW, db, dx, x);
+  ut_dwconv2d_cache_free(&c);
+  ut_dwconv2d_free(&l);
+}
+
+/* ============================================================================================
+   Linear, LayerNorm, BatchNorm2d, pooling
+   ============================================================================================ */
+static void test_linear(ut_dev dev) {
+  // W = [[1,2,3],[0,-1,1]], b = {0.5,-0.5}, x = [[1,1,1],[2,0,-1]]; y = x W^T + b:
+  //   y0 = {1+2+3+0.5, 0-1+1-0.5} = {6.5, -0.5}
+  //   y1 = {2+0-3+0.5, 0+0-1-0.5} = {-0.5, -1.5}
+  // Backward with go = [[1,0],[0,1]] (row n selects output n):
+  //   dW[o][i] = sum_n go[n][o] x[n][i] -> row 0 = x0 = {1,1,1}, row 1 = x1 = {2,0,-1}
+  //   db = {1,1};  dx = go W -> dx0 = W row 0 = {1,2,3}, dx1 = W row 1 = {0,-1,1}
+  ut_linear l = ut_linear_alloc(3, 2, true, dev);
+  require(l.weight && l.bias);
+  assert_shape(l.weight, 2, 2, 3);
+  assert_shape(l.bias, 1, 2);
+  assert(l.in_f == 3 && l.out_f == 2);
+  set_weight(&l.weight, 2, S(2, 3), F(1, 2, 3, 0, -1, 1), dev);
+  set_weight(&l.bias, 1, S(2), F(0.5f, -0.5f), dev);
+  ut_tensor* x = ut_from_data(2, S(2, 3), F(1, 1, 1, 2, 0, -1), dev);
+  ut_linear_cache c = {0};
+  ut_tensor* y = ut_linear_forward(&l, x, &c);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 2, 2, 2);
+  assert_data(y, F(6.5f, -0.5f, -0.5f, -1.5f), 1e-5f);
+
+  ut_tensor* go = ut_from_data(2, S(2, 2), F(1, 0, 0, 1), dev);
+  ut_tensor* dW = ut_alloc(2, S(2, 3), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  ut_tensor* dx = ut_linear_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(dx);
+  assert_data(dW, F(1, 1, 1, 2, 0, -1), 1e-5f);
+  assert_data(db, F(1, 1), 1e-5f);
+  assert_shape(dx, 2, 2, 3);
+  assert_data(dx, F(1, 2, 3, 0, -1, 1), 1e-5f);
+
+  // without bias: y = x W^T, and backward with db = NULL
+  ut_linear nb = ut_linear_alloc(3, 2, false, dev);
+  require(nb.weight);
+  assert(nb.bias == NULL);
+  set_weight(&nb.weight, 2, S(2, 3), F(1, 2, 3, 0, -1, 1), dev);
+  ut_linear_cache c2 = {0};
+  ut_tensor* y2 = ut_linear_forward(&nb, x, &c2);
+  require(y2);
+  ut_sync_cpu(y2);
+  assert_data(y2, F(6, 0, -1, -1), 1e-5f);
+  ut_tensor* dW2 = ut_alloc(1, S(6), dev);
+  ut_tensor* dx2 = ut_linear_backward(&nb, &c2, go, dW2, NULL);
+  require(dx2);
+  ut_sync_cpu(dW2);
+  assert_data(dW2, F(1, 1, 1, 2, 0, -1), 1e-5f);
+
+  ut_free_all(x, y, go, dW, db, dx, y2, dW2, dx2);
+  ut_linear_cache_free(&c);
+  ut_linear_cache_free(&c2);
+  assert(c.input == NULL);
+  ut_linear_free(&l);
+  ut_linear_free(&nb);
+}
+
+static void test_layernorm(ut_dev dev) {
+  // D=4, eps=1e-5, default weight 1, bias 0.
+  //   row 0 = {-1,-1,1,1}: mean 0, var 1 -> y = x / sqrt(1 + 1e-5) = x * 0.999995
+  //   row 1 = {1,2,3,4}: mean 2.5, var (2.25+0.25+0.25+2.25)/4 = 1.25,
+  //     y = {-1.5,-0.5,0.5,1.5} / sqrt(1.25 + 1e-5) = {-1.341635,-0.447212,0.447212,1.341635}
+  ut_layernorm l = ut_layernorm_alloc(4, 1e-5f, dev);
+  require(l.weight && l.bias);
+  assert(l.dim == 4);
+  ut_sync_cpu(l.weight);
+  ut_sync_cpu(l.bias);
+  assert_data(l.weight, F(1, 1, 1, 1), 0.f);
+  assert_data(l.bias, F(0, 0, 0, 0), 0.f);
+  ut_tensor* x = ut_from_data(2, S(2, 4), F(-1, -1, 1, 1, 1, 2, 3, 4), dev);
+  ut_layernorm_cache c = {0};
+  ut_tensor* y = ut_layernorm_forward(&l, x, &c);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 2, 2, 4);
+  assert_data(y,
+              F(-0.999995f, -0.999995f, 0.999995f, 0.999995f, -1.341635f, -0.447212f, 0.447212f,
+                1.341635f),
+              1e-5f);
+
+  // Backward: dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = go * gamma (gamma = 1).
+  //   row 0, go = {1,0,0,0}: mean(g) = 0.25, mean(g xhat) = -0.25,
+  //     dx = {1-0.25-0.25, -0.25-0.25, -0.25+0.25, -0.25+0.25} = {0.5,-0.5,0,0} (rstd ~ 1)
+  //   row 1, go = ones: a constant shift of the row: dx = 0
+  //   dgamma = sum over rows of go * xhat = {-1,0,0,0} + xhat(row 1)
+  //          = {-2.341635, -0.447212, 0.447212, 1.341635}
+  //   dbeta = sum over rows of go = {2,1,1,1}
+  ut_tensor* go = ut_from_data(2, S(2, 4), F(1, 0, 0, 0, 1, 1, 1, 1), dev);
+  ut_tensor* dW = ut_alloc(1, S(4), dev);
+  ut_tensor* db = ut_alloc(1, S(4), dev);
+  ut_tensor* dx = ut_layernorm_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  assert_data(dx, F(0.5f, -0.5f, 0, 0, 0, 0, 0, 0), 1e-4f);
+  assert_data(dW, F(-2.341635f, -0.447212f, 0.447212f, 1.341635f), 1e-4f);
+  assert_data(db, F(2, 1, 1, 1), 1e-5f);
+  ut_free_all(x, y, go, dW, db, dx);
+  ut_layernorm_cache_free(&c);
+
+  // gain and shift apply per feature, and a 3-D input normalizes over its last dim:
+  // x [2,1,4] with the same rows, gamma = 2, beta = {0,1,0,1}: y = 2 xhat + beta
+  ut_fill(l.weight, 2.f);
+  set_weight(&l.bias, 1, S(4), F(0, 1, 0, 1), dev);
+  ut_tensor* x3 = ut_from_data(3, S(2, 1, 4), F(-1, -1, 1, 1, 1, 2, 3, 4), dev);
+  ut_tensor* y3 = ut_layernorm_forward(&l, x3, NULL);
+  require(y3);
+  ut_sync_cpu(y3);
+  assert_shape(y3, 3, 2, 1, 4);
+  assert_data(y3,
+              F(-1.99999f, -0.99999f, 1.99999f, 2.99999f, -2.683271f, 0.105576f, 0.894424f,
+                3.683271f),
+              1e-4f);
+  ut_free_all(x3, y3);
+  ut_layernorm_free(&l);
+}
+
+static void test_batchnorm2d_train(ut_dev dev) {
+  // C=2, N=2, H=1, W=2, eps=1e-5, momentum 0.1. x flat (n, c, w):
+  //   n0c0 {1,3}, n0c1 {0,0}, n1c0 {5,7}, n1c1 {2,2}
+  // ch0 = {1,3,5,7}: mean 4, biased var (9+1+1+9)/4 = 5 -> xhat = {-3,-1,1,3}/sqrt(5)
+  //   = {-1.341641,-0.447214,0.447214,1.341641}
+  // ch1 = {0,0,2,2}: mean 1, var 1 -> xhat = {-1,-1,1,1} (times 1/sqrt(1+1e-5))
+  // running stats start at mean 0, var 1, and use the unbiased variance (count 4 -> *4/3):
+  //   running_mean = 0.9*0 + 0.1*{4,1} = {0.4, 0.1}
+  //   running_var  = 0.9*1 + 0.1*{20/3, 4/3} = {1.566667, 1.033333}
+  ut_batchnorm2d l = ut_batchnorm2d_alloc(2, 1e-5f, 0.1f, dev);
+  require(l.weight && l.bias && l.running_mean && l.running_var);
+  assert(l.training && l.c == 2);
+  ut_sync_cpu(l.running_mean);
+  ut_sync_cpu(l.running_var);
+  assert_data(l.running_mean, F(0, 0), 0.f);
+  assert_data(l.running_var, F(1, 1), 0.f);
+  ut_tensor* x = ut_from_data(4, S(2, 2, 1, 2), F(1, 3, 0, 0, 5, 7, 2, 2), dev);
+  ut_batchnorm2d_cache c = {0};
+  ut_tensor* y = ut_batchnorm2d_forward(&l, x, &c);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 4, 2, 2, 1, 2);
+  assert_data(y,
+              F(-1.341641f, -0.447214f, -0.999995f, -0.999995f, 0.447214f, 1.341641f, 0.999995f,
+                0.999995f),
+              1e-4f);
+  assert(c.training);
+  ut_sync_cpu(l.running_mean);
+  ut_sync_cpu(l.running_var);
+  assert_data(l.running_mean, F(0.4f, 0.1f), 1e-5f);
+  assert_data(l.running_var, F(1.566667f, 1.033333f), 1e-5f);
+
+  // Backward, training: dx = gamma rstd (go - mean(go) - xhat mean(go xhat)) per channel.
+  //   ch0: go = {1,0,0,0}: mean(go) = 0.25, mean(go xhat) = -3/(4 sqrt5), so
+  //     dx = (1/sqrt5) (go - 0.25 + 0.15 {-3,-1,1,3}) = (1/sqrt5) {0.3,-0.4,-0.1,0.2}
+  //        = {0.134164,-0.178885,-0.044721,0.089443};  dgamma = -3/sqrt5 = -1.341641, dbeta = 1
+  //   ch1: go = ones: dx = 0, dgamma = sum xhat = 0, dbeta = 4
+  ut_tensor* go = ut_from_data(4, S(2, 2, 1, 2), F(1, 0, 1, 1, 0, 0, 1, 1), dev);
+  ut_tensor* dW = ut_alloc(1, S(2), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  ut_tensor* dx = ut_batchnorm2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  assert_data(dx, F(0.134164f, -0.178885f, 0, 0, -0.044721f, 0.089443f, 0, 0), 1e-4f);
+  assert_data(dW, F(-1.341641f, 0), 1e-4f);
+  assert_data(db, F(1, 4), 1e-5f);
+  ut_free_all(x, y, go, dW, db, dx);
+  ut_batchnorm2d_cache_free(&c);
+  ut_batchnorm2d_free(&l);
+}
+
+static void test_batchnorm2d_eval(ut_dev dev) {
+  // eval mode uses the running statistics and leaves them alone.
+  // running_mean = {1,-1}, running_var = {4, 0.25}, gamma = {2,1}, beta = {0,3}:
+  //   ch0: y = 2 (x - 1)/2 + 0      x = {1,5}  -> {0, 4}
+  //   ch1: y = (x + 1)/0.5 + 3      x = {-1,0} -> {3, 5}
+  // Backward (eval): dx = gamma rstd go; go = ones -> ch0: 2 * 0.5 = 1, ch1: 1 * 2 = 2
+  //   dgamma = sum go xhat: ch0 xhat = {0,2} -> 2; ch1 xhat = {0,2} -> 2;  dbeta = {2,2}
+  ut_batchnorm2d l = ut_batchnorm2d_alloc(2, 1e-5f, 0.1f, dev);
+  require(l.weight);
+  l.training = false;
+  set_weight(&l.running_mean, 1, S(2), F(1, -1), dev);
+  set_weight(&l.running_var, 1, S(2), F(4, 0.25f), dev);
+  set_weight(&l.weight, 1, S(2), F(2, 1), dev);
+  set_weight(&l.bias, 1, S(2), F(0, 3), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 2, 1, 2), F(1, 5, -1, 0), dev);
+  ut_batchnorm2d_cache c = {0};
+  ut_tensor* y = ut_batchnorm2d_forward(&l, x, &c);
+  require(y);
+  ut_sync_cpu(y);
+  assert_data(y, F(0, 4, 3, 5), 1e-3f);
+  assert(!c.training);
+  ut_sync_cpu(l.running_mean);
+  ut_sync_cpu(l.running_var);
+  assert_data(l.running_mean, F(1, -1), 0.f);
+  assert_data(l.running_var, F(4, 0.25f), 0.f);
+
+  ut_tensor* go = ut_alloc(4, S(1, 2, 1, 2), dev);
+  ut_fill(go, 1.f);
+  ut_tensor* dW = ut_alloc(1, S(2), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  ut_tensor* dx = ut_batchnorm2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  assert_data(dx, F(1, 1, 2, 2), 1e-3f);
+  assert_data(dW, F(2, 2), 1e-3f);
+  assert_data(db, F(2, 2), 1e-5f);
+  ut_free_all(x, y, go, dW, db, dx);
+  ut_batchnorm2d_cache_free(&c);
+  ut_batchnorm2d_free(&l);
+}
+
+static void test_global_avgpool(ut_dev dev) {
+  // x [N=2, C=2, 1, 3]: means n0c0 {1,2,3} -> 2, n0c1 {0,0,3} -> 1, n1c0 {-3,0,0} -> -1,
+  // n1c1 {4,4,4} -> 4.  Backward spreads go/(h*w) = go/3 over each window.
+  ut_tensor* x = ut_from_data(4, S(2, 2, 1, 3), F(1, 2, 3, 0, 0, 3, -3, 0, 0, 4, 4, 4), dev);
+  ut_tensor* y = ut_global_avgpool2d_forward(x);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 2, 2, 2);
+  assert_data(y, F(2, 1, -1, 4), 1e-6f);
+  ut_tensor* go = ut_from_data(2, S(2, 2), F(3, 6, -3, 0), dev);
+  ut_tensor* dx = ut_global_avgpool2d_backward(go, 1, 3);
+  require(dx);
+  ut_sync_cpu(dx);
+  assert_shape(dx, 4, 2, 2, 1, 3);
+  assert_data(dx, F(1, 1, 1, 2, 2, 2, -1, -1, -1, 0, 0, 0), 1e-6f);
+  ut_free_all(x, y, go, dx);
+}
+
+/* ============================================================================================
+   Losses
+   ============================================================================================ */
+static void test_mse(ut_dev dev) {
+  // pred=[[1,2],[3,4]], target=[[1,0],[3,6]]
+  // diffs=[0,2,0,-2] mse = mean(diffs^2) = (0+4+0+4)/4 = 2.0
+  // gradient = 2 diffs / 4 = [0,1,0,-1]
+  ut_tensor* pred = ut_from_data(2, S(2, 2), F(1, 2, 3, 4), dev);
+  ut_tensor* target = ut_from_data(2, S(2, 2), F(1, 0, 3, 6), dev);
+  ut_tensor* loss = ut_mse_loss(pred, target);
+  require(loss);
+  ut_sync_cpu(loss);
+  assert(loss->shape.nelem == 1 && loss->dev == dev);
+  assert_data(loss, F(2.f), 1e-6f);
+  ut_tensor* g = ut_mse_loss_backward(pred, target);
+  require(g);
+  ut_sync_cpu(g);
+  assert_shape(g, 2, 2, 2);
+  assert_data(g, F(0, 1, 0, -1), 1e-6f);
+  ut_free_all(pred, target, loss, g);
+}
+
+static void test_cross_entropy(ut_dev dev) {
+  // logits [2,3]; row 0 = {0,0,0}, label 2: softmax = 1/3 each -> -log(1/3) = log 3
+  // row 1 = {2, 2+ln3, 2}, label 0: softmax = {1,3,1}/5 -> -log(1/5) = log 5
+  // loss = (log 3 + log 5)/2 = log(15)/2 = 1.3540251
+  // gradient = (softmax - onehot)/N:
+  //   row 0: ({1/3,1/3,1/3} - {0,0,1})/2 = {1/6, 1/6, -1/3}
+  //   row 1: ({0.2,0.6,0.2} - {1,0,0})/2 = {-0.4, 0.3, 0.1}
+  float l3 = logf(3.f);
+  ut_tensor* logits = ut_from_data(2, S(2, 3), F(0, 0, 0, 2, 2 + l3, 2), dev);
+  ut_tensor* labels = ut_from_data(1, S(2), F(2, 0), dev);
+  ut_tensor* loss = ut_cross_entropy_loss(logits, labels);
+  require(loss);
+  ut_sync_cpu(loss);
+  assert(loss->shape.nelem == 1);
+  assert_data(loss, F(1.3540251f), 1e-5f);
+  ut_tensor* g = ut_cross_entropy_backward(logits, labels);
+  require(g);
+  ut_sync_cpu(g);
+  assert_shape(g, 2, 2, 3);
+  assert_data(g, F(1.f / 6, 1.f / 6, -1.f / 3, -0.4f, 0.3f, 0.1f), 1e-5f);
+
+  // large logits stay finite: {1000, 0} with label 0 -> ~0; with label 1 -> 1000;
+  // gradient for label 1: softmax = {1, 0} -> {1, -1}
+  ut_tensor* big = ut_from_data(2, S(1, 2), F(1000, 0), dev);
+  ut_tensor* lab0 = ut_from_data(1, S(1), F(0), dev);
+  ut_tensor* lab1 = ut_from_data(1, S(1), F(1), dev);
+  ut_tensor* l0 = ut_cross_entropy_loss(big, lab0);
+  ut_tensor* l1 = ut_cross_entropy_loss(big, lab1);
+  ut_tensor* g1 = ut_cross_entropy_backward(big, lab1);
+  require(l0 && l1 && g1);
+  ut_sync_cpu(l0);
+  ut_sync_cpu(l1);
+  ut_sync_cpu(g1);
+  assert_data(l0, F(0), 1e-5f);
+  assert_data(l1, F(1000), 1e-5f);
+  assert_data(g1, F(1, -1), 1e-5f);
+
+  // equal logits over K classes: log K for any label (K = 5 -> log 5 = 1.6094379)
+  ut_tensor* eq = ut_alloc(2, S(3, 5), dev);
+  ut_fill(eq, 0.7f);
+  ut_tensor* lab = ut_from_data(1, S(3), F(4, 0, 2), dev);
+  ut_tensor* le = ut_cross_entropy_loss(eq, lab);
+  require(le);
+  ut_sync_cpu(le);
+  assert_data(le, F(1.6094379f), 1e-5f);
+  ut_free_all(logits, labels, loss, g, big, lab0, lab1, l0, l1, g1, eq, lab, le);
+}
+
+/* ============================================================================================
+   Optimizers (run on both devices from inside, like the seed's argument-less tests)
+   ============================================================================================ */
+static void sgd_momentum_on(ut_dev dev) {
+  // p = {1,2}, g = {0.5,-1} both steps, lr 0.1, momentum 0.9, v starts at 0:
+  //   step 1: v = g = {0.5,-1};          p = {1-0.05, 2+0.1} = {0.95, 2.1}
+  //   step 2: v = 0.9 v + g = {0.95,-1.9}; p = {0.95-0.095, 2.1+0.19} = {0.855, 2.29}
+  ut_tensor* p = ut_from_data(1, S(2), F(1, 2), dev);
+  ut_tensor* g = ut_from_data(1, S(2), F(0.5f, -1), dev);
+  ut_tensor* v = ut_alloc(1, S(2), dev);
+  require(p && g && v);
+  assert(ut_sgd_step(p, g, v, 0.1f, 0.9f) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.95f, 2.1f), 1e-6f);
+  assert_data(v, F(0.5f, -1), 1e-6f);
+  assert(ut_sgd_step(p, g, v, 0.1f, 0.9f) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.855f, 2.29f), 1e-6f);
+  assert_data(v, F(0.95f, -1.9f), 1e-6f);
+  // plain SGD (velocity NULL): p = {0.855, 2.29} - 0.5 {0.5,-1} = {0.605, 2.79}
+  assert(ut_sgd_step(p, g, NULL, 0.5f, 0.9f) == UT_OK);
+  ut_sync_cpu(p);
+  assert_data(p, F(0.605f, 2.79f), 1e-6f);
+  ut_free_all(p, g, v);
+}
+
+static void test_sgd_momentum(void) {
+  sgd_momentum_on(UT_CPU);
+  sgd_momentum_on(UT_CUDA);
+}
+
+static void adam_on(ut_dev dev) {
+  // lr 0.01, b1 0.9, b2 0.999, eps 1e-8; p = {1,-1}; grads g1 = {1,-2}, g2 = {3,0}
+  //   step 1: m = 0.1 g1 = {0.1,-0.2}, v = 0.001 g1^2 = {0.001,0.004};
+  //           mhat = g1, vhat = g1^2 -> p -= 0.01 sign(g1): p = {0.99, -0.99}
+  //   step 2: m = 0.9 m + 0.1 g2 = {0.39, -0.18}; v = 0.999 v + 0.001 g2^2 = {0.009999, 0.003996}
+  //           bc1 = 1 - 0.81 = 0.19, bc2 = 1 - 0.998001 = 0.001999
+  //           elem 0: mhat = 2.0526316, vhat = 5.0020010, step = 0.01*2.0526316/2.2365597
+  //                   = 0.0091778 -> p = 0.9808222
+  //           elem 1: mhat = -0.9473684, vhat = 1.9989995, step = 0.01*-0.9473684/1.4138598
+  //                   = -0.0067006 -> p = -0.9832994
+  ut_tensor* p = ut_from_data(1, S(2), F(1, -1), dev);
+  ut_tensor* g = ut_from_data(1, S(2), F(1, -2), dev);
+  ut_tensor* m = ut_alloc(1, S(2), dev);
+  ut_tensor* v = ut_alloc(1, S(2), dev);
+  require(p && g && m && v);
+  assert(ut_adam_step(p, g, m, v, 1, 0.01f, 0.9f, 0.999f, 1e-8f) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(m);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.99f, -0.99f), 1e-6f);
+  assert_data(m, F(0.1f, -0.2f), 1e-6f);
+  assert_data(v, F(0.001f, 0.004f), 1e-6f);
+  g->data[0] = 3.f;  // the host owns g (from_data, never written by an op)
+  g->data[1] = 0.f;
+  assert(ut_adam_step(p, g, m, v, 2, 0.01f, 0.9f, 0.999f, 1e-8f) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(m);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.9808222f, -0.9832994f), 1e-6f);
+  assert_data(m, F(0.39f, -0.18f), 1e-6f);
+  assert_data(v, F(0.009999f, 0.003996f), 1e-6f);
+  ut_free_all(p, g, m, v);
+}
+
+static void test_adam(void) {
+  adam_on(UT_CPU);
+  adam_on(UT_CUDA);
+}
+
+/* ============================================================================================
+   RNG, mirror, devices, reference counts
+   ============================================================================================ */
+static void test_randn(ut_dev dev) {
+  // the same seed gives the same numbers; another seed gives others
+  ut_seed(42);
+  ut_tensor* a = ut_randn(1, S(1000), 0.f, 1.f, dev);
+  ut_seed(42);
+  ut_tensor* b = ut_randn(1, S(1000), 0.f, 1.f, dev);
+  ut_seed(43);
+  ut_tensor* c = ut_randn(1, S(1000), 0.f, 1.f, dev);
+  require(a && b && c);
+  ut_sync_cpu(a);
+  ut_sync_cpu(b);
+  ut_sync_cpu(c);
+  assert(a->dev == dev);
+  assert(memcmp(a->data, b->data, 1000 * sizeof(float)) == 0);
+  assert(memcmp(a->data, c->data, 1000 * sizeof(float)) != 0);
+  // mean 2, std 3 over 100000 samples: the standard errors are 3/sqrt(1e5) = 0.0095 (mean)
+  // and ~3/sqrt(2e5) = 0.0067 (std), so +-0.05 is > 5 sigma
+  ut_seed(1234);
+  ut_tensor* r = ut_randn(2, S(400, 250), 2.f, 3.f, dev);
+  require(r);
+  ut_sync_cpu(r);
+  double s = 0, s2 = 0;
+  bool finite = true;
+  for (int i = 0; i < r->shape.nelem; i++) {
+    s += r->data[i];
+    s2 += (double)r->data[i] * r->data[i];
+    finite = finite && isfinite(r->data[i]);
+  }
+  double mean = s / r->shape.nelem, sd = sqrt(s2 / r->shape.nelem - mean * mean);
+  assert(finite);
+  assert(fabs(mean - 2.0) < 0.05);
+  assert(fabs(sd - 3.0) < 0.05);
+  ut_free_all(a, b, c, r);
+}
+
+static void test_sync_mirror(ut_dev dev) {
+  // after ut_alloc the host owns the tensor: writes through data are seen by the next op
+  ut_tensor* t = ut_alloc(1, S(3), dev);
+  require(t);
+  for (int i = 0; i < 3; i++) t->data[i] = (float)(i + 1);
+  ut_tensor* r = ut_relu(t);
+  require(r);
+  ut_sync_cpu(r);
+  assert_data(r, F(1, 2, 3), 0.f);
+  ut_free(r);
+  // an op writes t (on the GPU when there is one); ut_sync_cpu brings it back and hands
+  // ownership to the host, so the following host write is seen by the next op
+  assert(ut_scale(t, 2.f) == UT_OK);
+  assert(ut_sync_cpu(t) == UT_OK);
+  assert(!t->dirty_cpu);
+  assert_data(t, F(2, 4, 6), 0.f);
+  t->data[0] = -5.f;
+  r = ut_relu(t);
+  require(r);
+  ut_sync_cpu(r);
+  assert_data(r, F(0, 4, 6), 0.f);
+  ut_free(r);
+  // ut_sync_cpu_readonly: current values for reading; later ops still see the device copy
+  assert(ut_scale(t, 0.5f) == UT_OK);
+  assert(ut_sync_cpu_readonly(t) == UT_OK);
+  assert_data(t, F(-2.5f, 2, 3), 0.f);
+  r = ut_relu(t);
+  require(r);
+  ut_sync_cpu(r);
+  assert_data(r, F(0, 2, 3), 0.f);
+  ut_free(r);
+  // ut_sync_gpu is harmless on either device and does not change values
+  assert(ut_sync_gpu(t) == UT_OK);
+  assert(ut_sync_cpu(t) == UT_OK);
+  assert_data(t, F(-2.5f, 2, 3), 0.f);
+  // the same through ut_from_data and a chain of ops
+  ut_tensor* u = ut_from_data(1, S(3), F(1, 1, 1), dev);
+  require(u);
+  assert(ut_add_into(u, t) == UT_OK);  // {-1.5, 3, 4}
+  ut_sync_cpu(u);
+  u->data[1] = 10.f;                  // {-1.5, 10, 4}
+  assert(ut_add_into(u, t) == UT_OK);  // {-4, 12, 7}
+  ut_sync_cpu(u);
+  assert_data(u, F(-4, 12, 7), 0.f);
+  ut_free_all(t, u);
+}
+
+static void test_to_device(ut_dev dev) {
+  // CPU -> dev -> op -> CPU: the values travel and the tag follows
+  ut_tensor* t = ut_from_data(1, S(3), F(1, 2, 3), UT_CPU);
+  require(t);
+  assert(ut_to_device(t, dev) == UT_OK);
+  assert(t->dev == dev);
+  assert(ut_scale(t, 2.f) == UT_OK);
+  assert(ut_to_device(t, UT_CPU) == UT_OK);
+  assert(t->dev == UT_CPU && !t->dirty_cpu && t->gpu_buf == NULL);
+  assert_data(t, F(2, 4, 6), 0.f);
+  // to the same device is a no-op
+  assert(ut_to_device(t, UT_CPU) == UT_OK);
+  assert_data(t, F(2, 4, 6), 0.f);
+  // dev -> other device and back
+  ut_dev other = dev == UT_CPU ? UT_CUDA : UT_CPU;
+  ut_tensor* u = ut_from_data(1, S(2), F(-1, 5), dev);
+  require(u);
+  assert(ut_to_device(u, other) == UT_OK && u->dev == other);
+  ut_tensor* r = ut_relu(u);
+  require(r);
+  assert(r->dev == other);
+  assert(ut_to_device(r, dev) == UT_OK && r->dev == dev);
+  ut_sync_cpu(r);
+  assert_data(r, F(0, 5), 0.f);
+  ut_free_all(t, u, r);
+}
+
+static void test_refcount(ut_dev dev) {
+  long long live0 = ut_live_tensors();
+  ut_tensor* t = ut_alloc(1, S(4), dev);
+  require(t);
+  assert(ut_live_tensors() == live0 + 1);
+  assert(t->rc == 1);
+  assert(ut_retain(t) == t && t->rc == 2);
+  ut_free(t);
+  assert(t->rc == 1 && ut_live_tensors() == live0 + 1);
+  ut_free(t);
+  assert(ut_live_tensors() == live0);
+  ut_free(NULL);  // ignored
+  // ut_free_all skips NULL arguments; ut_free_n frees each once
+  ut_tensor* a = ut_alloc(1, S(1), dev);
+  ut_tensor* b = ut_alloc(1, S(1), dev);
+  assert(ut_live_tensors() == live0 + 2);
+  ut_free_all(a, NULL, b);
+  assert(ut_live_tensors() == live0);
+  // layers: a forward with a cache retains the input until the cache is freed
+  ut_linear l = ut_linear_alloc(2, 2, true, dev);
+  require(l.weight);
+  ut_tensor* x = ut_alloc(2, S(1, 2), dev);
+  ut_linear_cache c = {0};
+  ut_tensor* y = ut_linear_forward(&l, x, &c);
+  require(y);
+  assert(x->rc == 2);
+  ut_linear_cache_free(&c);
+  assert(x->rc == 1);
+  ut_linear_cache_free(&c);  // again: harmless
+  ut_free_all(x, y);
+  ut_linear_free(&l);
+  ut_linear_free(&l);  // again: harmless (pointers were cleared)
+  assert(ut_live_tensors() == live0);
+}
+
+/* ============================================================================================
+   Errors: nothing aborts; NULL or a negative status, a message, and the right status
+   ============================================================================================ */
+static void test_errors_tensors(ut_dev dev) {
+  // NULL arguments
+  expect_null(ut_alloc(1, NULL, dev), UT_ERR_ARG);
+  expect_null(ut_from_data(1, S(2), NULL, dev), UT_ERR_ARG);
+  expect_null(ut_relu(NULL), UT_ERR_ARG);
+  expect_null(ut_copy(NULL), UT_ERR_ARG);
+  expect_null(ut_transpose(NULL, 0, 1), UT_ERR_ARG);
+  expect_status(ut_fill(NULL, 1.f), UT_ERR_ARG);
+  expect_status(ut_sync_cpu(NULL), UT_ERR_ARG);
+  expect_status(ut_to_device(NULL, dev), UT_ERR_ARG);
+  // invalid device
+  expect_null(ut_alloc(1, S(2), (ut_dev)7), UT_ERR_ARG);
+  // non-positive sizes, ndim out of range, element-count overflow
+  expect_null(ut_alloc(2, S(2, 0), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(2, S(-3, 2), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(0, S(1), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(-1, S(1), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(UT_MAX_DIMS + 1, S(1, 1, 1, 1, 1, 1, 1, 1, 1), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(2, S(65536, 65536), dev), UT_ERR_SHAPE);
+  expect_null(ut_alloc(3, S(INT_MAX, 2, 1), dev), UT_ERR_SHAPE);
+  expect_null(ut_randn(2, S(65536, 65536), 0.f, 1.f, dev), UT_ERR_SHAPE);
+  ut_clear_error();
+  ut_shape bad = ut_shape_new(UT_MAX_DIMS + 1, S(1, 1, 1, 1, 1, 1, 1, 1, 1));
+  assert(bad.nelem == 0 && ut_last_status() == UT_ERR_SHAPE && ut_last_error()[0] != '\0');
+  ut_clear_error();
+  bad = ut_shape_new(2, S(65536, 65536));
+  assert(bad.nelem == 0 && ut_last_status() == UT_ERR_SHAPE);
+  ut_clear_error();
+  assert(ut_last_status() == UT_OK && ut_last_error()[0] == '\0');
+
+  ut_tensor* a = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+  ut_tensor* b = ut_alloc(2, S(2, 2), dev);
+  ut_tensor* v3 = ut_alloc(3, S(2, 3, 1), dev);
+  require(a && b && v3);
+  // mismatched shapes
+  expect_null(ut_matmul(a, b), UT_ERR_SHAPE);  // [2,3] @ [2,2]
+  expect_null(ut_matmul(a, v3), UT_ERR_SHAPE); // wrong ndim
+  expect_null(ut_relu_backward(a, b), UT_ERR_SHAPE);
+  expect_null(ut_relu6_backward(b, a), UT_ERR_SHAPE);
+  expect_status(ut_add_into(a, b), UT_ERR_SHAPE);
+  expect_status(ut_copy_into(b, a), UT_ERR_SHAPE);
+  expect_null(ut_reshape(a, 2, S(4, 2)), UT_ERR_SHAPE);
+  expect_null(ut_reshape(a, 2, S(-2, -3)), UT_ERR_SHAPE);
+  expect_status(ut_bias_add(a, b), UT_ERR_SHAPE);  // bias of 4 for C = 3
+  expect_null(ut_mse_loss(a, b), UT_ERR_SHAPE);
+  expect_null(ut_mse_loss_backward(a, b), UT_ERR_SHAPE);
+  expect_null(ut_matmul(NULL, a), UT_ERR_ARG);
+  expect_null(ut_matmul(a, NULL), UT_ERR_ARG);
+  expect_status(ut_add_into(a, NULL), UT_ERR_ARG);
+  expect_status(ut_scale(NULL, 2.f), UT_ERR_ARG);
+  expect_null(ut_relu_backward(NULL, a), UT_ERR_ARG);
+  // dims out of range
+  expect_null(ut_transpose(a, 0, 2), UT_ERR_ARG);
+  expect_null(ut_transpose(a, -1, 0), UT_ERR_ARG);
+  // pooling wants [N,C,H,W] / [N,C] and matching h, w
+  expect_null(ut_global_avgpool2d_forward(a), UT_ERR_SHAPE);
+  expect_null(ut_global_avgpool2d_backward(v3, 1, 1), UT_ERR_SHAPE);
+  expect_null(ut_global_avgpool2d_backward(a, 0, 2), UT_ERR_SHAPE);
+  // thread count
+  expect_status(ut_set_num_threads(0), UT_ERR_ARG);
+  assert(ut_get_num_threads() >= 1);
+
+  // device mismatch: the tags differ even when both run on the CPU
+  ut_dev other = dev == UT_CPU ? UT_CUDA : UT_CPU;
+  ut_tensor* o = ut_from_data(2, S(2, 3), F(1, 1, 1, 1, 1, 1), other);
+  ut_tensor* o33 = ut_alloc(2, S(3, 3), other);
+  require(o && o33);
+  expect_status(ut_add_into(a, o), UT_ERR_ARG);
+  expect_status(ut_copy_into(a, o), UT_ERR_ARG);
+  expect_null(ut_matmul(a, o33), UT_ERR_ARG);
+  expect_null(ut_mse_loss(a, o), UT_ERR_ARG);
+  expect_null(ut_relu_backward(a, o), UT_ERR_ARG);
+  // the failed calls did not touch their arguments
+  ut_sync_cpu(a);
+  assert_data(a, F(1, 2, 3, 4, 5, 6), 0.f);
+  ut_free_all(a, b, v3, o, o33);
+}
+
+static void test_errors_layers(ut_dev dev) {
+  // layer alloc failures: weight (and bias) NULL, a message, no leaked tensors
+  long long live0 = ut_live_tensors();
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(0, 1, 3, 3, 1, 0, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(1, -2, 3, 3, 1, 0, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(1, 1, 0, 3, 1, 0, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(1, 1, 3, 3, 0, 0, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(1, 1, 3, 3, 1, -1, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(1, 1, 3, 3, 1, 0, true, (ut_dev)9), UT_ERR_ARG);
+  expect_layer_fail(ut_conv2d, ut_conv2d_alloc(65536, 65536, 3, 3, 1, 0, true, dev),
+                    UT_ERR_SHAPE);
+  expect_layer_fail(ut_dwconv2d, ut_dwconv2d_alloc(0, 3, 3, 1, 1, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_dwconv2d, ut_dwconv2d_alloc(2, 3, 3, 0, 1, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_dwconv2d, ut_dwconv2d_alloc(2, 3, 3, 1, -1, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_dwconv2d, ut_dwconv2d_alloc(2, 3, -1, 1, 0, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_linear, ut_linear_alloc(0, 3, true, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_linear, ut_linear_alloc(3, 0, false, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_layernorm, ut_layernorm_alloc(0, 1e-5f, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_layernorm, ut_layernorm_alloc(4, -1.f, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_batchnorm2d, ut_batchnorm2d_alloc(0, 1e-5f, 0.1f, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_batchnorm2d, ut_batchnorm2d_alloc(2, -1e-5f, 0.1f, dev), UT_ERR_ARG);
+  expect_layer_fail(ut_batchnorm2d, ut_batchnorm2d_alloc(2, 1e-5f, 1.5f, dev), UT_ERR_ARG);
+  assert(ut_live_tensors() == live0);
+
+  // conv2d forward: wrong ndim, channel mismatch, kernel larger than the padded input,
+  // fields changed after alloc (validated at every entry point), NULLs, device mismatch
+  ut_conv2d l = ut_conv2d_alloc(2, 3, 3, 3, 1, 0, true, dev);
+  require(l.weight);
+  ut_tensor* x3 = ut_alloc(3, S(2, 5, 5), dev);
+  ut_tensor* xc = ut_alloc(4, S(1, 3, 5, 5), dev);
+  ut_tensor* xs = ut_alloc(4, S(1, 2, 2, 5), dev);  // 2 rows < kh = 3 with pad 0
+  ut_tensor* x = ut_alloc(4, S(1, 2, 5, 5), dev);
+  ut_dev other = dev == UT_CPU ? UT_CUDA : UT_CPU;
+  ut_tensor* xo = ut_alloc(4, S(1, 2, 5, 5), other);
+  require(x3 && xc && xs && x && xo);
+  expect_null(ut_conv2d_forward(&l, x3, NULL), UT_ERR_SHAPE);
+  expect_null(ut_conv2d_forward(&l, xc, NULL), UT_ERR_SHAPE);
+  expect_null(ut_conv2d_forward(&l, xs, NULL), UT_ERR_SHAPE);
+  expect_null(ut_conv2d_forward(NULL, x, NULL), UT_ERR_ARG);
+  expect_null(ut_conv2d_forward(&l, NULL, NULL), UT_ERR_ARG);
+  expect_null(ut_conv2d_forward(&l, xo, NULL), UT_ERR_ARG);
+  l.stride = 0;
+  expect_null(ut_conv2d_forward(&l, x, NULL), UT_ERR_ARG);
+  l.stride = 1;
+  l.pad = -1;
+  expect_null(ut_conv2d_forward(&l, x, NULL), UT_ERR_ARG);
+  l.pad = 0;
+
+  // conv2d backward: a cache from no forward, NULL / wrong-size gradients
+  ut_conv2d_cache c = {0};
+  ut_tensor* go = ut_alloc(4, S(1, 3, 3, 3), dev);
+  ut_tensor* dW = ut_alloc(1, S(3 * 2 * 3 * 3), dev);
+  ut_tensor* dWbad = ut_alloc(1, S(7), dev);
+  ut_tensor* db = ut_alloc(1, S(3), dev);
+  ut_tensor* gobad = ut_alloc(4, S(1, 3, 2, 3), dev);
+  require(go && dW && dWbad && db && gobad);
+  expect_null(ut_conv2d_backward(&l, &c, go, dW, db), UT_ERR_ARG);
+  ut_tensor* y = ut_conv2d_forward(&l, x, &c);
+  require(y);
+  expect_null(ut_conv2d_backward(&l, NULL, go, dW, db), UT_ERR_ARG);
+  expect_null(ut_conv2d_backward(&l, &c, NULL, dW, db), UT_ERR_ARG);
+  expect_null(ut_conv2d_backward(&l, &c, go, NULL, db), UT_ERR_ARG);
+  expect_null(ut_conv2d_backward(&l, &c, go, dWbad, db), UT_ERR_SHAPE);
+  expect_null(ut_conv2d_backward(&l, &c, go, dW, dWbad), UT_ERR_SHAPE);
+  expect_null(ut_conv2d_backward(&l, &c, gobad, dW, db), UT_ERR_SHAPE);
+  // the failed backward calls did not touch dW / db
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  bool zero = true;
+  for (int i = 0; i < dW->shape.nelem; i++) zero = zero && dW->data[i] == 0.f;
+  assert(zero);
+  assert_data(db, F(0, 0, 0), 0.f);
+  ut_free(y);
+  ut_conv2d_cache_free(&c);
+
+  // dwconv2d: channel mismatch, kernel larger than padded input, backward with bad dW
+  ut_dwconv2d d = ut_dwconv2d_alloc(2, 3, 3, 1, 0, false, dev);
+  require(d.weight);
+  expect_null(ut_dwconv2d_forward(&d, xc, NULL), UT_ERR_SHAPE);
+  expect_null(ut_dwconv2d_forward(&d, xs, NULL), UT_ERR_SHAPE);
+  expect_null(ut_dwconv2d_forward(&d, x3, NULL), UT_ERR_SHAPE);
+  expect_null(ut_dwconv2d_forward(NULL, x, NULL), UT_ERR_ARG);
+  ut_dwconv2d_cache dc = {0};
+  ut_tensor* dy = ut_dwconv2d_forward(&d, x, &dc);
+  require(dy);
+  ut_tensor* dgo = ut_alloc(4, S(1, 2, 3, 3), dev);
+  expect_null(ut_dwconv2d_backward(&d, &dc, dgo, dWbad, NULL), UT_ERR_SHAPE);
+  expect_null(ut_dwconv2d_backward(&d, &dc, NULL, dWbad, NULL), UT_ERR_ARG);
+  ut_free_all(dy, dgo);
+  ut_dwconv2d_cache_free(&dc);
+  ut_dwconv2d_free(&d);
+
+  // linear: wrong in_f, wrong ndim
+  ut_linear li = ut_linear_alloc(4, 2, true, dev);
+  require(li.weight);
+  ut_tensor* lx = ut_alloc(2, S(3, 5), dev);
+  expect_null(ut_linear_forward(&li, lx, NULL), UT_ERR_SHAPE);
+  expect_null(ut_linear_forward(&li, x3, NULL), UT_ERR_SHAPE);
+  ut_linear_free(&li);
+  // layernorm: last dim != D
+  ut_layernorm ln = ut_layernorm_alloc(4, 1e-5f, dev);
+  require(ln.weight);
+  expect_null(ut_layernorm_forward(&ln, lx, NULL), UT_ERR_SHAPE);
+  ut_layernorm_free(&ln);
+  // batchnorm2d: channel mismatch, wrong ndim
+  ut_batchnorm2d bn = ut_batchnorm2d_alloc(3, 1e-5f, 0.1f, dev);
+  require(bn.weight);
+  expect_null(ut_batchnorm2d_forward(&bn, x, NULL), UT_ERR_SHAPE);
+  expect_null(ut_batchnorm2d_forward(&bn, lx, NULL), UT_ERR_SHAPE);
+  ut_batchnorm2d_free(&bn);
+
+  // losses and optimizers
+  ut_tensor* logits = ut_alloc(2, S(2, 3), dev);
+  ut_tensor* lab_bad = ut_from_data(1, S(2), F(0, 3), dev);   // 3 is not in [0, 3)
+  ut_tensor* lab_frac = ut_from_data(1, S(2), F(0, 1.5f), dev);
+  ut_tensor* lab_neg = ut_from_data(1, S(2), F(-1, 0), dev);
+  ut_tensor* lab_n = ut_from_data(1, S(3), F(0, 0, 0), dev);  // N mismatch
+  require(logits && lab_bad && lab_frac && lab_neg && lab_n);
+  expect_null(ut_cross_entropy_loss(logits, lab_bad), UT_ERR_ARG);
+  expect_null(ut_cross_entropy_loss(logits, lab_frac), UT_ERR_ARG);
+  expect_null(ut_cross_entropy_loss(logits, lab_neg), UT_ERR_ARG);
+  expect_null(ut_cross_entropy_backward(logits, lab_bad), UT_ERR_ARG);
+  expect_null(ut_cross_entropy_loss(logits, lab_n), UT_ERR_SHAPE);
+  expect_null(ut_cross_entropy_loss(lab_n, lab_n), UT_ERR_SHAPE);  // logits not 2-D
+  expect_null(ut_cross_entropy_loss(NULL, lab_n), UT_ERR_ARG);
+  expect_status(ut_sgd_step(dW, dWbad, NULL, 0.1f, 0.f), UT_ERR_SHAPE);
+  expect_status(ut_sgd_step(db, db, dWbad, 0.1f, 0.9f), UT_ERR_SHAPE);
+  expect_status(ut_sgd_step(NULL, db, NULL, 0.1f, 0.f), UT_ERR_ARG);
+  expect_status(ut_adam_step(db, db, db, dWbad, 1, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_SHAPE);
+  expect_status(ut_adam_step(db, db, db, db, 0, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+
+  ut_free_all(x3, xc, xs, x, xo, go, dW, dWbad, db, gobad, lx, logits, lab_bad, lab_frac,
+              lab_neg, lab_n);
+  ut_conv2d_free(&l);
+}
+
+/* ============================================================================================
+   main
+   ============================================================================================ */
+static int g_passed, g_failed;
+
+static void finish_test(const char* name, ut_dev dev, long long live0) {
+  long long live = ut_live_tensors();
+  if (live != live0) {
+    g_test_failures++;
+    fprintf(stderr, "%s(%s): leaked %lld tensor(s)\n", name, dev_name(dev), live - live0);
+  }
+  if (g_test_failures == 0) {
+    g_passed++;
+  } else {
+    g_failed++;
+    fprintf(stderr, "FAIL %s(%s)\n", name, dev_name(dev));
+  }
+  ut_clear_error();
+}
+
+static void run_dev(void (*fn)(ut_dev), const char* name, ut_dev dev) {
+  g_test_name = name;
+  g_test_dev = dev;
+  g_test_failures = 0;
+  long long live0 = ut_live_tensors();
+  fn(dev);
+  finish_test(name, dev, live0);
+}
+
+static void run_nodev(void (*fn)(void), const char* name) {
+  g_test_name = name;
+  g_test_dev = UT_CPU;
+  g_test_failures = 0;
+  long long live0 = ut_live_tensors();
+  fn();
+  finish_test(name, UT_CPU, live0);
+}
+
+#define RUN(fn, dev) run_dev(fn, #fn, dev)
+#define RUN_BOTH(fn) \
+  do {               \
+    RUN(fn, UT_CPU); \
+    RUN(fn, UT_METAL); \
+  } while (0)
+
+int main(void) {
+  printf("utensil %d, CUDA %s\n", ut_version(),
+         ut_cuda_available() ? "available" : "not available (UT_CUDA runs on the CPU)");
+  RUN_BOTH(test_library);
+  RUN_BOTH(test_alloc);
+  RUN_BOTH(test_fill);
+  RUN_BOTH(test_copy_reshape);
+  RUN_BOTH(test_transpose);
+
+  RUN_BOTH(test_relu);
+  RUN_BOTH(test_relu6);
+  RUN_BOTH(test_relu_backward);
+  RUN_BOTH(test_edge_activations);
+  RUN_BOTH(test_add_into);
+  RUN_BOTH(test_scale);
+  RUN_BOTH(test_matmul);
+  RUN_BOTH(test_matmul_large);
+  RUN_BOTH(test_bias_add);
+
+  RUN_BOTH(test_conv2d_forward);
+  RUN_BOTH(test_conv2d_backward);
+  RUN_BOTH(test_conv2d_stride_pad);
+  RUN_BOTH(test_conv2d_1x1);
+  RUN_BOTH(test_conv2d_rect_kernel);
+  RUN_BOTH(test_conv2d_random);
+
+  RUN_BOTH(test_dwconv2d_forward);
+  RUN_BOTH(test_dwconv2d_backward);
+  RUN_BOTH(test_dwconv2d_stride_pad);
+  RUN_BOTH(test_dwconv2d_random);
+
+  RUN_BOTH(test_linear);
+  RUN_BOTH(test_layernorm);
+  RUN_BOTH(test_batchnorm2d_train);
+  RUN_BOTH(test_batchnorm2d_eval);
+  RUN_BOTH(test_global_avgpool);
+  RUN_BOTH(test_mse);
+  RUN_BOTH(test_cross_entropy);
+
+  run_nodev(test_sgd_momentum, "test_sgd_momentum");
+  run_nodev(test_adam, "test_adam");
+
+  RUN_BOTH(test_randn);
+  RUN_BOTH(test_sync_mirror);
+  RUN_BOTH(test_to_device);
+  RUN_BOTH(test_refcount);
+  RUN_BOTH(test_errors_tensors);
+  RUN_BOTH(test_errors_layers);
+
+  printf("%d checks\n", g_checks);
+  printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed > 0 ? 1 : 0;
+}
