@@ -1,0 +1,62 @@
+"""Shared fixtures: the `device` parameter, a seeded RNG, a leak check, the error report."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import utensil_ffi as ut
+
+ALL_DEVICES = ["cpu", "cuda"]
+PRESENT = ut.devices()
+
+
+def _device_params():
+    return [
+        pytest.param(d, marks=pytest.mark.skipif(d not in PRESENT, reason="no %s device" % d))
+        for d in ALL_DEVICES
+    ]
+
+
+@pytest.fixture(params=_device_params())
+def device(request):
+    """Each device the library can run on; those not present are skipped, not failed."""
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_tensors(request):
+    """Every test must give back the C tensors it made (checked after a full collection)."""
+    gc.collect()
+    before = ut.live_tensors()
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or not rep.passed:
+        return
+    gc.collect()
+    after = ut.live_tensors()
+    assert after == before, "test leaked %d C tensors" % (after - before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.rep_call = rep
+
+
+def pytest_terminal_summary(terminalreporter):
+    from numpy_ref import WORST
+
+    if not WORST:
+        return
+    tr = terminalreporter
+    tr.section("worst error vs the float64 reference (max |got - ref| / max |ref|)")
+    for op in sorted(WORST):
+        tr.write_line("  %-34s %.2e" % (op, WORST[op]))

@@ -1,0 +1,95 @@
+"""utensil_ffi: Python bindings for utensil, a small neural-network library in one C header.
+
+    import numpy as np, utensil_ffi as ut
+    model = ut.Sequential(ut.Linear(4, 8), ut.ReLU(), ut.Linear(8, 3))
+    opt = ut.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = ut.tensor(np.random.rand(16, 4)), np.random.randint(0, 3, 16)
+    logits = model(x)
+    loss = ut.cross_entropy(logits, y)
+    opt.zero_grad()
+    model.backward(ut.cross_entropy_backward(logits, y))
+    opt.step()
+
+Forward and backward are explicit (no autograd tape); see utensil_ffi.layers.
+"""
+
+from . import functional
+from ._errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ClosedError,
+    DeviceError,
+    OutOfMemoryError,
+    ShapeError,
+    UtensilError,
+)
+from ._lib import HEADER_VERSION as __c_version__
+from ._lib import LIB_PATH as library_path
+from .functional import (
+    adam_step,
+    cross_entropy,
+    cross_entropy_backward,
+    global_avg_pool2d,
+    global_avg_pool2d_backward,
+    matmul,
+    mse_loss,
+    mse_loss_backward,
+    relu,
+    relu6,
+    relu6_backward,
+    relu_backward,
+    sgd_step,
+    transpose,
+)
+from .layers import (
+    BatchNorm2d,
+    Conv2d,
+    CrossEntropyLoss,
+    DWConv2d,
+    GlobalAvgPool2d,
+    LayerNorm,
+    Linear,
+    Module,
+    MSELoss,
+    Parameter,
+    ReLU,
+    ReLU6,
+    Sequential,
+)
+from .optim import SGD, Adam, Optimizer
+from .tensor import (
+    Tensor,
+    cuda_available,
+    devices,
+    from_numpy,
+    full,
+    get_num_threads,
+    live_tensors,
+    ones,
+    randn,
+    seed,
+    set_num_threads,
+    tensor,
+    zeros,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # tensors and the library
+    "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
+    "cuda_available", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
+    # layers
+    "Module", "Parameter", "Conv2d", "DWConv2d", "BatchNorm2d", "LayerNorm", "Linear", "ReLU",
+    "ReLU6", "GlobalAvgPool2d", "Sequential",
+    # functional forms and losses
+    "functional", "relu", "relu6", "relu_backward", "relu6_backward", "matmul", "transpose",
+    "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
+    "cross_entropy", "cross_entropy_backward", "MSELoss", "CrossEntropyLoss", "sgd_step",
+    "adam_step",
+    # optimizers
+    "Optimizer", "SGD", "Adam",
+    # errors
+    "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
+    "OutOfMemoryError", "DeviceError",
+]

@@ -1,0 +1,669 @@
+"""Layers over the C layer structs, with explicit forward and backward (no autograd tape).
+
+Each layer is called like a function (``y = layer(x)``); ``layer.backward(grad_out)`` returns the
+gradient with respect to the input of the last forward and ADDS the parameter gradients into
+``p.grad`` for each ``p`` in ``layer.parameters()`` (call ``zero_grad()`` between steps). In
+training mode (the default) forward keeps what backward needs; in eval mode it keeps nothing
+and backward raises. ``close()`` frees the layer's C tensors now; ``with`` does it on exit.
+"""
+
+import weakref
+
+from . import _args
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
+from ._errors import check, check_ptr
+from ._lib import ffi, lib
+from . import functional as _F
+from .functional import _Args
+from .tensor import Tensor, zeros
+
+__all__ = [
+    "Parameter",
+    "Module",
+    "Conv2d",
+    "DWConv2d",
+    "Linear",
+    "LayerNorm",
+    "BatchNorm2d",
+    "ReLU",
+    "ReLU6",
+    "GlobalAvgPool2d",
+    "Sequential",
+    "MSELoss",
+    "CrossEntropyLoss",
+]
+
+
+class Parameter(Tensor):
+    """A layer's trainable tensor; ``grad`` is a Tensor of the same shape on the same device
+    that backward passes accumulate into."""
+
+    __slots__ = ("grad", "name")
+
+    def __repr__(self):
+        if self.closed:
+            return "Parameter(<closed>)"
+        return "Parameter(name=%r, shape=%s, device=%r)" % (self.name, self.shape, self.device)
+
+    def close(self):
+        super().close()
+        g = getattr(self, "grad", None)
+        if g is not None:
+            g.close()
+
+
+def _param(ptr, name):
+    p = Parameter._borrow(ptr)
+    p.name = name
+    p.grad = None
+    p.grad = zeros(p.shape, p.device)
+    return p
+
+
+def _kernel(value, name):
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ArgumentError("%s must be an int or a pair (kh, kw), got %r" % (name, value))
+        return _args.to_int(value[0], name, 1), _args.to_int(value[1], name, 1)
+    k = _args.to_int(value, name, 1)
+    return k, k
+
+
+class Module:
+    """Base of every layer: call = forward, backward, parameters, zero_grad, train/eval, to."""
+
+    training = True
+
+    def forward(self, x):
+        raise NotImplementedError
+
+    def backward(self, grad_out):
+        raise NotImplementedError
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+    def parameters(self):
+        return []
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad.zero_()
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        if not mode:
+            self._clear_cache()
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def to(self, device):
+        """Move the layer's tensors to ``device`` in place; returns self."""
+        _args.parse_device(device)
+        return self
+
+    def _clear_cache(self):
+        pass
+
+    def close(self):
+        self._clear_cache()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Handle:
+    """The C side of one layer: its struct and its forward cache, freed together.
+
+    Kept apart from the layer object so a finalizer can free it without keeping the layer alive.
+    """
+
+    def __init__(self, kind, s):
+        self.s = s
+        self.cache = None
+        self._cache_free = getattr(lib, "ut_%s_cache_free" % kind)
+        self._free = getattr(lib, "ut_%s_free" % kind)
+
+    def clear_cache(self):
+        if self.cache is not None:
+            c, self.cache = self.cache, None
+            self._cache_free(c)
+
+    def free(self):
+        self.clear_cache()
+        if self.s is not None:
+            s, self.s = self.s, None
+            self._free(s)
+
+
+class _CLayer(Module):
+    """A layer backed by a C struct ``ut_<kind>`` and its forward cache ``ut_<kind>_cache``."""
+
+    _kind = None
+    _h = None
+
+    def __init__(self, device, alloc, *args):
+        dev = _args.parse_device(device)
+        s = ffi.new("ut_%s*" % self._kind)
+        s[0] = alloc(*args, dev)
+        if s.weight == ffi.NULL:
+            check(type(self).__name__)
+        self._h = _Handle(self._kind, s)
+        self._finalizer = weakref.finalize(self, self._h.free)
+        self._finalizer.atexit = False
+        self._out_shape = None
+        self._fwd = getattr(lib, "ut_%s_forward" % self._kind)
+        self._bwd = getattr(lib, "ut_%s_backward" % self._kind)
+        self._weight = _param(s.weight, "weight")
+        self._bias = _param(s.bias, "bias") if s.bias != ffi.NULL else None
+
+    @property
+    def _struct(self):
+        if self._h is None or self._h.s is None:
+            raise ClosedError("operation on a closed %s" % type(self).__name__)
+        return self._h.s
+
+    @property
+    def closed(self):
+        return self._h is None or self._h.s is None
+
+    @property
+    def device(self):
+        return _args.device_name(self._struct.weight.dev)
+
+    @property
+    def weight(self):
+        self._struct
+        return self._weight
+
+    @weight.setter
+    def weight(self, value):
+        self._struct
+        self._weight.copy_from(value)
+
+    @property
+    def bias(self):
+        self._struct
+        return self._bias
+
+    @bias.setter
+    def bias(self, value):
+        self._struct
+        if self._bias is None:
+            raise ArgumentError("%s was created with bias=False" % type(self).__name__)
+        self._bias.copy_from(value)
+
+    def parameters(self):
+        self._struct
+        return [p for p in (self._weight, self._bias) if p is not None]
+
+    def _tensors(self):
+        """Every C tensor the layer owns (moved by to())."""
+        out = []
+        for p in self.parameters():
+            out += [p.ptr, p.grad.ptr]
+        return out
+
+    def to(self, device):
+        dev = _args.parse_device(device)
+        self._struct
+        self._clear_cache()
+        for p in self._tensors():
+            if p.dev != dev:
+                if lib.ut_to_device(p, dev) < 0:
+                    check("%s.to" % type(self).__name__)
+        return self
+
+    def _check_input(self, shape):
+        """Raise ShapeError unless x's shape suits the layer; return the output shape."""
+        raise NotImplementedError
+
+    def forward(self, x):
+        s = self._struct
+        name = type(self).__name__
+        with _Args(name) as a:
+            a.dev = s.weight.dev
+            xt = a.tensor(x, "x")
+            out_shape = self._check_input(xt.shape)
+            self._clear_cache()
+            cache = ffi.new("ut_%s_cache*" % self._kind) if self.training else ffi.NULL
+            self._h.cache = cache if self.training else None  # freed with the layer from now on
+            p = self._fwd(s, xt.ptr, cache)
+            if p == ffi.NULL:
+                self._clear_cache()
+                check("%s.forward" % name)
+            y = Tensor._wrap(p)
+            if y.shape != out_shape:  # a check of our own arithmetic against the library's
+                y.close()
+                self._clear_cache()
+                raise ShapeError("%s.forward: expected output %s, library gave %s" % (name, out_shape, y.shape))
+            if self.training:
+                self._out_shape = out_shape
+            return y
+
+    def backward(self, grad_out):
+        s = self._struct
+        name = type(self).__name__
+        if self._h.cache is None:
+            raise ArgumentError(
+                "%s.backward: no forward pass to differentiate; call forward() in training "
+                "mode (layer.train()) first" % name
+            )
+        with _Args(name + ".backward") as a:
+            a.dev = s.weight.dev
+            g = a.tensor(grad_out, "grad_out")
+            if g.shape != self._out_shape:
+                raise ShapeError(
+                    "%s.backward: grad_out has shape %s, the forward output had %s"
+                    % (name, g.shape, self._out_shape)
+                )
+            db = self._bias.grad.ptr if self._bias is not None else ffi.NULL
+            p = self._bwd(s, self._h.cache, g.ptr, self._weight.grad.ptr, db)
+            return Tensor._wrap(check_ptr(p, "%s.backward" % name))
+
+    def _clear_cache(self):
+        if self._h is not None:
+            self._h.clear_cache()
+        self._out_shape = None
+
+    def close(self):
+        """Free the layer's C tensors now (idempotent); its Parameters become closed."""
+        if self.closed:
+            return
+        for p in (self._weight, self._bias):
+            if p is not None:
+                p.close()
+        self._finalizer()
+
+    def __repr__(self):
+        if self.closed:
+            return "%s(<closed>)" % type(self).__name__
+        return "%s(%s, device=%r)" % (type(self).__name__, self._describe(), self.device)
+
+
+class Conv2d(_CLayer):
+    """x: [N, in_channels, H, W] -> [N, out_channels, Ho, Wo], Ho = (H + 2 padding - kh) // stride + 1.
+
+    weight: [out_channels, in_channels, kh, kw], bias: [out_channels] (or None).
+    """
+
+    _kind = "conv2d"
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
+                 device="cpu"):
+        self.in_channels = _args.to_int(in_channels, "in_channels", 1)
+        self.out_channels = _args.to_int(out_channels, "out_channels", 1)
+        self.kernel_size = _kernel(kernel_size, "kernel_size")
+        self.stride = _args.to_int(stride, "stride", 1)
+        self.padding = _args.to_int(padding, "padding", 0)
+        kh, kw = self.kernel_size
+        _args.to_shape((self.out_channels, self.in_channels, kh, kw), "weight shape")
+        super().__init__(device, lib.ut_conv2d_alloc, self.in_channels, self.out_channels, kh, kw,
+                         self.stride, self.padding, bool(bias))
+
+    def _check_input(self, shape):
+        return _conv_out_shape(type(self).__name__, shape, self.in_channels, self.out_channels,
+                               self.kernel_size, self.stride, self.padding)
+
+    def _describe(self):
+        return "%d, %d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
+            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+            self._bias is not None)
+
+
+class DWConv2d(_CLayer):
+    """Depthwise: x: [N, C, H, W] -> [N, C, Ho, Wo], each channel with its own kh x kw filter.
+
+    weight: [C, kh, kw], bias: [C] (or None).
+    """
+
+    _kind = "dwconv2d"
+
+    def __init__(self, channels, kernel_size, stride=1, padding=0, bias=True, device="cpu"):
+        self.channels = _args.to_int(channels, "channels", 1)
+        self.kernel_size = _kernel(kernel_size, "kernel_size")
+        self.stride = _args.to_int(stride, "stride", 1)
+        self.padding = _args.to_int(padding, "padding", 0)
+        kh, kw = self.kernel_size
+        _args.to_shape((self.channels, kh, kw), "weight shape")
+        super().__init__(device, lib.ut_dwconv2d_alloc, self.channels, kh, kw, self.stride,
+                         self.padding, bool(bias))
+
+    def _check_input(self, shape):
+        return _conv_out_shape(type(self).__name__, shape, self.channels, self.channels,
+                               self.kernel_size, self.stride, self.padding)
+
+    def _describe(self):
+        return "%d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
+            self.channels, self.kernel_size, self.stride, self.padding, self._bias is not None)
+
+
+def _conv_out_shape(name, shape, in_c, out_c, kernel, stride, pad):
+    if len(shape) != 4:
+        raise ShapeError("%s: x must be [N, C, H, W], got shape %s" % (name, shape))
+    n, c, h, w = shape
+    if c != in_c:
+        raise ShapeError("%s: x has %d channels, the layer expects %d" % (name, c, in_c))
+    kh, kw = kernel
+    if h + 2 * pad < kh or w + 2 * pad < kw:
+        raise ShapeError(
+            "%s: input %dx%d (padding %d) is smaller than the %dx%d kernel" % (name, h, w, pad, kh, kw)
+        )
+    out = (n, out_c, (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1)
+    return _args.to_shape(out, "%s output shape" % name)
+
+
+class Linear(_CLayer):
+    """x: [N, in_features] -> [N, out_features], y = x W^T + b.
+
+    weight: [out_features, in_features], bias: [out_features] (or None).
+    """
+
+    _kind = "linear"
+
+    def __init__(self, in_features, out_features, bias=True, device="cpu"):
+        self.in_features = _args.to_int(in_features, "in_features", 1)
+        self.out_features = _args.to_int(out_features, "out_features", 1)
+        _args.to_shape((self.out_features, self.in_features), "weight shape")
+        super().__init__(device, lib.ut_linear_alloc, self.in_features, self.out_features, bool(bias))
+
+    def _check_input(self, shape):
+        if len(shape) != 2 or shape[1] != self.in_features:
+            raise ShapeError(
+                "Linear: x must be [N, %d], got shape %s" % (self.in_features, shape)
+            )
+        return (shape[0], self.out_features)
+
+    def _describe(self):
+        return "%d, %d, bias=%s" % (self.in_features, self.out_features, self._bias is not None)
+
+
+class LayerNorm(_CLayer):
+    """x: [..., D] -> same shape, normalized over the last dimension; weight, bias: [D]."""
+
+    _kind = "layernorm"
+
+    def __init__(self, normalized_shape, eps=1e-5, device="cpu"):
+        if isinstance(normalized_shape, (tuple, list)):
+            if len(normalized_shape) != 1:
+                raise ArgumentError("LayerNorm normalizes over the last dimension only")
+            normalized_shape = normalized_shape[0]
+        self.dim = _args.to_int(normalized_shape, "normalized_shape", 1)
+        self.eps = _args.to_float(eps, "eps", lo=0.0)
+        super().__init__(device, lib.ut_layernorm_alloc, self.dim, self.eps)
+
+    def _check_input(self, shape):
+        if shape[-1] != self.dim:
+            raise ShapeError("LayerNorm: x must be [..., %d], got shape %s" % (self.dim, shape))
+        return shape
+
+    def _describe(self):
+        return "%d, eps=%g" % (self.dim, self.eps)
+
+
+class BatchNorm2d(_CLayer):
+    """x: [N, C, H, W] -> same shape; weight, bias: [C].
+
+    Training mode normalizes with the batch statistics and updates running_mean/running_var
+    (running = (1 - momentum) running + momentum batch); eval mode uses the running statistics.
+    """
+
+    _kind = "batchnorm2d"
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, device="cpu"):
+        self.num_features = _args.to_int(num_features, "num_features", 1)
+        self.eps = _args.to_float(eps, "eps", lo=0.0)
+        self.momentum = _args.to_float(momentum, "momentum", lo=0.0, hi=1.0)
+        super().__init__(device, lib.ut_batchnorm2d_alloc, self.num_features, self.eps,
+                         self.momentum)
+        self._running_mean = Tensor._borrow(self._struct.running_mean)
+        self._running_var = Tensor._borrow(self._struct.running_var)
+        self._struct.training = True
+
+    @property
+    def running_mean(self):
+        self._struct
+        return self._running_mean
+
+    @running_mean.setter
+    def running_mean(self, value):
+        self._struct
+        self._running_mean.copy_from(value)
+
+    @property
+    def running_var(self):
+        self._struct
+        return self._running_var
+
+    @running_var.setter
+    def running_var(self, value):
+        self._struct
+        self._running_var.copy_from(value)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self._struct.training = bool(mode)
+        return self
+
+    def _tensors(self):
+        return super()._tensors() + [self._running_mean.ptr, self._running_var.ptr]
+
+    def _check_input(self, shape):
+        if len(shape) != 4 or shape[1] != self.num_features:
+            raise ShapeError(
+                "BatchNorm2d: x must be [N, %d, H, W], got shape %s" % (self.num_features, shape)
+            )
+        if self.training and shape[0] * shape[2] * shape[3] < 2:
+            raise ShapeError(
+                "BatchNorm2d: training needs more than one value per channel, got shape %s" % (shape,)
+            )
+        return shape
+
+    def close(self):
+        if not self.closed:
+            self._running_mean.close()
+            self._running_var.close()
+        super().close()
+
+    def _describe(self):
+        return "%d, eps=%g, momentum=%g" % (self.num_features, self.eps, self.momentum)
+
+
+class _Stateless(Module):
+    """A layer without parameters; forward keeps its input (its own reference) for backward."""
+
+    _op = _bwd_op = None
+
+    def __init__(self):
+        self._input = None
+
+    @property
+    def device(self):
+        return None
+
+    def forward(self, x):
+        y = self._op(x)
+        self._clear_cache()
+        if self.training:
+            self._keep(x, y)
+        return y
+
+    def _keep(self, x, y):
+        self._input = Tensor._borrow(x.ptr) if isinstance(x, Tensor) else Tensor(x, y.device)
+
+    def backward(self, grad_out):
+        if self._input is None:
+            raise ArgumentError(
+                "%s.backward: no forward pass to differentiate; call forward() in training "
+                "mode first" % type(self).__name__
+            )
+        return self._bwd_op(grad_out, self._input)
+
+    def _clear_cache(self):
+        if self._input is not None:
+            t, self._input = self._input, None
+            t.close()
+
+    def __repr__(self):
+        return "%s()" % type(self).__name__
+
+
+class ReLU(_Stateless):
+    """max(x, 0), any shape."""
+
+    _op = staticmethod(_F.relu)
+    _bwd_op = staticmethod(_F.relu_backward)
+
+
+class ReLU6(_Stateless):
+    """min(max(x, 0), 6), any shape."""
+
+    _op = staticmethod(_F.relu6)
+    _bwd_op = staticmethod(_F.relu6_backward)
+
+
+class GlobalAvgPool2d(_Stateless):
+    """x: [N, C, H, W] -> [N, C], the mean over H and W."""
+
+    _op = staticmethod(_F.global_avg_pool2d)
+
+    def _keep(self, x, y):
+        shape = x.shape if isinstance(x, Tensor) else _args.to_float_array(x).shape
+        self._input = (tuple(y.shape), shape[2], shape[3])
+
+    def backward(self, grad_out):
+        if self._input is None:
+            raise ArgumentError(
+                "GlobalAvgPool2d.backward: no forward pass to differentiate; call forward() in "
+                "training mode first"
+            )
+        out_shape, h, w = self._input
+        g_shape = grad_out.shape if isinstance(grad_out, Tensor) else _args.to_float_array(grad_out).shape
+        if tuple(g_shape) != out_shape:
+            raise ShapeError(
+                "GlobalAvgPool2d.backward: grad_out has shape %s, the forward output had %s"
+                % (tuple(g_shape), out_shape)
+            )
+        return _F.global_avg_pool2d_backward(grad_out, h, w)
+
+    def _clear_cache(self):
+        self._input = None
+
+
+class Sequential(Module):
+    """Layers applied in order; backward walks them in reverse.
+
+    Intermediate activations and gradients are freed as soon as they are passed on.
+    """
+
+    def __init__(self, *layers):
+        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+            layers = tuple(layers[0])
+        for i, l in enumerate(layers):
+            if not isinstance(l, Module):
+                raise ArgumentTypeError(
+                    "Sequential: item %d is a %s, not a layer" % (i, type(l).__name__)
+                )
+        self.layers = list(layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def _chain(self, x, steps):
+        cur = x
+        for step in steps:
+            nxt = step(cur)
+            if cur is not x and isinstance(cur, Tensor):
+                cur.close()
+            cur = nxt
+        return cur
+
+    def forward(self, x):
+        return self._chain(x, [l.forward for l in self.layers])
+
+    def backward(self, grad_out):
+        return self._chain(grad_out, [l.backward for l in reversed(self.layers)])
+
+    def parameters(self):
+        return [p for l in self.layers for p in l.parameters()]
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        for l in self.layers:
+            l.train(mode)
+        return self
+
+    def to(self, device):
+        for l in self.layers:
+            l.to(device)
+        return self
+
+    def close(self):
+        for l in self.layers:
+            l.close()
+
+    def __repr__(self):
+        inner = "".join("\n  (%d): %r" % (i, l) for i, l in enumerate(self.layers))
+        return "Sequential(%s\n)" % inner if inner else "Sequential()"
+
+
+class _Loss:
+    """A loss with backward: ``loss = crit(pred, target)`` then ``grad = crit.backward()``."""
+
+    _fwd = _bwd = None
+
+    def __init__(self):
+        self._saved = None
+
+    def __call__(self, pred, target):
+        return self.forward(pred, target)
+
+    def forward(self, pred, target):
+        out = self._fwd(pred, target)
+        self.close()
+        with _Args(type(self).__name__) as a:
+            a.dev = out.ptr.dev
+            p = a.tensor(pred, "pred")
+            keep_p = Tensor._borrow(p.ptr)
+        keep_t = Tensor._borrow(target.ptr) if isinstance(target, Tensor) else target
+        self._saved = (keep_p, keep_t)
+        return out
+
+    def backward(self):
+        """The gradient of the last loss with respect to ``pred``."""
+        if self._saved is None:
+            raise ArgumentError("%s.backward: call the loss first" % type(self).__name__)
+        return self._bwd(*self._saved)
+
+    def close(self):
+        if self._saved is not None:
+            for t in self._saved:
+                if isinstance(t, Tensor):
+                    t.close()
+            self._saved = None
+
+
+class MSELoss(_Loss):
+    """mean((pred - target)^2); backward: 2 (pred - target) / pred.size."""
+
+    _fwd = staticmethod(_F.mse_loss)
+    _bwd = staticmethod(_F.mse_loss_backward)
+
+
+class CrossEntropyLoss(_Loss):
+    """Mean of -log softmax(logits)[label]; labels are integer class indices."""
+
+    _fwd = staticmethod(_F.cross_entropy)
+    _bwd = staticmethod(_F.cross_entropy_backward)
+

@@ -1,0 +1,122 @@
+"""Optimizers: update parameters in place from their ``grad`` on the parameters' device.
+
+State (SGD velocity, Adam moments) lives in C tensors next to each parameter, so a step does no
+host round trip. If a parameter is moved to another device, its state follows at the next step.
+"""
+
+from . import _args
+from . import functional as _F
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, check
+from ._lib import lib
+from .layers import Module, Parameter
+from .tensor import zeros
+
+__all__ = ["Optimizer", "SGD", "Adam"]
+
+
+class Optimizer:
+    def __init__(self, params, lr):
+        if isinstance(params, Module):
+            params = params.parameters()
+        try:
+            params = list(params)
+        except TypeError:
+            raise ArgumentTypeError(
+                "params must be an iterable of Parameters (e.g. model.parameters())"
+            ) from None
+        if not params:
+            raise ArgumentError("the optimizer got an empty parameter list")
+        for i, p in enumerate(params):
+            if not isinstance(p, Parameter):
+                raise ArgumentTypeError(
+                    "params[%d] is a %s, not a Parameter (pass model.parameters())"
+                    % (i, type(p).__name__)
+                )
+        self.params = params
+        self.lr = _args.to_float(lr, "lr", lo=0.0)
+        self._state = [None] * len(params)
+        self._closed = False
+
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError("operation on a closed %s" % type(self).__name__)
+
+    def _slot(self, i, n):
+        """The i-th parameter's n state tensors (zeros at first), on that parameter's device."""
+        p = self.params[i]
+        st = self._state[i]
+        if st is None:
+            st = self._state[i] = [zeros(p.shape, p.device) for _ in range(n)]
+        for t in st:
+            if t.ptr.dev != p.ptr.dev and lib.ut_to_device(t.ptr, p.ptr.dev) < 0:
+                check("%s state to %s" % (type(self).__name__, p.device))
+        return st
+
+    def zero_grad(self):
+        self._check_open()
+        for p in self.params:
+            p.grad.zero_()
+
+    def step(self):
+        raise NotImplementedError
+
+    def close(self):
+        """Free the optimizer's state tensors now (idempotent)."""
+        for st in self._state:
+            for t in st or ():
+                t.close()
+        self._state = [None] * len(self.params)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SGD(Optimizer):
+    """velocity = momentum velocity + grad; param -= lr velocity (momentum 0: param -= lr grad)."""
+
+    def __init__(self, params, lr=0.01, momentum=0.0):
+        super().__init__(params, lr)
+        self.momentum = _args.to_float(momentum, "momentum", lo=0.0)
+
+    def step(self):
+        self._check_open()
+        for i, p in enumerate(self.params):
+            v = self._slot(i, 1)[0] if self.momentum != 0.0 else None
+            _F.sgd_step(p, p.grad, v, self.lr, self.momentum)
+
+    def __repr__(self):
+        return "SGD(lr=%g, momentum=%g, %d params)" % (self.lr, self.momentum, len(self.params))
+
+
+class Adam(Optimizer):
+    """Adam with bias correction (Kingma & Ba); m and v start at zero."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, lr)
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise ArgumentError("betas must be a pair (beta1, beta2), got %r" % (betas,)) from None
+        self.betas = (_args.to_float(b1, "beta1", lo=0.0), _args.to_float(b2, "beta2", lo=0.0))
+        if not all(b < 1.0 for b in self.betas):
+            raise ArgumentError("betas must be in [0, 1), got %r" % (self.betas,))
+        self.eps = _args.to_float(eps, "eps", lo=0.0)
+        self.t = 0
+
+    def step(self):
+        self._check_open()
+        if self.t >= _args.INT_MAX:
+            raise ArgumentError("Adam: step count overflow")
+        self.t += 1
+        b1, b2 = self.betas
+        for i, p in enumerate(self.params):
+            m, v = self._slot(i, 2)
+            _F.adam_step(p, p.grad, m, v, self.t, self.lr, b1, b2, self.eps)
+
+    def __repr__(self):
+        return "Adam(lr=%g, betas=%r, eps=%g, %d params)" % (
+            self.lr, self.betas, self.eps, len(self.params))

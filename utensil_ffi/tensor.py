@@ -1,0 +1,350 @@
+"""Tensor: a Python handle on one reference to a C ut_tensor (float32, row-major, CPU or CUDA)."""
+
+import weakref
+
+import numpy as np
+
+from . import _args
+from ._errors import ArgumentTypeError, ClosedError, ShapeError, check_ptr, check_status
+from ._lib import ffi, lib
+
+__all__ = [
+    "Tensor",
+    "tensor",
+    "from_numpy",
+    "zeros",
+    "ones",
+    "full",
+    "randn",
+    "seed",
+    "devices",
+    "cuda_available",
+    "set_num_threads",
+    "get_num_threads",
+    "live_tensors",
+]
+
+
+def _release(ptr):
+    lib.ut_free(ptr)
+
+
+class _HostView:
+    """The base object of the arrays Tensor.numpy() returns.
+
+    It owns its own C reference (ut_retain), so the memory stays valid for as long as any array
+    made from it lives, whatever happens to the Tensor (deleted, collected or closed).
+    """
+
+    __slots__ = ("__array_interface__", "_finalizer", "__weakref__")
+
+    def __init__(self, ptr, readonly):
+        lib.ut_retain(ptr)
+        self._finalizer = weakref.finalize(self, _release, ptr)
+        self._finalizer.atexit = False
+        shape = tuple(ptr.shape.shape[i] for i in range(ptr.shape.ndim))
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": "<f4",
+            "data": (int(ffi.cast("uintptr_t", ptr.data)), bool(readonly)),
+            "strides": None,
+        }
+
+
+class Tensor:
+    """A float32 tensor on "cpu" or "cuda".
+
+    ``Tensor(data, device="cpu")`` copies array-like ``data`` (any real dtype, converted to
+    float32). The Python object owns exactly one reference to the C tensor; ``close()`` (or
+    leaving a ``with`` block) drops it now, otherwise the garbage collector does. Methods on a
+    closed tensor raise ClosedError (a ValueError).
+    """
+
+    __slots__ = ("_ptr", "_finalizer", "__weakref__")
+
+    def __init__(self, data, device="cpu"):
+        dev = _args.parse_device(device)
+        arr = _args.to_float_array(data)
+        shape = ffi.new("int[]", arr.shape)
+        p = lib.ut_from_data(arr.ndim, shape, ffi.from_buffer("float[]", arr), dev)
+        self._adopt(check_ptr(p, "Tensor"))
+
+    # -- ownership ------------------------------------------------------------------------------
+    def _adopt(self, ptr):
+        self._ptr = ptr
+        self._finalizer = weakref.finalize(self, _release, ptr)
+        self._finalizer.atexit = False  # at exit the process's memory goes anyway (and CUDA may be gone)
+
+    @classmethod
+    def _wrap(cls, ptr):
+        """A Tensor owning ``ptr``'s reference (a pointer a C op returned: rc already counts us)."""
+        t = object.__new__(cls)
+        t._adopt(ptr)
+        return t
+
+    @classmethod
+    def _borrow(cls, ptr):
+        """A Tensor holding a new reference to a borrowed pointer (a layer's weight)."""
+        return cls._wrap(lib.ut_retain(ptr))
+
+    @property
+    def ptr(self):
+        """The underlying ``ut_tensor*`` (cdata); raises ClosedError once closed."""
+        p = getattr(self, "_ptr", None)
+        if p is None:
+            raise ClosedError("operation on a closed Tensor")
+        return p
+
+    @property
+    def closed(self):
+        return getattr(self, "_ptr", None) is None
+
+    def close(self):
+        """Drop this object's reference now (idempotent). numpy views keep their own."""
+        if getattr(self, "_ptr", None) is not None:
+            self._ptr = None
+            self._finalizer()
+
+    def __enter__(self):
+        self.ptr
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- description ----------------------------------------------------------------------------
+    @property
+    def shape(self):
+        s = self.ptr.shape
+        return tuple(s.shape[i] for i in range(s.ndim))
+
+    @property
+    def ndim(self):
+        return self.ptr.shape.ndim
+
+    @property
+    def size(self):
+        return self.ptr.shape.nelem
+
+    def numel(self):
+        return self.ptr.shape.nelem
+
+    def __len__(self):
+        return self.shape[0]
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    @property
+    def device(self):
+        return _args.device_name(self.ptr.dev)
+
+    def __repr__(self):
+        if self.closed:
+            return "Tensor(<closed>)"
+        body = np.array2string(
+            self.numpy(), separator=", ", threshold=64, edgeitems=3, precision=4, prefix="Tensor("
+        )
+        return "Tensor(%s, shape=%s, device=%r)" % (body, self.shape, self.device)
+
+    # -- host access ----------------------------------------------------------------------------
+    def numpy(self):
+        """A zero-copy numpy view of the host copy.
+
+        CPU tensors: a writable view; writes are seen by later ops.
+        CUDA tensors: the host copy is brought up to date first and the view is READ-ONLY: a
+        snapshot valid until the next GPU op writes this tensor. Use copy_from() to write.
+        The view keeps the memory alive by itself, even after this Tensor is closed or deleted.
+        """
+        p = self.ptr
+        if p.dev == lib.UT_CPU:
+            check_status(lib.ut_sync_cpu(p), "Tensor.numpy")
+            owner = _HostView(p, readonly=False)
+        else:
+            check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
+            owner = _HostView(p, readonly=True)
+        return np.asarray(owner)
+
+    def __array__(self, dtype=None, copy=None):
+        if copy is False and self.ptr.dev != lib.UT_CPU:
+            raise ValueError("a CUDA tensor cannot be viewed writable without a copy")
+        a = self.numpy()
+        if dtype is not None and np.dtype(dtype) != a.dtype:
+            return a.astype(dtype)
+        return a.copy() if copy else a
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def item(self):
+        """The value of a one-element tensor as a Python float."""
+        if self.size != 1:
+            raise ShapeError("item() needs a tensor with one element, shape is %s" % (self.shape,))
+        return float(self.numpy().reshape(-1)[0])
+
+    def copy_from(self, data):
+        """Overwrite the values with ``data`` (array-like or Tensor of the same shape), in place.
+
+        Works for every device: the host copy is made the owner first, so the GPU sees the write.
+        """
+        p = self.ptr
+        if isinstance(data, Tensor):
+            if data.shape != self.shape:
+                raise ShapeError("copy_from: shape %s into %s" % (data.shape, self.shape))
+            if data.ptr.dev == p.dev:
+                check_status(lib.ut_copy_into(p, data.ptr), "copy_from")
+                return self
+            data = data.numpy()
+        arr = _args.to_float_array(data)
+        if arr.shape != self.shape:
+            raise ShapeError("copy_from: shape %s into %s" % (arr.shape, self.shape))
+        check_status(lib.ut_sync_cpu(p), "copy_from")
+        ffi.memmove(p.data, ffi.from_buffer("float[]", arr), arr.nbytes)
+        return self
+
+    # -- devices --------------------------------------------------------------------------------
+    def to(self, device):
+        """This tensor on ``device``: ``self`` if it is there already, else a new copy."""
+        dev = _args.parse_device(device)
+        p = self.ptr
+        if p.dev == dev:
+            return self
+        out = Tensor._wrap(check_ptr(lib.ut_copy(p), "Tensor.to"))
+        try:
+            check_status(lib.ut_to_device(out.ptr, dev), "Tensor.to")
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self):
+        return self.to("cuda")
+
+    def sync(self):
+        """Wait for the tensor's device data and bring the host copy up to date (read-only)."""
+        check_status(lib.ut_sync_cpu_readonly(self.ptr), "Tensor.sync")
+        return self
+
+    # -- ops ------------------------------------------------------------------------------------
+    def clone(self):
+        return Tensor._wrap(check_ptr(lib.ut_copy(self.ptr), "Tensor.clone"))
+
+    def reshape(self, *shape):
+        """A copy with a new shape holding the same number of elements."""
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = shape[0]
+        dims = list(shape)
+        if dims.count(-1) == 1:
+            known = 1
+            for d in dims:
+                if d != -1:
+                    known *= _args.to_int(d, "shape", 1)
+            if known == 0 or self.size % known:
+                raise ShapeError("cannot reshape %s into %s" % (self.shape, tuple(shape)))
+            dims[dims.index(-1)] = self.size // known
+        dims = _args.to_shape(dims)
+        c = ffi.new("int[]", dims)
+        return Tensor._wrap(check_ptr(lib.ut_reshape(self.ptr, len(dims), c), "reshape"))
+
+    def transpose(self, d0, d1):
+        nd = self.ndim
+        d0 = _args.to_int(d0, "d0", -nd, nd - 1) % nd
+        d1 = _args.to_int(d1, "d1", -nd, nd - 1) % nd
+        return Tensor._wrap(check_ptr(lib.ut_transpose(self.ptr, d0, d1), "transpose"))
+
+    def fill_(self, value):
+        check_status(lib.ut_fill(self.ptr, _args.to_float(value, "value", finite=False)), "fill_")
+        return self
+
+    def zero_(self):
+        return self.fill_(0.0)
+
+    def add_(self, other):
+        """self += other (a Tensor on the same device with the same number of elements)."""
+        if not isinstance(other, Tensor):
+            raise ArgumentTypeError("add_: expected a Tensor, got %s" % type(other).__name__)
+        check_status(lib.ut_add_into(self.ptr, other.ptr), "add_")
+        return self
+
+    def mul_(self, alpha):
+        check_status(lib.ut_scale(self.ptr, _args.to_float(alpha, "alpha", finite=False)), "mul_")
+        return self
+
+    def __matmul__(self, other):
+        from .functional import matmul
+
+        return matmul(self, other)
+
+
+# -- construction -------------------------------------------------------------------------------
+def tensor(data, device="cpu"):
+    """A new tensor holding a float32 copy of array-like ``data`` on ``device``."""
+    return Tensor(data, device)
+
+
+def from_numpy(array, device="cpu"):
+    """A new tensor holding a float32 copy of ``array`` (use Tensor.numpy() for a view back)."""
+    return Tensor(array, device)
+
+
+def zeros(shape, device="cpu"):
+    dims = _args.to_shape(shape)
+    dev = _args.parse_device(device)
+    c = ffi.new("int[]", dims)
+    return Tensor._wrap(check_ptr(lib.ut_alloc(len(dims), c, dev), "zeros"))
+
+
+def full(shape, value, device="cpu"):
+    value = _args.to_float(value, "value", finite=False)
+    t = zeros(shape, device)
+    if value != 0.0:
+        t.fill_(value)
+    return t
+
+
+def ones(shape, device="cpu"):
+    return full(shape, 1.0, device)
+
+
+def randn(shape, mean=0.0, std=1.0, device="cpu"):
+    """Normal samples from the library's shared RNG (see seed())."""
+    dims = _args.to_shape(shape)
+    mean = _args.to_float(mean, "mean")
+    std = _args.to_float(std, "std", lo=0.0)
+    dev = _args.parse_device(device)
+    c = ffi.new("int[]", dims)
+    return Tensor._wrap(check_ptr(lib.ut_randn(len(dims), c, mean, std, dev), "randn"))
+
+
+# -- library ------------------------------------------------------------------------------------
+def seed(value):
+    """Reseed the RNG that randn() and layer initialization draw from."""
+    lib.ut_seed(_args.to_int(value, "seed", 0, 2**64 - 1))
+
+
+def cuda_available():
+    return bool(lib.ut_cuda_available())
+
+
+def devices():
+    """The devices present: ["cpu"] or ["cpu", "cuda"]."""
+    return ["cpu", "cuda"] if cuda_available() else ["cpu"]
+
+
+def set_num_threads(n):
+    """Threads each CPU op runs on (n >= 1)."""
+    check_status(lib.ut_set_num_threads(_args.to_int(n, "n", 1)), "set_num_threads")
+
+
+def get_num_threads():
+    return int(lib.ut_get_num_threads())
+
+
+def live_tensors():
+    """C tensors allocated and not yet freed (for leak checks)."""
+    return int(lib.ut_live_tensors())
