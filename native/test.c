@@ -13,6 +13,7 @@
 #include <assert.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -844,6 +845,8 @@ static void test_conv2d_random(ut_dev dev) {
   conv_random_case(dev, false, 2, 4, 3, 6, 7, 1, 1, 1, 0);  // the 1x1 fast path
   conv_random_case(dev, false, 1, 2, 3, 5, 5, 1, 1, 2, 0);  // 1x1 with stride 2
   conv_random_case(dev, false, 2, 1, 2, 8, 8, 4, 4, 3, 2);
+  conv_random_case(dev, false, 1, 2, 2, 3, 3, 2, 2, 1, 2);  // padding wider than the kernel
+  conv_random_case(dev, false, 2, 3, 2, 4, 5, 1, 1, 1, 1);  // 1x1 with padding
 }
 
 static void test_dwconv2d_random(ut_dev dev) {
@@ -852,6 +855,8 @@ static void test_dwconv2d_random(ut_dev dev) {
   conv_random_case(dev, true, 3, 5, 0, 9, 5, 3, 3, 1, 1);
   conv_random_case(dev, true, 2, 4, 0, 6, 7, 1, 1, 1, 0);
   conv_random_case(dev, true, 2, 2, 0, 8, 8, 4, 4, 3, 2);
+  conv_random_case(dev, true, 1, 3, 0, 3, 3, 2, 2, 1, 2);
+  conv_random_case(dev, true, 2, 2, 0, 5, 4, 1, 1, 2, 1);
 }
 
 /* ============================================================================================
@@ -1500,6 +1505,479 @@ static void test_refcount(ut_dev dev) {
   assert(ut_live_tensors() == live0);
 }
 
+static void count_release(void* ctx) { (*(int*)ctx)++; }
+
+static void test_wrap(ut_dev dev) {
+  // host memory (UT_CPU): ops read and write the caller's array in place; release runs once,
+  // at the last ut_free
+  if (dev == UT_CPU) {
+    float buf[4] = {1, -2, 3, -4};
+    int released = 0;
+    ut_tensor* t = ut_wrap(2, S(2, 2), UT_CPU, buf, count_release, &released);
+    require(t);
+    assert(t->data == buf && t->borrowed && t->dev == UT_CPU && t->rc == 1);
+    assert_shape(t, 2, 2, 2);
+    ut_tensor* r = ut_relu(t);
+    require(r);
+    ut_sync_cpu(r);
+    assert_data(r, F(1, 0, 3, 0), 0.f);
+    assert(ut_scale(t, 2.f) == UT_OK);
+    ut_sync_cpu(t);
+    assert(buf[0] == 2.f && buf[1] == -4.f && buf[2] == 6.f && buf[3] == -8.f);
+    buf[0] = 10.f;  // the caller writes its own memory: the next op sees it
+    ut_tensor* c = ut_copy(t);
+    require(c);
+    ut_sync_cpu(c);
+    assert_data(c, F(10, -4, 6, -8), 0.f);
+    assert(!c->borrowed);
+    // a borrowed tensor cannot move to another device
+    expect_status(ut_to_device(t, UT_CUDA), UT_ERR_ARG);
+    ut_retain(t);
+    ut_free(t);
+    assert(released == 0);
+    ut_free(t);
+    assert(released == 1);
+    ut_free_all(r, c);
+  } else if (!ut_cuda_available()) {
+    // device memory needs a GPU
+    float buf[2] = {0, 0};
+    int released = 0;
+    expect_null(ut_wrap(1, S(2), UT_CUDA, buf, count_release, &released), UT_ERR_DEVICE);
+    assert(released == 0);
+  } else {
+    // device memory: borrow another tensor's device buffer
+    ut_tensor* owner = ut_from_data(1, S(3), F(1, -2, 3), UT_CUDA);
+    require(owner);
+    assert(ut_sync_gpu(owner) == UT_OK && owner->gpu_buf != NULL);
+    int released = 0;
+    ut_tensor* t = ut_wrap(1, S(3), UT_CUDA, owner->gpu_buf, count_release, &released);
+    require(t);
+    assert(t->gpu_buf == owner->gpu_buf && t->borrowed && t->dev == UT_CUDA);
+    assert(ut_sync_cpu(t) == UT_OK);
+    assert_data(t, F(1, -2, 3), 0.f);
+    assert(ut_scale(t, -1.f) == UT_OK);
+    ut_tensor* r = ut_relu(t);
+    require(r);
+    ut_sync_cpu(r);
+    assert_data(r, F(0, 2, 0), 0.f);
+    ut_free(t);
+    assert(released == 1);
+    ut_free_all(r, owner);
+  }
+  // failures do not call release
+  int released = 0;
+  float one = 1.f;
+  if (dev == UT_CPU || ut_cuda_available())
+    expect_null(ut_wrap(1, S(0), dev, &one, count_release, &released), UT_ERR_SHAPE);
+  expect_null(ut_wrap(1, S(1), dev, NULL, count_release, &released), UT_ERR_ARG);
+  expect_null(ut_wrap(1, S(1), (ut_dev)5, &one, count_release, &released), UT_ERR_ARG);
+  assert(released == 0);
+}
+
+static void test_cuda_sync(ut_dev dev) {
+  // no-ops without a GPU; with one they wait for the queued work
+  ut_tensor* t = ut_from_data(1, S(2), F(1, 2), dev);
+  require(t);
+  assert(ut_scale(t, 3.f) == UT_OK);
+  assert(ut_cuda_synchronize() == UT_OK);
+  assert(ut_cuda_stream_wait(NULL, NULL) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(3, 6), 0.f);
+  ut_free(t);
+}
+
+static void* error_thread(void* arg) {
+  // this thread's failure sets this thread's error only
+  int* ok = (int*)arg;
+  ut_clear_error();
+  ut_tensor* r = ut_relu(NULL);
+  *ok = r == NULL && ut_last_status() == UT_ERR_ARG && ut_last_error()[0] != '\0';
+  return NULL;
+}
+
+static void* relu_thread(void* arg) {
+  // independent tensors from several threads at once
+  ut_tensor* t = (ut_tensor*)arg;
+  for (int i = 0; i < 50; i++) {
+    ut_tensor* r = ut_relu(t);
+    ut_free(r);
+  }
+  return NULL;
+}
+
+static void test_threads(ut_dev dev) {
+  ut_clear_error();
+  int ok = 0;
+  pthread_t th;
+  require(pthread_create(&th, NULL, error_thread, &ok) == 0);
+  pthread_join(th, NULL);
+  assert(ok);
+  assert(ut_last_status() == UT_OK && ut_last_error()[0] == '\0');  // main's state untouched
+
+  ut_tensor* a = ut_from_data(1, S(4), F(-1, 1, -2, 2), dev);
+  ut_tensor* b = ut_from_data(1, S(4), F(3, -3, 4, -4), dev);
+  require(a && b);
+  pthread_t t1, t2;
+  require(pthread_create(&t1, NULL, relu_thread, a) == 0);
+  require(pthread_create(&t2, NULL, relu_thread, b) == 0);
+  pthread_join(t1, NULL);
+  pthread_join(t2, NULL);
+  ut_tensor* ra = ut_relu(a);
+  ut_tensor* rb = ut_relu(b);
+  require(ra && rb);
+  ut_sync_cpu(ra);
+  ut_sync_cpu(rb);
+  assert_data(ra, F(0, 1, 0, 2), 0.f);
+  assert_data(rb, F(3, 0, 4, 0), 0.f);
+  ut_free_all(a, b, ra, rb);
+}
+
+static void test_aliasing(ut_dev dev) {
+  // an op may take the same tensor twice: t += t doubles it; t = t changes nothing
+  ut_tensor* t = ut_from_data(1, S(3), F(1, -2, 3), dev);
+  require(t);
+  assert(ut_add_into(t, t) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(2, -4, 6), 0.f);
+  assert(ut_copy_into(t, t) == UT_OK);
+  ut_sync_cpu(t);
+  assert_data(t, F(2, -4, 6), 0.f);
+  // mse of a tensor with itself is 0 and so is its gradient
+  ut_tensor* l = ut_mse_loss(t, t);
+  ut_tensor* g = ut_mse_loss_backward(t, t);
+  require(l && g);
+  ut_sync_cpu(l);
+  ut_sync_cpu(g);
+  assert_data(l, F(0), 0.f);
+  assert_data(g, F(0, 0, 0), 0.f);
+  // relu backward with the activation's own input as grad_out
+  ut_tensor* gi = ut_relu_backward(t, t);
+  require(gi);
+  ut_sync_cpu(gi);
+  assert_data(gi, F(2, 0, 6), 0.f);
+  ut_free_all(t, l, g, gi);
+}
+
+/* ============================================================================================
+   Larger random inputs against float64 references: past the CPU backend's serial threshold
+   (32K elements) and its GEMM blocking, and on the GPU past a single thread block
+   ============================================================================================ */
+static int bad_vs(const ut_tensor* t, const double* ref, double tol) {
+  return count_bad(t->data, ref, t->shape.nelem, tol);
+}
+
+static void test_large_elementwise(ut_dev dev) {
+  enum { N = 100003 };
+  ut_seed(21);
+  ut_tensor* x = ut_randn(1, S(N), 0.f, 4.f, dev);
+  ut_tensor* y = ut_randn(1, S(N), 1.f, 2.f, dev);
+  require(x && y);
+  ut_tensor* r = ut_relu(x);
+  ut_tensor* r6 = ut_relu6(x);
+  ut_tensor* gb = ut_relu6_backward(y, x);
+  ut_tensor* acc = ut_copy(x);
+  ut_tensor* mse = ut_mse_loss(x, y);
+  ut_tensor* gm = ut_mse_loss_backward(x, y);
+  require(r && r6 && gb && acc && mse && gm);
+  assert(ut_add_into(acc, y) == UT_OK);
+  assert(ut_scale(acc, 0.5f) == UT_OK);
+  ut_tensor* all[] = {x, y, r, r6, gb, acc, mse, gm};
+  for (int i = 0; i < 8; i++) ut_sync_cpu(all[i]);
+  double* ref = malloc(sizeof(double) * N);
+  require(ref);
+  int b1 = 0, b2 = 0, b3 = 0, b4 = 0, b5 = 0;
+  double se = 0;
+  for (int i = 0; i < N; i++) {
+    double xi = x->data[i], yi = y->data[i];
+    if (r->data[i] != (float)fmax(xi, 0)) b1++;
+    if (r6->data[i] != (float)fmin(fmax(xi, 0), 6)) b2++;
+    if (gb->data[i] != ((xi > 0 && xi < 6) ? (float)yi : 0.f)) b3++;
+    if (!close_enough(acc->data[i], (float)(0.5 * (xi + yi)), 1e-6f)) b4++;
+    if (!close_enough(gm->data[i], (float)(2 * (xi - yi) / N), 1e-5f)) b5++;
+    se += (xi - yi) * (xi - yi);
+  }
+  assert(b1 == 0 && b2 == 0 && b3 == 0);
+  assert(b4 == 0);
+  assert(b5 == 0);
+  assert(close_enough(mse->data[0], (float)(se / N), 1e-5f));
+  free(ref);
+  ut_free_all(x, y, r, r6, gb, acc, mse, gm);
+}
+
+static void test_large_matmul_transpose(ut_dev dev) {
+  enum { M = 130, K = 257, N = 70 };
+  ut_seed(22);
+  ut_tensor* a = ut_randn(2, S(M, K), 0.f, 1.f, dev);
+  ut_tensor* b = ut_randn(2, S(K, N), 0.f, 1.f, dev);
+  require(a && b);
+  ut_tensor* c = ut_matmul(a, b);
+  int old = ut_get_num_threads();
+  ut_set_num_threads(1);
+  ut_tensor* c1 = ut_matmul(a, b);
+  ut_set_num_threads(old);
+  // (a b)^T = b^T a^T through ut_transpose
+  ut_tensor* at = ut_transpose(a, 0, 1);
+  ut_tensor* bt = ut_transpose(b, 1, 0);
+  require(c && c1 && at && bt);
+  ut_tensor* ct = ut_matmul(bt, at);
+  ut_tensor* ctt = ct ? ut_transpose(ct, 0, 1) : NULL;
+  require(ct && ctt);
+  ut_tensor* all[] = {a, b, c, c1, ctt};
+  for (int i = 0; i < 5; i++) ut_sync_cpu(all[i]);
+  double* ref = malloc(sizeof(double) * M * N);
+  require(ref);
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double s = 0;
+      for (int k = 0; k < K; k++) s += (double)a->data[i * K + k] * b->data[k * N + j];
+      ref[i * N + j] = s;
+    }
+  assert(bad_vs(c, ref, 1e-4) == 0);
+  assert(bad_vs(c1, ref, 1e-4) == 0);
+  assert(bad_vs(ctt, ref, 1e-4) == 0);
+  // the CPU backend promises results independent of the thread count
+  if (strcmp(ut_backend_name(dev), "cpu") == 0)
+    assert(memcmp(c->data, c1->data, sizeof(float) * M * N) == 0);
+  free(ref);
+  ut_free_all(a, b, c, c1, at, bt, ct, ctt);
+}
+
+static void test_large_conv(ut_dev dev) {
+  ut_seed(23);
+  conv_random_case(dev, false, 4, 8, 16, 17, 17, 3, 3, 2, 1);
+  conv_random_case(dev, false, 2, 16, 24, 15, 13, 1, 1, 1, 0);
+  conv_random_case(dev, true, 4, 32, 0, 20, 19, 3, 5, 2, 2);
+  conv_random_case(dev, true, 3, 24, 0, 16, 16, 3, 3, 1, 1);
+}
+
+static void test_large_norms(ut_dev dev) {
+  ut_seed(24);
+  {
+    // layernorm: 150 rows of 257, random gamma/beta; forward and backward
+    enum { R = 150, D = 257 };
+    ut_layernorm l = ut_layernorm_alloc(D, 1e-5f, dev);
+    require(l.weight);
+    ut_free(l.weight);
+    ut_free(l.bias);
+    l.weight = ut_randn(1, S(D), 1.f, 0.5f, dev);
+    l.bias = ut_randn(1, S(D), 0.f, 0.5f, dev);
+    ut_tensor* x = ut_randn(2, S(R, D), 3.f, 2.f, dev);
+    ut_tensor* go = ut_randn(2, S(R, D), 0.f, 1.f, dev);
+    ut_tensor* dW = ut_alloc(1, S(D), dev);
+    ut_tensor* db = ut_alloc(1, S(D), dev);
+    ut_layernorm_cache c = {0};
+    ut_tensor* y = ut_layernorm_forward(&l, x, &c);
+    require(y);
+    ut_tensor* dx = ut_layernorm_backward(&l, &c, go, dW, db);
+    require(dx);
+    ut_tensor* all[] = {l.weight, l.bias, x, go, dW, db, y, dx};
+    for (int i = 0; i < 8; i++) ut_sync_cpu(all[i]);
+    double *ry = malloc(sizeof(double) * R * D), *rdx = malloc(sizeof(double) * R * D);
+    double *rdw = calloc(D, sizeof(double)), *rdb = calloc(D, sizeof(double));
+    require(ry && rdx && rdw && rdb);
+    const float *g = l.weight->data, *bb = l.bias->data;
+    for (int r = 0; r < R; r++) {
+      const float *xr = x->data + r * D, *gr = go->data + r * D;
+      double mu = 0, var = 0, s1 = 0, s2 = 0;
+      for (int i = 0; i < D; i++) mu += xr[i];
+      mu /= D;
+      for (int i = 0; i < D; i++) var += (xr[i] - mu) * (xr[i] - mu);
+      double rs = 1 / sqrt(var / D + 1e-5);
+      for (int i = 0; i < D; i++) {
+        double xh = (xr[i] - mu) * rs;
+        ry[r * D + i] = xh * g[i] + bb[i];
+        s1 += gr[i] * g[i];
+        s2 += gr[i] * g[i] * xh;
+        rdw[i] += gr[i] * xh;
+        rdb[i] += gr[i];
+      }
+      for (int i = 0; i < D; i++) {
+        double xh = (xr[i] - mu) * rs;
+        rdx[r * D + i] = rs * (gr[i] * g[i] - s1 / D - xh * s2 / D);
+      }
+    }
+    assert(bad_vs(y, ry, 1e-4) == 0);
+    assert(bad_vs(dx, rdx, 1e-3) == 0);
+    assert(bad_vs(dW, rdw, 1e-4) == 0);
+    assert(bad_vs(db, rdb, 1e-4) == 0);
+    free(ry);
+    free(rdx);
+    free(rdw);
+    free(rdb);
+    ut_free_all(x, go, dW, db, y, dx);
+    ut_layernorm_cache_free(&c);
+    ut_layernorm_free(&l);
+  }
+  {
+    // batchnorm2d training: N=10, C=7, 23x21 (33810 elements), random gamma/beta
+    enum { N = 10, C = 7, H = 23, W = 21, HW = H * W };
+    ut_batchnorm2d l = ut_batchnorm2d_alloc(C, 1e-5f, 0.1f, dev);
+    require(l.weight);
+    ut_free(l.weight);
+    ut_free(l.bias);
+    l.weight = ut_randn(1, S(C), 1.f, 0.5f, dev);
+    l.bias = ut_randn(1, S(C), 0.f, 0.5f, dev);
+    ut_tensor* x = ut_randn(4, S(N, C, H, W), -2.f, 3.f, dev);
+    ut_tensor* go = ut_randn(4, S(N, C, H, W), 0.f, 1.f, dev);
+    ut_tensor* dW = ut_alloc(1, S(C), dev);
+    ut_tensor* db = ut_alloc(1, S(C), dev);
+    ut_batchnorm2d_cache c = {0};
+    ut_tensor* y = ut_batchnorm2d_forward(&l, x, &c);
+    require(y);
+    ut_tensor* dx = ut_batchnorm2d_backward(&l, &c, go, dW, db);
+    require(dx);
+    ut_tensor* all[] = {l.weight, l.bias, x, go, dW, db, y, dx, l.running_mean, l.running_var};
+    for (int i = 0; i < 10; i++) ut_sync_cpu(all[i]);
+    int tot = N * C * HW, cnt = N * HW;
+    double *ry = malloc(sizeof(double) * tot), *rdx = malloc(sizeof(double) * tot);
+    double rdw[C], rdb[C], rm[C], rv[C];
+    require(ry && rdx);
+    for (int ch = 0; ch < C; ch++) {
+      double mu = 0, var = 0, s1 = 0, s2 = 0;
+      for (int n = 0; n < N; n++)
+        for (int i = 0; i < HW; i++) mu += x->data[(n * C + ch) * HW + i];
+      mu /= cnt;
+      for (int n = 0; n < N; n++)
+        for (int i = 0; i < HW; i++) {
+          double d = x->data[(n * C + ch) * HW + i] - mu;
+          var += d * d;
+        }
+      var /= cnt;
+      double rs = 1 / sqrt(var + 1e-5), g = l.weight->data[ch], b = l.bias->data[ch];
+      for (int n = 0; n < N; n++)
+        for (int i = 0; i < HW; i++) {
+          int k = (n * C + ch) * HW + i;
+          double xh = (x->data[k] - mu) * rs;
+          ry[k] = xh * g + b;
+          s1 += go->data[k];
+          s2 += go->data[k] * xh;
+        }
+      for (int n = 0; n < N; n++)
+        for (int i = 0; i < HW; i++) {
+          int k = (n * C + ch) * HW + i;
+          double xh = (x->data[k] - mu) * rs;
+          rdx[k] = g * rs * (go->data[k] - s1 / cnt - xh * s2 / cnt);
+        }
+      rdw[ch] = s2;
+      rdb[ch] = s1;
+      rm[ch] = 0.1 * mu;
+      rv[ch] = 0.9 + 0.1 * var * cnt / (cnt - 1);
+    }
+    assert(bad_vs(y, ry, 1e-4) == 0);
+    assert(bad_vs(dx, rdx, 1e-3) == 0);
+    assert(count_bad(dW->data, rdw, C, 1e-3) == 0);
+    assert(count_bad(db->data, rdb, C, 1e-3) == 0);
+    assert(count_bad(l.running_mean->data, rm, C, 1e-4) == 0);
+    assert(count_bad(l.running_var->data, rv, C, 1e-4) == 0);
+    free(ry);
+    free(rdx);
+    ut_free_all(x, go, dW, db, y, dx);
+    ut_batchnorm2d_cache_free(&c);
+    ut_batchnorm2d_free(&l);
+  }
+}
+
+static void test_large_pool_ce_optim(ut_dev dev) {
+  ut_seed(25);
+  {
+    // global average pooling over 16x16 planes of [6, 40, 16, 16]
+    enum { N = 6, C = 40, HW = 256 };
+    ut_tensor* x = ut_randn(4, S(N, C, 16, 16), 1.f, 1.f, dev);
+    ut_tensor* go = ut_randn(2, S(N, C), 0.f, 1.f, dev);
+    require(x && go);
+    ut_tensor* y = ut_global_avgpool2d_forward(x);
+    ut_tensor* dx = ut_global_avgpool2d_backward(go, 16, 16);
+    require(y && dx);
+    ut_tensor* all[] = {x, go, y, dx};
+    for (int i = 0; i < 4; i++) ut_sync_cpu(all[i]);
+    double ry[N * C];
+    int bad = 0;
+    for (int p = 0; p < N * C; p++) {
+      double s = 0;
+      for (int i = 0; i < HW; i++) {
+        s += x->data[p * HW + i];
+        if (!close_enough(dx->data[p * HW + i], go->data[p] / HW, 1e-6f)) bad++;
+      }
+      ry[p] = s / HW;
+    }
+    assert(count_bad(y->data, ry, N * C, 1e-5) == 0);
+    assert(bad == 0);
+    ut_free_all(x, go, y, dx);
+  }
+  {
+    // cross-entropy over [300, 129] with large logits
+    enum { N = 300, K = 129 };
+    ut_tensor* logits = ut_randn(2, S(N, K), 0.f, 10.f, dev);
+    float lab[N];
+    for (int i = 0; i < N; i++) lab[i] = (float)((i * 37) % K);
+    ut_tensor* labels = ut_from_data(1, S(N), lab, dev);
+    require(logits && labels);
+    ut_tensor* loss = ut_cross_entropy_loss(logits, labels);
+    ut_tensor* g = ut_cross_entropy_backward(logits, labels);
+    require(loss && g);
+    ut_sync_cpu(logits);
+    ut_sync_cpu(loss);
+    ut_sync_cpu(g);
+    double total = 0;
+    double* rg = malloc(sizeof(double) * N * K);
+    require(rg);
+    for (int n = 0; n < N; n++) {
+      const float* z = logits->data + n * K;
+      double mx = z[0], se = 0;
+      for (int k = 1; k < K; k++) mx = fmax(mx, z[k]);
+      for (int k = 0; k < K; k++) se += exp(z[k] - mx);
+      int y = (int)lab[n];
+      total += -(z[y] - mx - log(se));
+      for (int k = 0; k < K; k++) rg[n * K + k] = (exp(z[k] - mx) / se - (k == y)) / N;
+    }
+    assert(close_enough(loss->data[0], (float)(total / N), 1e-5f));
+    int bad = 0;
+    for (int i = 0; i < N * K; i++)
+      if (fabs(g->data[i] - rg[i]) > 1e-7) bad++;
+    assert(bad == 0);
+    free(rg);
+    ut_free_all(logits, labels, loss, g);
+  }
+  {
+    // SGD with momentum and Adam over 50000 parameters, two steps each
+    enum { N = 50000 };
+    ut_tensor* p = ut_randn(1, S(N), 0.f, 1.f, dev);
+    ut_tensor* g = ut_randn(1, S(N), 0.f, 1.f, dev);
+    ut_tensor* v = ut_alloc(1, S(N), dev);
+    ut_tensor* pa = ut_copy(p);
+    ut_tensor* m = ut_alloc(1, S(N), dev);
+    ut_tensor* va = ut_alloc(1, S(N), dev);
+    require(p && g && v && pa && m && va);
+    ut_sync_cpu(p);
+    ut_sync_cpu(g);
+    double* rp = malloc(sizeof(double) * N);
+    double* ra = malloc(sizeof(double) * N);
+    require(rp && ra);
+    for (int i = 0; i < N; i++) {
+      double gi = g->data[i], vv = 0, mm = 0, v2 = 0;
+      rp[i] = ra[i] = p->data[i];
+      for (int t = 1; t <= 2; t++) {
+        vv = 0.9 * vv + gi;
+        rp[i] -= 0.01 * vv;
+        mm = 0.9 * mm + 0.1 * gi;
+        v2 = 0.999 * v2 + 0.001 * gi * gi;
+        ra[i] -= 0.001 * (mm / (1 - pow(0.9, t))) / (sqrt(v2 / (1 - pow(0.999, t))) + 1e-8);
+      }
+    }
+    for (int t = 1; t <= 2; t++) {
+      assert(ut_sgd_step(p, g, v, 0.01f, 0.9f) == UT_OK);
+      assert(ut_adam_step(pa, g, m, va, t, 0.001f, 0.9f, 0.999f, 1e-8f) == UT_OK);
+    }
+    ut_sync_cpu(p);
+    ut_sync_cpu(pa);
+    assert(count_bad(p->data, rp, N, 1e-5) == 0);
+    assert(count_bad(pa->data, ra, N, 1e-5) == 0);
+    free(rp);
+    free(ra);
+    ut_free_all(p, g, v, pa, m, va);
+  }
+}
+
 /* ============================================================================================
    Errors: nothing aborts; NULL or a negative status, a message, and the right status
    ============================================================================================ */
@@ -1808,6 +2286,16 @@ int main(void) {
   RUN_BOTH(test_sync_mirror);
   RUN_BOTH(test_to_device);
   RUN_BOTH(test_refcount);
+  RUN_BOTH(test_wrap);
+  RUN_BOTH(test_cuda_sync);
+  RUN_BOTH(test_threads);
+  RUN_BOTH(test_aliasing);
+
+  RUN_BOTH(test_large_elementwise);
+  RUN_BOTH(test_large_matmul_transpose);
+  RUN_BOTH(test_large_conv);
+  RUN_BOTH(test_large_norms);
+  RUN_BOTH(test_large_pool_ce_optim);
   RUN_BOTH(test_errors_tensors);
   RUN_BOTH(test_errors_layers);
 
