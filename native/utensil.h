@@ -203,7 +203,9 @@ typedef struct ut_batchnorm2d_cache {
 } ut_batchnorm2d_cache;
 
 /* Layer structs are returned by value; on failure weight is NULL and ut_last_error() says why.
-   forward(l, x, cache_or_NULL): with a cache the inputs backward needs are retained in it.
+   forward(l, x, cache_or_NULL): with a cache the inputs backward needs are retained in it. The
+   cache is overwritten, not released (it may be uninitialized), so free a used cache with
+   *_cache_free before passing it to forward again.
    backward(l, cache, grad_out, dW, db) -> dx, accumulating dW += ..., db += ... (db may be NULL).
    *_cache_free releases what a forward pass stored; *_free releases the layer's tensors. */
 
