@@ -174,14 +174,18 @@ def test_batchnorm2d(device, rng, shape):
         _check_layer_grads("batchnorm2d", layer, x, go,
                            R.batchnorm2d_backward(x64, g64, eps, go.astype(float)), device)
 
-        layer.eval()  # eval mode: the running statistics, nothing kept for backward
+        layer.eval()  # eval mode: the running statistics, left alone
         rm = layer.running_mean.numpy().astype(float)
         rv = layer.running_var.numpy().astype(float)
         y = layer(ut.tensor(x, device))
         assert_close("batchnorm2d eval forward", y.numpy(), R.batchnorm2d_eval(x64, g64, b64, rm, rv, eps))
         np.testing.assert_array_equal(layer.running_mean.numpy(), rm.astype(f32))
-        with pytest.raises(ut.ArgumentError):
-            layer.backward(go)
+        # eval backward: the statistics are constants, dx = gamma rstd go
+        rstd = 1.0 / np.sqrt(rv + eps)
+        xhat = (x64 - rm[None, :, None, None]) * rstd[None, :, None, None]
+        _check_layer_grads("batchnorm2d eval", layer, x, go,
+                           (go * (g64 * rstd)[None, :, None, None], (go * xhat).sum(axis=(0, 2, 3)),
+                            go.sum(axis=(0, 2, 3))), device)
 
 
 @pytest.mark.parametrize("shape", [(7,), (2, 3, 5), (4, 1, 3, 3)])

@@ -69,6 +69,7 @@ from .tensor import (
     randn,
     seed,
     set_num_threads,
+    synchronize,
     tensor,
     zeros,
 )
@@ -78,7 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     # tensors and the library
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
-    "cuda_available", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
+    "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
     # layers
     "Module", "Parameter", "Conv2d", "DWConv2d", "BatchNorm2d", "LayerNorm", "Linear", "ReLU",
     "ReLU6", "GlobalAvgPool2d", "Sequential",

@@ -231,8 +231,9 @@ class _CLayer(Module):
             xt = a.tensor(x, "x")
             out_shape = self._check_input(xt.shape)
             self._clear_cache()
-            cache = ffi.new("ut_%s_cache*" % self._kind) if self.training else ffi.NULL
-            self._h.cache = cache if self.training else None  # freed with the layer from now on
+            keep = self._keeps_cache()
+            cache = ffi.new("ut_%s_cache*" % self._kind) if keep else ffi.NULL
+            self._h.cache = cache if keep else None  # freed with the layer from now on
             p = self._fwd(s, xt.ptr, cache)
             if p == ffi.NULL:
                 self._clear_cache()
@@ -242,9 +243,13 @@ class _CLayer(Module):
                 y.close()
                 self._clear_cache()
                 raise ShapeError("%s.forward: expected output %s, library gave %s" % (name, out_shape, y.shape))
-            if self.training:
+            if keep:
                 self._out_shape = out_shape
             return y
+
+    def _keeps_cache(self):
+        """Whether forward keeps what backward needs: in training mode."""
+        return self.training
 
     def backward(self, grad_out):
         s = self._struct
@@ -411,6 +416,8 @@ class BatchNorm2d(_CLayer):
 
     Training mode normalizes with the batch statistics and updates running_mean/running_var
     (running = (1 - momentum) running + momentum batch); eval mode uses the running statistics.
+    Unlike the other layers, forward keeps its (small) cache in eval mode too, so backward
+    works with frozen statistics (fine-tuning with a fixed normalization).
     """
 
     _kind = "batchnorm2d"
@@ -449,6 +456,9 @@ class BatchNorm2d(_CLayer):
         super().train(mode)
         self._struct.training = bool(mode)
         return self
+
+    def _keeps_cache(self):
+        return True
 
     def _tensors(self):
         return super()._tensors() + [self._running_mean.ptr, self._running_var.ptr]

@@ -22,6 +22,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "live_tensors",
+    "synchronize",
 ]
 
 
@@ -348,3 +349,8 @@ def get_num_threads():
 def live_tensors():
     """C tensors allocated and not yet freed (for leak checks)."""
     return int(lib.ut_live_tensors())
+
+
+def synchronize():
+    """Wait for all queued GPU work (a no-op without a GPU)."""
+    check_status(lib.ut_cuda_synchronize(), "synchronize")
