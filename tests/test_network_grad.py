@@ -1,0 +1,293 @@
+"""The whole network, not just its layers: utensil_ffi.mobilenet against references.
+
+- a float64 numpy re-implementation of the network's forward pass (written here, independent
+  of the library) gives the same loss, and its central finite differences give the parameter
+  and input gradients that utensil's backward computes (BatchNorm in training mode, kinks of
+  ReLU6 on both sides exercised);
+- when PyTorch is installed, the same architecture with the same weights (mobilenet.to_torch)
+  gives the same logits, loss, gradients, BatchNorm running statistics, eval-mode outputs, and
+  the same weights after a few SGD-with-momentum and Adam steps.
+"""
+
+import numpy as np
+import pytest
+
+import utensil_ffi as ut
+from utensil_ffi import mobilenet as mn
+
+# -- the float64 reference ------------------------------------------------------------------------
+
+
+def _taps(xp, kh, kw, s, ho, wo):
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, xp[:, :, i:i + s * (ho - 1) + 1:s, j:j + s * (wo - 1) + 1:s]
+
+
+def _conv(x, w, b, s, p):
+    o, c, kh, kw = w.shape
+    n, _, h, wd = x.shape
+    ho, wo = (h + 2 * p - kh) // s + 1, (wd + 2 * p - kw) // s + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+    y = np.zeros((n, o, ho, wo))
+    for i, j, win in _taps(xp, kh, kw, s, ho, wo):
+        y += np.einsum("nchw,oc->nohw", win, w[:, :, i, j])
+    return y if b is None else y + b[None, :, None, None]
+
+
+def _dwconv(x, w, b, s, p):
+    c, kh, kw = w.shape
+    n, _, h, wd = x.shape
+    ho, wo = (h + 2 * p - kh) // s + 1, (wd + 2 * p - kw) // s + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+    y = np.zeros((n, c, ho, wo))
+    for i, j, win in _taps(xp, kh, kw, s, ho, wo):
+        y += win * w[None, :, i, j, None, None]
+    return y if b is None else y + b[None, :, None, None]
+
+
+def _bn_train(x, g, b, eps):
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = x.var(axis=(0, 2, 3), keepdims=True)  # biased, as in training
+    return (x - mean) / np.sqrt(var + eps) * g[None, :, None, None] + b[None, :, None, None]
+
+
+def _apply(layer, params, i, h):
+    """Layer ``i`` of the network on h, in float64, with the weights in ``params``."""
+    w, b = params.get("%d.weight" % i), params.get("%d.bias" % i)
+    if isinstance(layer, ut.DWConv2d):
+        return _dwconv(h, w, b, layer.stride, layer.padding)
+    if isinstance(layer, ut.Conv2d):
+        return _conv(h, w, b, layer.stride, layer.padding)
+    if isinstance(layer, ut.BatchNorm2d):
+        return _bn_train(h, w, b, layer.eps)
+    if isinstance(layer, ut.ReLU6):
+        return np.clip(h, 0.0, 6.0)
+    if isinstance(layer, ut.GlobalAvgPool2d):
+        return h.mean(axis=(2, 3))
+    if isinstance(layer, ut.Linear):
+        return h @ w.T + (b if b is not None else 0.0)
+    raise TypeError(layer)
+
+
+def ref_forward(net, params, x, labels, relu6_inputs=None):
+    """(loss, logits) of ``net``'s architecture in float64 with the weights in ``params``."""
+    h = np.asarray(x, np.float64)
+    for i, layer in enumerate(net):
+        if relu6_inputs is not None and isinstance(layer, ut.ReLU6):
+            relu6_inputs.append(h)
+        h = _apply(layer, params, i, h)
+    z = h - h.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return -logp[np.arange(len(labels)), labels].mean(), h
+
+
+def _tiny_net(device, rng, blocks=((2, 2),), width=2, in_channels=1, classes=3):
+    """A tiny network whose BatchNorm scales/shifts are random, so ReLU6 clips at 0 and at 6."""
+    ut.seed(7)
+    net = mn.build_mobilenet(in_channels, classes, width, blocks=blocks, device=device)
+    for layer in net:
+        if isinstance(layer, ut.BatchNorm2d):
+            c = layer.num_features
+            layer.weight = rng.uniform(0.5, 5.0, c)
+            layer.bias = rng.uniform(-0.5, 1.0, c)
+        elif isinstance(layer, ut.Linear):
+            layer.bias = rng.normal(0, 0.5, layer.out_features)
+    return net
+
+
+def _utensil_grads(net, x, labels, device):
+    net.train()
+    net.zero_grad()
+    xt = ut.tensor(x, device)
+    logits = net(xt)
+    loss = ut.cross_entropy(logits, labels)
+    g = ut.cross_entropy_backward(logits, labels)
+    dx = net.backward(g)
+    grads = {k: np.array(p.grad.numpy(), np.float64) for k, p in mn.named_parameters(net)}
+    out = (loss.item(), np.array(logits.numpy(), np.float64), grads, np.array(dx.numpy(), np.float64))
+    for t in (xt, logits, loss, g, dx):
+        t.close()
+    return out
+
+
+def _fd(f, arr, eps=1e-6):
+    """Central differences of the scalar f() with respect to each element of arr (in place)."""
+    g = np.zeros_like(arr)
+    flat, gf = arr.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gf[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def _close(name, got, ref, rtol, atol):
+    scale = max(float(np.max(np.abs(ref))), 1e-3)
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol * scale, err_msg=name)
+
+
+# -- float64 reference and finite differences -----------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks", [((2, 2),), ((1, 1), (2, 2))], ids=["1block", "2blocks"])
+def test_gradients_match_finite_differences(device, rng, blocks):
+    net = _tiny_net(device, rng, blocks=blocks)
+    x = rng.normal(0, 1, (4, 1, 6, 6))
+    labels = np.array([0, 2, 1, 2])
+    try:
+        loss, logits, grads, dx = _utensil_grads(net, x.astype(np.float32), labels, device)
+        params = {k: v.astype(np.float64) for k, v in mn.state_dict(net).items()}
+        x32 = x.astype(np.float32).astype(np.float64)  # what utensil saw
+        ref_loss, ref_logits = ref_forward(net, params, x32, labels)
+
+        _close("logits", logits, ref_logits, 1e-4, 1e-5)
+        assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+
+        # both kinks of ReLU6 are exercised somewhere in the network
+        acts = []
+        ref_forward(net, params, x32, labels, acts)
+        pre = np.concatenate([a.reshape(-1) for a in acts])
+        assert (pre < 0).any() and (pre > 6).any() and ((pre > 0) & (pre < 6)).any()
+
+        checked = 0
+        for key, p in mn.named_parameters(net):
+            fd = _fd(lambda: ref_forward(net, params, x32, labels)[0], params[key])
+            _close("d loss / d " + key, grads[key], fd, 2e-3, 2e-4)
+            assert np.any(fd != 0.0), key
+            checked += fd.size
+        assert checked == mn.count_parameters(net)
+        fdx = _fd(lambda: ref_forward(net, params, x32, labels)[0], x32)
+        _close("d loss / d x", dx, fdx, 2e-3, 2e-4)
+    finally:
+        net.close()
+
+
+def test_reference_finite_differences_are_sound(rng):
+    """The checker itself: FD of the reference recovers a known analytic gradient (Linear head)."""
+    ut.seed(3)
+    net = mn.build_mobilenet(1, 3, 2, blocks=((1, 1),))
+    try:
+        params = {k: v.astype(np.float64) for k, v in mn.state_dict(net).items()}
+        x = rng.normal(0, 1, (5, 1, 4, 4))
+        labels = np.array([0, 1, 2, 1, 0])
+        loss, logits = ref_forward(net, params, x, labels)
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(5), labels] -= 1
+        head = len(net) - 1
+        np.testing.assert_allclose(
+            _fd(lambda: ref_forward(net, params, x, labels)[0], params["%d.bias" % head]),
+            p.mean(0), rtol=1e-6, atol=1e-9)
+    finally:
+        net.close()
+
+
+# -- PyTorch --------------------------------------------------------------------------------------
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    return torch
+
+
+def _torch_run(torch, tnet, x, labels):
+    xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    tnet.zero_grad()
+    logits = tnet(xt)
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(labels))
+    loss.backward()
+    grads = {k: p.grad.detach().numpy().astype(np.float64) for k, p in tnet.named_parameters()}
+    return float(loss.detach()), logits.detach().numpy().astype(np.float64), grads, xt.grad.numpy().astype(np.float64)
+
+
+def test_same_as_pytorch(device, rng):
+    """Default architecture (small width): logits, loss, every gradient, running statistics."""
+    torch = _torch()
+    ut.seed(11)
+    net = mn.build_mobilenet(1, 10, 4, device=device)
+    try:
+        tnet = mn.to_torch(net)
+        assert set(mn.state_dict(net)) <= set(tnet.state_dict())
+        x = rng.normal(0, 1, (8, 1, 8, 8)).astype(np.float32)
+        labels = rng.integers(0, 10, 8)
+        loss, logits, grads, dx = _utensil_grads(net, x, labels, device)
+        tloss, tlogits, tgrads, tdx = _torch_run(torch, tnet, x, labels)
+        _close("logits", logits, tlogits, 1e-4, 1e-5)
+        assert abs(loss - tloss) <= 1e-5 * max(1.0, abs(tloss))
+        assert set(grads) == set(tgrads)
+        for k in grads:
+            _close("grad " + k, grads[k], tgrads[k].reshape(grads[k].shape), 1e-4, 1e-4)
+        _close("grad x", dx, tdx, 1e-4, 1e-4)
+
+        # BatchNorm running statistics after that one training forward pass (unbiased var)
+        ours = mn.state_dict(net)
+        theirs = tnet.state_dict()
+        for k in ours:
+            if "running" in k:
+                _close(k, ours[k], theirs[k].numpy(), 1e-5, 1e-6)
+
+        # eval mode: both use the running statistics
+        net.eval()
+        tnet.eval()
+        xe = rng.normal(0, 1, (5, 1, 8, 8)).astype(np.float32)
+        with ut.tensor(xe, device) as xt:
+            with net(xt) as out:
+                got = np.array(out.numpy(), np.float64)
+        with torch.no_grad():
+            want = tnet(torch.from_numpy(xe)).numpy()
+        _close("eval logits", got, want, 1e-4, 1e-5)
+    finally:
+        net.close()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_training_steps_same_as_pytorch(device, rng, optimizer):
+    """A few optimizer steps on the same batches end with the same weights as PyTorch."""
+    torch = _torch()
+    ut.seed(5)
+    net = mn.build_mobilenet(1, 4, 3, blocks=((2, 1), (2, 2)), device=device)
+    tnet = mn.to_torch(net)
+    if optimizer == "sgd":
+        opt = ut.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        topt = torch.optim.SGD(tnet.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = ut.Adam(net.parameters(), lr=1e-3)
+        topt = torch.optim.Adam(tnet.parameters(), lr=1e-3)
+    try:
+        for step in range(3):
+            x = rng.normal(0, 1, (6, 1, 6, 6)).astype(np.float32)
+            labels = rng.integers(0, 4, 6)
+            opt.zero_grad()
+            _utensil_grads(net, x, labels, device)
+            opt.step()
+            topt.zero_grad()
+            _torch_run(torch, tnet, x, labels)
+            topt.step()
+        ours = mn.state_dict(net)
+        theirs = tnet.state_dict()
+        for k, v in ours.items():
+            _close(k, v, theirs[k].numpy().reshape(v.shape), 1e-4, 1e-4)
+    finally:
+        opt.close()
+        net.close()
+
+
+def test_to_torch_copies_weights():
+    torch = _torch()
+    ut.seed(2)
+    net = mn.build_mobilenet(3, 5, 2)
+    try:
+        tnet = mn.to_torch(net)
+        sd = tnet.state_dict()
+        for k, v in mn.state_dict(net).items():
+            assert np.array_equal(sd[k].numpy().reshape(v.shape), v), k
+        dw = [m for m in tnet if isinstance(m, torch.nn.Conv2d) and m.groups > 1]
+        assert dw and all(m.weight.shape[1] == 1 for m in dw)
+    finally:
+        net.close()

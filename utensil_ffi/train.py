@@ -1,0 +1,584 @@
+"""utensil-train: train a depthwise-separable (MobileNet-style) classifier end to end.
+
+    python -m utensil_ffi.train                      # the digits scikit-learn ships, no download
+    python -m utensil_ffi.train --data mnist.npz --epochs 5 --width 32
+    python -m utensil_ffi.train --resume utensil_checkpoint.npz --epochs 30
+
+The network (utensil_ffi.mobilenet) is built only from utensil layers: a 3x3 stem convolution,
+blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d -> ReLU6],
+global average pooling and a linear classifier, trained with softmax cross-entropy and Adam (or
+SGD with momentum).
+
+Each epoch prints the train loss, the test loss and accuracy and the training throughput, and
+saves a checkpoint (.npz: weights, BatchNorm running statistics, optimizer state, epoch, history
+and the run's settings), written atomically. ``--resume FILE`` continues a run from it: the
+batches of epoch e are shuffled by a Generator seeded with (seed, e), so on the CPU a resumed run
+ends with bitwise the same weights as an uninterrupted one.
+
+Optional packages (``pip install 'utensil[examples]'``): scikit-learn for the built-in digits,
+tqdm for the progress bar (a plain text line otherwise), matplotlib for ``--plot``.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import data as _data
+from . import mobilenet as _mn
+from ._errors import UtensilError
+from .functional import cross_entropy, cross_entropy_backward
+from .optim import SGD, Adam
+from .tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
+from .tensor import set_num_threads, zeros
+
+__all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "optimizer_state",
+           "load_optimizer_state", "CheckpointError", "PROG"]
+
+PROG = "utensil-train"
+CHECKPOINT_FORMAT = "utensil-train-checkpoint"
+CHECKPOINT_VERSION = 1
+DEFAULT_CHECKPOINT = "utensil_checkpoint.npz"
+
+# The settings that define a run. On --resume they come from the checkpoint; passing a different
+# value explicitly is an error (a resumed run continues the saved one).
+RUN_DEFAULTS = {
+    "data": None,
+    "width": 32,
+    "batch_size": 64,
+    "lr": None,  # per optimizer, see LR_DEFAULTS
+    "optimizer": "adam",
+    "momentum": 0.9,
+    "lr_schedule": "cosine",
+    "seed": 0,
+}
+LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.05}
+DEFAULT_EPOCHS = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, with a message meant for the user."""
+
+
+class _UsageError(Exception):
+    """Bad flags or environment: reported as `utensil-train: error: ...`, exit status 2."""
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _positive_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % s) from None
+    if v < 1:
+        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % s)
+    return v
+
+
+def _nonneg_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer >= 0, got %r" % s) from None
+    if v < 0 or v >= 2**63:
+        raise argparse.ArgumentTypeError("expected an integer in [0, 2**63), got %r" % s)
+    return v
+
+
+def _positive_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a positive number, got %r" % s) from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError("expected a positive number, got %r" % s)
+    return v
+
+
+def _momentum(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number in [0, 1), got %r" % s) from None
+    if not (0.0 <= v < 1.0):
+        raise argparse.ArgumentTypeError("expected a number in [0, 1), got %r" % s)
+    return v
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train a depthwise-separable (MobileNet-style) CNN built from utensil "
+        "layers. With no arguments: the 8x8 handwritten digits scikit-learn ships, with a fixed "
+        "held-out test split.",
+        epilog="Optional extras: pip install 'utensil[examples]' (scikit-learn, tqdm, matplotlib).",
+    )
+    g = p.add_argument_group("data and model")
+    g.add_argument("--data", metavar="FILE.npz", default=None,
+                   help="train on your own data: an .npz with x_train, y_train, x_test, y_test "
+                   "(images NCHW or NHW, integer labels); default: scikit-learn's digits")
+    g.add_argument("--width", type=_positive_int, default=None, metavar="C",
+                   help="channels of the stem; the blocks use 2C and 4C (default %d)"
+                   % RUN_DEFAULTS["width"])
+    g = p.add_argument_group("training")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where to train (default: cuda if a GPU is present, else cpu)")
+    g.add_argument("--epochs", type=_positive_int, default=DEFAULT_EPOCHS, metavar="N",
+                   help="train until this many epochs are done in all (also when resuming; "
+                   "default %d)" % DEFAULT_EPOCHS)
+    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
+                   help="images per step (default %d)" % RUN_DEFAULTS["batch_size"])
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
+                   help="adam, or sgd with momentum (default adam)")
+    g.add_argument("--lr", type=_positive_float, default=None,
+                   help="learning rate (default %g for adam, %g for sgd)"
+                   % (LR_DEFAULTS["adam"], LR_DEFAULTS["sgd"]))
+    g.add_argument("--momentum", type=_momentum, default=None,
+                   help="SGD momentum (default %g)" % RUN_DEFAULTS["momentum"])
+    g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=None,
+                   help="cosine: the rate decays to 0 over --epochs, set per epoch; "
+                   "constant: no decay (default cosine)")
+    g.add_argument("--seed", type=_nonneg_int, default=None,
+                   help="seeds the weight initialization and the shuffling (default 0)")
+    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads for utensil's ops (default: the library's default)")
+    g.add_argument("--eval-batch-size", type=_positive_int, default=500, metavar="N",
+                   help="images per evaluation step (default 500)")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint", metavar="PATH", default=None,
+                   help="where to save the checkpoint after each epoch (default: the --resume "
+                   "file when resuming, else ./%s)" % DEFAULT_CHECKPOINT)
+    g.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints")
+    g.add_argument("--resume", metavar="PATH", default=None,
+                   help="continue the run saved in this checkpoint (with its settings)")
+    g.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw the loss and accuracy curves into this image (needs matplotlib)")
+    g.add_argument("--no-progress", action="store_true", help="no per-step progress bar")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="print only the final result (implies --no-progress)")
+    return p
+
+
+def _resolve(args, saved=None):
+    """The run's settings: explicit flags, else the checkpoint's, else the defaults."""
+    run = {}
+    for k, default in RUN_DEFAULTS.items():
+        given = getattr(args, k)
+        if saved is not None:
+            if k not in saved:
+                raise CheckpointError("the checkpoint does not record the setting %r" % k)
+            if given is not None and given != saved[k] and not (
+                    k == "data" and saved[k] and _same_file(given, saved[k])):
+                raise _UsageError(
+                    "--%s %s differs from the checkpoint's %s; a resumed run keeps the saved "
+                    "run's settings (leave the flag out, or start a new run without --resume)"
+                    % (k.replace("_", "-"), given, saved[k]))
+            run[k] = saved[k]
+        else:
+            run[k] = given if given is not None else default
+    if run["lr"] is None:
+        run["lr"] = LR_DEFAULTS[run["optimizer"]]
+    if run["data"] is not None:
+        run["data"] = os.path.abspath(run["data"])
+    return run
+
+
+def _same_file(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+# -- optimizer state ------------------------------------------------------------------------------
+def _slot_names(opt):
+    if isinstance(opt, Adam):
+        return ("m", "v")
+    if isinstance(opt, SGD):
+        return ("velocity",) if opt.momentum != 0.0 else ()
+    raise TypeError("no checkpoint support for %s" % type(opt).__name__)
+
+
+def optimizer_state(opt, names=None):
+    """{"<param key>/<slot>": numpy array} of an Adam's m, v or an SGD's velocity, plus
+    "step" (Adam's update count) as a 0-d array. State not created yet is saved as zeros, which
+    is what the optimizer would start from."""
+    keys = names or ["%d" % i for i in range(len(opt.params))]
+    out = {}
+    slots = _slot_names(opt)
+    for i, (key, p) in enumerate(zip(keys, opt.params)):
+        st = opt._state[i]
+        for j, s in enumerate(slots):
+            if st is None:
+                out["%s/%s" % (key, s)] = np.zeros(p.shape, np.float32)
+            else:
+                out["%s/%s" % (key, s)] = np.array(st[j].numpy(), dtype=np.float32, copy=True)
+    out["step"] = np.array(getattr(opt, "t", 0), dtype=np.int64)
+    return out
+
+
+def load_optimizer_state(opt, state, names=None):
+    """Put what optimizer_state() returned back into ``opt`` (same parameters, same order)."""
+    keys = names or ["%d" % i for i in range(len(opt.params))]
+    slots = _slot_names(opt)
+    for i, (key, p) in enumerate(zip(keys, opt.params)):
+        if not slots:
+            continue
+        arrays = []
+        for s in slots:
+            k = "%s/%s" % (key, s)
+            if k not in state:
+                raise CheckpointError("the checkpoint has no optimizer state %r" % k)
+            a = np.asarray(state[k])
+            if a.shape != p.shape:
+                raise CheckpointError("optimizer state %r has shape %s, the parameter %s"
+                                      % (k, a.shape, p.shape))
+            arrays.append(a)
+        for t, a in zip(opt._slot(i, len(slots)), arrays):
+            t.copy_from(a)
+    if isinstance(opt, Adam):
+        opt.t = int(np.asarray(state.get("step", 0)))
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def save_checkpoint(path, net, opt, meta):
+    """Write the checkpoint atomically (a temporary file in the same folder, then os.replace)."""
+    arrays = {"model/" + k: v for k, v in _mn.state_dict(net).items()}
+    names = [k for k, _ in _mn.named_parameters(net)]
+    arrays.update({"optim/" + k: v for k, v in optimizer_state(opt, names).items()})
+    meta = dict(meta, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
+    arrays["meta"] = np.array(json.dumps(meta))
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".%s.%d.tmp" % (os.path.basename(path), os.getpid()))
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path):
+    """(meta, model_state, optim_state) from a checkpoint file; CheckpointError if unusable."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError("%s: no such checkpoint file" % path)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise CheckpointError("%s: not a readable checkpoint (%s)" % (path, e)) from None
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+        ok = meta.get("format") == CHECKPOINT_FORMAT
+    except Exception:
+        ok = False
+    if not ok:
+        raise CheckpointError("%s: not a %s checkpoint" % (path, PROG))
+    if meta.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError("%s: checkpoint version %r, this program reads version %d"
+                              % (path, meta.get("version"), CHECKPOINT_VERSION))
+    model = {k[6:]: v for k, v in arrays.items() if k.startswith("model/")}
+    optim = {k[6:]: v for k, v in arrays.items() if k.startswith("optim/")}
+    return meta, model, optim
+
+
+# -- progress -------------------------------------------------------------------------------------
+class _Progress:
+    """A per-epoch progress bar: tqdm when installed, else a text line on a terminal."""
+
+    def __init__(self, total, desc, enabled):
+        self.total, self.desc, self.done = total, desc, 0
+        self.t0 = time.perf_counter()
+        self.bar = None
+        self.text = False
+        self.last = 0.0
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.text = sys.stderr.isatty()
+            return
+        self.bar = tqdm(total=total, desc=desc, unit="img", leave=False, file=sys.stderr,
+                        dynamic_ncols=True, mininterval=0.2)
+
+    def wants_loss(self):
+        """Whether a refresh is due (reading the loss syncs the device, so not every step)."""
+        if self.bar is None and not self.text:
+            return False
+        return time.perf_counter() - self.last >= 0.2
+
+    def update(self, n, loss=None):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            if loss is not None:
+                self.bar.set_postfix(loss="%.4f" % loss, refresh=False)
+                self.last = time.perf_counter()
+        elif self.text and loss is not None:
+            self.last = time.perf_counter()
+            rate = self.done / max(self.last - self.t0, 1e-9)
+            width = 24
+            fill = int(width * self.done / max(self.total, 1))
+            sys.stderr.write("\r%s [%s%s] %d/%d  loss %.4f  %.0f img/s " % (
+                self.desc, "#" * fill, "." * (width - fill), self.done, self.total, loss, rate))
+            sys.stderr.flush()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        elif self.text:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+# -- training -------------------------------------------------------------------------------------
+def _lr_at(run, epoch, epochs):
+    if run["lr_schedule"] == "constant":
+        return run["lr"]
+    return run["lr"] * 0.5 * (1.0 + math.cos(math.pi * epoch / epochs))
+
+
+def _make_optimizer(run, net):
+    if run["optimizer"] == "adam":
+        return Adam(net.parameters(), lr=run["lr"])
+    return SGD(net.parameters(), lr=run["lr"], momentum=run["momentum"])
+
+
+def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress):
+    """One pass over (x, y) in the order batches(seed, epoch); returns (mean loss, images, s)."""
+    net.train()
+    total = zeros((1,), device)
+    seen = 0
+    t0 = time.perf_counter()
+    try:
+        for idx in _data.batches(len(x), batch_size, seed, epoch):
+            xb = Tensor(x[idx], device)
+            yb = Tensor(y[idx].astype(np.float32), device)
+            logits = net(xb)
+            loss = cross_entropy(logits, yb)
+            grad = cross_entropy_backward(logits, yb)
+            opt.zero_grad()
+            net.backward(grad).close()
+            opt.step()
+            loss.mul_(float(len(idx)))
+            total.add_(loss)
+            seen += len(idx)
+            for t in (xb, yb, logits, loss, grad):
+                t.close()
+            progress.update(len(idx), total.item() / seen if progress.wants_loss() else None)
+        mean_loss = total.item() / max(seen, 1)  # reading it waits for the device
+        return mean_loss, seen, time.perf_counter() - t0
+    finally:
+        total.close()
+
+
+def evaluate(net, x, y, batch_size, device):
+    """(mean cross-entropy, accuracy) over (x, y) in eval mode (BatchNorm running statistics)."""
+    net.eval()
+    loss_sum, correct = 0.0, 0
+    try:
+        for i in range(0, len(x), batch_size):
+            xb = Tensor(x[i:i + batch_size], device)
+            yb = y[i:i + batch_size]
+            logits = net(xb)
+            loss = cross_entropy(logits, yb)
+            loss_sum += loss.item() * len(yb)
+            correct += int((logits.numpy().argmax(axis=1) == yb).sum())
+            for t in (xb, logits, loss):
+                t.close()
+    finally:
+        net.train()
+    return loss_sum / max(len(x), 1), correct / max(len(x), 1)
+
+
+def plot_history(history, path, title=""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(ep, [h["train_loss"] for h in history], "o-", label="train")
+    a.plot(ep, [h["test_loss"] for h in history], "s-", label="test")
+    a.set_xlabel("epoch")
+    a.set_ylabel("cross-entropy")
+    a.set_yscale("log")
+    a.set_title("loss")
+    a.legend()
+    a.grid(True, alpha=0.3)
+    b.plot(ep, [100.0 * h["test_acc"] for h in history], "o-", color="C2")
+    b.set_xlabel("epoch")
+    b.set_ylabel("test accuracy (%)")
+    b.set_title("accuracy")
+    b.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _check_plot_available():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise _UsageError("--plot needs matplotlib, which is not installed: run `%s` (or "
+                          "`pip install matplotlib`)" % _data.EXTRA_HINT) from None
+
+
+def _run(args, out):
+    def say(*a):
+        if not args.quiet:
+            print(*a, file=out, flush=True)
+
+    # device
+    device = args.device or ("cuda" if cuda_available() else "cpu")
+    if device == "cuda" and not cuda_available():
+        raise _UsageError("--device cuda: no CUDA GPU is available (the library was built "
+                          "without CUDA or no GPU is present); use --device cpu")
+    if args.plot:
+        _check_plot_available()
+    if args.threads is not None:
+        set_num_threads(args.threads)
+
+    # settings, checkpoint
+    resumed = None
+    if args.resume:
+        resumed = load_checkpoint(args.resume)
+        run = _resolve(args, resumed[0].get("run", {}))
+    else:
+        run = _resolve(args)
+    epochs = args.epochs
+    ckpt_path = None
+    if not args.no_checkpoint:
+        ckpt_path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
+
+    # data
+    ds = _data.load_npz(run["data"]) if run["data"] else _data.load_digits()
+    data_info = {"name": ds.name, "image_shape": list(ds.image_shape),
+                 "num_classes": ds.num_classes, "n_train": len(ds.x_train),
+                 "n_test": len(ds.x_test)}
+    if resumed is not None:
+        saved = resumed[0].get("data_info", {})
+        for k in ("image_shape", "num_classes", "n_train", "n_test"):
+            if saved.get(k) != data_info[k]:
+                raise CheckpointError("the data differ from the checkpoint's: %s is %s now, %s "
+                                      "in the checkpoint" % (k, data_info[k], saved.get(k)))
+
+    # model and optimizer
+    _seed_library(run["seed"])
+    net = _mn.build_mobilenet(ds.in_channels, ds.num_classes, run["width"], device=device)
+    opt = _make_optimizer(run, net)
+    history, start = [], 0
+    try:
+        if resumed is not None:
+            meta, model_state, optim_state = resumed
+            try:
+                _mn.load_state_dict(net, model_state)
+            except (KeyError, ValueError) as e:
+                raise CheckpointError("%s: the weights do not fit the network: %s"
+                                      % (args.resume, e)) from None
+            load_optimizer_state(opt, optim_state, [k for k, _ in _mn.named_parameters(net)])
+            history = list(meta.get("history", []))
+            start = int(meta["epoch"])
+        return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history,
+                           ckpt_path, say, out)
+    finally:
+        opt.close()
+        net.close()
+
+
+def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history, ckpt_path,
+                say, out):
+    say("%s" % ds.describe())
+    say("model: depthwise-separable CNN, width %d, %d parameters, on %s (%d CPU threads)"
+        % (run["width"], _mn.count_parameters(net), device, get_num_threads()))
+    say("%s lr %g (%s), batch %d, seed %d%s" % (
+        run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
+        ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else ""))
+    if start:
+        say("resumed from %s after epoch %d" % (args.resume, start))
+    if start >= epochs:
+        say("the checkpoint has %d epochs done already; nothing to train (raise --epochs)" % start)
+    t_start = time.perf_counter()
+    train_images, train_seconds = 0, 0.0
+    show_progress = not (args.no_progress or args.quiet)
+    epoch = start
+    try:
+        for epoch in range(start, epochs):
+            opt.lr = _lr_at(run, epoch, epochs)
+            bar = _Progress(len(ds.x_train), "epoch %d/%d" % (epoch + 1, epochs), show_progress)
+            try:
+                loss, n, secs = train_epoch(net, opt, ds.x_train, ds.y_train, run["batch_size"],
+                                            run["seed"], epoch, device, bar)
+            finally:
+                bar.close()
+            test_loss, acc = evaluate(net, ds.x_test, ds.y_test, args.eval_batch_size, device)
+            train_images += n
+            train_seconds += secs
+            rec = {"epoch": epoch + 1, "train_loss": loss, "test_loss": test_loss,
+                   "test_acc": acc, "images_per_s": n / max(secs, 1e-9), "seconds": secs,
+                   "lr": opt.lr, "device": device}
+            history.append(rec)
+            say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%  %7.0f img/s  "
+                "(%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc,
+                              rec["images_per_s"], secs))
+            if ckpt_path:
+                save_checkpoint(ckpt_path, net, opt, {
+                    "epoch": epoch + 1, "run": run, "epochs": epochs, "history": history,
+                    "data_info": data_info})
+    except KeyboardInterrupt:
+        print("\ninterrupted during epoch %d%s" % (
+            epoch + 1, "; continue with: %s --resume %s --epochs %d"
+            % (PROG, ckpt_path, epochs) if ckpt_path and history else ""), file=sys.stderr)
+        if args.plot and history:
+            plot_history(history, args.plot, ds.name)
+        return 130
+    total = time.perf_counter() - t_start
+    if history:
+        last = history[-1]
+        rate = train_images / train_seconds if train_seconds else float("nan")
+        msg = "final test accuracy %.2f%% after %d epochs" % (100 * last["test_acc"], last["epoch"])
+        if train_images:
+            msg += " (%.1f s, %.0f img/s training on %s)" % (total, rate, device)
+        print(msg, file=out, flush=True)
+    if ckpt_path and epochs > start:
+        say("checkpoint: %s" % ckpt_path)
+    if args.plot and history:
+        plot_history(history, args.plot, ds.name)
+        say("curves: %s" % args.plot)
+    return 0
+
+
+def main(argv=None, out=None):
+    """Run the program; returns the exit status (0: trained; 2: bad usage, data or checkpoint)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with status 2 on bad flags
+    out = out or sys.stdout
+    try:
+        return _run(args, out)
+    except (_UsageError, _data.DataError, CheckpointError) as e:
+        print("%s: error: %s" % (PROG, e), file=sys.stderr)
+        return 2
+    except UtensilError as e:
+        print("%s: error: %s" % (PROG, e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
