@@ -1,0 +1,168 @@
+"""Gradient checks: every op with a backward, on every present device, against finite differences.
+
+For each case, utensil's analytic gradients (float32 backward) of L = sum(op(inputs) * go), with
+respect to every differentiable input (x, weight, bias; pred/logits for the losses), are compared
+with:
+
+  fd64  central differences (eps 1e-6) of an exact float64 numpy forward: the gradient is right;
+  fd32  central differences (eps 1e-2) of utensil's own float32 forward: forward and backward of
+        the library are consistent with each other;
+
+and, on a GPU, output and gradients against the CPU. Errors are normalized, ||a - b|| / ||b||,
+with the bounds of utensil_ffi.selftest.BOUNDS (fd64 <= 1e-4, fd32 <= 1e-3, forward and vs cpu
+<= 1e-4). The float64 forward used for fd64 lives in utensil_ffi.selftest; it is checked here
+against the independent references in tests/numpy_ref.py, so the two cannot share a mistake.
+
+Shapes are small (FD costs two forwards per input element) and cover batch > 1, stride 1 and 2,
+padding 0..2, kh != kw, 1x1 kernels and odd sizes; a hypothesis test adds random conv geometries.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import numpy_ref as R
+import utensil_ffi as ut
+from utensil_ffi import selftest as S
+
+EXAMPLES = int(os.environ.get("UTENSIL_HYPOTHESIS_EXAMPLES", "10"))
+
+# (N, C, O, H, W, kh, kw, stride, pad)
+CONV = [
+    (2, 2, 3, 5, 6, 3, 2, 1, 0),
+    (2, 3, 2, 6, 5, 2, 3, 2, 1),
+    (3, 2, 2, 7, 7, 3, 3, 2, 2),
+    (2, 1, 2, 4, 5, 1, 3, 1, 2),
+    (2, 2, 2, 5, 5, 1, 1, 2, 0),
+    (2, 2, 3, 3, 4, 2, 2, 1, 1),
+]
+
+CASES = (
+    [("conv2d", dict(n=n, c=c, o=o, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
+     for n, c, o, h, w, kh, kw, s, p in CONV]
+    + [("dwconv2d", dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
+       for n, c, o, h, w, kh, kw, s, p in CONV]
+    + [("batchnorm2d", dict(n=2, c=3, h=3, w=4)), ("batchnorm2d", dict(n=3, c=2, h=1, w=1)),
+       ("batchnorm2d", dict(n=2, c=1, h=5, w=3))]
+    + [("layernorm", dict(shape=(3, 7))), ("layernorm", dict(shape=(2, 3, 5))),
+       ("layernorm", dict(shape=(4, 3)))]  # not D = 2: the output is then +-1 whatever x is,
+    # dx is ~eps/var (1e-5) and float32 cancellation dominates any normalized error
+    + [("linear", dict(n=3, i=5, o=4)), ("linear", dict(n=1, i=1, o=3)),
+       ("linear", dict(n=4, i=9, o=2))]
+    + [("global_avg_pool2d", dict(n=2, c=3, h=5, w=3)),
+       ("global_avg_pool2d", dict(n=3, c=2, h=1, w=4))]
+    + [("relu", dict(shape=(2, 3, 4))), ("relu", dict(shape=(7,)))]
+    + [("relu6", dict(shape=(2, 3, 4))), ("relu6", dict(shape=(3, 11)))]
+    + [("softmax_cross_entropy", dict(n=4, k=5)), ("softmax_cross_entropy", dict(n=1, k=2)),
+       ("softmax_cross_entropy", dict(n=6, k=3))]
+    + [("mse_loss", dict(shape=(3, 5))), ("mse_loss", dict(shape=(2, 2, 3)))]
+)
+
+
+def _id(case):
+    op, g = case
+    return op + "-" + "_".join("%s%s" % (k, v if not isinstance(v, tuple) else "x".join(map(str, v)))
+                               for k, v in g.items())
+
+
+def _numpy_ref(case):
+    """The independent tests/numpy_ref.py forward for a selftest Case (float64 inputs)."""
+    op = case.op
+    if op == "conv2d":
+        return lambda a, s, p: R.conv2d(a["x"], a["w"], a["b"], s, p)
+    if op == "dwconv2d":
+        return lambda a, s, p: R.dwconv2d(a["x"], a["w"], a["b"], s, p)
+    return {
+        "batchnorm2d": lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], 1e-5)[0],
+        "layernorm": lambda a: R.layernorm(a["x"], a["w"], a["b"], 1e-5),
+        "linear": lambda a: R.linear(a["x"], a["w"], a["b"]),
+        "global_avg_pool2d": lambda a: R.avgpool(a["x"]),
+        "relu": lambda a: R.relu(a["x"]),
+        "relu6": lambda a: R.relu6(a["x"]),
+    }.get(op)
+
+
+def _check(case, device, seed):
+    # The float64 forward the fd64 check differentiates agrees with tests/numpy_ref.py.
+    a64 = {k: v.astype(np.float64) for k, v in case.inputs.items()}
+    ref = _numpy_ref(case)
+    if ref is not None:
+        if case.op in ("conv2d", "dwconv2d"):
+            s, p = case._geom
+            other = ref(a64, s, p)
+        else:
+            other = ref(a64)
+        np.testing.assert_allclose(case.ref(a64), other, rtol=1e-12, atol=1e-12)
+
+    cpu = None
+    if device != "cpu":
+        _, cpu = S.check_case(case, "cpu", np.random.default_rng(seed), fd32=False)
+    errs, _ = S.check_case(case, device, np.random.default_rng(seed), cpu_results=cpu)
+    bad = {k: e for k, e in errs.items() if not e <= S.BOUNDS[k]}
+    assert not bad, "%s on %s: %s exceed the bounds %s (all: %s)" % (case, device, bad, S.BOUNDS, errs)
+    assert set(errs) >= {"forward", "fd64", "fd32"}
+
+
+def _make(op, geom, seed):
+    case = S.make_case(op, np.random.default_rng(seed), **geom)
+    if op in ("conv2d", "dwconv2d"):
+        case._geom = (geom["stride"], geom["pad"])
+    return case
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_gradcheck(device, case):
+    op, geom = case
+    _check(_make(op, geom, 1234), device, 99)
+
+
+def test_every_op_with_a_backward_is_covered():
+    assert {op for op, _ in CASES} == set(S.CASES) == {
+        "conv2d", "dwconv2d", "batchnorm2d", "layernorm", "linear", "global_avg_pool2d", "relu",
+        "relu6", "softmax_cross_entropy", "mse_loss"}
+    geoms = [g for op, g in CASES if op == "conv2d"]
+    assert {g["stride"] for g in geoms} >= {1, 2}
+    assert {g["pad"] for g in geoms} >= {0, 1, 2}
+    assert any(g["kh"] != g["kw"] for g in geoms)
+    assert all(g["n"] > 1 for g in geoms)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(op=st.sampled_from(["conv2d", "dwconv2d"]), n=st.integers(1, 3), c=st.integers(1, 3),
+       o=st.integers(1, 3), h=st.integers(1, 6), w=st.integers(1, 6), kh=st.integers(1, 3),
+       kw=st.integers(1, 3), s=st.integers(1, 2), p=st.integers(0, 2), seed=st.integers(0, 2**31))
+def test_gradcheck_random_conv_geometry(device, op, n, c, o, h, w, kh, kw, s, p, seed):
+    if h + 2 * p < kh or w + 2 * p < kw:
+        return  # not a valid geometry (tests/test_properties.py checks that it raises)
+    geom = dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p)
+    if op == "conv2d":
+        geom["o"] = o
+    _check(_make(op, geom, seed), device, seed + 1)
+
+
+@pytest.mark.parametrize("factor", [1.001, 0.0])
+def test_gradcheck_detects_a_wrong_gradient(factor):
+    """The check has teeth: a gradient off by 0.1% (or zeroed) fails the fd64 bound."""
+    case = _make("conv2d", dict(n=2, c=2, o=2, h=4, w=4, kh=3, kw=2, stride=1, pad=1), 7)
+    opener = case._opener
+
+    def broken(dev):
+        r = opener(dev)
+        bwd = r.backward
+
+        def backward(inputs, go):
+            y, g = bwd(inputs, go)
+            g["w"] = g["w"] * factor
+            return y, g
+
+        r.backward = backward
+        return r
+
+    case._opener = broken
+    errs, _ = S.check_case(case, "cpu", np.random.default_rng(0))
+    assert errs["fd64"] > S.BOUNDS["fd64"]
+    assert errs["fd32"] > S.BOUNDS["fd32"] or factor != 0.0

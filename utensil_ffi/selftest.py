@@ -1,0 +1,520 @@
+"""Self-check of this installation: every op on every present device, against finite differences.
+
+    python -m utensil_ffi.selftest [--device cpu|cuda] [--seed N] [--quiet]
+
+Run it after installing on new hardware, a new driver or a new build. For each op with a
+backward and each device that is present it checks, on small random inputs (batch > 1, odd
+sizes, stride 2, padding, kh != kw):
+
+  forward   the op's output against an exact float64 numpy implementation in this file;
+  fd64      the analytic gradients (utensil's float32 backward) against central finite
+            differences of that float64 implementation (eps 1e-6): the gradient is right;
+  fd32      the same gradients against central differences of utensil's OWN float32 forward
+            (eps 1e-2): forward and backward of the build agree with each other;
+  vs cpu    (GPU only) output and gradients against the same op on the CPU.
+
+Each number is a normalized error ||got - want||_2 / ||want||_2, the worst over the op's
+outputs and gradients (x, weight, bias). The bounds are in BOUNDS below. It prints one table
+and exits 0 if every row passes, 1 otherwise. It needs only numpy and the library itself.
+
+The case builders (CASES, make_case) are also used by the test suite (tests/test_gradcheck.py).
+"""
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["BOUNDS", "CASES", "Case", "make_case", "default_cases", "check_case", "nerr", "main"]
+
+# Normalized-error bounds for each check. float32 arithmetic on these small shapes is accurate to
+# ~1e-6; fd32 is limited by float32 rounding in the forward, divided by the 2*eps step.
+BOUNDS = {"forward": 1e-4, "fd64": 1e-4, "fd32": 1e-3, "vs cpu": 1e-4}
+FD64_EPS = 1e-6
+FD32_EPS = 1e-2
+
+
+def nerr(got, want):
+    """||got - want||_2 / ||want||_2 (absolute error when want is all zeros)."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return math.inf
+    num = float(np.linalg.norm((got - want).ravel()))
+    den = float(np.linalg.norm(want.ravel()))
+    if not math.isfinite(num):
+        return math.inf
+    return num / den if den > 0 else num
+
+
+# -- float64 numpy references (self-contained on purpose: this module must not need the tests) --
+def _pad(x, p):
+    return np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+
+
+def _taps(kh, kw, s, ho, wo):
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, slice(i, i + s * (ho - 1) + 1, s), slice(j, j + s * (wo - 1) + 1, s)
+
+
+def ref_conv2d(x, w, b, s, p):
+    kh, kw = w.shape[2:]
+    ho = (x.shape[2] + 2 * p - kh) // s + 1
+    wo = (x.shape[3] + 2 * p - kw) // s + 1
+    xp = _pad(x, p)
+    y = np.zeros((x.shape[0], w.shape[0], ho, wo))
+    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
+        y += np.einsum("nchw,oc->nohw", xp[:, :, si, sj], w[:, :, i, j])
+    return y + b[None, :, None, None]
+
+
+def ref_dwconv2d(x, w, b, s, p):
+    kh, kw = w.shape[1:]
+    ho = (x.shape[2] + 2 * p - kh) // s + 1
+    wo = (x.shape[3] + 2 * p - kw) // s + 1
+    xp = _pad(x, p)
+    y = np.zeros((x.shape[0], x.shape[1], ho, wo))
+    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
+        y += xp[:, :, si, sj] * w[None, :, i, j, None, None]
+    return y + b[None, :, None, None]
+
+
+def ref_linear(x, w, b):
+    return x @ w.T + b
+
+
+def ref_layernorm(x, w, b, eps):
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def ref_batchnorm2d_train(x, w, b, eps):
+    mu = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=(0, 2, 3), keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w[None, :, None, None] + b[None, :, None, None]
+
+
+def ref_avgpool(x):
+    return x.mean(axis=(2, 3))
+
+
+def ref_relu(x):
+    return np.maximum(x, 0.0)
+
+
+def ref_relu6(x):
+    return np.clip(x, 0.0, 6.0)
+
+
+def ref_mse(pred, target):
+    return np.array([np.mean((pred - target) ** 2)])
+
+
+def ref_cross_entropy(z, labels):
+    z = z - z.max(axis=1, keepdims=True)
+    ls = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return np.array([-ls[np.arange(len(labels)), labels].mean()])
+
+
+# -- cases ----------------------------------------------------------------------------------------
+class Case:
+    """One op on one set of inputs.
+
+    ``inputs``: name -> float32 array, the differentiable inputs (x, w, b or pred/logits);
+    ``ref(inputs64)``: the float64 forward; ``open(device)``: a runner with
+    ``forward(inputs) -> y`` and ``backward(inputs, go) -> (y, {name: grad})``, then ``close()``.
+    """
+
+    def __init__(self, op, desc, inputs, ref, opener):
+        self.op = op
+        self.desc = desc
+        self.inputs = inputs
+        self.ref = ref
+        self._opener = opener
+
+    def open(self, device):
+        return self._opener(device)
+
+    def __repr__(self):
+        return "Case(%s %s)" % (self.op, self.desc)
+
+
+class _Runner:
+    """Holds a layer for repeated forward/backward calls with given parameter values."""
+
+    def __init__(self, layer, device, names=("x", "w", "b")):
+        self.layer = layer
+        self.device = device
+        self.names = names
+
+    def _load(self, inputs):
+        import utensil_ffi as ut
+
+        if "w" in inputs:
+            self.layer.weight.copy_from(inputs["w"])
+        if "b" in inputs and self.layer.bias is not None:
+            self.layer.bias.copy_from(inputs["b"])
+        return ut.tensor(inputs["x"], self.device)
+
+    def forward(self, inputs):
+        x = self._load(inputs)
+        with x, self.layer(x) as y:
+            return y.numpy().astype(np.float64)
+
+    def backward(self, inputs, go):
+        import utensil_ffi as ut
+
+        x = self._load(inputs)
+        self.layer.zero_grad()
+        with x, self.layer(x) as y, ut.tensor(go, self.device) as g:
+            out = y.numpy().astype(np.float64)
+            with self.layer.backward(g) as dx:
+                grads = {"x": dx.numpy().astype(np.float64)}
+        if "w" in inputs:
+            grads["w"] = self.layer.weight.grad.numpy().astype(np.float64)
+        if "b" in inputs:
+            grads["b"] = self.layer.bias.grad.numpy().astype(np.float64)
+        return out, grads
+
+    def close(self):
+        self.layer.close()
+
+
+class _FnRunner:
+    """For ops without parameters: fwd(x_tensor) -> Tensor, bwd(go_tensor, x_tensor) -> Tensor."""
+
+    def __init__(self, device, fwd, bwd):
+        self.device, self.fwd, self.bwd = device, fwd, bwd
+
+    def forward(self, inputs):
+        import utensil_ffi as ut
+
+        with ut.tensor(inputs["x"], self.device) as x, self.fwd(x) as y:
+            return y.numpy().astype(np.float64)
+
+    def backward(self, inputs, go):
+        import utensil_ffi as ut
+
+        with ut.tensor(inputs["x"], self.device) as x, self.fwd(x) as y:
+            out = y.numpy().astype(np.float64)
+            with ut.tensor(go, self.device) as g, self.bwd(g, x) as dx:
+                return out, {"x": dx.numpy().astype(np.float64)}
+
+    def close(self):
+        pass
+
+
+def _f32(rng, *shape, scale=1.0, shift=0.0):
+    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
+
+
+def _away_from(x, points, gap):
+    """Move values within `gap` of any kink in `points` out to distance `gap` (so FD is smooth)."""
+    x = x.copy()
+    for p in points:
+        d = x - p
+        near = np.abs(d) < gap
+        x[near] = p + np.where(d[near] >= 0, gap, -gap)
+    return x
+
+
+def case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
+    import utensil_ffi as ut
+
+    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, o, c, kh, kw, scale=0.5), "b": _f32(rng, o)}
+    return Case(
+        "conv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d o%d" % (n, c, h, w, kh, kw, stride, pad, o), inputs,
+        lambda a: ref_conv2d(a["x"], a["w"], a["b"], stride, pad),
+        lambda dev: _Runner(ut.Conv2d(c, o, (kh, kw), stride=stride, padding=pad, device=dev), dev))
+
+
+def case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
+    import utensil_ffi as ut
+
+    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, c, kh, kw, scale=0.5), "b": _f32(rng, c)}
+    return Case(
+        "dwconv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d" % (n, c, h, w, kh, kw, stride, pad), inputs,
+        lambda a: ref_dwconv2d(a["x"], a["w"], a["b"], stride, pad),
+        lambda dev: _Runner(ut.DWConv2d(c, (kh, kw), stride=stride, padding=pad, device=dev), dev))
+
+
+def case_linear(rng, n=3, i=5, o=4):
+    import utensil_ffi as ut
+
+    inputs = {"x": _f32(rng, n, i), "w": _f32(rng, o, i, scale=0.5), "b": _f32(rng, o)}
+    return Case("linear", "x[%d,%d] o%d" % (n, i, o), inputs,
+                lambda a: ref_linear(a["x"], a["w"], a["b"]),
+                lambda dev: _Runner(ut.Linear(i, o, device=dev), dev))
+
+
+def case_layernorm(rng, shape=(3, 2, 7), eps=1e-5):
+    import utensil_ffi as ut
+
+    d = shape[-1]
+    inputs = {"x": _f32(rng, *shape, scale=2.0, shift=0.5), "w": _f32(rng, d, shift=1.0),
+              "b": _f32(rng, d)}
+    return Case("layernorm", "x%s" % (list(shape),), inputs,
+                lambda a: ref_layernorm(a["x"], a["w"], a["b"], eps),
+                lambda dev: _Runner(ut.LayerNorm(d, eps=eps, device=dev), dev))
+
+
+def case_batchnorm2d(rng, n=2, c=3, h=3, w=4, eps=1e-5):
+    import utensil_ffi as ut
+
+    inputs = {"x": _f32(rng, n, c, h, w, scale=2.0, shift=0.5), "w": _f32(rng, c, shift=1.0),
+              "b": _f32(rng, c)}
+    return Case("batchnorm2d", "train x[%d,%d,%d,%d]" % (n, c, h, w), inputs,
+                lambda a: ref_batchnorm2d_train(a["x"], a["w"], a["b"], eps),
+                lambda dev: _Runner(ut.BatchNorm2d(c, eps=eps, device=dev).train(), dev))
+
+
+def case_global_avg_pool2d(rng, n=2, c=3, h=5, w=3):
+    import utensil_ffi as ut
+
+    def bwd(g, x):
+        return ut.global_avg_pool2d_backward(g, h, w)
+
+    return Case("global_avg_pool2d", "x[%d,%d,%d,%d]" % (n, c, h, w), {"x": _f32(rng, n, c, h, w)},
+                lambda a: ref_avgpool(a["x"]),
+                lambda dev: _FnRunner(dev, ut.global_avg_pool2d, bwd))
+
+
+def case_relu(rng, shape=(2, 3, 4)):
+    import utensil_ffi as ut
+
+    x = _away_from(_f32(rng, *shape, scale=2.0), [0.0], 0.05)
+    return Case("relu", "x%s" % (list(shape),), {"x": x}, lambda a: ref_relu(a["x"]),
+                lambda dev: _FnRunner(dev, ut.relu, ut.relu_backward))
+
+
+def case_relu6(rng, shape=(2, 3, 4)):
+    import utensil_ffi as ut
+
+    x = rng.uniform(-2.0, 8.0, size=shape).astype(np.float32)
+    x = _away_from(x, [0.0, 6.0], 0.05)
+    return Case("relu6", "x%s" % (list(shape),), {"x": x}, lambda a: ref_relu6(a["x"]),
+                lambda dev: _FnRunner(dev, ut.relu6, ut.relu6_backward))
+
+
+def case_mse(rng, shape=(3, 5)):
+    import utensil_ffi as ut
+
+    target = _f32(rng, *shape)
+
+    def fwd(p):
+        return ut.mse_loss(p, target)
+
+    def bwd(g, p):  # the loss backward is d loss / d pred; chain with the upstream scalar
+        d = ut.mse_loss_backward(p, target)
+        return d.mul_(float(g.numpy().reshape(-1)[0]))
+
+    return Case("mse_loss", "pred%s" % (list(shape),), {"x": _f32(rng, *shape)},
+                lambda a: ref_mse(a["x"], target.astype(np.float64)),
+                lambda dev: _FnRunner(dev, fwd, bwd))
+
+
+def case_cross_entropy(rng, n=4, k=5):
+    import utensil_ffi as ut
+
+    labels = rng.integers(0, k, size=n)
+
+    def fwd(z):
+        return ut.cross_entropy(z, labels)
+
+    def bwd(g, z):
+        d = ut.cross_entropy_backward(z, labels)
+        return d.mul_(float(g.numpy().reshape(-1)[0]))
+
+    return Case("softmax_cross_entropy", "logits[%d,%d]" % (n, k), {"x": _f32(rng, n, k, scale=2.0)},
+                lambda a: ref_cross_entropy(a["x"], labels),
+                lambda dev: _FnRunner(dev, fwd, bwd))
+
+
+CASES = {
+    "conv2d": case_conv2d,
+    "dwconv2d": case_dwconv2d,
+    "batchnorm2d": case_batchnorm2d,
+    "layernorm": case_layernorm,
+    "linear": case_linear,
+    "global_avg_pool2d": case_global_avg_pool2d,
+    "relu": case_relu,
+    "relu6": case_relu6,
+    "softmax_cross_entropy": case_cross_entropy,
+    "mse_loss": case_mse,
+}
+
+
+def make_case(op, rng, **geometry):
+    return CASES[op](rng, **geometry)
+
+
+def default_cases(rng):
+    """The self-check's cases: one or two geometries per op (stride 1 and 2, padding, kh != kw)."""
+    return [
+        case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
+        case_conv2d(rng, n=2, c=2, o=3, h=5, w=5, kh=2, kw=3, stride=1, pad=2),
+        case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
+        case_dwconv2d(rng, n=2, c=2, h=5, w=4, kh=3, kw=3, stride=1, pad=0),
+        case_batchnorm2d(rng),
+        case_layernorm(rng),
+        case_linear(rng),
+        case_global_avg_pool2d(rng),
+        case_relu(rng),
+        case_relu6(rng),
+        case_cross_entropy(rng),
+        case_mse(rng),
+    ]
+
+
+# -- the checks -----------------------------------------------------------------------------------
+def _fd(f, inputs, names, go, eps, dtype):
+    """Central differences of sum(f(inputs) * go) with respect to each input in `names`."""
+    out = {}
+    for name in names:
+        base = inputs[name]
+        g = np.zeros(base.shape, dtype=np.float64)
+        flat = g.reshape(-1)
+        for i in range(base.size):
+            vals = []
+            for step in (eps, -eps):
+                a = dict(inputs)
+                v = base.copy().reshape(-1)
+                v[i] = v[i] + dtype(step)
+                a[name] = v.reshape(base.shape)
+                vals.append(float(np.sum(np.asarray(f(a), dtype=np.float64) * go)))
+            # the step actually taken in `dtype` (v[i] +- eps is rounded)
+            b = base.reshape(-1)[i]
+            h = float(dtype(b + dtype(eps))) - float(dtype(b - dtype(eps)))
+            flat[i] = (vals[0] - vals[1]) / h
+        out[name] = g
+    return out
+
+
+def check_case(case, device, rng=None, fd32=True, cpu_results=None):
+    """Run the checks on one case and device -> {check: normalized error} (and the results).
+
+    Returns (errors, results) where results = (y, grads) of this device, reusable as
+    ``cpu_results`` for another device's "vs cpu" check.
+    """
+    rng = rng if rng is not None else np.random.default_rng(0)
+    inputs = case.inputs
+    names = list(inputs)
+    inputs64 = {k: v.astype(np.float64) for k, v in inputs.items()}
+    y_ref = case.ref(inputs64)
+    go = rng.standard_normal(y_ref.shape)
+    go32 = go.astype(np.float32)
+    go = go32.astype(np.float64)
+    errs = {}
+    runner = case.open(device)
+    try:
+        y, grads = runner.backward(inputs, go32)
+        errs["forward"] = nerr(y, y_ref)
+        fd = _fd(case.ref, inputs64, names, go, FD64_EPS, np.float64)
+        errs["fd64"] = max(nerr(grads[k], fd[k]) for k in names)
+        if fd32:
+            fd = _fd(runner.forward, inputs, names, go, FD32_EPS, np.float32)
+            errs["fd32"] = max(nerr(grads[k], fd[k]) for k in names)
+        if cpu_results is not None:
+            cy, cg = cpu_results
+            errs["vs cpu"] = max([nerr(y, cy)] + [nerr(grads[k], cg[k]) for k in names])
+    finally:
+        runner.close()
+    return errs, (y, grads)
+
+
+def _passed(errs):
+    return all(e <= BOUNDS[k] for k, e in errs.items())
+
+
+def _fmt(e):
+    return "-" if e is None else ("%.1e" % e if math.isfinite(e) else "inf")
+
+
+def run(devices=None, seed=0, fd32=True, out=None):
+    """Check every case on every device; print the table to `out` (stdout); return the rows."""
+    import utensil_ffi as ut
+
+    out = out if out is not None else sys.stdout
+
+    devices = devices or ut.devices()
+    rows = []
+    cols = ["forward", "fd64", "fd32", "vs cpu"]
+    head = "%-22s %-6s %-26s " % ("op", "device", "case") + " ".join("%-8s" % c for c in cols)
+    head += " %-9s %s" % ("max err", "result")
+    print("utensil self-check: library %s, backends: %s, CPU threads: %d" % (
+        ut.library_path, ", ".join("%s->%s" % (d, _backend(d)) for d in devices),
+        ut.get_num_threads()), file=out)
+    print("bounds (normalized error ||got-want||/||want||): %s" % ", ".join(
+        "%s <= %g" % kv for kv in BOUNDS.items()), file=out)
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    cases = default_cases(np.random.default_rng(seed))
+    for case in cases:
+        cpu_res = None
+        for dev in (["cpu"] + [d for d in devices if d != "cpu"]):
+            if dev not in devices and dev != "cpu":
+                continue
+            err_msg = None
+            try:
+                errs, res = check_case(case, dev, np.random.default_rng(seed + 1), fd32=fd32,
+                                       cpu_results=cpu_res if dev != "cpu" else None)
+                if dev == "cpu":
+                    cpu_res = res
+            except Exception as e:  # a failing op is a row, not the end of the check
+                errs, err_msg = {}, "%s: %s" % (type(e).__name__, e)
+            if dev not in devices:
+                continue
+            ok = err_msg is None and _passed(errs)
+            worst = max(errs.values()) if errs else math.inf
+            line = "%-22s %-6s %-26s " % (case.op, dev, case.desc[:26])
+            line += " ".join("%-8s" % _fmt(errs.get(c)) for c in cols)
+            line += " %-9s %s" % (_fmt(worst), "pass" if ok else "FAIL")
+            if err_msg:
+                line += "  (%s)" % err_msg[:200]
+            print(line, file=out)
+            rows.append({"op": case.op, "case": case.desc, "device": dev, "errors": errs,
+                         "max": worst, "passed": ok, "error": err_msg})
+    return rows
+
+
+def _backend(dev):
+    from ._lib import ffi, lib
+
+    return ffi.string(lib.ut_backend_name(lib.UT_CUDA if dev == "cuda" else lib.UT_CPU)).decode()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m utensil_ffi.selftest", description=__doc__.split("\n")[0])
+    p.add_argument("--device", action="append", choices=["cpu", "cuda"],
+                   help="check only this device (repeatable; default: every present device)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--no-fd32", action="store_true", help="skip the float32 self-consistency check")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        import utensil_ffi as ut
+    except ImportError as e:
+        print("utensil self-check: cannot load the library: %s" % e)
+        return 2
+    devices = args.device or ut.devices()
+    missing = [d for d in devices if d not in ut.devices()]
+    if missing:
+        print("utensil self-check: device(s) not present: %s (present: %s)" % (
+            ", ".join(missing), ", ".join(ut.devices())))
+        return 2
+    rows = run(devices, seed=args.seed, fd32=not args.no_fd32)
+    bad = [r for r in rows if not r["passed"]]
+    per_dev = {d: len({r["op"] for r in rows if r["device"] == d}) for d in devices}
+    print("%d rows, %d failed; ops checked per device: %s; %.1f s" % (
+        len(rows), len(bad), ", ".join("%s %d" % kv for kv in per_dev.items()),
+        time.perf_counter() - t0))
+    print("RESULT: %s" % ("PASS" if not bad else "FAIL"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
