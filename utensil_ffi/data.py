@@ -152,11 +152,17 @@ def load_npz(path):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DataError("%s: no such file" % path)
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":
+        raise DataError("%s: a single array (.npy), not an .npz archive with %s; save them with "
+                        "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)"
+                        % (path, ", ".join(KEYS)))
+    if not magic.startswith(b"PK"):
+        raise DataError("%s: not a readable .npz file (not a zip archive); save the arrays with "
+                        "numpy.savez" % path)
     try:
         with np.load(path, allow_pickle=False) as f:
-            if not hasattr(f, "files"):
-                raise DataError("%s: a single array, not an .npz archive with %s"
-                                % (path, ", ".join(KEYS)))
             missing = [k for k in KEYS if k not in f.files]
             if missing:
                 raise DataError("%s: missing array(s) %s; the file must hold %s (it has: %s)"
