@@ -40,7 +40,8 @@ def no_leaked_tensors(request):
         return
     gc.collect()
     after = ut.live_tensors()
-    assert after == before, "test leaked %d C tensors" % (after - before)
+    # only growth counts: garbage of an earlier (failed) test may be collected during this one
+    assert after <= before, "test leaked %d C tensors" % (after - before)
 
 
 @pytest.hookimpl(hookwrapper=True)
