@@ -12,6 +12,8 @@ recorded as a finding; a crash of the interpreter shows as the child's exit by a
 
 Without a GPU the address space is capped (RLIMIT_AS, +4 GiB over the start) so that huge but
 valid sizes (2**31 - 1 elements = 8 GiB) fail as MemoryError instead of swapping the machine.
+Under ASan (LD_PRELOAD of libasan) the cap is ASan's:
+ASAN_OPTIONS=allocator_may_return_null=1:max_allocation_size_mb=2048.
 
 The last line of stdout is a JSON report: cases run, findings, live C tensors before and after.
 """
@@ -68,6 +70,8 @@ def first_param(layer):
 def _cap_address_space():
     if ut.cuda_available():
         return None  # the CUDA runtime needs a large address space
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        return None  # ASan maps terabytes of shadow; its own cap: max_allocation_size_mb
     with open("/proc/self/statm") as f:
         vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     cap = vm + (4 << 30)

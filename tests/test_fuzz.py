@@ -85,7 +85,7 @@ def test_fuzz_child_reports_a_crash():
     """The harness itself: a child killed by a signal is seen as a failure, not a pass."""
     r = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
                        capture_output=True)
-    assert r.returncode == -11
+    assert r.returncode != 0  # -11; under ASan its SEGV handler exits with 1 instead
 
 
 # -- the bugs the fuzzer found, reproduced (strict xfail: they fail once fixed) ----------------

@@ -22,6 +22,7 @@ STEPS = int(os.environ.get("UTENSIL_LEAK_STEPS", "3000"))
 WARMUP = 300
 RSS_BOUND_MIB = 8.0
 PAGE = os.sysconf("SC_PAGE_SIZE")
+ASAN = "asan" in os.environ.get("LD_PRELOAD", "")  # the RSS bound is not checked under ASan
 
 
 def rss_bytes():
@@ -105,7 +106,8 @@ def test_training_does_not_leak(device, opt_cls):
     print("\n%s: %d training steps after %d warm-up: RSS growth %.2f MiB (bound %.0f MiB), "
           "live C tensors %d -> %d" % (device, STEPS, WARMUP, growth, RSS_BOUND_MIB, live0, live1))
     assert live1 == live0, "%d C tensors leaked" % (live1 - live0)
-    assert growth < RSS_BOUND_MIB, "resident memory grew %.2f MiB over %d steps" % (growth, STEPS)
+    if not ASAN:  # ASan's quarantine keeps freed memory resident (up to 256 MiB by default)
+        assert growth < RSS_BOUND_MIB, "resident memory grew %.2f MiB over %d steps" % (growth, STEPS)
 
 
 def test_error_paths_do_not_leak(device):
@@ -136,7 +138,7 @@ def test_error_paths_do_not_leak(device):
             failing_calls(x, conv, bn)
         gc.collect()
         assert ut.live_tensors() == live0
-        assert (rss_bytes() - rss0) / 2**20 < RSS_BOUND_MIB
+        assert ASAN or (rss_bytes() - rss0) / 2**20 < RSS_BOUND_MIB
 
 
 def test_numpy_view_keeps_its_own_reference(device):
