@@ -387,3 +387,33 @@ def test_reference_gradients_are_right():
     z, labels = rng.standard_normal((4, 3)), np.array([0, 2, 1, 2])
     np.testing.assert_allclose(R.cross_entropy_backward(z, labels),
                                R.numeric_grad(lambda v: R.cross_entropy(v, labels), z, np.ones(1)), atol=1e-7)
+
+
+# -- every GPU layer against the same layer on the CPU ---------------------------------------------
+GPU_CASES = [
+    ("conv2d s2 p1 3x2", lambda d: ut.Conv2d(3, 5, (3, 2), stride=2, padding=1, device=d), (2, 3, 9, 8)),
+    ("conv2d 1x1", lambda d: ut.Conv2d(4, 6, 1, device=d), (3, 4, 5, 5)),
+    ("dwconv2d s2 p2 5x3", lambda d: ut.DWConv2d(4, (5, 3), stride=2, padding=2, device=d), (2, 4, 11, 7)),
+    ("linear", lambda d: ut.Linear(33, 17, device=d), (9, 33)),
+    ("layernorm", lambda d: ut.LayerNorm(7, device=d), (3, 5, 7)),
+    ("batchnorm2d", lambda d: ut.BatchNorm2d(4, device=d), (3, 4, 5, 7)),
+]
+
+
+@pytest.mark.skipif(not ut.cuda_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name,make,shape", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_cuda_matches_cpu(rng, name, make, shape):
+    cpu, gpu = make("cpu"), make("cuda")
+    for pc, pg in zip(cpu.parameters(), gpu.parameters()):
+        pc.copy_from(_randn(rng, *pc.shape) + 0.5)
+        pg.copy_from(pc.numpy())
+    x = _randn(rng, *shape)
+    yc, yg = cpu(x), gpu(x)
+    assert yg.device == "cuda"
+    assert_close(name + " cuda vs cpu forward", yg.numpy(), yc.numpy())
+    go = _randn(rng, *yc.shape)
+    assert_close(name + " cuda vs cpu dx", gpu.backward(go).numpy(), cpu.backward(go).numpy())
+    for pc, pg in zip(cpu.parameters(), gpu.parameters()):
+        assert_close(name + " cuda vs cpu d" + pc.name, pg.grad.numpy(), pc.grad.numpy())
+    cpu.close()
+    gpu.close()
