@@ -32,9 +32,12 @@
      clear the message; call ut_clear_error() first if you need to tell calls apart.
 
    THREADS
-     Independent tensors may be used from several threads at once. The error message is
-     thread-local; the RNG and the CUDA context are shared and locked. The CPU backend runs each
-     op on ut_get_num_threads() threads (default: the cores present).
+     Independent tensors may be used from several threads at once, and ut_retain/ut_free are
+     atomic, so threads may share references to one tensor. Ops that write a tensor, or that move
+     its data between host and GPU, must not run on it from two threads at once. The error
+     message is thread-local; the RNG is shared and locked; the CUDA context is shared and all
+     GPU work is queued on one stream. The CPU backend runs each op on ut_get_num_threads()
+     threads (default: the cores present).
 */
 #ifndef UTENSIL_H
 #define UTENSIL_H
@@ -727,13 +730,15 @@ ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*rel
   return t;
 }
 
+/* rc stays a plain int (the bindings declare the struct), updated with atomic builtins so two
+   threads may retain and free one tensor at once. */
 ut_tensor* ut_retain(ut_tensor* t) {
-  if (t) t->rc++;
+  if (t) __atomic_fetch_add(&t->rc, 1, __ATOMIC_RELAXED);
   return t;
 }
 
 void ut_free(ut_tensor* t) {
-  if (!t || --t->rc > 0) return;
+  if (!t || __atomic_sub_fetch(&t->rc, 1, __ATOMIC_ACQ_REL) > 0) return;
   bool own_gpu = !(t->borrowed && t->dev == UT_CUDA), own_host = !(t->borrowed && t->dev == UT_CPU);
   if (t->gpu_buf && own_gpu) {
     const ut__backend* gpu = ut__cuda_backend();
