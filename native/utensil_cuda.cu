@@ -764,7 +764,9 @@ static int cu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
 /* ============================================================================================
    Depthwise convolution
 
-   The fast path (k_dw_tile) covers square 3x3, 5x5 and 7x7 filters at stride 1 or 2 whose
+   3x3 filters at stride 1 or 2 and 5x5 at stride 1 take the strip kernels (k_dws_*, below
+   k_dw_final), which were faster on every measured shape. The tiled path (k_dw_tile) covers
+   the other square 3x3, 5x5 and 7x7 filters at stride 1 or 2 whose
    tiles fit in shared memory. A unit of work is one channel c, a group of P images and a band
    of BH output rows of each of their planes (P > 1 only when whole planes are small; BH < OH
    only when P == 1). The grid is persistent: each block takes every gridDim.x-th unit and,
@@ -1082,6 +1084,369 @@ __global__ void k_dw_final(const float* __restrict__ ws, float* __restrict__ dw,
   if (lane == 0) dw[gw] += s;
 }
 
+/* ---- strip kernels (v3): straight from global memory, no shared tiles ----
+   One thread per item; an item is a vertical strip of R outputs at one column of one plane
+   (items are numbered column fastest, then strip, then plane, so a warp's lanes hit
+   consecutive columns and, for small planes, several planes at once). The thread walks the
+   (R - 1) * S + K input rows the strip touches once; every value it loads feeds each output
+   of the strip that uses it (a register window), so each input element is loaded K times
+   per strip (once per column tap) instead of K * K times; the overlap between neighbouring
+   lanes and strips is served by L1. All loads of a strip are independent, so many bytes are
+   in flight per thread, and index arithmetic (three fast divisions) is paid once per strip.
+
+     k_dws_fwd<FLIP=false>  y = conv(x, w) + bias
+     k_dws_fwd<FLIP=true>   dx at stride 1: go correlated with the rotated filter
+     k_dws_tdx              dx at stride > 1: each item is R rows x S columns of dx; with the
+                            strip aligned to S, which taps meet which go element depends only
+                            on D = (pad - K + 1) mod S, a template argument, so the loop has no
+                            phase tests
+     k_dws_dw               dw partials: block (part, c) sums go * x tap by tap over a fixed
+                            range of channel c's items, warp sums then warps in order into
+                            ws[(c * parts + part) * T + t]; k_dw_final adds the parts in order */
+
+struct DsP {
+  const float* in;   /* [planes, IH, IW] */
+  const float* w;    /* [C, K, K] */
+  const float* bias; /* [C] or NULL */
+  const float* go;   /* [planes, OH, OW] (k_dws_dw) */
+  float* out;        /* [planes, OH, OW], or partials (k_dws_dw) */
+  int C, IH, IW, OH, OW, pad;
+  int NX, NS;        /* column groups per row, strips per plane */
+  unsigned items;    /* all items (k_dws_fwd, k_dws_tdx) or one channel's items (k_dws_dw) */
+  unsigned chunk;    /* items per block (k_dws_dw) */
+  int vec2;          /* k_dws_tdx with S == 2: rows of out are 8-byte aligned and W is even */
+  FastDiv fd_nx, fd_ns, fd_c;
+};
+
+template <int K, int S, int R, bool FLIP>
+__global__ void __launch_bounds__(256) k_dws_fwd(DsP p) {
+  constexpr int T = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = fdiv(it, p.fd_nx);
+  const int ox = (int)(it - t1 * (unsigned)p.NX);
+  const unsigned plane = fdiv(t1, p.fd_ns);
+  const int oy0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const float* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + (FLIP ? T - 1 - i : i));
+  const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
+  const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
+  bool cv[K];
+#pragma unroll
+  for (int kx = 0; kx < K; ++kx) cv[kx] = (unsigned)(ixb + kx) < (unsigned)p.IW;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = bv;
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    const bool rv = (unsigned)iy < (unsigned)p.IH;
+    const float* rp = xp + (iy * p.IW + ixb);
+    float v[K];
+#pragma unroll
+    for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int kr = j - r * S;
+      if (kr >= 0 && kr < K) {
+#pragma unroll
+        for (int kx = 0; kx < K; ++kx) acc[r] = fmaf(wr[kr * K + kx], v[kx], acc[r]);
+      }
+    }
+  }
+  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
+  const int nr = min(R, p.OH - oy0);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (r < nr) yp[r * p.OW] = acc[r];
+}
+
+/* dx at stride S > 1. in = go [planes, IH = ho, IW = wo], out = dx [planes, OH = h, OW = w].
+   An item is dx rows [y0, y0 + R) x columns [x0, x0 + S) with y0 = strip * R, x0 = group * S
+   (R a multiple of S). dx[y][x] = sum of go[gy][gx] * w[ky][kx] over y + pad = gy*S + ky,
+   x + pad = gx*S + kx. With E = K - 1 + D, go rows gy0 + j (gy0 = (y0 + pad - E) / S, exact)
+   meet dx row y0 + r through ky = E + r - j*S, and columns likewise. */
+template <int K, int S, int R, int D>
+__global__ void __launch_bounds__(256) k_dws_tdx(DsP p) {
+  constexpr int T = K * K;
+  constexpr int E = K - 1 + D;
+  constexpr int JR = (E + R - 1) / S + 1; /* go rows an item reads */
+  constexpr int MR = (E + S - 1) / S + 1; /* go columns an item reads */
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = fdiv(it, p.fd_nx);
+  const int x0 = (int)(it - t1 * (unsigned)p.NX) * S;
+  const unsigned plane = fdiv(t1, p.fd_ns);
+  const int y0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const float* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + i);
+  const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
+  bool cv[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) cv[m] = (unsigned)(gx0 + m) < (unsigned)p.IW;
+  float acc[R][S];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < S; ++q) acc[r][q] = 0.f;
+#pragma unroll
+  for (int j = 0; j < JR; ++j) {
+    const int gy = gy0 + j;
+    const bool rv = (unsigned)gy < (unsigned)p.IH;
+    const float* rp = gp + (gy * p.IW + gx0);
+    float v[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) v[m] = (rv && cv[m]) ? __ldg(rp + m) : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int ky = E + r - j * S;
+      if (ky >= 0 && ky < K) {
+#pragma unroll
+        for (int q = 0; q < S; ++q)
+#pragma unroll
+          for (int m = 0; m < MR; ++m) {
+            const int kx = E + q - m * S;
+            if (kx >= 0 && kx < K) acc[r][q] = fmaf(wr[ky * K + kx], v[m], acc[r][q]);
+          }
+      }
+    }
+  }
+  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
+  const int nr = min(R, p.OH - y0);
+  if (S == 2 && p.vec2) { /* x0 is even and OW is even: x0 + 1 < OW */
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) *reinterpret_cast<float2*>(yp + r * p.OW) = make_float2(acc[r][0], acc[r][S - 1]);
+  } else {
+    const int nq = min(S, p.OW - x0);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) {
+#pragma unroll
+        for (int q = 0; q < S; ++q)
+          if (q < nq) yp[r * p.OW + q] = acc[r][q];
+      }
+  }
+}
+
+/* in = x [planes, IH, IW], go [planes, OH, OW]; grid (parts, C); items of channel c are
+   numbered column fastest, then strip, then image */
+template <int K, int S, int R>
+__global__ void __launch_bounds__(256) k_dws_dw(DsP p) {
+  constexpr int T = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  __shared__ float red[8 * T];
+  const int c = blockIdx.y;
+  float accw[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) accw[i] = 0.f;
+  const unsigned e0 = blockIdx.x * p.chunk;
+  const unsigned e1 = min(e0 + p.chunk, p.items);
+  const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
+  for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
+    const unsigned t1 = fdiv(it, p.fd_nx);
+    const int ox = (int)(it - t1 * (unsigned)p.NX);
+    const unsigned n = fdiv(t1, p.fd_ns);
+    const int oy0 = (int)(t1 - n * (unsigned)p.NS) * R;
+    const size_t plane = (size_t)n * p.C + c;
+    const float* __restrict__ xp = p.in + plane * in_plane;
+    const float* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
+    const int nr = min(R, p.OH - oy0);
+    float g[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) g[r] = r < nr ? __ldg(gp + r * p.OW) : 0.f;
+    const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
+    bool cv[K];
+#pragma unroll
+    for (int kx = 0; kx < K; ++kx) cv[kx] = (unsigned)(ixb + kx) < (unsigned)p.IW;
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      const bool rv = (unsigned)iy < (unsigned)p.IH;
+      const float* rp = xp + (iy * p.IW + ixb);
+      float v[K];
+#pragma unroll
+      for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int kr = j - r * S;
+        if (kr >= 0 && kr < K) {
+#pragma unroll
+          for (int kx = 0; kx < K; ++kx) accw[kr * K + kx] = fmaf(g[r], v[kx], accw[kr * K + kx]);
+        }
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    const float v = warp_sum(accw[i]);
+    if (lane == 0) red[warp * T + i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < T; i += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w * T + i];
+    p.out[((size_t)c * gridDim.x + blockIdx.x) * T + i] = s;
+  }
+}
+
+/* tunables of the strip kernels (the self-check harness sets them; 0: automatic) and the
+   choice between them and the tiled kernels: -1 automatic, 0 tiled, 1 strips */
+static int g_dws_impl = -1;
+static int g_dws_R = 0;
+static int g_dws_threads = 0;
+static int g_dws_ipt = 4; /* items per thread of k_dws_dw */
+
+/* The filter shapes whose strip kernels were measured faster than the tiled kernels on an
+   H200 (3x3 at stride 1 and 2, 5x5 at stride 1; see CUDA_NOTES.md). 7x7 and 5x5 at stride 2
+   keep the tiled kernels until they are measured. */
+static bool dws_shape(int kh, int kw, int s) {
+  return kh == kw && ((kh == 3 && (s == 1 || s == 2)) || (kh == 5 && s == 1));
+}
+
+/* Rows per strip, from the H200 measurements: the forward pass at stride 1 with at least 24
+   output rows and dx at stride 1 with at least 12 rows take 8 (more reuse of each loaded row);
+   strided and small planes take 4 (more items in flight). dW takes 8 at stride 2, else 4. */
+static int dws_rows(int mode, int s, int oh) {
+  if (g_dws_R) return g_dws_R;
+  switch (mode) {
+    case MODE_FWD: return (s == 1 && oh >= 24) ? 8 : 4;
+    case MODE_FLIP: return oh >= 12 ? 8 : 4;
+    case MODE_TDX: return 8;
+    default: return s == 2 ? 8 : 4;
+  }
+}
+
+static int dws_threads() { return g_dws_threads ? g_dws_threads : 128; }
+
+template <int K, int S, int R, bool FLIP>
+static int dws_fwd_launch(DsP p, int threads) {
+  k_dws_fwd<K, S, R, FLIP><<<(unsigned)cdiv(p.items, threads), threads>>>(p);
+  UTC_LAUNCHED("depthwise conv (strips)");
+  return UT_OK;
+}
+
+template <int R, bool FLIP>
+static int dws_fwd_dispatch(const DsP& p, int k, int s, int threads) {
+  switch (k * 10 + s) {
+    case 31: return dws_fwd_launch<3, 1, R, FLIP>(p, threads);
+    case 51: return dws_fwd_launch<5, 1, R, FLIP>(p, threads);
+    default: break;
+  }
+  if constexpr (!FLIP) { /* FLIP serves dx at stride 1 only */
+    if (k * 10 + s == 32) return dws_fwd_launch<3, 2, R, FLIP>(p, threads);
+  }
+  return ut__set_error(UT_ERR_ARG, "dw: no strip kernel for %dx%d stride %d", k, k, s);
+}
+
+/* y = conv(in, w) (+ bias) over [planes, ih, iw] -> [planes, oh, ow] with the strip kernel;
+   false when the sizes do not fit its 32-bit item numbering */
+static bool dws_fits(ut__i64 planes, int ih, int iw, int oh, int ow) {
+  const ut__i64 lim = 0x7fffffffLL;
+  const int rows = oh > ih ? oh : ih, cols = ow > iw ? ow : iw; /* dx swaps the roles */
+  return planes * cdiv(rows, 4) * cols < lim && planes < lim && (ut__i64)(ih + 16) * (iw + 16) < lim &&
+         (ut__i64)(oh + 16) * (ow + 16) < lim;
+}
+
+/* true: the strip kernels serve this call (mode MODE_FWD, MODE_FLIP, MODE_TDX or MODE_DW) */
+static bool dws_pick(int mode, const ut__conv_geom* g) {
+  if (g_dws_impl == 0 || !dws_shape(g->kh, g->kw, g->stride)) return false;
+  if (mode == MODE_TDX && g->stride != 2) return false;
+  if (!dws_fits((ut__i64)g->n * g->c, g->h, g->w, g->ho, g->wo)) return false;
+  return true;
+}
+
+static int dws_fwd_run(const float* in, const float* w, const float* bias, float* out, int n, int c,
+                       int ih, int iw, int oh, int ow, int k, int s, int pad, bool flip) {
+  const int R = dws_rows(flip ? MODE_FLIP : MODE_FWD, s, oh), threads = dws_threads();
+  DsP p = {};
+  p.in = in; p.w = w; p.bias = bias; p.out = out;
+  p.C = c; p.IH = ih; p.IW = iw; p.OH = oh; p.OW = ow; p.pad = pad;
+  p.NX = ow; p.NS = (int)cdiv(oh, R);
+  p.items = (unsigned)((ut__i64)n * c * p.NS * ow);
+  p.fd_nx = fastdiv((unsigned)p.NX); p.fd_ns = fastdiv((unsigned)p.NS); p.fd_c = fastdiv((unsigned)c);
+  if (R == 4) return flip ? dws_fwd_dispatch<4, true>(p, k, s, threads) : dws_fwd_dispatch<4, false>(p, k, s, threads);
+  return flip ? dws_fwd_dispatch<8, true>(p, k, s, threads) : dws_fwd_dispatch<8, false>(p, k, s, threads);
+}
+
+template <int K, int R, int D>
+static int dws_tdx_launch(DsP p, int threads) {
+  k_dws_tdx<K, 2, R, D><<<(unsigned)cdiv(p.items, threads), threads>>>(p);
+  UTC_LAUNCHED("depthwise dx (strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int dws_tdx_dispatch(const DsP& p, int k, int d, int threads) {
+  switch (k * 10 + d) {
+    case 30: return dws_tdx_launch<3, R, 0>(p, threads);
+    case 31: return dws_tdx_launch<3, R, 1>(p, threads);
+    default: return ut__set_error(UT_ERR_ARG, "dw: no strip dx kernel for %dx%d", k, k);
+  }
+}
+
+/* dx at stride 2 from go [n*c, ho, wo] into dx [n*c, h, w] */
+static int dws_tdx_run(const float* go, const float* w, float* dx, const ut__conv_geom* g) {
+  const int R = dws_rows(MODE_TDX, 2, g->h), threads = dws_threads();
+  DsP p = {};
+  p.in = go; p.w = w; p.out = dx;
+  p.C = g->c; p.IH = g->ho; p.IW = g->wo; p.OH = g->h; p.OW = g->w; p.pad = g->pad;
+  p.NX = (int)cdiv(g->w, 2); p.NS = (int)cdiv(g->h, R);
+  p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
+  p.vec2 = (g->w % 2 == 0) && ((reinterpret_cast<uintptr_t>(dx) & 7) == 0);
+  p.fd_nx = fastdiv((unsigned)p.NX); p.fd_ns = fastdiv((unsigned)p.NS); p.fd_c = fastdiv((unsigned)g->c);
+  const int d = ((g->pad - g->kh + 1) % 2 + 2) % 2;
+  if (R == 4) return dws_tdx_dispatch<4>(p, g->kh, d, threads);
+  return dws_tdx_dispatch<8>(p, g->kh, d, threads);
+}
+
+template <int K, int S, int R>
+static int dws_dw_launch(DsP p, int parts, int threads) {
+  k_dws_dw<K, S, R><<<dim3((unsigned)parts, (unsigned)p.C), threads>>>(p);
+  UTC_LAUNCHED("depthwise dW (strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int dws_dw_dispatch(const DsP& p, int k, int s, int parts, int threads) {
+  switch (k * 10 + s) {
+    case 31: return dws_dw_launch<3, 1, R>(p, parts, threads);
+    case 51: return dws_dw_launch<5, 1, R>(p, parts, threads);
+    case 32: return dws_dw_launch<3, 2, R>(p, parts, threads);
+    default: return ut__set_error(UT_ERR_ARG, "dw: no strip dW kernel for %dx%d stride %d", k, k, s);
+  }
+}
+
+/* parts of one channel's items for k_dws_dw */
+static int dws_dw_parts(const ut__conv_geom* g, unsigned* items, unsigned* chunk) {
+  const int R = dws_rows(MODE_DW, g->stride, g->ho), threads = dws_threads();
+  const ut__i64 per_ch = (ut__i64)g->n * cdiv(g->ho, R) * g->wo;
+  const ut__i64 ch = (ut__i64)threads * g_dws_ipt;
+  *items = (unsigned)per_ch;
+  *chunk = (unsigned)ch;
+  return (int)cdiv(per_ch, ch);
+}
+
+static int dws_dw_run(const float* go, const float* x, float* ws, const ut__conv_geom* g) {
+  const int R = dws_rows(MODE_DW, g->stride, g->ho), threads = dws_threads();
+  DsP p = {};
+  p.in = x; p.go = go; p.out = ws;
+  p.C = g->c; p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo; p.pad = g->pad;
+  p.NX = g->wo; p.NS = (int)cdiv(g->ho, R);
+  const int parts = dws_dw_parts(g, &p.items, &p.chunk);
+  p.fd_nx = fastdiv((unsigned)p.NX); p.fd_ns = fastdiv((unsigned)p.NS); p.fd_c = fastdiv((unsigned)g->c);
+  if (R == 4) return dws_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
+  return dws_dw_dispatch<8>(p, g->kh, g->stride, parts, threads);
+}
+
 /* tunables (the self-check harness sweeps them) */
 static int g_dw_tin = 4096;   /* input floats per unit to aim for */
 static int g_dw_threads = 128;
@@ -1301,6 +1666,9 @@ static int cu_dw_fwd(const float* x, const float* w, const float* bias, float* y
                      const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   if (total <= 0) return UT_OK;
+  if (dws_pick(MODE_FWD, g))
+    return dws_fwd_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo, g->kh, g->stride,
+                       g->pad, false);
   DwPlan pl;
   if (dw_tiled_shape(g->kh, g->kw, g->stride) &&
       dw_plan(MODE_FWD, g->n, g->c, g->h, g->w, g->ho, g->wo, g->kh, g->stride, g->kh * g->kw,
@@ -1318,6 +1686,10 @@ static int cu_dw_bwd_dx(const float* go, const float* w, float* dx, const ut__co
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
   if (g->ho <= 0 || g->wo <= 0) return cu_fill(dx, total, 0.f);
+  if (g->stride == 1 && dws_pick(MODE_FLIP, g)) /* go correlated with the rotated filter */
+    return dws_fwd_run(go, w, NULL, dx, g->n, g->c, g->ho, g->wo, g->h, g->w, g->kh, 1,
+                       g->kh - 1 - g->pad, true);
+  if (g->stride == 2 && dws_pick(MODE_TDX, g)) return dws_tdx_run(go, w, dx, g);
   DwPlan pl;
   if (dw_tiled_shape(g->kh, g->kw, g->stride) && g->stride == 1 &&
       dw_plan(MODE_FLIP, g->n, g->c, g->ho, g->wo, g->h, g->w, g->kh, 1, g->kh * g->kw, &pl)) {
@@ -1348,7 +1720,14 @@ static int cu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__co
   std::lock_guard<std::mutex> lk(g_ws_lock);
   float* ws;
   int parts, st;
-  if (dw_tiled_shape(g->kh, g->kw, g->stride) &&
+  if (dws_pick(MODE_DW, g)) {
+    unsigned items, chunk;
+    parts = dws_dw_parts(g, &items, &chunk);
+    st = ws_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+    if (st) return st;
+    st = dws_dw_run(go, x, ws, g);
+    if (st) return st;
+  } else if (dw_tiled_shape(g->kh, g->kw, g->stride) &&
       dw_plan(MODE_DW, g->n, g->c, g->h, g->w, g->ho, g->wo, g->kh, g->stride, T, &pl)) {
     parts = pl.NG * pl.NB;
     st = ws_acquire((size_t)pl.units * T * sizeof(float), &ws);
