@@ -206,6 +206,10 @@ CASES = [
     ("MSELoss.backward", lambda: ut.MSELoss().backward(), A),
     ("CrossEntropyLoss", lambda: ut.CrossEntropyLoss()(t(2, 3), [0.5, 1]), T),
     ("CrossEntropyLoss.backward", lambda: ut.CrossEntropyLoss().backward(), A),
+    # interop
+    ("from_dlpack", lambda: ut.from_dlpack([1.0, 2.0]), T),
+    ("from_dlpack", lambda: ut.from_dlpack(np.zeros(2, np.float32), copy="yes"), T),
+    ("from_dlpack", lambda: ut.from_dlpack(np.zeros(2, np.float32), device="tpu"), A),
     # optimizers
     ("SGD", lambda: ut.SGD([], lr=0.1), A),
     ("SGD", lambda: ut.SGD([t(3)], lr=0.1), T),

@@ -41,6 +41,7 @@ from .functional import (
     sgd_step,
     transpose,
 )
+from .dlpack import from_dlpack
 from .layers import (
     BatchNorm2d,
     Conv2d,
@@ -78,6 +79,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # tensors and the library
+    "from_dlpack",
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
     # layers

@@ -60,8 +60,19 @@ def to_int(value, name, lo=-INT_MAX - 1, hi=INT_MAX):
     return v
 
 
+def to_bool(value, name):
+    """A flag: a bool, or an integer 0/1 (numpy scalars too); anything else is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise ArgumentTypeError("%s must be True or False, got %r" % (name, value))
+
+
 def to_float(value, name, lo=None, hi=None, finite=True):
     """A real-number argument passed to C as float; NaN (and inf when finite) is refused."""
+    if isinstance(value, (complex, np.complexfloating)):
+        raise ArgumentTypeError("%s must be a real number, got %r" % (name, value))
     if isinstance(value, (str, bytes)) or value is None:
         raise ArgumentTypeError("%s must be a number, got %r" % (name, value))
     try:

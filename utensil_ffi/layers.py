@@ -91,7 +91,7 @@ class Module:
             p.grad.zero_()
 
     def train(self, mode=True):
-        self.training = bool(mode)
+        self.training = _args.to_bool(mode, "mode")
         if not mode:
             self._clear_cache()
         return self
@@ -309,7 +309,7 @@ class Conv2d(_CLayer):
         kh, kw = self.kernel_size
         _args.to_shape((self.out_channels, self.in_channels, kh, kw), "weight shape")
         super().__init__(device, lib.ut_conv2d_alloc, self.in_channels, self.out_channels, kh, kw,
-                         self.stride, self.padding, bool(bias))
+                         self.stride, self.padding, _args.to_bool(bias, "bias"))
 
     def _check_input(self, shape):
         return _conv_out_shape(type(self).__name__, shape, self.in_channels, self.out_channels,
@@ -337,7 +337,7 @@ class DWConv2d(_CLayer):
         kh, kw = self.kernel_size
         _args.to_shape((self.channels, kh, kw), "weight shape")
         super().__init__(device, lib.ut_dwconv2d_alloc, self.channels, kh, kw, self.stride,
-                         self.padding, bool(bias))
+                         self.padding, _args.to_bool(bias, "bias"))
 
     def _check_input(self, shape):
         return _conv_out_shape(type(self).__name__, shape, self.channels, self.channels,
@@ -375,7 +375,7 @@ class Linear(_CLayer):
         self.in_features = _args.to_int(in_features, "in_features", 1)
         self.out_features = _args.to_int(out_features, "out_features", 1)
         _args.to_shape((self.out_features, self.in_features), "weight shape")
-        super().__init__(device, lib.ut_linear_alloc, self.in_features, self.out_features, bool(bias))
+        super().__init__(device, lib.ut_linear_alloc, self.in_features, self.out_features, _args.to_bool(bias, "bias"))
 
     def _check_input(self, shape):
         if len(shape) != 2 or shape[1] != self.in_features:
@@ -454,7 +454,7 @@ class BatchNorm2d(_CLayer):
 
     def train(self, mode=True):
         super().train(mode)
-        self._struct.training = bool(mode)
+        self._struct.training = _args.to_bool(mode, "mode")
         return self
 
     def _keeps_cache(self):
@@ -609,7 +609,7 @@ class Sequential(Module):
         return [p for l in self.layers for p in l.parameters()]
 
     def train(self, mode=True):
-        self.training = bool(mode)
+        self.training = _args.to_bool(mode, "mode")
         for l in self.layers:
             l.train(mode)
         return self

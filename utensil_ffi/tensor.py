@@ -169,12 +169,33 @@ class Tensor:
         return np.asarray(owner)
 
     def __array__(self, dtype=None, copy=None):
+        if copy is not None and not isinstance(copy, (bool, np.bool_)):
+            raise ArgumentTypeError("__array__: copy must be None, True or False, got %r" % (copy,))
+        if dtype is not None:
+            try:
+                dtype = np.dtype(dtype)
+            except TypeError:
+                raise ArgumentTypeError("__array__: %r is not a numpy dtype" % (dtype,)) from None
         if copy is False and self.ptr.dev != lib.UT_CPU:
             raise ValueError("a CUDA tensor cannot be viewed writable without a copy")
         a = self.numpy()
-        if dtype is not None and np.dtype(dtype) != a.dtype:
+        if dtype is not None and dtype != a.dtype:
             return a.astype(dtype)
         return a.copy() if copy else a
+
+    # -- DLPack (see dlpack.py) -----------------------------------------------------------------
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule sharing this tensor's memory (CPU host memory or CUDA device memory).
+
+        Per the DLPack 1.x Python specification; the capsule keeps the memory alive."""
+        from . import dlpack
+
+        return dlpack.to_dlpack(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self):
+        from . import dlpack
+
+        return dlpack.dlpack_device(self)
 
     def tolist(self):
         return self.numpy().tolist()
@@ -239,7 +260,14 @@ class Tensor:
         """A copy with a new shape holding the same number of elements."""
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]
-        dims = list(shape)
+        if isinstance(shape, (int, np.integer)):
+            shape = (shape,)
+        try:
+            dims = list(shape)
+        except TypeError:
+            raise ArgumentTypeError("reshape: shape must be a sequence of ints, got %r"
+                                    % (shape,)) from None
+        dims = [_args.to_int(d, "shape[%d]" % i, -_args.INT_MAX - 1) for i, d in enumerate(dims)]
         if dims.count(-1) == 1:
             known = 1
             for d in dims:
