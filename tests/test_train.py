@@ -419,3 +419,24 @@ def test_python_dash_m_entry_point(npz, tmp_path):
                        capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=120)
     if not ut.cuda_available():
         assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_thread_count_does_not_change_results(npz, tmp_path):
+    n = ut.get_num_threads()
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    try:
+        assert tr.main(["--data", npz, "--epochs", "2", "--threads", "1", "--device", "cpu",
+                        "--checkpoint", str(a)] + TINY) == 0
+        assert tr.main(["--data", npz, "--epochs", "2", "--threads", "3", "--device", "cpu",
+                        "--checkpoint", str(b)] + TINY) == 0
+    finally:
+        ut.set_num_threads(n)
+    _assert_same_state(a, b, "cpu")
+    assert _losses(a) == _losses(b)
+
+
+def test_main_leaves_the_thread_count_alone(npz):
+    n = ut.get_num_threads()
+    assert tr.main(["--data", npz, "--epochs", "1", "--threads", "1", "--no-checkpoint",
+                    "--device", "cpu"] + TINY) == 0
+    assert ut.get_num_threads() == n

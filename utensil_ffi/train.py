@@ -56,7 +56,7 @@ RUN_DEFAULTS = {
     "lr_schedule": "cosine",
     "seed": 0,
 }
-LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.05}
+LR_DEFAULTS = {"adam": 1e-2, "sgd": 0.1}
 DEFAULT_EPOCHS = 20
 
 
@@ -438,7 +438,37 @@ def _check_plot_available():
                           "`pip install matplotlib`)" % _data.EXTRA_HINT) from None
 
 
+def _threads_for_a_busy_machine():
+    """One thread when other processes already keep every core busy; returns a note or "".
+
+    The per-op work of this network is small, so with several threads each op waits at a
+    barrier for its slowest thread; on a machine whose cores are all taken, a descheduled thread
+    stalls every op and training gets many times slower than on one thread. Results do not
+    depend on the thread count (the CPU backend reduces in a fixed order), only speed does.
+    """
+    n = get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    except (OSError, AttributeError):
+        return ""
+    if n > 1 and cpus and load >= cpus:
+        set_num_threads(1)
+        return " (1 thread: the machine is busy, load %.1f on %d CPUs; --threads N to choose)" % (
+            load, cpus)
+    return ""
+
+
 def _run(args, out):
+    threads = get_num_threads()
+    try:
+        return _run_with_threads(args, out)
+    finally:
+        if get_num_threads() != threads:  # main() leaves the library as it found it
+            set_num_threads(threads)
+
+
+def _run_with_threads(args, out):
     def say(*a):
         if not args.quiet:
             print(*a, file=out, flush=True)
@@ -450,8 +480,11 @@ def _run(args, out):
                           "without CUDA or no GPU is present); use --device cpu")
     if args.plot:
         _check_plot_available()
+    threads_note = ""
     if args.threads is not None:
         set_num_threads(args.threads)
+    elif device == "cpu":
+        threads_note = _threads_for_a_busy_machine()
 
     # settings, checkpoint
     resumed = None
@@ -494,17 +527,18 @@ def _run(args, out):
             history = list(meta.get("history", []))
             start = int(meta["epoch"])
         return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history,
-                           ckpt_path, say, out)
+                           ckpt_path, say, out, threads_note)
     finally:
         opt.close()
         net.close()
 
 
 def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history, ckpt_path,
-                say, out):
+                say, out, threads_note=""):
     say("%s" % ds.describe())
-    say("model: depthwise-separable CNN, width %d, %d parameters, on %s (%d CPU threads)"
-        % (run["width"], _mn.count_parameters(net), device, get_num_threads()))
+    say("model: depthwise-separable CNN, width %d, %d parameters, on %s%s"
+        % (run["width"], _mn.count_parameters(net), device,
+           threads_note or (" (%d CPU threads)" % get_num_threads() if device == "cpu" else "")))
     say("%s lr %g (%s), batch %d, seed %d%s" % (
         run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
         ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else ""))
