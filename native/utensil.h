@@ -97,6 +97,8 @@ void ut_seed(unsigned long long seed);   /* reseeds the shared RNG used by ut_ra
 int ut_set_num_threads(int n);        /* CPU threads per op (n >= 1); returns status */
 int ut_get_num_threads(void);
 long long ut_live_tensors(void);      /* tensors allocated and not yet freed */
+/* Host<->GPU copies the mirror has made since the process started (for tests and profiling). */
+void ut_transfer_counts(long long* uploads, long long* downloads);
 int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes); /* status; error without GPU */
 int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op without a GPU */
 /* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
@@ -511,6 +513,12 @@ int ut_get_num_threads(void) {
 }
 long long ut_live_tensors(void) { return atomic_load(&ut__live); }
 
+static atomic_llong ut__uploads = 0, ut__downloads = 0;
+void ut_transfer_counts(long long* uploads, long long* downloads) {
+  if (uploads) *uploads = atomic_load(&ut__uploads);
+  if (downloads) *downloads = atomic_load(&ut__downloads);
+}
+
 /* The RNG: xoshiro256** seeded through splitmix64, shared by all threads under a lock. */
 static pthread_mutex_t ut__rng_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t ut__rng_s[4];
@@ -795,6 +803,7 @@ static int ut__download(ut_tensor* t) {
     const ut__backend* gpu = ut__cuda_backend();
     UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_cpu: the tensor's GPU copy is unreachable");
     UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
+    atomic_fetch_add(&ut__downloads, 1);
     t->dirty_cpu = false;
   }
   return UT_OK;
@@ -815,6 +824,7 @@ int ut_sync_gpu(ut_tensor* t) {
     const ut__backend* gpu = ut__cuda_backend();
     UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_gpu: no CUDA device is available");
     UT__TRY(gpu->upload(t->gpu_buf, t->data, (size_t)t->shape.nelem * sizeof(float)));
+    atomic_fetch_add(&ut__uploads, 1);
     t->dirty_gpu = false;
   }
   return UT_OK;
