@@ -423,6 +423,10 @@ def plot_history(history, path, title=""):
     b.set_ylabel("test accuracy (%)")
     b.set_title("accuracy")
     b.grid(True, alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (a, b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
