@@ -5,7 +5,6 @@ built-in digits checks the default data path. The full default run (>= 97% on th
 slow-ish and runs only with UTENSIL_FULL_TRAIN=1.
 """
 
-import json
 import os
 import sys
 
