@@ -41,6 +41,7 @@ __all__ = [
     "load_state_dict",
     "to_torch",
     "count_parameters",
+    "compare_with_torch",
 ]
 
 # (channel multiplier, stride) per depthwise-separable block; one stride 2: 8x8 digits end at 4x4.
@@ -166,3 +167,93 @@ def to_torch(net, dtype=None):
             own[k].copy_(torch.from_numpy(arr.reshape(tuple(own[k].shape))).to(dtype))
     tnet.train(net.training)
     return tnet
+
+
+def compare_with_torch(device="cpu", width=32, batch_size=64, epochs=3, threads=None, seed=0):
+    """Training images/s of this network in utensil and in PyTorch, on the digits.
+
+    Both start from the same weights and see the same batches (Adam, lr 1e-2); epochs alternate
+    between the two so a change of machine load hits both alike. The first epoch of each is a
+    warm-up and not counted. Returns {"utensil": [img/s per epoch], "torch": [...] or None,
+    "loss": {...: last epoch's mean train loss}}. Run it as ``python -m utensil_ffi.mobilenet``.
+    """
+    import time
+
+    from . import data as _data
+    from .optim import Adam
+    from .tensor import seed as _seed, set_num_threads, get_num_threads
+    from .train import train_epoch, _Progress
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    old_threads = get_num_threads()
+    if threads:
+        set_num_threads(threads)
+        if torch is not None:
+            torch.set_num_threads(threads)
+    ds = _data.load_digits()
+    _seed(seed)
+    net = build_mobilenet(ds.in_channels, ds.num_classes, width, device=device)
+    opt = Adam(net.parameters(), lr=1e-2)
+    tdev = device if torch is not None and (device == "cpu" or torch.cuda.is_available()) else None
+    tnet = to_torch(net).to(tdev) if tdev else None
+    topt = torch.optim.Adam(tnet.parameters(), lr=1e-2) if tnet is not None else None
+    rates = {"utensil": [], "torch": [] if tnet is not None else None}
+    loss = {}
+    try:
+        for e in range(epochs + 1):
+            lo, n, s = train_epoch(net, opt, ds.x_train, ds.y_train, batch_size, seed, e, device,
+                                   _Progress(0, "", False))
+            loss["utensil"] = lo
+            if e:
+                rates["utensil"].append(n / s)
+            if tnet is None:
+                continue
+            t0, n, tot = time.perf_counter(), 0, torch.zeros((), device=tdev)
+            for idx in _data.batches(len(ds.x_train), batch_size, seed, e):
+                xb = torch.from_numpy(ds.x_train[idx]).to(tdev)
+                yb = torch.from_numpy(ds.y_train[idx]).to(tdev)
+                lt = torch.nn.functional.cross_entropy(tnet(xb), yb)
+                topt.zero_grad()
+                lt.backward()
+                topt.step()
+                tot += lt.detach() * len(idx)
+                n += len(idx)
+            loss["torch"] = float(tot) / n  # waits for the device
+            if e:
+                rates["torch"].append(n / (time.perf_counter() - t0))
+    finally:
+        opt.close()
+        net.close()
+        set_num_threads(old_threads)
+    rates["loss"] = loss
+    return rates
+
+
+def _main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m utensil_ffi.mobilenet",
+                                description="training images/s of the utensil-train network: "
+                                "utensil vs PyTorch (same weights, same batches)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    r = compare_with_torch(a.device, a.width, a.batch_size, a.epochs, a.threads)
+    for name in ("utensil", "torch"):
+        if r[name] is None:
+            print("%-8s not installed (or no GPU for it)" % name)
+            continue
+        print("%-8s %s width %d batch %d: %7.0f img/s (median of %d epochs: %s), last train loss "
+              "%.4f" % (name, a.device, a.width, a.batch_size, float(np.median(r[name])),
+                        len(r[name]), ", ".join("%.0f" % x for x in r[name]), r["loss"][name]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
