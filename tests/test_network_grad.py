@@ -297,7 +297,7 @@ def test_compare_with_torch_trains_alike():
     """The benchmark helper: same weights and batches give (nearly) the same training loss."""
     _torch()
     pytest.importorskip("sklearn")
-    r = mn.compare_with_torch("cpu", width=4, batch_size=64, epochs=1)
+    r = mn.compare_with_torch("cpu", width=4, batch_size=64, epochs=1, threads=1)
     assert len(r["utensil"]) == 1 and len(r["torch"]) == 1
     assert r["utensil"][0] > 0 and r["torch"][0] > 0
     assert abs(r["loss"]["utensil"] - r["loss"]["torch"]) <= 0.02 * r["loss"]["torch"] + 1e-3

@@ -189,6 +189,7 @@ def compare_with_torch(device="cpu", width=32, batch_size=64, epochs=3, threads=
     except ImportError:
         torch = None
     old_threads = get_num_threads()
+    old_torch_threads = torch.get_num_threads() if torch is not None else None
     if threads:
         set_num_threads(threads)
         if torch is not None:
@@ -228,6 +229,8 @@ def compare_with_torch(device="cpu", width=32, batch_size=64, epochs=3, threads=
         opt.close()
         net.close()
         set_num_threads(old_threads)
+        if torch is not None:
+            torch.set_num_threads(old_torch_threads)
     rates["loss"] = loss
     return rates
 
