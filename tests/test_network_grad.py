@@ -190,10 +190,14 @@ def test_reference_finite_differences_are_sound(rng):
 # -- PyTorch --------------------------------------------------------------------------------------
 
 
-def _torch():
+@pytest.fixture
+def torch():
+    """PyTorch on one thread for the test (tiny ops), its thread count restored after."""
     torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
-    return torch
+    yield torch
+    torch.set_num_threads(n)
 
 
 def _torch_run(torch, tnet, x, labels):
@@ -206,9 +210,8 @@ def _torch_run(torch, tnet, x, labels):
     return float(loss.detach()), logits.detach().numpy().astype(np.float64), grads, xt.grad.numpy().astype(np.float64)
 
 
-def test_same_as_pytorch(device, rng):
+def test_same_as_pytorch(device, rng, torch):
     """Default architecture (small width): logits, loss, every gradient, running statistics."""
-    torch = _torch()
     ut.seed(11)
     net = mn.build_mobilenet(1, 10, 4, device=device)
     try:
@@ -247,9 +250,8 @@ def test_same_as_pytorch(device, rng):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_training_steps_same_as_pytorch(device, rng, optimizer):
+def test_training_steps_same_as_pytorch(device, rng, optimizer, torch):
     """A few optimizer steps on the same batches end with the same weights as PyTorch."""
-    torch = _torch()
     ut.seed(5)
     net = mn.build_mobilenet(1, 4, 3, blocks=((2, 1), (2, 2)), device=device)
     tnet = mn.to_torch(net)
@@ -278,8 +280,7 @@ def test_training_steps_same_as_pytorch(device, rng, optimizer):
         net.close()
 
 
-def test_to_torch_copies_weights():
-    torch = _torch()
+def test_to_torch_copies_weights(torch):
     ut.seed(2)
     net = mn.build_mobilenet(3, 5, 2)
     try:
@@ -293,9 +294,8 @@ def test_to_torch_copies_weights():
         net.close()
 
 
-def test_compare_with_torch_trains_alike():
+def test_compare_with_torch_trains_alike(torch):
     """The benchmark helper: same weights and batches give (nearly) the same training loss."""
-    _torch()
     pytest.importorskip("sklearn")
     r = mn.compare_with_torch("cpu", width=4, batch_size=64, epochs=1, threads=1)
     assert len(r["utensil"]) == 1 and len(r["torch"]) == 1
