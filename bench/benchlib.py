@@ -54,8 +54,7 @@ def dense3x3_shapes(full):
     n_dense = os.environ.get("UTENSIL_BENCH_DENSE_N")
     out = shapes(full)
     if n_dense and full:
-        out = [(int(n_dense) if n == 32 else n,) + rest for (n, *rest) in out]
-        out = [tuple(s) for s in out]
+        out = [(int(n_dense) if sh[0] == 32 else sh[0],) + tuple(sh[1:]) for sh in out]
     return out
 
 
@@ -488,9 +487,12 @@ class TorchBN(TorchRunner):
 
 
 # -- the check --------------------------------------------------------------------------------------
-# float32 tolerances per op family: results are sums over up to N*H*W terms (dW, db, BN stats), so
-# they are compared relative to the largest magnitude of the reference (a normalized max error).
-TOL = {"default": 2e-4, "conv3x3": 1e-3, "conv1x1": 1e-3, "block": 2e-3}
+# float32 tolerances per op family. Single ops: max |ours - torch| / max |torch| (results are sums
+# over up to N*H*W terms: dW, db, BN statistics). The block: the relative L2 error
+# ||ours - torch|| / ||torch||, because a ReLU6 mask may flip where a forward value lies within
+# rounding of 0 or 6, which moves a few gradient elements by a whole value (a max-norm check
+# would fail on rounding luck; those flips barely move the L2 norm).
+TOL = {"default": 2e-4, "conv3x3": 1e-3, "conv1x1": 1e-3, "block": 5e-3}
 
 
 def assert_close(ours, ref, op):
@@ -501,9 +503,16 @@ def assert_close(ours, ref, op):
     for name, r in ref.items():
         o = ours[name]
         assert o.shape == r.shape, "%s %s: shape %s vs torch %s" % (op, name, o.shape, r.shape)
-        scale = max(float(np.max(np.abs(r))), 1e-6)
-        err = float(np.max(np.abs(o.astype(np.float64) - r))) / scale
-        assert err <= tol, "%s %s: max |ours - torch| / max|torch| = %.3g > %.3g" % (op, name, err, tol)
+        diff = o.astype(np.float64) - r
+        if op == "block":
+            scale = max(float(np.linalg.norm(r)), 1e-30)
+            err = float(np.linalg.norm(diff)) / scale
+            what = "||ours - torch|| / ||torch||"
+        else:
+            scale = max(float(np.max(np.abs(r))), 1e-6)
+            err = float(np.max(np.abs(diff))) / scale
+            what = "max |ours - torch| / max |torch|"
+        assert err <= tol, "%s %s: %s = %.3g > %.3g" % (op, name, what, err, tol)
 
 
 # -- one MobileNet block training step --------------------------------------------------------------
