@@ -1341,7 +1341,8 @@ static void adam_on(ut_dev dev) {
   assert_data(p, F(0.99f, -0.99f), 1e-6f);
   assert_data(m, F(0.1f, -0.2f), 1e-6f);
   assert_data(v, F(0.001f, 0.004f), 1e-6f);
-  g->data[0] = 3.f;  // the host owns g (from_data, never written by an op)
+  ut_sync_cpu(g);  // step 1 uploaded g: hand ownership back to the host before writing
+  g->data[0] = 3.f;
   g->data[1] = 0.f;
   assert(ut_adam_step(p, g, m, v, 2, 0.01f, 0.9f, 0.999f, 1e-8f) == UT_OK);
   ut_sync_cpu(p);

@@ -182,6 +182,26 @@ static int cu_mem_info(size_t* free_bytes, size_t* total_bytes) {
   return UT_OK;
 }
 
+static int cu_synchronize(void) {
+  UTC_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return UT_OK;
+}
+
+/* An event recorded on `signalling` and waited for on `waiting`: the wait is queued, the host
+   does not block. NULL is the library's stream, the legacy default stream. */
+static int cu_stream_wait(void* waiting, void* signalling) {
+  cudaStream_t w = waiting ? (cudaStream_t)waiting : cudaStreamLegacy;
+  cudaStream_t s = signalling ? (cudaStream_t)signalling : cudaStreamLegacy;
+  if (w == s) return UT_OK;
+  cudaEvent_t ev;
+  UTC_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  cudaError_t e = cudaEventRecord(ev, s);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(w, ev, 0);
+  cudaEventDestroy(ev); /* released once the wait has been satisfied */
+  UTC_CHECK(e, "stream wait");
+  return UT_OK;
+}
+
 /* ============================================================================================
    Elementwise
    ============================================================================================ */
@@ -2222,6 +2242,8 @@ static void cu_init(void) {
   t->upload = cu_upload;
   t->download = cu_download;
   t->mem_info = cu_mem_info;
+  t->synchronize = cu_synchronize;
+  t->stream_wait = cu_stream_wait;
   t->fill = cu_fill;
   t->copy = cu_copy;
   t->axpy = cu_axpy;
