@@ -2,10 +2,11 @@
 """Turn a pytest-benchmark run of bench/ into a markdown table and a target summary.
 
 USAGE
-  python bench/report.py RUN.json [--beside OTHER.json] [--bandwidth GBPS] [--stat median|min]
+  python bench/report.py RUN.json [RUN2.json ...] [--beside OTHER.json [--beside OTHER2.json]] [--bandwidth GBPS] [--stat median|min]
                          [--title TITLE] [--device cpu|cuda]
 
-  RUN.json      written by `python -m pytest bench --benchmark-json=RUN.json ...`
+  RUN.json      written by `python -m pytest bench --benchmark-json=RUN.json ...`; several
+                files are merged (e.g. a re-run of a few cases; later files win)
   --beside      a second run of the same suite (e.g. the default glibc allocator) whose times are
                 shown in extra columns next to RUN's
   --bandwidth   the memory-bandwidth roofline in GB/s (read + write) for every device; default:
@@ -107,17 +108,26 @@ OP_LABEL = {
 
 
 class Run:
-    """One benchmark JSON: times[(op, device, shape)][impl] = seconds."""
+    """Benchmark JSON(s): times[(op, device, shape)][impl] = seconds (later files win)."""
 
-    def __init__(self, path, stat):
-        with open(path) as f:
-            self.j = json.load(f)
-        self.path = path
-        self.meta = self.j.get("utensil_bench", {})
+    def __init__(self, paths, stat):
+        if isinstance(paths, str):
+            paths = [paths]
+        self.path = " + ".join(paths)
+        self.meta = {}
+        benchmarks = []
+        probes = []
+        for p in paths:
+            with open(p) as f:
+                j = json.load(f)
+            m = j.get("utensil_bench", {})
+            probes += m.get("session_probes", [])
+            self.meta = dict(m, session_probes=probes)
+            benchmarks += j["benchmarks"]
         self.times = OrderedDict()
         self.probes = {}
         self.best_probe = {}
-        for b in self.j["benchmarks"]:
+        for b in benchmarks:
             e = b.get("extra_info", {})
             if "op" not in e:
                 continue
@@ -316,8 +326,9 @@ def describe(run, bw_override, dev):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("run")
-    ap.add_argument("--beside", help="a second run (e.g. default allocator) shown next to RUN")
+    ap.add_argument("run", nargs="+")
+    ap.add_argument("--beside", action="append",
+                    help="a second run (e.g. default allocator) shown next to RUN (repeat to merge)")
     ap.add_argument("--bandwidth", type=float, help="roofline GB/s (read + write)")
     ap.add_argument("--stat", default="median", choices=["median", "min", "mean"])
     ap.add_argument("--title", default=None)
