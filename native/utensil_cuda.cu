@@ -24,6 +24,8 @@
 #include <stdint.h>
 
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 
 /* ============================================================================================
    Runtime helpers
@@ -143,23 +145,70 @@ static inline int row_threads(ut__i64 len) {
    Memory
    ============================================================================================ */
 
+/* Device memory is cached: cudaMalloc and cudaFree cost tens of microseconds each and cudaFree
+   synchronizes the device, which a training step allocating dozens of temporaries cannot afford.
+   Freed blocks go to a free list per rounded size and are handed out again; all work is queued
+   on one stream, so a block's next user runs after its last one. The cache is emptied when
+   cudaMalloc fails, and cached bytes count as free in mem_info. */
+static std::mutex g_pool_lock;
+static std::unordered_map<size_t, std::vector<void*>> g_pool_free; /* rounded size -> blocks */
+static std::unordered_map<void*, size_t> g_pool_size;              /* every live or cached block */
+static size_t g_pool_cached = 0;                                   /* bytes in the free lists */
+
+static size_t pool_round(size_t bytes) {
+  if (bytes <= 512) return 512;
+  if (bytes <= (1u << 20)) return (bytes + 511) & ~(size_t)511;
+  return (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+}
+
+/* Caller holds g_pool_lock. */
+static void pool_release_cached(void) {
+  if (g_pool_cached == 0) return;
+  cudaDeviceSynchronize();
+  for (auto& kv : g_pool_free) {
+    for (void* p : kv.second) {
+      cudaFree(p);
+      g_pool_size.erase(p);
+    }
+    kv.second.clear();
+  }
+  g_pool_cached = 0;
+  cudaGetLastError();
+}
+
 static void* cu_mem_alloc(size_t bytes) {
+  size_t size = pool_round(bytes);
+  std::lock_guard<std::mutex> lock(g_pool_lock);
+  auto it = g_pool_free.find(size);
+  if (it != g_pool_free.end() && !it->second.empty()) {
+    void* p = it->second.back();
+    it->second.pop_back();
+    g_pool_cached -= size;
+    return p;
+  }
   void* p = NULL;
-  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 16);
+  cudaError_t e = cudaMalloc(&p, size);
+  if (e == cudaErrorMemoryAllocation && g_pool_cached) {
+    cudaGetLastError();
+    pool_release_cached();
+    e = cudaMalloc(&p, size);
+  }
   if (e != cudaSuccess) {
     cudaGetLastError();
     cu_fail(e, "cudaMalloc");
     return NULL;
   }
+  g_pool_size[p] = size;
   return p;
 }
 
 static void cu_mem_free(void* p) {
   if (!p) return;
-  cudaError_t e = cudaFree(p);
-  /* at process exit the runtime may already be unloading: nothing left to free then */
-  if (e != cudaSuccess && e != cudaErrorCudartUnloading) cu_fail(e, "cudaFree");
-  if (e != cudaSuccess) cudaGetLastError();
+  std::lock_guard<std::mutex> lock(g_pool_lock);
+  auto it = g_pool_size.find(p);
+  if (it == g_pool_size.end()) return; /* not ours: nothing to do */
+  g_pool_free[it->second].push_back(p);
+  g_pool_cached += it->second;
 }
 
 static int cu_upload(void* dst, const float* src, size_t bytes) {
@@ -177,6 +226,10 @@ static int cu_download(float* dst, const void* src, size_t bytes) {
 static int cu_mem_info(size_t* free_bytes, size_t* total_bytes) {
   size_t f = 0, t = 0;
   UTC_CHECK(cudaMemGetInfo(&f, &t), "cudaMemGetInfo");
+  {
+    std::lock_guard<std::mutex> lock(g_pool_lock);
+    f += g_pool_cached; /* cached blocks are free for the library to reuse */
+  }
   if (free_bytes) *free_bytes = f;
   if (total_bytes) *total_bytes = t;
   return UT_OK;
