@@ -76,7 +76,9 @@ def test_cdef_text_strips_comments():
 
 
 def _import_with(env_extra):
-    env = dict(os.environ, PYTHONPATH=PKG_DIR, **env_extra)
+    # keep the caller's PYTHONPATH: it may be where numpy or cffi come from
+    path = os.pathsep.join([PKG_DIR] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, PYTHONPATH=path, **env_extra)
     return subprocess.run([sys.executable, "-c", "import utensil_ffi"], capture_output=True,
                           text=True, timeout=60, env=env)
 

@@ -314,6 +314,7 @@ def test_out_of_memory_is_memory_error(tmp_path):
             assert isinstance(e, MemoryError), e
             print("OOM-OK", e)
     """)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(ut.__file__)))
+    root = os.path.dirname(os.path.dirname(ut.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert "OOM-OK" in r.stdout, r.stdout + r.stderr
