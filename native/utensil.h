@@ -1125,6 +1125,25 @@ static int ut__check_conv2d(const ut_conv2d* l, const char* who) {
   return ut__check_params(l->weight, l->bias, ut__prod(l->out_c, l->in_c, l->kh, l->kw), l->out_c,
                           who);
 }
+/* What every convolution's backward checks: the cached input gives the geometry, grad_out has
+   the forward output's shape, dW the weight's element count and db (when used) out_c. */
+static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool has_bias,
+                                   const ut_tensor* input, int in_c, int out_c, int kh, int kw,
+                                   int stride, int pad, const ut_tensor* grad_out,
+                                   const ut_tensor* dW, const ut_tensor* db, const char* who) {
+  UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
+  UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
+  UT__TRY(ut__conv_geometry(g, input, in_c, kh, kw, stride, pad, who));
+  UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
+  UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
+  if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
+  const int* gs = grad_out->shape.shape;
+  UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
+                gs[3] == g->wo,
+            UT_ERR_SHAPE, "%s: grad_out must be [%d, %d, %d, %d]", who, g->n, out_c, g->ho, g->wo);
+  return UT_OK;
+}
+
 static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
   return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
 }
@@ -1176,20 +1195,11 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
                               ut_tensor* dW, ut_tensor* db) {
   const char* who = "ut_conv2d_backward";
   ut__conv_geom g;
-  if (ut__check_conv2d(l, who) < 0) return NULL;
-  UT__CHECK_NULL(cache && cache->input, UT_ERR_ARG,
-                 "%s: the cache is empty (run forward with a cache first)", who);
-  if (ut__check_arg(cache->input, l->weight, -1, who, "cache->input") < 0 ||
-      ut__conv_geometry(&g, cache->input, l->in_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
-      ut__check_arg(grad_out, l->weight, -1, who, "grad_out") < 0 ||
-      ut__check_arg(dW, l->weight, l->weight->shape.nelem, who, "dW") < 0 ||
-      (db && l->bias && ut__check_arg(db, l->weight, l->out_c, who, "db") < 0))
+  if (ut__check_conv2d(l, who) < 0 ||
+      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
+                              l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
+                              db, who) < 0)
     return NULL;
-  const int* gs = grad_out->shape.shape;
-  UT__CHECK_NULL(grad_out->shape.ndim == 4 && gs[0] == g.n && gs[1] == l->out_c &&
-                     gs[2] == g.ho && gs[3] == g.wo,
-                 UT_ERR_SHAPE, "%s: grad_out must be [%d, %d, %d, %d]", who, g.n, l->out_c, g.ho,
-                 g.wo);
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
   bool pointwise = ut__conv_is_pointwise(&g);
@@ -1309,19 +1319,10 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
                                 ut_tensor* dW, ut_tensor* db) {
   const char* who = "ut_dwconv2d_backward";
   ut__conv_geom g;
-  if (ut__check_dwconv2d(l, who) < 0) return NULL;
-  UT__CHECK_NULL(cache && cache->input, UT_ERR_ARG,
-                 "%s: the cache is empty (run forward with a cache first)", who);
-  if (ut__check_arg(cache->input, l->weight, -1, who, "cache->input") < 0 ||
-      ut__conv_geometry(&g, cache->input, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
-      ut__check_arg(grad_out, l->weight, -1, who, "grad_out") < 0 ||
-      ut__check_arg(dW, l->weight, l->weight->shape.nelem, who, "dW") < 0 ||
-      (db && l->bias && ut__check_arg(db, l->weight, l->c, who, "db") < 0))
+  if (ut__check_dwconv2d(l, who) < 0 ||
+      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL, l->c,
+                              l->c, l->kh, l->kw, l->stride, l->pad, grad_out, dW, db, who) < 0)
     return NULL;
-  const int* gs = grad_out->shape.shape;
-  UT__CHECK_NULL(grad_out->shape.ndim == 4 && gs[0] == g.n && gs[1] == g.c && gs[2] == g.ho &&
-                     gs[3] == g.wo,
-                 UT_ERR_SHAPE, "%s: grad_out must be [%d, %d, %d, %d]", who, g.n, g.c, g.ho, g.wo);
   const ut__backend* be = ut__backend_for(grad_out->dev);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(cache->input, be) : NULL;
