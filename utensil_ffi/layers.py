@@ -17,6 +17,9 @@ from . import functional as _F
 from .functional import _Args
 from .tensor import Tensor, zeros
 
+_wrap = Tensor._wrap
+_NULL = ffi.NULL
+
 __all__ = [
     "Parameter",
     "Module",
@@ -121,18 +124,34 @@ class _Handle:
     """The C side of one layer: its struct and its forward cache, freed together.
 
     Kept apart from the layer object so a finalizer can free it without keeping the layer alive.
+    Two cache structs are allocated once and reused: ``cache`` holds what the last forward kept
+    when ``used``; ``spare`` is always empty and is what the next forward fills, so a forward that
+    fails leaves the previous one's cache usable. (The C header requires freeing a used cache
+    before passing it to forward again: a cache becomes the spare only once freed.)
     """
+
+    __slots__ = ("s", "cache", "spare", "used", "_cache_free", "_free")
 
     def __init__(self, kind, s):
         self.s = s
-        self.cache = None
+        self.cache = ffi.new("ut_%s_cache*" % kind)
+        self.spare = ffi.new("ut_%s_cache*" % kind)
+        self.used = False
         self._cache_free = getattr(lib, "ut_%s_cache_free" % kind)
         self._free = getattr(lib, "ut_%s_free" % kind)
 
+    def swap_in(self, filled):
+        """After a successful forward: drop the old cache; the spare becomes it if ``filled``."""
+        if self.used:
+            self._cache_free(self.cache)
+        if filled:
+            self.cache, self.spare = self.spare, self.cache
+        self.used = filled
+
     def clear_cache(self):
-        if self.cache is not None:
-            c, self.cache = self.cache, None
-            self._cache_free(c)
+        if self.used:
+            self.used = False
+            self._cache_free(self.cache)
 
     def free(self):
         self.clear_cache()
@@ -156,7 +175,6 @@ class _CLayer(Module):
         self._h = _Handle(self._kind, s)
         self._finalizer = weakref.finalize(self, self._h.free)
         self._finalizer.atexit = False
-        self._out_shape = None
         self._fwd = getattr(lib, "ut_%s_forward" % self._kind)
         self._bwd = getattr(lib, "ut_%s_backward" % self._kind)
         self._weight = _param(s.weight, "weight")
@@ -224,37 +242,53 @@ class _CLayer(Module):
         raise NotImplementedError
 
     def forward(self, x):
+        h = self._h
+        s = h.s if h is not None else None
+        if s is None:
+            raise ClosedError("operation on a closed %s" % type(self).__name__)
+        # The fast path: an open Tensor goes straight to C, which checks the shape and device;
+        # on failure the Python checks below run to raise their (more specific) message.
+        xp = x._ptr if isinstance(x, Tensor) else None
+        if xp is None:
+            return self._forward_checked(x)
+        keep = self._keeps_cache()
+        p = self._fwd(s, xp, h.spare if keep else _NULL)
+        if p == _NULL:
+            h._cache_free(h.spare)  # whatever a failed forward may have stored
+            return self._forward_checked(x)
+        h.swap_in(keep)
+        return _wrap(p)
+
+    def _forward_checked(self, x):
+        """forward with every check in Python first (array-likes, closed tensors, failures)."""
         s = self._struct
         name = type(self).__name__
         with _Args(name) as a:
             a.dev = s.weight.dev
             xt = a.tensor(x, "x")
-            out_shape = self._check_input(xt.shape)
-            self._clear_cache()
+            self._check_input(xt.shape)
             keep = self._keeps_cache()
-            cache = ffi.new("ut_%s_cache*" % self._kind) if keep else ffi.NULL
-            self._h.cache = cache if keep else None  # freed with the layer from now on
-            p = self._fwd(s, xt.ptr, cache)
-            if p == ffi.NULL:
-                self._clear_cache()
+            h = self._h
+            p = self._fwd(s, xt.ptr, h.spare if keep else _NULL)
+            if p == _NULL:
+                h._cache_free(h.spare)
                 check("%s.forward" % name)
-            y = Tensor._wrap(p)
-            if y.shape != out_shape:  # a check of our own arithmetic against the library's
-                y.close()
-                self._clear_cache()
-                raise ShapeError("%s.forward: expected output %s, library gave %s" % (name, out_shape, y.shape))
-            if keep:
-                self._out_shape = out_shape
-            return y
+            h.swap_in(keep)
+            return _wrap(p)
 
     def _keeps_cache(self):
         """Whether forward keeps what backward needs: in training mode."""
         return self.training
 
+    def _grad_shape(self, in_shape):
+        """The shape backward's grad_out must have, given the input the last forward kept."""
+        return self._check_input(in_shape)
+
     def backward(self, grad_out):
         s = self._struct
         name = type(self).__name__
-        if self._h.cache is None:
+        h = self._h
+        if not h.used:
             raise ArgumentError(
                 "%s.backward: no forward pass to differentiate; call forward() in training "
                 "mode (layer.train()) first" % name
@@ -262,19 +296,20 @@ class _CLayer(Module):
         with _Args(name + ".backward") as a:
             a.dev = s.weight.dev
             g = a.tensor(grad_out, "grad_out")
-            if g.shape != self._out_shape:
+            ip = h.cache.input.shape
+            out_shape = self._grad_shape(tuple(ffi.unpack(ip.shape, ip.ndim)))
+            if g.shape != out_shape:
                 raise ShapeError(
                     "%s.backward: grad_out has shape %s, the forward output had %s"
-                    % (name, g.shape, self._out_shape)
+                    % (name, g.shape, out_shape)
                 )
             db = self._bias.grad.ptr if self._bias is not None else ffi.NULL
-            p = self._bwd(s, self._h.cache, g.ptr, self._weight.grad.ptr, db)
-            return Tensor._wrap(check_ptr(p, "%s.backward" % name))
+            p = self._bwd(s, h.cache, g.ptr, self._weight.grad.ptr, db)
+            return _wrap(check_ptr(p, "%s.backward" % name))
 
     def _clear_cache(self):
         if self._h is not None:
             self._h.clear_cache()
-        self._out_shape = None
 
     def close(self):
         """Free the layer's C tensors now (idempotent); its Parameters become closed."""
@@ -460,6 +495,9 @@ class BatchNorm2d(_CLayer):
     def _keeps_cache(self):
         return True
 
+    def _grad_shape(self, in_shape):
+        return in_shape
+
     def _tensors(self):
         return super()._tensors() + [self._running_mean.ptr, self._running_var.ptr]
 
@@ -498,13 +536,15 @@ class _Stateless(Module):
 
     def forward(self, x):
         y = self._op(x)
-        self._clear_cache()
+        if self._input is not None:
+            self._clear_cache()
         if self.training:
             self._keep(x, y)
         return y
 
     def _keep(self, x, y):
-        self._input = Tensor._borrow(x.ptr) if isinstance(x, Tensor) else Tensor(x, y.device)
+        # x succeeded as the op's input, so a Tensor x is open
+        self._input = _wrap(lib.ut_retain(x._ptr)) if isinstance(x, Tensor) else Tensor(x, y.device)
 
     def backward(self, grad_out):
         if self._input is None:
@@ -543,8 +583,11 @@ class GlobalAvgPool2d(_Stateless):
     _op = staticmethod(_F.global_avg_pool2d)
 
     def _keep(self, x, y):
-        shape = x.shape if isinstance(x, Tensor) else _args.to_float_array(x).shape
-        self._input = (tuple(y.shape), shape[2], shape[3])
+        if isinstance(x, Tensor):
+            n, c, h, w = ffi.unpack(x._ptr.shape.shape, 4)  # 4-D: the op succeeded
+        else:
+            n, c, h, w = _args.to_float_array(x).shape
+        self._input = ((n, c), h, w)
 
     def backward(self, grad_out):
         if self._input is None:

@@ -4,9 +4,11 @@ State (SGD velocity, Adam moments) lives in C tensors next to each parameter, so
 host round trip. If a parameter is moved to another device, its state follows at the next step.
 """
 
+import numpy as np
+
 from . import _args
 from . import functional as _F
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, check
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, ShapeError, check
 from ._lib import lib
 from .layers import Module, Parameter
 from .tensor import zeros
@@ -36,6 +38,10 @@ class Optimizer:
         self.lr = _args.to_float(lr, "lr", lo=0.0)
         self._state = [None] * len(params)
         self._closed = False
+        self.t = 0  # steps taken
+
+    # The state tensors each parameter has (SGD: velocity if momentum; Adam: m, v).
+    _slot_count = 0
 
     def _check_open(self):
         if self._closed:
@@ -51,6 +57,70 @@ class Optimizer:
             if t.ptr.dev != p.ptr.dev and lib.ut_to_device(t.ptr, p.ptr.dev) < 0:
                 check("%s state to %s" % (type(self).__name__, p.device))
         return st
+
+    def state_dict(self):
+        """The optimizer's state as numpy copies: ``{"step": int, "state": [[array, ...], ...]}``.
+
+        ``state[i]`` holds parameter i's state arrays (SGD: [velocity] with momentum, else [];
+        Adam: [m, v]), each of the parameter's shape; state not created yet is zeros, which is
+        what the optimizer starts from. Hyperparameters (lr, ...) are not included.
+        """
+        self._check_open()
+        n = self._slot_count
+        state = []
+        for i, p in enumerate(self.params):
+            st = self._state[i]
+            if n == 0:
+                state.append([])
+            elif st is None:
+                state.append([np.zeros(p.shape, np.float32) for _ in range(n)])
+            else:
+                state.append([np.array(t.numpy(), dtype=np.float32, copy=True) for t in st])
+        return {"step": int(self.t), "state": state}
+
+    def load_state_dict(self, state_dict):
+        """Restore what state_dict() returned (for the same parameters, in the same order).
+
+        Everything is checked before anything changes: ArgumentError (ArgumentTypeError) for a
+        malformed dict, ShapeError for a count or shape that does not match the parameters.
+        """
+        self._check_open()
+        name = "%s.load_state_dict" % type(self).__name__
+        if not isinstance(state_dict, dict):
+            raise ArgumentTypeError("%s: expected a dict, got %s" % (name, type(state_dict).__name__))
+        missing = [k for k in ("step", "state") if k not in state_dict]
+        if missing:
+            raise ArgumentError("%s: the dict has no %s" % (name, " or ".join(repr(k) for k in missing)))
+        step = _args.to_int(state_dict["step"], "%s: step" % name, 0)
+        state = state_dict["state"]
+        if not isinstance(state, (list, tuple)):
+            raise ArgumentTypeError("%s: 'state' must be a list (one entry per parameter), got %s"
+                                    % (name, type(state).__name__))
+        if len(state) != len(self.params):
+            raise ShapeError("%s: 'state' has %d entries, the optimizer has %d parameters"
+                             % (name, len(state), len(self.params)))
+        n = self._slot_count
+        arrays = []
+        for i, (entry, p) in enumerate(zip(state, self.params)):
+            if not isinstance(entry, (list, tuple)):
+                raise ArgumentTypeError("%s: state[%d] must be a list of arrays, got %s"
+                                        % (name, i, type(entry).__name__))
+            if len(entry) != n:
+                raise ShapeError("%s: state[%d] has %d arrays, %s keeps %d per parameter"
+                                 % (name, i, len(entry), type(self).__name__, n))
+            row = []
+            for j, a in enumerate(entry):
+                a = _args.to_float_array(a, "%s: state[%d][%d]" % (name, i, j))
+                if a.shape != p.shape:
+                    raise ShapeError("%s: state[%d][%d] has shape %s, the parameter %s"
+                                     % (name, i, j, a.shape, p.shape))
+                row.append(a)
+            arrays.append(row)
+        for i, row in enumerate(arrays):
+            if row:
+                for t, a in zip(self._slot(i, n), row):
+                    t.copy_from(a)
+        self.t = step
 
     def zero_grad(self):
         self._check_open()
@@ -82,11 +152,16 @@ class SGD(Optimizer):
         super().__init__(params, lr)
         self.momentum = _args.to_float(momentum, "momentum", lo=0.0)
 
+    @property
+    def _slot_count(self):
+        return 1 if self.momentum != 0.0 else 0
+
     def step(self):
         self._check_open()
         for i, p in enumerate(self.params):
             v = self._slot(i, 1)[0] if self.momentum != 0.0 else None
             _F.sgd_step(p, p.grad, v, self.lr, self.momentum)
+        self.t += 1
 
     def __repr__(self):
         return "SGD(lr=%g, momentum=%g, %d params)" % (self.lr, self.momentum, len(self.params))
@@ -94,6 +169,8 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     """Adam with bias correction (Kingma & Ba); m and v start at zero."""
+
+    _slot_count = 2
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(params, lr)
@@ -105,7 +182,6 @@ class Adam(Optimizer):
         if not all(b < 1.0 for b in self.betas):
             raise ArgumentError("betas must be in [0, 1), got %r" % (self.betas,))
         self.eps = _args.to_float(eps, "eps", lo=0.0)
-        self.t = 0
 
     def step(self):
         self._check_open()

@@ -1,5 +1,7 @@
 """Tensor: a Python handle on one reference to a C ut_tensor (float32, row-major, CPU or CUDA)."""
 
+import atexit
+import threading
 import weakref
 
 import numpy as np
@@ -30,6 +32,13 @@ def _release(ptr):
     lib.ut_free(ptr)
 
 
+# At interpreter exit the process's memory goes anyway (and the CUDA runtime may be gone before
+# the last Tensor is collected), so __del__ frees nothing once atexit has run.
+_EXITING = [False]
+atexit.register(_EXITING.__setitem__, 0, True)
+_CLOSE_LOCK = threading.Lock()  # close() from two threads at once frees one reference once
+
+
 class _HostView:
     """The base object of the arrays Tensor.numpy() returns.
 
@@ -43,7 +52,8 @@ class _HostView:
         lib.ut_retain(ptr)
         self._finalizer = weakref.finalize(self, _release, ptr)
         self._finalizer.atexit = False
-        shape = tuple(ptr.shape.shape[i] for i in range(ptr.shape.ndim))
+        s = ptr.shape
+        shape = tuple(ffi.unpack(s.shape, s.ndim))
         self.__array_interface__ = {
             "version": 3,
             "shape": shape,
@@ -51,6 +61,9 @@ class _HostView:
             "data": (int(ffi.cast("uintptr_t", ptr.data)), bool(readonly)),
             "strides": None,
         }
+
+
+_new_object = object.__new__
 
 
 class Tensor:
@@ -62,37 +75,53 @@ class Tensor:
     closed tensor raise ClosedError (a ValueError).
     """
 
-    __slots__ = ("_ptr", "_finalizer", "__weakref__")
+    __slots__ = ("_ptr", "__weakref__")
 
     def __init__(self, data, device="cpu"):
+        self._ptr = None
         dev = _args.parse_device(device)
         arr = _args.to_float_array(data)
         shape = ffi.new("int[]", arr.shape)
         p = lib.ut_from_data(arr.ndim, shape, ffi.from_buffer("float[]", arr), dev)
-        self._adopt(check_ptr(p, "Tensor"))
+        self._ptr = check_ptr(p, "Tensor")
 
     # -- ownership ------------------------------------------------------------------------------
+    # The object owns one C reference in _ptr (None once closed). A plain __del__ rather than
+    # weakref.finalize: wrapping every op's result must be cheap (finalize costs ~1-2 us).
     def _adopt(self, ptr):
         self._ptr = ptr
-        self._finalizer = weakref.finalize(self, _release, ptr)
-        self._finalizer.atexit = False  # at exit the process's memory goes anyway (and CUDA may be gone)
 
     @classmethod
     def _wrap(cls, ptr):
         """A Tensor owning ``ptr``'s reference (a pointer a C op returned: rc already counts us)."""
-        t = object.__new__(cls)
-        t._adopt(ptr)
+        t = _new_object(cls)
+        t._ptr = ptr
         return t
 
     @classmethod
     def _borrow(cls, ptr):
         """A Tensor holding a new reference to a borrowed pointer (a layer's weight)."""
-        return cls._wrap(lib.ut_retain(ptr))
+        t = _new_object(cls)
+        t._ptr = lib.ut_retain(ptr)
+        return t
+
+    def __del__(self, _free=lib.ut_free, _exiting=_EXITING):
+        try:
+            p = self._ptr
+        except AttributeError:  # __init__ failed before setting it
+            return
+        if p is not None:
+            self._ptr = None
+            if not _exiting[0]:
+                _free(p)
 
     @property
     def ptr(self):
         """The underlying ``ut_tensor*`` (cdata); raises ClosedError once closed."""
-        p = getattr(self, "_ptr", None)
+        try:
+            p = self._ptr
+        except AttributeError:
+            p = None
         if p is None:
             raise ClosedError("operation on a closed Tensor")
         return p
@@ -103,9 +132,11 @@ class Tensor:
 
     def close(self):
         """Drop this object's reference now (idempotent). numpy views keep their own."""
-        if getattr(self, "_ptr", None) is not None:
+        with _CLOSE_LOCK:
+            p = getattr(self, "_ptr", None)
             self._ptr = None
-            self._finalizer()
+        if p is not None:
+            lib.ut_free(p)
 
     def __enter__(self):
         self.ptr
@@ -118,7 +149,7 @@ class Tensor:
     @property
     def shape(self):
         s = self.ptr.shape
-        return tuple(s.shape[i] for i in range(s.ndim))
+        return tuple(ffi.unpack(s.shape, s.ndim))
 
     @property
     def ndim(self):

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import data as _data
 from . import mobilenet as _mn
-from ._errors import UtensilError
+from ._errors import ArgumentError, ShapeError, UtensilError
 from .functional import cross_entropy, cross_entropy_backward
 from .optim import SGD, Adam
 from .tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
@@ -205,19 +205,16 @@ def _slot_names(opt):
 
 def optimizer_state(opt, names=None):
     """{"<param key>/<slot>": numpy array} of an Adam's m, v or an SGD's velocity, plus
-    "step" (Adam's update count) as a 0-d array. State not created yet is saved as zeros, which
-    is what the optimizer would start from."""
+    "step" (the optimizer's update count) as a 0-d array. State not created yet is saved as
+    zeros, which is what the optimizer would start from."""
     keys = names or ["%d" % i for i in range(len(opt.params))]
-    out = {}
     slots = _slot_names(opt)
-    for i, (key, p) in enumerate(zip(keys, opt.params)):
-        st = opt._state[i]
-        for j, s in enumerate(slots):
-            if st is None:
-                out["%s/%s" % (key, s)] = np.zeros(p.shape, np.float32)
-            else:
-                out["%s/%s" % (key, s)] = np.array(st[j].numpy(), dtype=np.float32, copy=True)
-    out["step"] = np.array(getattr(opt, "t", 0), dtype=np.int64)
+    sd = opt.state_dict()
+    out = {}
+    for key, arrays in zip(keys, sd["state"]):
+        for s, a in zip(slots, arrays):
+            out["%s/%s" % (key, s)] = a
+    out["step"] = np.array(sd["step"], dtype=np.int64)
     return out
 
 
@@ -225,9 +222,8 @@ def load_optimizer_state(opt, state, names=None):
     """Put what optimizer_state() returned back into ``opt`` (same parameters, same order)."""
     keys = names or ["%d" % i for i in range(len(opt.params))]
     slots = _slot_names(opt)
-    for i, (key, p) in enumerate(zip(keys, opt.params)):
-        if not slots:
-            continue
+    per_param = []
+    for key, p in zip(keys, opt.params):
         arrays = []
         for s in slots:
             k = "%s/%s" % (key, s)
@@ -238,10 +234,12 @@ def load_optimizer_state(opt, state, names=None):
                 raise CheckpointError("optimizer state %r has shape %s, the parameter %s"
                                       % (k, a.shape, p.shape))
             arrays.append(a)
-        for t, a in zip(opt._slot(i, len(slots)), arrays):
-            t.copy_from(a)
-    if isinstance(opt, Adam):
-        opt.t = int(np.asarray(state.get("step", 0)))
+        per_param.append(arrays)
+    step = int(np.asarray(state.get("step", 0)))
+    try:
+        opt.load_state_dict({"step": step, "state": per_param})
+    except (ShapeError, ArgumentError) as e:
+        raise CheckpointError("the checkpoint's optimizer state does not fit: %s" % e) from None
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
