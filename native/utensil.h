@@ -39,6 +39,650 @@
      GPU work is queued on one stream. The CPU backend runs each op on ut_get_num_threads()
      threads (default: the cores present).
 */
+
+/* The CPU backend compiles its depthwise engines once per vector width by including this header
+   again with UT__DW_PASS defined; such a pass emits only those engines (see CPU BACKEND). */
+#ifdef UT__DW_PASS
+#define UT__DW_N(name) UT__DW_N2(name, UT__DW_V)
+#define UT__DW_N2(name, v) UT__DW_N3(name, v)
+#define UT__DW_N3(name, v) name##_w##v
+#define ut__dw_row UT__DW_N(ut__dw_row)
+#define ut__dwf_rows_k UT__DW_N(ut__dwf_rows_k)
+#define ut__dwf_rows_gen UT__DW_N(ut__dwf_rows_gen)
+#define ut__dwf_flat_k UT__DW_N(ut__dwf_flat_k)
+#define ut__dw_flat_src UT__DW_N(ut__dw_flat_src)
+#define ut__dwf_range_body UT__DW_N(ut__dwf_range_body)
+#define ut__dwdx_range_body UT__DW_N(ut__dwdx_range_body)
+#define ut__dwdw_rows_k UT__DW_N(ut__dwdw_rows_k)
+#define ut__dwdw_rows_gen UT__DW_N(ut__dwdw_rows_gen)
+#define ut__dwdw_flat_k UT__DW_N(ut__dwdw_flat_k)
+#define ut__dwdw_chan_body UT__DW_N(ut__dwdw_chan_body)
+#define ut__dv_acc_dp UT__DW_N(ut__dv_acc_dp)
+#define ut__dv_st_limp UT__DW_N(ut__dv_st_limp)
+#define ut__dv UT__DW_N(ut__dv)
+#define ut__dvu UT__DW_N(ut__dvu)
+#define ut__dvi UT__DW_N(ut__dvi)
+#define ut__dviu UT__DW_N(ut__dviu)
+#define ut__dv8u UT__DW_N(ut__dv8u)
+#define ut__dvdu UT__DW_N(ut__dvdu)
+#if UT__DW_V == 16
+#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
+#define UT__DW_IDX_LO {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}
+#define UT__DW_IDX_HI {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}
+#elif UT__DW_V == 8
+#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14}
+#define UT__DW_IDX_LO {0, 8, 1, 9, 2, 10, 3, 11}
+#define UT__DW_IDX_HI {4, 12, 5, 13, 6, 14, 7, 15}
+#else
+#define UT__DW_IDX_EVEN {0, 2, 4, 6}
+#define UT__DW_IDX_LO {0, 4, 1, 5}
+#define UT__DW_IDX_HI {2, 6, 3, 7}
+#endif
+
+/* Vectors of UT__DW_V floats: GCC/clang vector extensions of the ISA's own width (wider ones
+   are lowered through the stack), used through macros so that no vector crosses a function
+   call; plain arrays otherwise. */
+#if defined(__GNUC__)
+typedef float ut__dv __attribute__((vector_size(4 * UT__DW_V)));
+typedef float ut__dvu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
+typedef int32_t ut__dvi __attribute__((vector_size(4 * UT__DW_V)));
+typedef int32_t ut__dviu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
+typedef float ut__dv8u __attribute__((vector_size(2 * UT__DW_V), aligned(4), may_alias));
+typedef double ut__dvdu __attribute__((vector_size(4 * UT__DW_V), aligned(8), may_alias));
+#define ut__dv_ld(p) (*(const ut__dvu*)(const void*)(p))
+#define ut__dv_st(p, v) (*(ut__dvu*)(void*)(p) = (v))
+#define ut__dv_dup(s) ((ut__dv){0} + (float)(s))
+#define ut__dv_fma(acc, w, v) ((acc) + (w) * (v))
+#define ut__dv_fmav(acc, a, b) ((acc) + (a) * (b))
+#define ut__dv_and(v, m) ((ut__dv)((ut__dvi)(v) & *(const ut__dviu*)(const void*)(m)))
+/* d[0..V) += (double)v, lane by lane */
+UT__CPU_INL void ut__dv_acc_dp(double* d, const float* v) {
+  *(ut__dvdu*)(void*)d += __builtin_convertvector(*(const ut__dv8u*)(const void*)v, ut__dvdu);
+  *(ut__dvdu*)(void*)(d + UT__DW_V / 2) +=
+      __builtin_convertvector(*(const ut__dv8u*)(const void*)(v + UT__DW_V / 2), ut__dvdu);
+}
+#else
+typedef struct { float f[UT__DW_V]; } ut__dv;
+static inline ut__dv ut__dv_ld(const float* p) { ut__dv v; memcpy(&v, p, sizeof v); return v; }
+static inline void ut__dv_st(float* p, ut__dv v) { memcpy(p, &v, sizeof v); }
+static inline ut__dv ut__dv_dup(float s) { ut__dv v; for (int i = 0; i < UT__DW_V; i++) v.f[i] = s; return v; }
+static inline ut__dv ut__dv_fma(ut__dv acc, float w, ut__dv v) {
+  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += w * v.f[i];
+  return acc;
+}
+static inline ut__dv ut__dv_fmav(ut__dv acc, ut__dv a, ut__dv b) {
+  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += a.f[i] * b.f[i];
+  return acc;
+}
+static inline ut__dv ut__dv_and(ut__dv v, const int32_t* m) {
+  for (int i = 0; i < UT__DW_V; i++) {
+    int32_t b;
+    memcpy(&b, &v.f[i], 4);
+    b &= m[i];
+    memcpy(&v.f[i], &b, 4);
+  }
+  return v;
+}
+static inline void ut__dv_acc_dp(double* d, const float* v) {
+  for (int i = 0; i < UT__DW_V; i++) d[i] += (double)v[i];
+}
+#endif
+#define ut__dv_acc_d(d, v)                 \
+  do {                                     \
+    float ut__t_[UT__DW_V];                \
+    ut__dv_st(ut__t_, (v));                \
+    ut__dv_acc_dp((d), ut__t_);            \
+  } while (0)
+
+/* Store V outputs at p, cut at lim (see above). */
+UT__CPU_INL void ut__dv_st_limp(float* p, const float* t, const float* lim) {
+  if (p + UT__DW_V <= lim) {
+    memcpy(p, t, UT__DW_V * sizeof(float));
+  } else if (p < lim) {
+    for (ut__i64 i = 0; i < lim - p; i++) p[i] = t[i];
+  }
+}
+#define ut__dv_st_lim(p, v, lim)             \
+  do {                                       \
+    float* ut__p_ = (p);                     \
+    if (ut__p_ + UT__DW_V <= (lim)) {        \
+      ut__dv_st(ut__p_, (v));                \
+    } else {                                 \
+      float ut__t_[UT__DW_V];                \
+      ut__dv_st(ut__t_, (v));                \
+      ut__dv_st_limp(ut__p_, ut__t_, (lim)); \
+    }                                        \
+  } while (0)
+
+/* Input row iy as phase rows, from the ring (slot iy % nslots) or the zero slot. */
+UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int w, int s, int px,
+                                    int Wq, int PS, int SL, int nslots, float* restrict slots,
+                                    int* restrict tags) {
+  if (iy < 0 || iy >= h) return slots;
+  int k = iy % nslots;
+  float* dst = slots + (ut__i64)(k + 1) * SL;
+  if (tags[k] == iy) return dst;
+  tags[k] = iy;
+  const float* xr = xp + (ut__i64)iy * w;
+  for (int b = 0; b < s; b++) {
+    float* d = dst + (ut__i64)b * PS;
+    int lo = ut__cpu_lo(b, s, px, Wq), hi = UT__CPU_MAX(ut__cpu_hi(b, s, px, w, Wq), lo);
+    int off = b - px;
+    for (int c = 0; c < lo; c++) d[c] = 0.0f;
+    if (s == 1) {
+      if (hi > lo) memcpy(d + lo, xr + lo + off, (size_t)(hi - lo) * sizeof(float));
+    } else if (s == 2) {
+      int c = lo;
+#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
+      for (; c + UT__DW_V <= hi && 2 * c + off + 2 * UT__DW_V <= w; c += UT__DW_V) {
+        ut__dv x0 = ut__dv_ld(xr + 2 * c + off), x1 = ut__dv_ld(xr + 2 * c + off + UT__DW_V);
+#if defined(__clang__)
+        ut__dv ev = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                            26, 28, 30);
+#else
+        const ut__dvi ie = UT__DW_IDX_EVEN;
+        ut__dv ev = __builtin_shuffle(x0, x1, ie);
+#endif
+        ut__dv_st(d + c, ev);
+      }
+#endif
+      for (; c < hi; c++) d[c] = xr[2 * c + off];
+    } else {
+      for (int c = lo; c < hi; c++) d[c] = xr[c * s + off];
+    }
+    for (int c = hi; c < Wq; c++) d[c] = 0.0f;
+  }
+  return dst;
+}
+
+/* Row engine, one plane, K x K filter at stride S (constants when inlined with literals). At
+   stride 1 two output rows are computed together: each of their K+1 input rows is loaded once
+   per tap column and feeds both (the ring holds K+1 rows). Vectors are stored last to first, so
+   that the spill of a row's last vector into the next row is overwritten by that row's first. */
+UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
+                                const float* restrict wk, float b, float* restrict yp,
+                                const float* ylim, float* restrict buf, const int K, const int S) {
+  int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  const int NR = S == 1 ? 2 : 1; /* output rows per step */
+  const int NI = (NR - 1) * S + K; /* input rows per step */
+  float* slots = buf;
+  int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
+  for (int k = 0; k < NI; k++) tags[k] = -1;
+  float wr[25];
+  UT__DW_UNROLL
+  for (int t = 0; t < K * K; t++) wr[t] = wk[t];
+  for (int oy = 0; oy < ho; oy += NR) {
+    const float* rp[6];
+    UT__DW_UNROLL
+    for (int r = 0; r < NI; r++)
+      rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
+    float* yr0 = yp + (ut__i64)oy * wo;
+    float* yr1 = yr0 + wo;
+    bool two = NR == 2 && oy + 1 < ho;
+    for (int v = nv - 1; v >= 0; v--) {
+      ut__dv a0 = ut__dv_dup(b), a1 = ut__dv_dup(b);
+      if (NR == 2) {
+        ut__dv c0 = ut__dv_dup(0.0f), c1 = ut__dv_dup(0.0f);
+        UT__DW_UNROLL
+        for (int r = 0; r < NI; r++)
+          UT__DW_UNROLL
+          for (int kx = 0; kx < K; kx++) {
+            ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
+            if (r < K) {
+              if (r & 1)
+                c0 = ut__dv_fma(c0, wr[r * K + kx], xv);
+              else
+                a0 = ut__dv_fma(a0, wr[r * K + kx], xv);
+            }
+            if (r >= 1) {
+              if (r & 1)
+                a1 = ut__dv_fma(a1, wr[(r - 1) * K + kx], xv);
+              else
+                c1 = ut__dv_fma(c1, wr[(r - 1) * K + kx], xv);
+            }
+          }
+        a0 += c0;
+        a1 += c1;
+      } else {
+        ut__dv c0 = ut__dv_dup(0.0f);
+        UT__DW_UNROLL
+        for (int ky = 0; ky < K; ky++)
+          UT__DW_UNROLL
+          for (int kx = 0; kx < K; kx++) {
+            ut__dv xv = ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V);
+            if (ky & 1)
+              c0 = ut__dv_fma(c0, wr[ky * K + kx], xv);
+            else
+              a0 = ut__dv_fma(a0, wr[ky * K + kx], xv);
+          }
+        a0 += c0;
+      }
+      ut__dv_st_lim(yr0 + v * UT__DW_V, a0, ylim);
+      if (two) ut__dv_st_lim(yr1 + v * UT__DW_V, a1, ylim);
+    }
+  }
+}
+
+/* Row engine, any geometry: the output row is accumulated in a buffer, one input row at a
+   time. */
+UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
+                                  const float* restrict wk, float b, float* restrict yp,
+                                  float* restrict buf) {
+  int h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
+      ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  float* slots = buf;
+  float* ye = buf + (ut__i64)(kh + 1) * SL;
+  int* tags = (int*)(void*)(ye + (ut__i64)nv * UT__DW_V);
+  for (int k = 0; k < kh; k++) tags[k] = -1;
+  for (int oy = 0; oy < ho; oy++) {
+    for (int v = 0; v < nv; v++) ut__dv_st(ye + v * UT__DW_V, ut__dv_dup(b));
+    for (int ky = 0; ky < kh; ky++) {
+      int iy = oy * s - py + ky;
+      if (iy < 0 || iy >= h) continue;
+      const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
+      for (int kx = 0; kx < kw; kx++) {
+        float wv = wk[ky * kw + kx];
+        const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
+        for (int v = 0; v < nv; v++)
+          ut__dv_st(ye + v * UT__DW_V,
+                    ut__dv_fma(ut__dv_ld(ye + v * UT__DW_V), wv, ut__dv_ld(src + v * UT__DW_V)));
+      }
+    }
+    memcpy(yp + (ut__i64)oy * wo, ye, (size_t)wo * sizeof(float));
+  }
+}
+
+/* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
+UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
+                                const float* restrict wk, float b, float* restrict yp,
+                                const float* ylim, const int TAPS) {
+  int nvec = C->nvec;
+  const int* d = C->d;
+  const int32_t* M = C->M;
+  for (int j = 0; j < nvec; j++) {
+    ut__dv acc = ut__dv_dup(b);
+    const float* sj = src + j * UT__DW_V;
+    const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++)
+      acc = ut__dv_fma(acc, wk[t], ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
+    ut__dv_st_lim(yp + j * UT__DW_V, acc, ylim);
+  }
+}
+
+/* The plane q of a tensor of `planes` planes of hw floats, or a copy of it with a margin when
+   the flat engine's loads would leave the tensor. */
+UT__CPU_INL const float* ut__dw_flat_src(const ut__dwctx* C, const float* base, ut__i64 q,
+                                         ut__i64 hw, float* restrict pbuf) {
+  const float* p = base + q * hw;
+  if (q * hw + C->dmin >= 0 && q * hw + (ut__i64)C->nvec * UT__DW_V + C->dmax <= C->planes * hw)
+    return p;
+  memcpy(pbuf + C->marg, p, (size_t)hw * sizeof(float));
+  return pbuf + C->marg;
+}
+
+/* Forward over planes [q0, q1) (also the stride-1 input gradient). */
+UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                    float* restrict buf) {
+  int c = C->c, kh = C->kh, kw = C->kw, s = C->s;
+  ut__i64 hw = (ut__i64)C->h * C->w, ohw = (ut__i64)C->ho * C->wo, taps = (ut__i64)kh * kw;
+  const float* ylim = C->y + q1 * ohw;
+  for (ut__i64 q = q0; q < q1; q++) {
+    int ch = (int)(q % c);
+    const float* wk = C->wt + ch * taps;
+    float b = C->bias ? C->bias[ch] : 0.0f;
+    float* yp = C->y + q * ohw;
+    if (C->flat) {
+      const float* src = ut__dw_flat_src(C, C->x, q, hw, buf);
+      if (taps == 9)
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 9);
+      else if (taps == 25)
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 25);
+      else
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, (int)taps);
+      continue;
+    }
+    const float* xp = C->x + q * hw;
+    if (kh == 3 && kw == 3 && s == 1)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1);
+    else if (kh == 3 && kw == 3 && s == 2)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2);
+    else if (kh == 5 && kw == 5 && s == 1)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1);
+    else if (kh == 5 && kw == 5 && s == 2)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2);
+    else
+      ut__dwf_rows_gen(C, xp, wk, b, yp, buf);
+  }
+}
+
+/* Input gradient for stride s >= 2 over planes [q0, q1), as a gather per dx row and column
+   phase b (ix = s*qx + b): dx[iy][s*qx+b] = sum over ky = iy+p (mod s), kx = b+p (mod s) of
+   wk[ky][kx] * go[(iy+p-ky)/s][qx + (b+p-kx)/s]. go rows are kept zero padded (L floats on the
+   left) in a ring; each phase is a contiguous stream. The taps of each (row class, phase) are
+   listed once per call; stride 2 interleaves the two phases in registers. */
+UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                     float* restrict buf) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, p = C->py, ho = C->ho,
+      wo = C->wo;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  int L = (kw - 1) / s, nq = (w + s - 1) / s, nvq = (nq + UT__DW_V - 1) / UT__DW_V;
+  int GP = (int)UT__DW_R16(L + UT__CPU_MAX(nvq * UT__DW_V, wo) + (s - 1 + p) / s + 1);
+  int NS = (kh + s - 1) / s + 1;
+  float* ring = buf;
+  float* E = ring + (ut__i64)NS * GP;
+  const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * UT__DW_V);
+  float* tw = (float*)(void*)(tp + taps);
+  int* tags = (int*)(void*)(tw + taps);
+  /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
+  int* tcnt = tags + NS;           /* [s*s] */
+  int* tab = tcnt + (ut__i64)s * s; /* [s*s][taps][3] */
+  for (int a = 0; a < s; a++)
+    for (int bb = 0; bb < s; bb++) {
+      int* cnt = tcnt + a * s + bb;
+      int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
+      *cnt = 0;
+      for (int ky = a; ky < kh; ky += s)
+        for (int kx = 0; kx < kw; kx++) {
+          int u = bb + p - kx;
+          if (((u % s) + s) % s != 0) continue;
+          e3[*cnt * 3 + 0] = (ky - a) / s;
+          e3[*cnt * 3 + 1] = ky * kw + kx;
+          e3[*cnt * 3 + 2] = u >= 0 ? u / s : -((-u) / s);
+          (*cnt)++;
+        }
+    }
+  const float* dlim = C->y + q1 * hw;
+  for (ut__i64 q = q0; q < q1; q++) {
+    int ch = (int)(q % c);
+    const float* wk = C->wt + ch * taps;
+    const float* gp = C->x + q * ohw;
+    float* dxp = C->y + q * hw;
+    for (int k = 0; k < NS; k++) tags[k] = -1;
+    for (int iy = 0; iy < h; iy++) {
+      int a = (iy + p) % s, oyb = (iy + p - a) / s;
+      for (int bb = 0; bb < s; bb++) {
+        int nt = 0, cnt = tcnt[a * s + bb];
+        const int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
+        for (int i = 0; i < cnt; i++) {
+          int oy = oyb - e3[3 * i];
+          if (oy < 0 || oy >= ho) continue;
+          int k = oy % NS;
+          float* row = ring + (ut__i64)k * GP;
+          if (tags[k] != oy) {
+            tags[k] = oy;
+            for (int j = 0; j < L; j++) row[j] = 0.0f;
+            memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+            for (int j = L + wo; j < GP; j++) row[j] = 0.0f;
+          }
+          tp[nt] = row + L + e3[3 * i + 2];
+          tw[nt] = wk[e3[3 * i + 1]];
+          nt++;
+        }
+        float* Eb = E + (ut__i64)bb * nvq * UT__DW_V;
+        for (int v = 0; v < nvq; v++) {
+          ut__dv acc = ut__dv_dup(0.0f);
+          for (int i = 0; i < nt; i++) acc = ut__dv_fma(acc, tw[i], ut__dv_ld(tp[i] + v * UT__DW_V));
+          ut__dv_st(Eb + v * UT__DW_V, acc);
+        }
+      }
+      float* dr = dxp + (ut__i64)iy * w;
+      if (s == 2) {
+        const float* e0 = E;
+        const float* e1 = E + (ut__i64)nvq * UT__DW_V;
+#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
+        /* whole vectors; the spill past the row lands in rows written later (or is cut) */
+        for (int v = 0; v < nvq; v++) {
+          ut__dv x0 = ut__dv_ld(e0 + v * UT__DW_V), x1 = ut__dv_ld(e1 + v * UT__DW_V);
+#if defined(__clang__)
+          ut__dv lo = __builtin_shufflevector(x0, x1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                              6, 22, 7, 23);
+          ut__dv hi = __builtin_shufflevector(x0, x1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
+                                              29, 14, 30, 15, 31);
+#else
+          const ut__dvi il = UT__DW_IDX_LO, ih = UT__DW_IDX_HI;
+          ut__dv lo = __builtin_shuffle(x0, x1, il), hi = __builtin_shuffle(x0, x1, ih);
+#endif
+          float* d0 = dr + 2 * v * UT__DW_V;
+          if (2 * v * UT__DW_V < w) ut__dv_st_lim(d0, lo, dlim);
+          if (2 * v * UT__DW_V + UT__DW_V < w) ut__dv_st_lim(d0 + UT__DW_V, hi, dlim);
+        }
+#else
+        int w2 = w / 2;
+        for (int i = 0; i < w2; i++) {
+          dr[2 * i] = e0[i];
+          dr[2 * i + 1] = e1[i];
+        }
+        if (w & 1) dr[w - 1] = e0[w2];
+#endif
+      } else {
+        for (int bb = 0; bb < s; bb++) {
+          const float* eb = E + (ut__i64)bb * nvq * UT__DW_V;
+          for (int i = 0; i * s + bb < w; i++) dr[i * s + bb] = eb[i];
+        }
+      }
+    }
+  }
+}
+
+/* Filter gradient of one channel over the batch, row engine: K x K filter, stride S. The 16
+   lanes of each tap's float accumulator are added into doubles (acc: taps x 16) every ~128
+   vectors and at the end of each plane, in a fixed order. */
+UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict dacc,
+                                 float* restrict buf, const int K, const int S) {
+  int c = C->c, h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
+  const int NR = S == 1 ? 2 : 1; /* go rows per step (as in ut__dwf_rows_k) */
+  const int NI = (NR - 1) * S + K;
+  float* slots = buf;
+  float* gt0 = buf + (ut__i64)(NI + 1) * SL;
+  float* gt1 = gt0 + (ut__i64)nv * UT__DW_V + UT__DW_V;
+  int* tags = (int*)(void*)(gt1 + (ut__i64)nv * UT__DW_V + UT__DW_V);
+  int flush_rows = UT__CPU_MAX(1, 128 / nv);
+  flush_rows += flush_rows & 1;
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < NI; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
+      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
+      ut__dv A[25];
+      UT__DW_UNROLL
+      for (int t = 0; t < K * K; t++) A[t] = ut__dv_dup(0.0f);
+      for (int oy = oy0; oy < oy1; oy += NR) {
+        const float* rp[6];
+        UT__DW_UNROLL
+        for (int r = 0; r < NI; r++)
+          rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
+        memcpy(gt0, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+        if (NR == 2) {
+          if (oy + 1 < ho) {
+            memcpy(gt1, gp + (ut__i64)(oy + 1) * wo, (size_t)wo * sizeof(float));
+          } else {
+            for (int i = 0; i < wo; i++) gt1[i] = 0.0f;
+            rp[NI - 1] = slots; /* the zero slot: 0 * x could be NaN */
+          }
+          for (int v = 0; v < nv; v++) {
+            ut__dv g0 = ut__dv_ld(gt0 + v * UT__DW_V), g1 = ut__dv_ld(gt1 + v * UT__DW_V);
+            UT__DW_UNROLL
+            for (int r = 0; r < NI; r++)
+              UT__DW_UNROLL
+              for (int kx = 0; kx < K; kx++) {
+                ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
+                if (r < K) A[r * K + kx] = ut__dv_fmav(A[r * K + kx], g0, xv);
+                if (r >= 1) A[(r - 1) * K + kx] = ut__dv_fmav(A[(r - 1) * K + kx], g1, xv);
+              }
+          }
+        } else {
+          for (int v = 0; v < nv; v++) {
+            ut__dv g = ut__dv_ld(gt0 + v * UT__DW_V);
+            UT__DW_UNROLL
+            for (int ky = 0; ky < K; ky++)
+              UT__DW_UNROLL
+              for (int kx = 0; kx < K; kx++)
+                A[ky * K + kx] = ut__dv_fmav(
+                    A[ky * K + kx], g, ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V));
+          }
+        }
+      }
+      UT__DW_UNROLL
+      for (int t = 0; t < K * K; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
+    }
+  }
+}
+
+/* Filter gradient, row engine, any geometry (float lanes per tap in memory). */
+UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict dacc,
+                                   float* restrict buf) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
+      ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  float* slots = buf;
+  float* gt = buf + (ut__i64)(kh + 1) * SL;
+  float* A = gt + (ut__i64)nv * UT__DW_V + UT__DW_V;
+  int* tags = (int*)(void*)(A + taps * UT__DW_V);
+  int flush_rows = UT__CPU_MAX(1, 128 / nv);
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < kh; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
+      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
+      for (ut__i64 t = 0; t < taps; t++) ut__dv_st(A + t * UT__DW_V, ut__dv_dup(0.0f));
+      for (int oy = oy0; oy < oy1; oy++) {
+        memcpy(gt, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+        for (int ky = 0; ky < kh; ky++) {
+          int iy = oy * s - py + ky;
+          if (iy < 0 || iy >= h) continue;
+          const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
+          for (int kx = 0; kx < kw; kx++) {
+            const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
+            float* a = A + (ut__i64)(ky * kw + kx) * UT__DW_V;
+            ut__dv av = ut__dv_ld(a);
+            for (int v = 0; v < nv; v++)
+              av = ut__dv_fmav(av, ut__dv_ld(gt + v * UT__DW_V), ut__dv_ld(src + v * UT__DW_V));
+            ut__dv_st(a, av);
+          }
+        }
+      }
+      for (ut__i64 t = 0; t < taps; t++) ut__dv_acc_d(dacc + t * UT__DW_V, ut__dv_ld(A + t * UT__DW_V));
+    }
+  }
+}
+
+/* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
+   output-valid mask, x lanes outside the plane by the tap masks. */
+UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
+                                 float* restrict buf, const int TAPS) {
+  int c = C->c, nvec = C->nvec;
+  ut__i64 hw = (ut__i64)C->h * C->w;
+  const int* d = C->d;
+  const int32_t* M = C->M;
+  const int32_t* Mo = M + (ut__i64)nvec * TAPS * UT__DW_V;
+  float* xbuf = buf;
+  float* gbuf = buf + UT__DW_R16(2 * C->marg + (ut__i64)nvec * UT__DW_V + UT__DW_V);
+  ut__dv A[25];
+  int nb = C->planes / c;
+  int flush = UT__CPU_MAX(1, 128 / nvec);
+  for (int n0 = 0; n0 < nb; n0 += flush) {
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++) A[t] = ut__dv_dup(0.0f);
+    for (int n = n0; n < UT__CPU_MIN(nb, n0 + flush); n++) {
+      ut__i64 q = (ut__i64)n * c + ch;
+      const float* xs = ut__dw_flat_src(C, C->x, q, hw, xbuf);
+      const float* gs = ut__dw_flat_src(C, C->go, q, hw, gbuf);
+      for (int j = 0; j < nvec; j++) {
+        ut__dv g = ut__dv_and(ut__dv_ld(gs + j * UT__DW_V), Mo + j * UT__DW_V);
+        const float* sj = xs + j * UT__DW_V;
+        const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
+        UT__DW_UNROLL
+        for (int t = 0; t < TAPS; t++)
+          A[t] = ut__dv_fmav(A[t], g, ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
+      }
+    }
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
+  }
+}
+
+UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict dacc,
+                                    float* restrict buf) {
+  int kh = C->kh, kw = C->kw, s = C->s;
+  if (C->flat) {
+    if (kh * kw == 9)
+      ut__dwdw_flat_k(C, ch, dacc, buf, 9);
+    else if (kh * kw == 25)
+      ut__dwdw_flat_k(C, ch, dacc, buf, 25);
+    else
+      ut__dwdw_rows_gen(C, ch, dacc, buf); /* (flat is only chosen for 9 and 25 taps) */
+    return;
+  }
+  if (kh == 3 && kw == 3 && s == 1)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1);
+  else if (kh == 3 && kw == 3 && s == 2)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2);
+  else if (kh == 5 && kw == 5 && s == 1)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1);
+  else if (kh == 5 && kw == 5 && s == 2)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2);
+  else
+    ut__dwdw_rows_gen(C, ch, dacc, buf);
+}
+
+/* the drivers of this width, compiled for its ISA */
+UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwf)(const ut__dwctx* C, ut__i64 q0,
+                                                           ut__i64 q1, float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf);
+}
+UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdx)(const ut__dwctx* C, ut__i64 q0,
+                                                            ut__i64 q1, float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf);
+}
+UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdw)(const ut__dwctx* C, int ch,
+                                                            double* dacc, float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf);
+}
+#undef ut__dw_row
+#undef ut__dwf_rows_k
+#undef ut__dwf_rows_gen
+#undef ut__dwf_flat_k
+#undef ut__dw_flat_src
+#undef ut__dwf_range_body
+#undef ut__dwdx_range_body
+#undef ut__dwdw_rows_k
+#undef ut__dwdw_rows_gen
+#undef ut__dwdw_flat_k
+#undef ut__dwdw_chan_body
+#undef ut__dv_acc_dp
+#undef ut__dv_st_limp
+#undef ut__dv
+#undef ut__dvu
+#undef ut__dvi
+#undef ut__dviu
+#undef ut__dv8u
+#undef ut__dvdu
+#undef ut__dv_ld
+#undef ut__dv_st
+#undef ut__dv_dup
+#undef ut__dv_fma
+#undef ut__dv_fmav
+#undef ut__dv_and
+#undef ut__dv_acc_d
+#undef ut__dv_st_lim
+#undef UT__DW_IDX_EVEN
+#undef UT__DW_IDX_LO
+#undef UT__DW_IDX_HI
+#undef UT__DW_N
+#undef UT__DW_N2
+#undef UT__DW_N3
+#else /* !UT__DW_PASS: the header proper */
+
 #ifndef UTENSIL_H
 #define UTENSIL_H
 
@@ -569,9 +1213,1604 @@ static void ut__fill_randn(float* out, ut__i64 n, float mean, float std) {
 }
 
 /* ---- backends ----------------------------------------------------------------------------- */
-#if __has_include("utensil_cpu.inc")
-#include "utensil_cpu.inc"
+/* ============================================================================================
+   CPU BACKEND (the implementation section, after the core).
+
+   Every function here is a ut__backend entry over host buffers; arguments were validated by
+   the core. Work is split with OpenMP (when built with -fopenmp) over ut_get_num_threads()
+   threads; calls below ~32K elements run serially so small ops stay cheap.
+
+   Determinism: every reduction is computed by one thread in a fixed order (partitioned by
+   output element: channel, column, row or fixed-size block), so results do not depend on the
+   thread count or on scheduling. Reductions over many elements sum 16 float lanes per short
+   run and carry the runs in double.
+
+   Hot kernels (GEMM micro-kernel, depthwise planes) are compiled three times on x86-64 —
+   baseline, AVX2+FMA and AVX-512 — and picked at run time, so a build without -march=native
+   still uses the machine's vector units. UT_CPU_NO_DISPATCH turns that off.
+   ============================================================================================ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define UT__OMP(x) _Pragma(x)
+#define UT__CPU_TID() omp_get_thread_num()
+#else
+#define UT__OMP(x)
+#define UT__CPU_TID() 0
 #endif
+
+/* UT__CPU_OPT: full vectorization and FMA contraction for the loops that need them (-O2 in
+   GCC 12 only vectorizes loops with known trip counts, and -std=c11 turns contraction off). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define UT__CPU_OPT __attribute__((optimize("O3", "fp-contract=fast", "no-tree-loop-distribute-patterns")))
+#else
+#define UT__CPU_OPT
+#endif
+#if defined(__GNUC__)
+#define UT__CPU_INL static inline __attribute__((always_inline)) UT__CPU_OPT
+#else
+#define UT__CPU_INL static inline
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(UT_CPU_NO_DISPATCH)
+#define UT__CPU_X86 1
+#define UT__TGT_V3 __attribute__((target("avx2,fma,bmi,bmi2,f16c")))
+#if defined(__clang__)
+#define UT__TGT_V4 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c")))
+#else
+#define UT__TGT_V4                                                                      \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c," \
+                        "prefer-vector-width=512")))
+#endif
+#endif
+
+#define UT__CPU_SERIAL_BELOW 32768 /* elements (or MACs) below which a call runs serially */
+#define UT__CPU_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define UT__CPU_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* -1: pick from the CPU; 0, 3, 4: force baseline / AVX2 / AVX-512 kernels (tests). */
+static int ut__cpu_force_level = -1;
+
+static int ut__cpu_level(void) {
+  if (ut__cpu_force_level >= 0) return ut__cpu_force_level;
+#ifdef UT__CPU_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return 4;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 3;
+#endif
+  return 0;
+}
+
+/* Threads for a call touching about `work` elements (1 below the serial threshold). */
+static int ut__cpu_nt(double work) {
+#ifdef _OPENMP
+  if (work < UT__CPU_SERIAL_BELOW) return 1;
+  int nt = ut_get_num_threads();
+  (void)nt;
+  return nt < 1 ? 1 : nt;
+#else
+  (void)work;
+  return 1;
+#endif
+}
+
+static float* ut__cpu_align64(void* p) {
+  return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+}
+
+/* Sum of x[0..n) in a fixed order: 16 float lanes per run of 1024, runs carried in double. */
+UT__CPU_INL double ut__cpu_sum_body(const float* restrict x, ut__i64 n) {
+  double total = 0.0;
+  for (ut__i64 i0 = 0; i0 < n; i0 += 1024) {
+    ut__i64 len = UT__CPU_MIN((ut__i64)1024, n - i0);
+    const float* p = x + i0;
+    float l[16] = {0};
+    ut__i64 i = 0;
+    for (; i + 16 <= len; i += 16)
+      for (int j = 0; j < 16; j++) l[j] += p[i + j];
+    float t = 0.0f;
+    for (; i < len; i++) t += p[i];
+    for (int j = 0; j < 8; j++) l[j] += l[j + 8];
+    for (int j = 0; j < 4; j++) l[j] += l[j + 4];
+    total += (double)((l[0] + l[2]) + (l[1] + l[3])) + (double)t;
+  }
+  return total;
+}
+UT__CPU_OPT static double ut__cpu_sum(const float* x, ut__i64 n) { return ut__cpu_sum_body(x, n); }
+
+/* ---- elementwise ---------------------------------------------------------------------- */
+
+UT__CPU_OPT static int ut__cpu_fill(float* x, ut__i64 n, float v) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 i = 0; i < n; i++) x[i] = v;
+  return UT_OK;
+}
+
+static int ut__cpu_copy(float* dst, const float* src, ut__i64 n) {
+  int nt = ut__cpu_nt((double)n / 4);
+  (void)nt;
+  if (nt <= 1) {
+    if (n > 0 && dst != src) memmove(dst, src, (size_t)n * sizeof(float));
+    return UT_OK;
+  }
+  ut__i64 chunk = ((n + nt - 1) / nt + 15) & ~(ut__i64)15;
+  UT__OMP("omp parallel for num_threads(nt) schedule(static)")
+  for (int t = 0; t < nt; t++) {
+    ut__i64 lo = (ut__i64)t * chunk, hi = UT__CPU_MIN(n, lo + chunk);
+    if (lo < hi) memcpy(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_axpy(float* restrict y, const float* restrict x, ut__i64 n,
+                                    float alpha) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 i = 0; i < n; i++) y[i] += alpha * x[i];
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_scale(float* x, ut__i64 n, float alpha) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 i = 0; i < n; i++) x[i] *= alpha;
+  return UT_OK;
+}
+
+/* NaN propagates (like torch.relu): the comparisons are false for NaN. */
+UT__CPU_OPT static int ut__cpu_relu_fwd(const float* restrict x, float* restrict y, ut__i64 n,
+                                        float cap) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  if (cap > 0.0f) {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) {
+      float v = x[i] < 0.0f ? 0.0f : x[i];
+      y[i] = v > cap ? cap : v;
+    }
+  } else {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_relu_bwd(const float* restrict go, const float* restrict x,
+                                        float* restrict gi, ut__i64 n, float cap) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  if (cap > 0.0f) {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) {
+      float v = x[i], g = go[i]; /* both loaded unconditionally: a branch-free select */
+      int keep = (v > 0.0f) & (v < cap);
+      gi[i] = keep ? g : 0.0f;
+    }
+  } else {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) {
+      float v = x[i], g = go[i];
+      gi[i] = v > 0.0f ? g : 0.0f;
+    }
+  }
+  return UT_OK;
+}
+
+/* ---- layout ------------------------------------------------------------------------------ */
+
+/* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner], in tiles of 32 x 32. */
+static int ut__cpu_transpose(const float* in, float* out, int outer, int d0, int mid, int d1,
+                             int inner) {
+  const int T = 32;
+  ut__i64 nti = (d0 + T - 1) / T, ntj = (d1 + T - 1) / T;
+  ut__i64 tasks = (ut__i64)outer * mid * ntj;
+  ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
+  int nt = ut__cpu_nt((double)total);
+  (void)nt;
+  ut__i64 in_i = (ut__i64)mid * d1 * inner, out_j = (ut__i64)mid * d0 * inner;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 t = 0; t < tasks; t++) {
+    ut__i64 jt = t % ntj, om = t / ntj;
+    int m = (int)(om % mid), o = (int)(om / mid);
+    int j0 = (int)jt * T, j1 = UT__CPU_MIN(d1, j0 + T);
+    const float* src = in + ((ut__i64)o * d0 * mid + m) * d1 * inner;
+    float* dst = out + ((ut__i64)o * d1 * mid + m) * d0 * inner;
+    for (ut__i64 it = 0; it < nti; it++) {
+      int i0 = (int)it * T, i1 = UT__CPU_MIN(d0, i0 + T);
+      for (int j = j0; j < j1; j++) {
+        float* dr = dst + (ut__i64)j * out_j;
+        if (inner == 1) {
+          for (int i = i0; i < i1; i++) dr[i] = src[(ut__i64)i * in_i + j];
+        } else {
+          for (int i = i0; i < i1; i++)
+            memcpy(dr + (ut__i64)i * inner, src + (ut__i64)i * in_i + (ut__i64)j * inner,
+                   (size_t)inner * sizeof(float));
+        }
+      }
+    }
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
+  ut__i64 rows = (ut__i64)n * c;
+  int nt = ut__cpu_nt((double)rows * inner);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 r = 0; r < rows; r++) {
+    float b = bias[r % c];
+    float* p = x + r * inner;
+    for (ut__i64 i = 0; i < inner; i++) p[i] += b;
+  }
+  return UT_OK;
+}
+
+/* Per-row partial sums (in parallel), then each channel adds its rows in order of i. */
+static int ut__cpu_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner,
+                               float beta) {
+  ut__i64 rows = (ut__i64)n * c;
+  double stackbuf[256];
+  double* part = rows <= 256 ? stackbuf : (double*)malloc((size_t)rows * sizeof(double));
+  if (!part) return ut__set_error(UT_ERR_MEMORY, "channel_sum: out of memory");
+  int nt = ut__cpu_nt((double)rows * inner);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 r = 0; r < rows; r++) part[r] = ut__cpu_sum(x + r * inner, inner);
+  for (int j = 0; j < c; j++) {
+    double s = 0.0;
+    for (int i = 0; i < n; i++) s += part[(ut__i64)i * c + j];
+    out[j] = (beta != 0.0f ? beta * out[j] : 0.0f) + (float)s;
+  }
+  if (part != stackbuf) free(part);
+  return UT_OK;
+}
+
+static int ut__cpu_row_mean(const float* x, float* y, int rows, ut__i64 cols) {
+  int nt = ut__cpu_nt((double)rows * cols);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int r = 0; r < rows; r++)
+    y[r] = cols > 0 ? (float)(ut__cpu_sum(x + (ut__i64)r * cols, cols) / (double)cols) : 0.0f;
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_row_mean_bwd(const float* go, float* dx, int rows, ut__i64 cols) {
+  int nt = ut__cpu_nt((double)rows * cols);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int r = 0; r < rows; r++) {
+    float v = (float)((double)go[r] / (double)cols);
+    float* p = dx + (ut__i64)r * cols;
+    for (ut__i64 i = 0; i < cols; i++) p[i] = v;
+  }
+  return UT_OK;
+}
+
+/* ---- convolution geometry helpers ---------------------------------------------------------
+   For an output column ox and tap kx the input column is ix = ox*s + kx - p. lo/hi bound the
+   output columns whose ix lies in [0, w): ox in [lo, hi), clamped to [0, wo]. p may be
+   negative (the transposed form of a convolution whose padding exceeds kernel-1). */
+static inline int ut__cpu_ceil_div(int t, int s) { /* t > 0; strides 1 and 2 skip the divide */
+  return s == 1 ? t : s == 2 ? (t + 1) >> 1 : (t + s - 1) / s;
+}
+static inline int ut__cpu_lo(int kx, int s, int p, int wo) {
+  int t = p - kx;
+  int r = t <= 0 ? 0 : ut__cpu_ceil_div(t, s);
+  return r < wo ? r : wo;
+}
+static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
+  int t = w + p - kx;
+  int r = t <= 0 ? 0 : ut__cpu_ceil_div(t, s);
+  return r < wo ? r : wo;
+}
+
+/* ---- depthwise engines ----------------------------------------------------------------------
+   Two engines, both without a padded copy of the plane, written over vectors of UT__DW_V
+   floats and compiled once per width by including this file again with UT__DW_PASS defined
+   (the section at its end): 16 for AVX-512, 8 for AVX2, 4 for the baseline. Plane sizes in
+   the call's context (vectors per row, lane masks) are laid out for the width that runs.
+
+   Row engine (any geometry). Output row oy of a correlation with stride s reads the input rows
+   iy = oy*s - py + ky. Each input row is turned once into s phase rows (zero padded at the
+   ends, P_b[c] = x[iy][c*s + b - px]) kept in a ring of kh slots, so every tap (ky, kx) is one
+   contiguous stream P_{kx%s}[ox + kx/s] and a vector of 16 outputs is kh*kw loads + FMAs with
+   the weights in registers; rows outside x read a zero slot. 3x3 and 5x5 at strides 1 and 2
+   are compiled with constant sizes.
+
+   Flat engine (stride 1, "same" geometry: ho == h, wo == w, small planes). The plane is one
+   stream: output o reads input o + d_t for tap t, d_t = (ky-py)*w + kx-px, and a precomputed
+   lane mask per (output vector, tap) zeroes the lanes whose tap falls outside the plane. The
+   loads may run into the neighbouring planes of the same tensor (masked away); planes at the
+   ends of the tensor are copied into a buffer with a margin first.
+
+   Stores: vectors of 16 outputs are stored whole when they end before `ylim` (the end of the
+   calling thread's range of planes): the lanes past a row land in rows this thread computes
+   later, which overwrite them. Only stores reaching past ylim are cut.
+   ============================================================================================ */
+#define UT__DW_R16(v) (((v) + 15) & ~(ut__i64)15)
+
+/* Everything a depthwise call needs; built by the entry points, read by the ISA variants. */
+typedef struct ut__dwctx {
+  const float* x;  /* input [planes, h, w] (go for dx) */
+  const float* go; /* dW: [planes, ho, wo] */
+  const float* wt; /* [c, kh, kw] (turned by 180 degrees for the stride-1 dx) */
+  const float* bias;
+  float* y;
+  float* dw;
+  int c, h, w, kh, kw, s, py, px, ho, wo;
+  ut__i64 planes;
+  /* row engine sizes */
+  int Wq, nv, PS, SL; /* phase row length, vectors per output row, phase row / slot stride */
+  /* flat engine */
+  int flat, nvec, taps, dmin, dmax, marg;
+  const int* d;      /* [taps] */
+  const int32_t* M;  /* [nvec][taps][16] lane masks; then [nvec][16] output-valid masks */
+} ut__dwctx;
+
+/* complete unrolling of the filter loops (GCC's size limits stop short of 5x5 with two rows) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define UT__DW_UNROLL _Pragma("GCC unroll 32")
+#elif defined(__clang__)
+#define UT__DW_UNROLL _Pragma("unroll")
+#else
+#define UT__DW_UNROLL
+#endif
+
+/* One pass per width: UT__DW_V lanes, UT__DW_ATTR target, UT__DW_FN(name) -> name_vN. */
+#define UT__DW_PASS 1
+#ifdef UT__CPU_X86
+#define UT__DW_V 16
+#define UT__DW_ATTR UT__TGT_V4
+#define UT__DW_FN(name) name##_v4
+#include "utensil.h" /* again, for one vector width */
+#undef UT__DW_V
+#undef UT__DW_ATTR
+#undef UT__DW_FN
+#define UT__DW_V 8
+#define UT__DW_ATTR UT__TGT_V3
+#define UT__DW_FN(name) name##_v3
+#include "utensil.h" /* again, for one vector width */
+#undef UT__DW_V
+#undef UT__DW_ATTR
+#undef UT__DW_FN
+#endif
+#if defined(__AVX512F__)
+#define UT__DW_V0 16
+#elif defined(__AVX__)
+#define UT__DW_V0 8
+#else
+#define UT__DW_V0 4
+#endif
+#define UT__DW_V UT__DW_V0
+#define UT__DW_ATTR
+#define UT__DW_FN(name) name##_v0
+#include "utensil.h" /* again, for one vector width */
+#undef UT__DW_V
+#undef UT__DW_ATTR
+#undef UT__DW_FN
+#undef UT__DW_PASS
+
+/* Adjoint of a strided correlation for one plane, as a gather per input row: dx[iy, ix] =
+   sum over taps (ky, kx) and output pixels (oy, ox) with oy*s-p+ky = iy, ox*s-p+kx = ix of
+   wk[ky,kx] * src_tap[oy, ox], where src_tap = src + (ky*kw+kx)*tap_stride ([ho, wo]).
+   tmp holds s rows of ceil(w/s) (unused when s == 1): contributions land in phase rows
+   (ix mod s) contiguously and are interleaved into dx at the end of each row. */
+UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_stride,
+                                    const float* restrict wk, float* restrict dx, int h, int w,
+                                    int kh, int kw, int s, int p, int ho, int wo,
+                                    float* restrict tmp) {
+  int qn = (w + s - 1) / s;
+  for (int iy = 0; iy < h; iy++) {
+    float* dxr = dx + (ut__i64)iy * w;
+    float* acc = s == 1 ? dxr : tmp;
+    for (int i = 0; i < s * qn; i++) acc[i] = 0.0f;
+    for (int ky = 0; ky < kh; ky++) {
+      int t = iy + p - ky;
+      if (t < 0 || t % s != 0) continue;
+      int oy = t / s;
+      if (oy >= ho) continue;
+      for (int kx = 0; kx < kw; kx++) {
+        float wv = wk[ky * kw + kx];
+        const float* restrict gr = src + (ky * kw + kx) * tap_stride + (ut__i64)oy * wo;
+        int lo = ut__cpu_lo(kx, s, p, wo), hi = ut__cpu_hi(kx, s, p, w, wo);
+        int d = kx - p; /* ix = ox*s + d = (ox + qd)*s + rd */
+        int qd = d >= 0 ? d / s : -((-d + s - 1) / s);
+        int rd = d - qd * s;
+        float* ar = acc + rd * qn;
+        for (int ox = lo; ox < hi; ox++) ar[ox + qd] += wv * gr[ox];
+      }
+    }
+    if (s > 1) {
+      if (s == 2) {
+        int q2 = w / 2;
+        for (int q = 0; q < q2; q++) {
+          dxr[2 * q] = tmp[q];
+          dxr[2 * q + 1] = tmp[qn + q];
+        }
+        if (w & 1) dxr[w - 1] = tmp[q2];
+      } else {
+        for (int r = 0; r < s; r++)
+          for (int q = 0; q * s + r < w; q++) dxr[q * s + r] = tmp[r * qn + q];
+      }
+    }
+  }
+}
+
+/* ISA variants of the transposed-convolution gather; UT__CPU_PICK picks any variant. */
+#define UT__CPU_TCONV_PARAMS                                                                  \
+  (const float* src, ut__i64 tap_stride, const float* wk, float* dx, int h, int w, int kh,     \
+   int kw, int s, int p, int ho, int wo, float* tmp)
+#define UT__CPU_TCONV_ARGS (src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp)
+
+typedef void(*ut__cpu_dwf_fn)(const ut__dwctx* C, ut__i64 q0, ut__i64 q1, float* buf);
+typedef void(*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float* buf);
+typedef void(*ut__cpu_tconv_fn) UT__CPU_TCONV_PARAMS;
+
+#define UT__CPU_VARIANT(ATTR, NAME, BODY, PARAMS, ARGS) \
+  ATTR UT__CPU_OPT static void NAME PARAMS { BODY ARGS; }
+UT__CPU_VARIANT(, ut__cpu_tconv_v0, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS, UT__CPU_TCONV_ARGS)
+#ifdef UT__CPU_X86
+UT__CPU_VARIANT(UT__TGT_V3, ut__cpu_tconv_v3, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
+                UT__CPU_TCONV_ARGS)
+UT__CPU_VARIANT(UT__TGT_V4, ut__cpu_tconv_v4, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
+                UT__CPU_TCONV_ARGS)
+#define UT__CPU_PICK(NAME)                   \
+  (ut__cpu_level() >= 4   ? NAME##_v4        \
+   : ut__cpu_level() >= 3 ? NAME##_v3        \
+                          : NAME##_v0)
+/* lanes of the depthwise engines UT__CPU_PICK picks */
+#define UT__CPU_DW_LANES() (ut__cpu_level() >= 4 ? 16 : ut__cpu_level() >= 3 ? 8 : UT__DW_V0)
+#else
+#define UT__CPU_PICK(NAME) NAME##_v0
+#define UT__CPU_DW_LANES() UT__DW_V0
+#endif
+
+/* ---- im2col / col2im ----------------------------------------------------------------------- */
+
+/* x: [n, c, h, w] -> col: [n, c*kh*kw, ho*wo]; one task per (n, c, ky, kx) row of col. */
+static int ut__cpu_im2col(const float* x, float* col, const ut__conv_geom* g) {
+  int h = g->h, w = g->w, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, ho = g->ho,
+      wo = g->wo;
+  ut__i64 rows = (ut__i64)g->n * g->c * kh * kw, hw = (ut__i64)ho * wo;
+  int nt = ut__cpu_nt((double)rows * hw);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 r = 0; r < rows; r++) {
+    int kx = (int)(r % kw), ky = (int)(r / kw % kh);
+    ut__i64 plane = r / ((ut__i64)kh * kw);
+    const float* xp = x + plane * h * w;
+    float* dst = col + r * hw;
+    int lo = ut__cpu_lo(kx, s, p, wo), hi = UT__CPU_MAX(ut__cpu_hi(kx, s, p, w, wo), lo);
+    int off = kx - p;
+    for (int oy = 0; oy < ho; oy++) {
+      float* d = dst + (ut__i64)oy * wo;
+      int iy = oy * s - p + ky;
+      if (iy < 0 || iy >= h) {
+        memset(d, 0, (size_t)wo * sizeof(float));
+        continue;
+      }
+      const float* xr = xp + (ut__i64)iy * w;
+      for (int ox = 0; ox < lo; ox++) d[ox] = 0.0f;
+      if (s == 1) {
+        if (hi > lo) memcpy(d + lo, xr + lo + off, (size_t)(hi - lo) * sizeof(float));
+      } else {
+        for (int ox = lo; ox < hi; ox++) d[ox] = xr[ox * s + off];
+      }
+      for (int ox = hi; ox < wo; ox++) d[ox] = 0.0f;
+    }
+  }
+  return UT_OK;
+}
+
+/* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], gathered per (n, c) plane. */
+static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
+  int h = g->h, w = g->w, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, ho = g->ho,
+      wo = g->wo;
+  ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  int nt = ut__cpu_nt((double)planes * taps * hw);
+  (void)nt;
+  ut__i64 qn = (w + s - 1) / s, tmpn = s > 1 ? (ut__i64)s * qn : 0;
+  float* buf = (float*)malloc((size_t)(taps + (ut__i64)nt * tmpn) * sizeof(float));
+  if (!buf) return ut__set_error(UT_ERR_MEMORY, "col2im: out of memory");
+  for (ut__i64 t = 0; t < taps; t++) buf[t] = 1.0f;
+  const float* ones = buf;
+  float* tmp0 = buf + taps;
+  ut__cpu_tconv_fn fn = UT__CPU_PICK(ut__cpu_tconv);
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 pl = 0; pl < planes; pl++) {
+    float* tmp = tmp0 + (ut__i64)UT__CPU_TID() * tmpn;
+    fn(col + pl * taps * hw, hw, ones, dx + pl * h * w, h, w, kh, kw, s, p, ho, wo, tmp);
+  }
+  free(buf);
+  return UT_OK;
+}
+
+/* ---- depthwise convolution ----------------------------------------------------------------- */
+
+/* Row engine sizes and, for stride-1 "same" small planes with 3x3 or 5x5 filters, the flat
+   engine's tables. Returns the floats each thread needs (0 on overflow). *tab: malloc'd tables
+   (free it), NULL when unused. */
+static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
+  const int V = UT__CPU_DW_LANES();
+  int kh = C->kh, kw = C->kw, s = C->s;
+  *tab = NULL;
+  C->Wq = C->wo + (kw - 1) / s;
+  C->nv = (C->wo + V - 1) / V;
+  C->PS = (int)UT__DW_R16((ut__i64)C->nv * V + (kw - 1) / s);
+  C->SL = (int)UT__DW_R16((ut__i64)s * C->PS);
+  ut__i64 taps = (ut__i64)kh * kw;
+  ut__i64 per = (ut__i64)(kh + 2) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
+                taps * V + kh + kw + 64;
+  /* stride >= 2 input gradient */
+  {
+    int L = (kw - 1) / s, nq = (C->w + s - 1) / s, nvq = (nq + V - 1) / V;
+    ut__i64 GP = UT__DW_R16(L + UT__CPU_MAX(nvq * V, C->wo) + (s - 1 + C->py) / s + 1);
+    ut__i64 NS = (kh + s - 1) / s + 1;
+    ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + NS + 64 +
+                   (ut__i64)s * s * (3 * taps + 1);
+    per = UT__CPU_MAX(per, need);
+  }
+  C->flat = 0;
+  ut__i64 hw = (ut__i64)C->h * C->w;
+  if (s == 1 && C->ho == C->h && C->wo == C->w && (taps == 9 || taps == 25) && C->w < 32 &&
+      hw <= 256 && C->py == (kh - 1) / 2 && C->px == (kw - 1) / 2) {
+    int nvec = (int)((hw + V - 1) / V);
+    size_t bytes = sizeof(int) * (size_t)taps +
+                   sizeof(int32_t) * (size_t)V * (size_t)nvec * (size_t)(taps + 1) + 64;
+    void* t = malloc(bytes);
+    if (t) {
+      int* d = (int*)t;
+      int32_t* M = (int32_t*)(void*)ut__cpu_align64(d + taps);
+      int h = C->h, w = C->w, dmin = 0, dmax = 0;
+      for (int ky = 0; ky < kh; ky++)
+        for (int kx = 0; kx < kw; kx++) {
+          int dv = (ky - C->py) * w + (kx - C->px);
+          d[ky * kw + kx] = dv;
+          dmin = UT__CPU_MIN(dmin, dv);
+          dmax = UT__CPU_MAX(dmax, dv);
+        }
+      for (int j = 0; j < nvec; j++)
+        for (int l = 0; l < V; l++) {
+          int o = j * V + l, oy = o / w, ox = o % w;
+          for (int ky = 0; ky < kh; ky++)
+            for (int kx = 0; kx < kw; kx++) {
+              int iy = oy + ky - C->py, ix = ox + kx - C->px;
+              bool ok = o < hw && iy >= 0 && iy < h && ix >= 0 && ix < w;
+              M[((ut__i64)j * taps + ky * kw + kx) * V + l] = ok ? -1 : 0;
+            }
+          M[((ut__i64)nvec * taps + j) * V + l] = o < hw ? -1 : 0;
+        }
+      C->flat = 1;
+      C->nvec = nvec;
+      C->taps = (int)taps;
+      C->d = d;
+      C->M = M;
+      C->dmin = dmin;
+      C->dmax = dmax;
+      C->marg = (int)UT__DW_R16(UT__CPU_MAX(-dmin, dmax));
+      per = UT__CPU_MAX(per, 2 * UT__DW_R16(2 * (ut__i64)C->marg + (ut__i64)nvec * V +
+                                             V) + 64);
+      *tab = t;
+    }
+  }
+  return UT__DW_R16(per);
+}
+
+/* Per-thread buffers, zeroed (the vector loops read slack past the data). */
+static float* ut__cpu_dw_bufs(int nt, ut__i64 per_thread, void** raw) {
+  *raw = calloc((size_t)(nt * per_thread + 16), sizeof(float));
+  return *raw ? ut__cpu_align64(*raw) : NULL;
+}
+
+/* Runs fn over the planes, one contiguous range per thread. */
+static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const char* what) {
+  void* tab;
+  ut__i64 per = ut__dw_setup(C, &tab);
+  ut__i64 planes = C->planes;
+  int nt = ut__cpu_nt(work);
+  if (nt > planes) nt = (int)planes;
+  void* raw;
+  float* bufs = ut__cpu_dw_bufs(nt, per, &raw);
+  if (!bufs) {
+    free(tab);
+    return ut__set_error(UT_ERR_MEMORY, "%s: out of memory", what);
+  }
+  ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int t = 0; t < nt; t++)
+    fn(C, planes * t / nt, planes * (t + 1) / nt, bufs + (ut__i64)t * per);
+  free(raw);
+  free(tab);
+  return UT_OK;
+}
+
+static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
+                          const ut__conv_geom* g) {
+  ut__dwctx C;
+  memset(&C, 0, sizeof C);
+  C.x = x;
+  C.wt = wt;
+  C.bias = bias;
+  C.y = y;
+  C.c = g->c;
+  C.h = g->h;
+  C.w = g->w;
+  C.kh = g->kh;
+  C.kw = g->kw;
+  C.s = g->stride;
+  C.py = C.px = g->pad;
+  C.ho = g->ho;
+  C.wo = g->wo;
+  C.planes = (ut__i64)g->n * g->c;
+  if (C.planes <= 0 || C.ho <= 0 || C.wo <= 0) return UT_OK;
+  return ut__cpu_dw_planes(&C, false, (double)C.planes * C.ho * C.wo * g->kh * g->kw / 4,
+                           "dw_fwd");
+}
+
+/* Stride 1: dx is the correlation of go with the filter turned by 180 degrees and padding
+   k-1-p (negative when p > k-1, which the row engine handles). Larger strides gather per
+   column phase (ut__dwdx_range_body). */
+static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const ut__conv_geom* g) {
+  int c = g->c, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad;
+  ut__i64 planes = (ut__i64)g->n * c, taps = (ut__i64)kh * kw;
+  if (planes <= 0 || g->h <= 0 || g->w <= 0) return UT_OK;
+  double work = (double)planes * g->h * g->w * taps / 4;
+  ut__dwctx C;
+  memset(&C, 0, sizeof C);
+  C.x = go;
+  C.y = dx;
+  C.c = c;
+  C.kh = kh;
+  C.kw = kw;
+  C.s = s;
+  C.planes = planes;
+  if (s == 1) {
+    float* rot = (float*)malloc((size_t)(c * taps) * sizeof(float) + 1);
+    if (!rot) return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dx: out of memory");
+    for (ut__i64 ch = 0; ch < c; ch++)
+      for (ut__i64 t = 0; t < taps; t++) rot[ch * taps + t] = wt[ch * taps + (taps - 1 - t)];
+    C.wt = rot;
+    C.h = g->ho;
+    C.w = g->wo;
+    C.ho = g->h;
+    C.wo = g->w;
+    C.py = kh - 1 - p;
+    C.px = kw - 1 - p;
+    int st = ut__cpu_dw_planes(&C, false, work, "dw_bwd_dx");
+    free(rot);
+    return st;
+  }
+  C.wt = wt;
+  C.h = g->h;
+  C.w = g->w;
+  C.ho = g->ho;
+  C.wo = g->wo;
+  C.py = C.px = p;
+  return ut__cpu_dw_planes(&C, true, work, "dw_bwd_dx");
+}
+
+/* Parallel over channels; each channel loops over the batch in order (deterministic). */
+static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
+  const int V = UT__CPU_DW_LANES();
+  int c = g->c;
+  ut__i64 taps = (ut__i64)g->kh * g->kw;
+  if (c <= 0 || g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
+  ut__dwctx C;
+  memset(&C, 0, sizeof C);
+  C.x = x;
+  C.go = go;
+  C.c = c;
+  C.h = g->h;
+  C.w = g->w;
+  C.kh = g->kh;
+  C.kw = g->kw;
+  C.s = g->stride;
+  C.py = C.px = g->pad;
+  C.ho = g->ho;
+  C.wo = g->wo;
+  C.planes = (ut__i64)g->n * c;
+  void* tab;
+  ut__i64 per = ut__dw_setup(&C, &tab) + UT__DW_R16(taps * V * 2); /* + the doubles */
+  int nt = ut__cpu_nt((double)C.planes * g->ho * g->wo * taps / 4);
+  if (nt > c) nt = c;
+  void* raw;
+  float* bufs = ut__cpu_dw_bufs(nt, per, &raw);
+  if (!bufs) {
+    free(tab);
+    return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dw: out of memory");
+  }
+  ut__cpu_dwdw_fn fn = UT__CPU_PICK(ut__cpu_dwdw);
+  const ut__dwctx* Cp = &C;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int ch = 0; ch < c; ch++) {
+    float* buf = bufs + (ut__i64)UT__CPU_TID() * per;
+    double* dacc = (double*)(void*)(buf + per - UT__DW_R16(taps * V * 2));
+    for (ut__i64 i = 0; i < taps * V; i++) dacc[i] = 0.0;
+    fn(Cp, ch, dacc, buf);
+    for (ut__i64 t = 0; t < taps; t++) {
+      double sum = 0.0;
+      for (int l = 0; l < V; l++) sum += dacc[t * V + l];
+      dw[(ut__i64)ch * taps + t] += (float)sum;
+    }
+  }
+  free(raw);
+  free(tab);
+  return UT_OK;
+}
+
+/* ---- GEMM ---------------------------------------------------------------------------------
+   Goto-style: op(B) is packed in KC x NR micro-panels, op(A) in MR x KC micro-panels (zero
+   padded at the edges); a register-blocked MR x NR micro-kernel computes each tile of C. The
+   work is split into tasks (batch item, block of rows, block of columns), each of which runs
+   the whole K loop, so every element of C is summed in the same order whatever the thread
+   count. sum_batch runs the batch as a continuation of K. */
+#define UT__CPU_KC 256
+#define UT__CPU_MC 192
+#define UT__CPU_NC 1024
+
+typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
+                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
+
+/* C tile (mr x nr valid of MR x NR) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
+#if defined(__GNUC__)
+typedef float ut__cpu_v4f __attribute__((vector_size(16)));
+typedef float ut__cpu_v8f __attribute__((vector_size(32)));
+typedef float ut__cpu_v16f __attribute__((vector_size(64)));
+#define UT__CPU_GEMM_KERNEL(NAME, ATTR, VT, VL, MR)                                           \
+  ATTR UT__CPU_OPT static void NAME(int kc, const float* restrict ap,                         \
+                                    const float* restrict bp, float* restrict c, ut__i64 ldc,  \
+                                    int mr, int nr, float alpha, float beta) {                 \
+    VT acc0[MR], acc1[MR];                                                                    \
+    const VT zero = {0};                                                                      \
+    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = zero;                                    \
+    for (int k = 0; k < kc; k++) {                                                            \
+      VT b0, b1;                                                                              \
+      memcpy(&b0, bp, sizeof b0);                                                             \
+      memcpy(&b1, bp + VL, sizeof b1);                                                        \
+      for (int r = 0; r < MR; r++) {                                                          \
+        float av = ap[r];                                                                     \
+        acc0[r] += b0 * av;                                                                   \
+        acc1[r] += b1 * av;                                                                   \
+      }                                                                                       \
+      ap += MR;                                                                               \
+      bp += 2 * VL;                                                                           \
+    }                                                                                         \
+    if (mr == MR && nr == 2 * VL) {                                                           \
+      for (int r = 0; r < MR; r++) {                                                          \
+        float* cr = c + (ut__i64)r * ldc;                                                     \
+        VT o0 = acc0[r] * alpha, o1 = acc1[r] * alpha;                                        \
+        if (beta != 0.0f) {                                                                   \
+          VT c0, c1;                                                                          \
+          memcpy(&c0, cr, sizeof c0);                                                         \
+          memcpy(&c1, cr + VL, sizeof c1);                                                    \
+          o0 += c0 * beta;                                                                    \
+          o1 += c1 * beta;                                                                    \
+        }                                                                                     \
+        memcpy(cr, &o0, sizeof o0);                                                           \
+        memcpy(cr + VL, &o1, sizeof o1);                                                      \
+      }                                                                                       \
+    } else {                                                                                  \
+      float buf[MR * 2 * VL];                                                                 \
+      for (int r = 0; r < MR; r++) {                                                          \
+        memcpy(buf + r * 2 * VL, &acc0[r], sizeof acc0[r]);                                   \
+        memcpy(buf + r * 2 * VL + VL, &acc1[r], sizeof acc1[r]);                              \
+      }                                                                                       \
+      for (int r = 0; r < mr; r++) {                                                          \
+        float* cr = c + (ut__i64)r * ldc;                                                     \
+        for (int j = 0; j < nr; j++) {                                                        \
+          float v = alpha * buf[r * 2 * VL + j];                                              \
+          cr[j] = beta != 0.0f ? v + beta * cr[j] : v;                                        \
+        }                                                                                     \
+      }                                                                                       \
+    }                                                                                         \
+  }
+UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k0, , ut__cpu_v4f, 4, 6)
+#define UT__CPU_K0_MR 6
+#define UT__CPU_K0_NR 8
+#ifdef UT__CPU_X86
+UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k3, UT__TGT_V3, ut__cpu_v8f, 8, 6)
+UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k4, UT__TGT_V4, ut__cpu_v16f, 16, 8)
+#endif
+
+/* Dot-product engine for C = sum_b A_b B_b^T with both operands k-contiguous (the weight
+   gradient: no transposing pack). For an mc x nc block at A[i0, k0] / B[j0, k0], adds the
+   products over kc into VL-lane accumulators acc[tile][RM x RN] (reduced later, in a fixed
+   order, by ut__cpu_dot_finish). Edge tiles repeat the last row / column and drop it. */
+typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
+                                 int kc, float* acc);
+#define UT__CPU_DOT_KERNEL(NAME, ATTR, VT, VL, RM, RN)                                         \
+  ATTR UT__CPU_OPT static void NAME(const float* a, int lda, const float* b, int ldb, int mc,  \
+                                    int nc, int kc, float* acc) {                               \
+    int ntj = (nc + RN - 1) / RN, kv = kc / VL * VL, rem = kc - kv;                          \
+    for (int ti = 0; ti * RM < mc; ti++) {                                                    \
+      const float* ar[RM];                                                                    \
+      for (int r = 0; r < RM; r++)                                                            \
+        ar[r] = a + (ut__i64)UT__CPU_MIN(ti * RM + r, mc - 1) * lda;                          \
+      for (int tj = 0; tj < ntj; tj++) {                                                      \
+        const float* br[RN];                                                                  \
+        for (int q = 0; q < RN; q++)                                                          \
+          br[q] = b + (ut__i64)UT__CPU_MIN(tj * RN + q, nc - 1) * ldb;                        \
+        float* ap = acc + ((ut__i64)ti * ntj + tj) * (RM * RN * VL);                          \
+        VT s[RM][RN];                                                                         \
+        for (int r = 0; r < RM; r++)                                                          \
+          for (int q = 0; q < RN; q++) memcpy(&s[r][q], ap + (r * RN + q) * VL, sizeof(VT));  \
+        for (int kk = 0; kk < kv; kk += VL) {                                                 \
+          VT av[RM], bv[RN];                                                                  \
+          for (int r = 0; r < RM; r++) memcpy(&av[r], ar[r] + kk, sizeof(VT));                \
+          for (int q = 0; q < RN; q++) memcpy(&bv[q], br[q] + kk, sizeof(VT));                \
+          for (int r = 0; r < RM; r++)                                                        \
+            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
+        }                                                                                     \
+        if (rem) {                                                                            \
+          VT av[RM], bv[RN];                                                                  \
+          for (int r = 0; r < RM; r++) {                                                      \
+            float t[VL] = {0};                                                                \
+            memcpy(t, ar[r] + kv, (size_t)rem * sizeof(float));                               \
+            memcpy(&av[r], t, sizeof(VT));                                                    \
+          }                                                                                   \
+          for (int q = 0; q < RN; q++) {                                                      \
+            float t[VL] = {0};                                                                \
+            memcpy(t, br[q] + kv, (size_t)rem * sizeof(float));                               \
+            memcpy(&bv[q], t, sizeof(VT));                                                    \
+          }                                                                                   \
+          for (int r = 0; r < RM; r++)                                                        \
+            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
+        }                                                                                     \
+        for (int r = 0; r < RM; r++)                                                          \
+          for (int q = 0; q < RN; q++) memcpy(ap + (r * RN + q) * VL, &s[r][q], sizeof(VT));  \
+      }                                                                                       \
+    }                                                                                         \
+  }
+#define UT__CPU_HAVE_DOT 1
+UT__CPU_DOT_KERNEL(ut__cpu_dot_k0, , ut__cpu_v4f, 4, 2, 4)
+#ifdef UT__CPU_X86
+UT__CPU_DOT_KERNEL(ut__cpu_dot_k3, UT__TGT_V3, ut__cpu_v8f, 8, 2, 4)
+UT__CPU_DOT_KERNEL(ut__cpu_dot_k4, UT__TGT_V4, ut__cpu_v16f, 16, 4, 4)
+#endif
+#else /* no vector extensions: plain loops */
+#define UT__CPU_K0_MR 4
+#define UT__CPU_K0_NR 8
+static void ut__cpu_gemm_k0(int kc, const float* ap, const float* bp, float* c, ut__i64 ldc,
+                            int mr, int nr, float alpha, float beta) {
+  float acc[4 * 8] = {0};
+  for (int k = 0; k < kc; k++, ap += 4, bp += 8)
+    for (int r = 0; r < 4; r++)
+      for (int j = 0; j < 8; j++) acc[r * 8 + j] += ap[r] * bp[j];
+  for (int r = 0; r < mr; r++)
+    for (int j = 0; j < nr; j++) {
+      float v = alpha * acc[r * 8 + j];
+      c[r * ldc + j] = beta != 0.0f ? v + beta * c[r * ldc + j] : v;
+    }
+}
+#endif
+
+/* op(A)[i0 .. i0+mc, k0 .. k0+kc] -> MR-row micro-panels, k-major inside each. */
+UT__CPU_OPT static void ut__cpu_pack_a(const float* a, int lda, bool ta, int i0, int mc, int k0,
+                                       int kc, int MR, float* restrict dst) {
+  for (int ip = 0; ip < mc; ip += MR) {
+    int rows = UT__CPU_MIN(MR, mc - ip);
+    if (!ta) {
+      for (int r = 0; r < rows; r++) {
+        const float* src = a + (ut__i64)(i0 + ip + r) * lda + k0;
+        for (int k = 0; k < kc; k++) dst[k * MR + r] = src[k];
+      }
+      for (int r = rows; r < MR; r++)
+        for (int k = 0; k < kc; k++) dst[k * MR + r] = 0.0f;
+    } else {
+      for (int k = 0; k < kc; k++) {
+        const float* src = a + (ut__i64)(k0 + k) * lda + i0 + ip;
+        float* d = dst + k * MR;
+        for (int r = 0; r < rows; r++) d[r] = src[r];
+        for (int r = rows; r < MR; r++) d[r] = 0.0f;
+      }
+    }
+    dst += (ut__i64)kc * MR;
+  }
+}
+
+/* op(B)[k0 .. k0+kc, j0 .. j0+nc] -> NR-column micro-panels, k-major inside each. */
+UT__CPU_OPT static void ut__cpu_pack_b(const float* b, int ldb, bool tb, int k0, int kc, int j0,
+                                       int nc, int NR, float* restrict dst) {
+  for (int jp = 0; jp < nc; jp += NR) {
+    int cols = UT__CPU_MIN(NR, nc - jp);
+    if (!tb) {
+      for (int k = 0; k < kc; k++) {
+        const float* src = b + (ut__i64)(k0 + k) * ldb + j0 + jp;
+        float* d = dst + k * NR;
+        for (int j = 0; j < cols; j++) d[j] = src[j];
+        for (int j = cols; j < NR; j++) d[j] = 0.0f;
+      }
+    } else {
+      for (int j = 0; j < cols; j++) {
+        const float* src = b + (ut__i64)(j0 + jp + j) * ldb + k0;
+        for (int k = 0; k < kc; k++) dst[k * NR + j] = src[k];
+      }
+      for (int j = cols; j < NR; j++)
+        for (int k = 0; k < kc; k++) dst[k * NR + j] = 0.0f;
+    }
+    dst += (ut__i64)kc * NR;
+  }
+}
+
+/* One block of C (rows i0.., columns j0..) summed over batch items [b0, b1), into c0 (row
+   stride ldc; beta applies to the first item only). */
+static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, int MR, int NR,
+                              int b0, int b1, float* c0, int ldc, float beta0, int i0, int mc,
+                              int j0, int nc, float* abuf, float* bbuf) {
+  float* c = c0 + (ut__i64)i0 * ldc + j0;
+  bool first = true;
+  for (int bb = b0; bb < b1; bb++) {
+    const float* a = g->a + (ut__i64)bb * g->stride_a;
+    const float* b = g->b + (ut__i64)bb * g->stride_b;
+    for (int k0 = 0; k0 < g->k; k0 += UT__CPU_KC) {
+      int kc = UT__CPU_MIN(UT__CPU_KC, g->k - k0);
+      ut__cpu_pack_b(b, g->ldb, g->trans_b, k0, kc, j0, nc, NR, bbuf);
+      ut__cpu_pack_a(a, g->lda, g->trans_a, i0, mc, k0, kc, MR, abuf);
+      float beta = first ? beta0 : 1.0f;
+      first = false;
+      for (int jp = 0; jp < nc; jp += NR) {
+        const float* bp = bbuf + (ut__i64)(jp / NR) * kc * NR;
+        for (int ip = 0; ip < mc; ip += MR)
+          kern(kc, abuf + (ut__i64)(ip / MR) * kc * MR, bp, c + (ut__i64)ip * ldc + jp, ldc,
+               UT__CPU_MIN(MR, mc - ip), UT__CPU_MIN(NR, nc - jp), g->alpha, beta);
+      }
+    }
+  }
+}
+
+/* C = beta * C over an m x n block (beta 0: C is not read). */
+static void ut__cpu_gemm_scale_c(float* c, int ldc, int m, int n, float beta) {
+  for (int i = 0; i < m; i++) {
+    float* cr = c + (ut__i64)i * ldc;
+    for (int j = 0; j < n; j++) cr[j] = beta != 0.0f ? beta * cr[j] : 0.0f;
+  }
+}
+
+#define UT__CPU_GEMM_CHUNKS 8           /* batch chunks of a sum_batch GEMM */
+#define UT__CPU_GEMM_PART_MAX (1 << 24) /* floats of partial C for them, at most */
+
+/* Row i of C = beta C + the partials summed in chunk order. */
+UT__CPU_OPT static void ut__cpu_gemm_sum_parts(const ut__gemm_args* g, const float* part,
+                                               size_t pstride, int nck, int i) {
+  int n = g->n;
+  float* restrict cr = g->c + (ut__i64)i * g->ldc;
+  const float* restrict p0 = part + (ut__i64)i * n;
+  if (g->beta != 0.0f) {
+    for (int j = 0; j < n; j++) cr[j] = g->beta * cr[j] + p0[j];
+  } else {
+    for (int j = 0; j < n; j++) cr[j] = p0[j];
+  }
+  for (int q = 1; q < nck; q++) {
+    const float* restrict pq = part + (size_t)q * pstride + (ut__i64)i * n;
+    for (int j = 0; j < n; j++) cr[j] += pq[j];
+  }
+}
+
+#ifdef UT__CPU_HAVE_DOT
+#define UT__CPU_DOT_MC 64
+#define UT__CPU_DOT_NC 64
+#define UT__CPU_DOT_KC 512 /* a multiple of every VL */
+
+/* sum_batch with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C summed per batch chunk
+   (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
+static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
+  int m = g->m, n = g->n, k = g->k;
+  ut__cpu_dot_kern kern = ut__cpu_dot_k0;
+  int VL = 4, RM = 2, RN = 4;
+#ifdef UT__CPU_X86
+  int lv = ut__cpu_level();
+  if (lv >= 4) {
+    kern = ut__cpu_dot_k4;
+    VL = 16;
+    RM = 4;
+  } else if (lv >= 3) {
+    kern = ut__cpu_dot_k3;
+    VL = 8;
+  }
+#endif
+  int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
+  while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
+  int per = (g->batch + nck - 1) / nck;
+  nck = (g->batch + per - 1) / per;
+  int MC = UT__CPU_DOT_MC, NC = UT__CPU_DOT_NC;
+  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC, tasks = (ut__i64)nck * ib * jb;
+  int nt = ut__cpu_nt((double)m * n * k * g->batch / 2);
+  if (tasks < nt) nt = (int)tasks;
+  int ntj_max = (NC + RN - 1) / RN;
+  size_t accn = (size_t)((MC + RM - 1) / RM) * ntj_max * RM * RN * VL;
+  size_t accsz = (accn + 15) & ~(size_t)15;
+  size_t pstride = ((size_t)m * n + 15) & ~(size_t)15, psz = nck > 1 ? pstride * nck : 0;
+  void* raw = malloc((accsz * (size_t)nt + psz) * sizeof(float) + 64);
+  if (!raw) return ut__set_error(UT_ERR_MEMORY, "gemm: out of memory");
+  float* base = ut__cpu_align64(raw);
+  float* part = base + accsz * (size_t)nt;
+  (void)nt;
+  UT__OMP("omp parallel num_threads(nt) if(nt > 1)")
+  {
+    float* acc = base + (size_t)UT__CPU_TID() * accsz;
+    UT__OMP("omp for schedule(dynamic, 1)")
+    for (ut__i64 t = 0; t < tasks; t++) {
+      ut__i64 jj = t % jb, rest = t / jb;
+      int ii = (int)(rest % ib), ci = (int)(rest / ib);
+      int i0 = ii * MC, j0 = (int)jj * NC;
+      int mc = UT__CPU_MIN(MC, m - i0), nc = UT__CPU_MIN(NC, n - j0);
+      int b0 = ci * per, b1 = UT__CPU_MIN(g->batch, b0 + per);
+      int ntj = (nc + RN - 1) / RN;
+      memset(acc, 0, (size_t)((mc + RM - 1) / RM) * ntj * RM * RN * VL * sizeof(float));
+      for (int bb = b0; bb < b1; bb++) {
+        const float* a = g->a + (ut__i64)bb * g->stride_a + (ut__i64)i0 * g->lda;
+        const float* b = g->b + (ut__i64)bb * g->stride_b + (ut__i64)j0 * g->ldb;
+        for (int k0 = 0; k0 < k; k0 += UT__CPU_DOT_KC)
+          kern(a + k0, g->lda, b + k0, g->ldb, mc, nc, UT__CPU_MIN(UT__CPU_DOT_KC, k - k0), acc);
+      }
+      float* c;
+      int ldc;
+      float beta;
+      if (nck > 1) {
+        c = part + (size_t)ci * pstride;
+        ldc = n;
+        beta = 0.0f;
+      } else {
+        c = g->c;
+        ldc = g->ldc;
+        beta = g->beta;
+      }
+      for (int r = 0; r < mc; r++) {
+        float* cr = c + (ut__i64)(i0 + r) * ldc + j0;
+        for (int q = 0; q < nc; q++) {
+          const float* lanes =
+              acc + (((size_t)(r / RM) * ntj + q / RN) * RM * RN + (r % RM) * RN + q % RN) * VL;
+          float sum = 0.0f;
+          for (int l = 0; l < VL; l++) sum += lanes[l];
+          float v = g->alpha * sum;
+          cr[q] = beta != 0.0f ? v + beta * cr[q] : v;
+        }
+      }
+    }
+    if (nck > 1) {
+      UT__OMP("omp for schedule(static)")
+      for (int i = 0; i < m; i++) ut__cpu_gemm_sum_parts(g, part, pstride, nck, i);
+    }
+  }
+  free(raw);
+  return UT_OK;
+}
+#endif
+
+static int ut__cpu_gemm(const ut__gemm_args* g) {
+  int m = g->m, n = g->n, k = g->k;
+  int nbt = g->sum_batch ? 1 : g->batch;
+  if (m <= 0 || n <= 0 || nbt <= 0) return UT_OK;
+  if (k <= 0 || g->batch <= 0) {
+    for (int bi = 0; bi < nbt; bi++)
+      ut__cpu_gemm_scale_c(g->c + (g->sum_batch ? 0 : (ut__i64)bi * g->stride_c), g->ldc, m, n,
+                           g->beta);
+    return UT_OK;
+  }
+#ifdef UT__CPU_HAVE_DOT
+  /* where packing would cost about as much as the products: a short side, a long k */
+  if (g->sum_batch && !g->trans_a && g->trans_b && k >= 256 &&
+      (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
+    return ut__cpu_gemm_dot(g);
+#endif
+  ut__cpu_gemm_kern kern = ut__cpu_gemm_k0;
+  int MR = UT__CPU_K0_MR, NR = UT__CPU_K0_NR;
+#ifdef UT__CPU_X86
+  int lv = ut__cpu_level();
+  if (lv >= 4) {
+    kern = ut__cpu_gemm_k4;
+    MR = 8;
+    NR = 32;
+  } else if (lv >= 3) {
+    kern = ut__cpu_gemm_k3;
+    MR = 6;
+    NR = 16;
+  }
+#endif
+  int mr_up = (m + MR - 1) / MR * MR, nr_up = (n + NR - 1) / NR * NR;
+  int MC = UT__CPU_MIN(mr_up, UT__CPU_MC / MR * MR);
+  int NC = UT__CPU_MIN(nr_up, UT__CPU_NC / NR * NR);
+  double macs = (double)m * n * k * g->batch;
+  int nt = ut__cpu_nt(macs / 2);
+  (void)nt;
+  /* sum_batch: the batch is cut into `nck` fixed chunks (chosen from the shape alone, never
+     from the thread count), each summed in parallel into its own partial C; the partials are
+     then added in chunk order. Same result for any number of threads. */
+  int nck = 1, per = g->batch;
+  if (g->sum_batch && g->batch >= 2 && macs >= UT__CPU_SERIAL_BELOW * 8.0) {
+    nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
+    while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
+    per = (g->batch + nck - 1) / nck;
+    nck = (g->batch + per - 1) / per;
+  }
+  if (nck > 1) nbt = nck;
+  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC, tasks = (ut__i64)nbt * ib * jb;
+  /* enough tasks for every thread: split columns first (while blocks stay >= 2 panels wide),
+     then rows, then columns down to one panel */
+  while (nt > 1 && tasks < 2 * nt) {
+    if (NC >= 2 * NR && (NC >= 4 * NR || MC < 2 * MR)) {
+      NC = (int)(((n + 2 * jb - 1) / (2 * jb) + NR - 1) / NR * NR);
+    } else if (MC >= 2 * MR) {
+      MC = (int)(((m + 2 * ib - 1) / (2 * ib) + MR - 1) / MR * MR);
+    } else if (NC >= 2 * NR) {
+      NC = (int)(((n + 2 * jb - 1) / (2 * jb) + NR - 1) / NR * NR);
+    } else {
+      break;
+    }
+    ib = (m + MC - 1) / MC;
+    jb = (n + NC - 1) / NC;
+    tasks = (ut__i64)nbt * ib * jb;
+  }
+  if (tasks < nt) nt = (int)tasks;
+  int KCe = UT__CPU_MIN(UT__CPU_KC, k);
+  size_t asz = ((size_t)MC * KCe + 15) & ~(size_t)15, bsz = ((size_t)NC * KCe + 15) & ~(size_t)15;
+  size_t psz = nck > 1 ? (((size_t)m * n + 15) & ~(size_t)15) * (size_t)nck : 0;
+  void* raw = malloc(((asz + bsz) * (size_t)nt + psz) * sizeof(float) + 64);
+  if (!raw) return ut__set_error(UT_ERR_MEMORY, "gemm: out of memory");
+  float* base = ut__cpu_align64(raw);
+  float* part = base + (asz + bsz) * (size_t)nt;
+  size_t pstride = ((size_t)m * n + 15) & ~(size_t)15;
+  UT__OMP("omp parallel num_threads(nt) if(nt > 1)")
+  {
+    int tid = UT__CPU_TID();
+    float* abuf = base + (size_t)tid * (asz + bsz);
+    float* bbuf = abuf + asz;
+    UT__OMP("omp for schedule(dynamic, 1)")
+    for (ut__i64 t = 0; t < tasks; t++) {
+      ut__i64 jj = t % jb, rest = t / jb;
+      ut__i64 ii = rest % ib, bi = rest / ib;
+      int i0 = (int)ii * MC, j0 = (int)jj * NC;
+      int b0, b1, ldc = g->ldc;
+      float* c;
+      float beta = g->beta;
+      if (nck > 1) {
+        b0 = (int)bi * per;
+        b1 = UT__CPU_MIN(g->batch, b0 + per);
+        c = part + (size_t)bi * pstride;
+        ldc = n;
+        beta = 0.0f;
+      } else if (g->sum_batch) {
+        b0 = 0;
+        b1 = g->batch;
+        c = g->c;
+      } else {
+        b0 = (int)bi;
+        b1 = b0 + 1;
+        c = g->c + (ut__i64)bi * g->stride_c;
+      }
+      ut__cpu_gemm_task(g, kern, MR, NR, b0, b1, c, ldc, beta, i0, UT__CPU_MIN(MC, m - i0), j0,
+                        UT__CPU_MIN(NC, n - j0), abuf, bbuf);
+    }
+    if (nck > 1) {
+      /* C = ((beta C + p0) + p1) + ..., each row by one thread */
+      UT__OMP("omp for schedule(static)")
+      for (int i = 0; i < m; i++) ut__cpu_gemm_sum_parts(g, part, pstride, nck, i);
+    }
+  }
+  free(raw);
+  return UT_OK;
+}
+
+/* ---- layer norm ----------------------------------------------------------------------------- */
+
+UT__CPU_OPT static int ut__cpu_layernorm_fwd(const float* x, const float* gamma, const float* beta,
+                                             float* y, float* mean, float* rstd, int rows,
+                                             int dim, float eps) {
+  int nt = ut__cpu_nt((double)rows * dim);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int r = 0; r < rows; r++) {
+    const float* xr = x + (ut__i64)r * dim;
+    float* yr = y + (ut__i64)r * dim;
+    double mu = ut__cpu_sum_body(xr, dim) / dim;
+    double ss = 0.0;
+    for (int i = 0; i < dim; i++) {
+      double d = (double)xr[i] - mu;
+      ss += d * d;
+    }
+    float rs = (float)(1.0 / sqrt(ss / dim + (double)eps));
+    float m = (float)mu;
+    if (mean) mean[r] = m;
+    if (rstd) rstd[r] = rs;
+    for (int i = 0; i < dim; i++) {
+      float v = (xr[i] - m) * rs;
+      yr[i] = (gamma ? v * gamma[i] : v) + (beta ? beta[i] : 0.0f);
+    }
+  }
+  return UT_OK;
+}
+
+/* dx = rstd (gamma go - mean(gamma go) - xhat mean(gamma go xhat)); the parameter gradients
+   are summed per column over the rows in order (column blocks in parallel). */
+UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, const float* gamma,
+                                             const float* mean, const float* rstd, float* dx,
+                                             float* dgamma, float* dbeta, int rows, int dim) {
+  int nt = ut__cpu_nt((double)rows * dim);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int r = 0; r < rows; r++) {
+    const float* gr = go + (ut__i64)r * dim;
+    const float* xr = x + (ut__i64)r * dim;
+    float* dr = dx + (ut__i64)r * dim;
+    float m = mean[r], rs = rstd[r];
+    double s1 = 0.0, s2 = 0.0;
+    for (int i = 0; i < dim; i++) {
+      double gg = (double)gr[i] * (gamma ? gamma[i] : 1.0f);
+      s1 += gg;
+      s2 += gg * (double)((xr[i] - m) * rs);
+    }
+    float a = (float)(s1 / dim), bq = (float)(s2 / dim);
+    for (int i = 0; i < dim; i++) {
+      float gg = gr[i] * (gamma ? gamma[i] : 1.0f);
+      float xh = (xr[i] - m) * rs;
+      dr[i] = rs * (gg - a - xh * bq);
+    }
+  }
+  if (!dgamma && !dbeta) return UT_OK;
+  const int CB = 64;
+  int nblk = (dim + CB - 1) / CB;
+  int nt2 = UT__CPU_MIN(nt, nblk);
+  (void)nt2;
+  UT__OMP("omp parallel for num_threads(nt2) if(nt2 > 1) schedule(static)")
+  for (int bk = 0; bk < nblk; bk++) {
+    int d0 = bk * CB, d1 = UT__CPU_MIN(dim, d0 + CB);
+    double ag[64] = {0}, ab[64] = {0};
+    for (int r = 0; r < rows; r++) {
+      const float* gr = go + (ut__i64)r * dim;
+      const float* xr = x + (ut__i64)r * dim;
+      float m = mean[r], rs = rstd[r];
+      for (int i = d0; i < d1; i++) {
+        ag[i - d0] += (double)(gr[i] * ((xr[i] - m) * rs));
+        ab[i - d0] += (double)gr[i];
+      }
+    }
+    for (int i = d0; i < d1; i++) {
+      if (dgamma) dgamma[i] += (float)ag[i - d0];
+      if (dbeta) dbeta[i] += (float)ab[i - d0];
+    }
+  }
+  return UT_OK;
+}
+
+/* ---- batch norm (x: [n, c, inner]); every reduction is per channel, one thread each ---- */
+
+UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var, int n, int c,
+                                        ut__i64 inner) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  (void)nt;
+  if (nt > c) nt = c;
+  double cnt = (double)n * inner;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int j = 0; j < c; j++) {
+    double s = 0.0;
+    for (int i = 0; i < n; i++) s += ut__cpu_sum_body(x + ((ut__i64)i * c + j) * inner, inner);
+    double mu = cnt > 0 ? s / cnt : 0.0;
+    float mf = (float)mu;
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) {
+      const float* p = x + ((ut__i64)i * c + j) * inner;
+      for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
+        ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
+        const float* q = p + i0;
+        float l[16] = {0};
+        ut__i64 t = 0;
+        for (; t + 16 <= len; t += 16)
+          for (int u = 0; u < 16; u++) {
+            float d = q[t + u] - mf;
+            l[u] += d * d;
+          }
+        float tl = 0.0f;
+        for (; t < len; t++) {
+          float d = q[t] - mf;
+          tl += d * d;
+        }
+        for (int u = 0; u < 8; u++) l[u] += l[u + 8];
+        for (int u = 0; u < 4; u++) l[u] += l[u + 4];
+        ss += (double)((l[0] + l[2]) + (l[1] + l[3])) + (double)tl;
+      }
+    }
+    /* the float mean's rounding error adds (mean - mf)^2 per element */
+    double dm = mu - (double)mf;
+    double v = cnt > 0 ? ss / cnt - dm * dm : 0.0;
+    mean[j] = mf;
+    var[j] = (float)(v > 0.0 ? v : 0.0);
+  }
+  return UT_OK;
+}
+
+static int ut__cpu_bn_update_running(float* running_mean, float* running_var, const float* mean,
+                                     const float* var, int c, float momentum, float unbias) {
+  for (int j = 0; j < c; j++) {
+    running_mean[j] = (1.0f - momentum) * running_mean[j] + momentum * mean[j];
+    running_var[j] = (1.0f - momentum) * running_var[j] + momentum * (var[j] * unbias);
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* mean,
+                                        const float* var, const float* gamma, const float* beta,
+                                        float* rstd, int n, int c, ut__i64 inner, float eps) {
+  for (int j = 0; j < c; j++) {
+    float rs = (float)(1.0 / sqrt((double)var[j] + (double)eps));
+    if (rstd) rstd[j] = rs;
+  }
+  ut__i64 rows = (ut__i64)n * c;
+  int nt = ut__cpu_nt((double)rows * inner);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 r = 0; r < rows; r++) {
+    int j = (int)(r % c);
+    float rs = rstd ? rstd[j] : (float)(1.0 / sqrt((double)var[j] + (double)eps));
+    float sc = rs * (gamma ? gamma[j] : 1.0f), m = mean[j], bt = beta ? beta[j] : 0.0f;
+    const float* xr = x + r * inner;
+    float* yr = y + r * inner;
+    for (ut__i64 i = 0; i < inner; i++) yr[i] = (xr[i] - m) * sc + bt;
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const float* mean,
+                                      const float* rstd, const float* gamma, float* dx,
+                                      float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
+                                      bool training) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  (void)nt;
+  if (nt > c) nt = c;
+  double cnt = (double)n * inner;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int j = 0; j < c; j++) {
+    float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
+    double sg = 0.0, sgx = 0.0;
+    for (int i = 0; i < n; i++) {
+      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* xp = x + ((ut__i64)i * c + j) * inner;
+      for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
+        ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
+        const float* gq = gp + i0;
+        const float* xq = xp + i0;
+        float l1[16] = {0}, l2[16] = {0};
+        ut__i64 t = 0;
+        for (; t + 16 <= len; t += 16)
+          for (int u = 0; u < 16; u++) {
+            l1[u] += gq[t + u];
+            l2[u] += gq[t + u] * (xq[t + u] - m);
+          }
+        float t1 = 0.0f, t2 = 0.0f;
+        for (; t < len; t++) {
+          t1 += gq[t];
+          t2 += gq[t] * (xq[t] - m);
+        }
+        for (int u = 0; u < 8; u++) {
+          l1[u] += l1[u + 8];
+          l2[u] += l2[u + 8];
+        }
+        for (int u = 0; u < 4; u++) {
+          l1[u] += l1[u + 4];
+          l2[u] += l2[u + 4];
+        }
+        sg += (double)((l1[0] + l1[2]) + (l1[1] + l1[3])) + (double)t1;
+        sgx += (double)((l2[0] + l2[2]) + (l2[1] + l2[3])) + (double)t2;
+      }
+    }
+    sgx *= rs; /* sum(go * xhat) */
+    if (dgamma) dgamma[j] += (float)sgx;
+    if (dbeta) dbeta[j] += (float)sg;
+    float k0 = gm * rs;
+    float mg = training && cnt > 0 ? (float)(sg / cnt) : 0.0f;
+    float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
+    for (int i = 0; i < n; i++) {
+      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* xp = x + ((ut__i64)i * c + j) * inner;
+      float* dp = dx + ((ut__i64)i * c + j) * inner;
+      if (training) {
+        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * (gp[t] - mg - (xp[t] - m) * rs * mgx);
+      } else {
+        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * gp[t];
+      }
+    }
+  }
+  return UT_OK;
+}
+
+/* ---- losses --------------------------------------------------------------------------------
+   Sums over many items are cut into fixed blocks (at most 256 of them) whose partial sums are
+   added in order, independent of the thread count. */
+#define UT__CPU_NBLK 256
+
+UT__CPU_OPT static int ut__cpu_mse_fwd(const float* p, const float* t, float* out, ut__i64 n) {
+  double part[UT__CPU_NBLK];
+  ut__i64 bs = UT__CPU_MAX((ut__i64)4096, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
+  int nb = (int)((n + bs - 1) / bs);
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int b = 0; b < nb; b++) {
+    ut__i64 lo = (ut__i64)b * bs, hi = UT__CPU_MIN(n, lo + bs);
+    double s = 0.0;
+    for (ut__i64 i0 = lo; i0 < hi; i0 += 512) {
+      ut__i64 i1 = UT__CPU_MIN(hi, i0 + 512);
+      float l[16] = {0};
+      ut__i64 i = i0;
+      for (; i + 16 <= i1; i += 16)
+        for (int u = 0; u < 16; u++) {
+          float d = p[i + u] - t[i + u];
+          l[u] += d * d;
+        }
+      float tl = 0.0f;
+      for (; i < i1; i++) {
+        float d = p[i] - t[i];
+        tl += d * d;
+      }
+      for (int u = 0; u < 8; u++) l[u] += l[u + 8];
+      for (int u = 0; u < 4; u++) l[u] += l[u + 4];
+      s += (double)((l[0] + l[2]) + (l[1] + l[3])) + (double)tl;
+    }
+    part[b] = s;
+  }
+  double s = 0.0;
+  for (int b = 0; b < nb; b++) s += part[b];
+  out[0] = n > 0 ? (float)(s / (double)n) : 0.0f;
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_mse_bwd(const float* restrict p, const float* restrict t,
+                                       float* restrict g, ut__i64 n) {
+  float sc = n > 0 ? (float)(2.0 / (double)n) : 0.0f;
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 i = 0; i < n; i++) g[i] = sc * (p[i] - t[i]);
+  return UT_OK;
+}
+
+/* -1 when the label is not an integer in [0, k). */
+static inline int ut__cpu_label(float v, int k) {
+  if (!(v >= 0.0f) || !(v < (float)k) || floorf(v) != v) return -1;
+  return (int)v;
+}
+
+/* -log softmax(row)[label] with max subtraction; NaN for an invalid label. */
+UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab) {
+  if (lab < 0) return NAN;
+  float mx = row[0];
+  for (int j = 1; j < k; j++) mx = row[j] > mx ? row[j] : mx;
+  double s = 0.0;
+  for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
+  return log(s) + (double)mx - (double)row[lab];
+}
+
+static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+  double part[UT__CPU_NBLK];
+  int bs = UT__CPU_MAX(1, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
+  int nb = (n + bs - 1) / bs;
+  int nt = ut__cpu_nt((double)n * k * 4);
+  (void)nt;
+  if (nt > nb) nt = nb;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int b = 0; b < nb; b++) {
+    int lo = b * bs, hi = UT__CPU_MIN(n, lo + bs);
+    double s = 0.0;
+    for (int i = lo; i < hi; i++)
+      s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k));
+    part[b] = s;
+  }
+  double s = 0.0;
+  for (int b = 0; b < nb; b++) s += part[b];
+  out[0] = n > 0 ? (float)(s / n) : 0.0f;
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, float* g, int n,
+                                      int k) {
+  int nt = ut__cpu_nt((double)n * k * 4);
+  (void)nt;
+  if (nt > n) nt = n;
+  double inv_n = 1.0 / (n > 0 ? n : 1);
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (int i = 0; i < n; i++) {
+    const float* row = logits + (ut__i64)i * k;
+    float* gr = g + (ut__i64)i * k;
+    int lab = ut__cpu_label(labels[i], k);
+    if (lab < 0) {
+      for (int j = 0; j < k; j++) gr[j] = NAN;
+      continue;
+    }
+    float mx = row[0];
+    for (int j = 1; j < k; j++) mx = row[j] > mx ? row[j] : mx;
+    double s = 0.0;
+    for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
+    double sc = inv_n / s;
+    for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
+    gr[lab] -= (float)inv_n;
+  }
+  return UT_OK;
+}
+
+/* ---- optimizers ----------------------------------------------------------------------------- */
+
+UT__CPU_OPT static int ut__cpu_sgd(float* restrict p, const float* restrict g, float* restrict v,
+                                   ut__i64 n, float lr, float momentum) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  if (v) {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) {
+      float vi = momentum * v[i] + g[i];
+      v[i] = vi;
+      p[i] -= lr * vi;
+    }
+  } else {
+    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+    for (ut__i64 i = 0; i < n; i++) p[i] -= lr * g[i];
+  }
+  return UT_OK;
+}
+
+UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
+                                    float* restrict v, ut__i64 n, float lr, float b1, float b2,
+                                    float eps, float bc1, float bc2) {
+  int nt = ut__cpu_nt((double)n);
+  (void)nt;
+  float ib1 = 1.0f / bc1, ib2 = 1.0f / bc2;
+  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
+  for (ut__i64 i = 0; i < n; i++) {
+    float gi = g[i];
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] -= lr * (mi * ib1) / (sqrtf(vi * ib2) + eps);
+  }
+  return UT_OK;
+}
+
+static const ut__backend ut__cpu_backend = {
+    .name = "cpu",
+    .mem_alloc = NULL,
+    .mem_free = NULL,
+    .upload = NULL,
+    .download = NULL,
+    .mem_info = NULL,
+    .fill = ut__cpu_fill,
+    .copy = ut__cpu_copy,
+    .axpy = ut__cpu_axpy,
+    .scale = ut__cpu_scale,
+    .relu_fwd = ut__cpu_relu_fwd,
+    .relu_bwd = ut__cpu_relu_bwd,
+    .transpose = ut__cpu_transpose,
+    .gemm = ut__cpu_gemm,
+    .bias_add = ut__cpu_bias_add,
+    .channel_sum = ut__cpu_channel_sum,
+    .row_mean = ut__cpu_row_mean,
+    .row_mean_bwd = ut__cpu_row_mean_bwd,
+    .im2col = ut__cpu_im2col,
+    .col2im = ut__cpu_col2im,
+    .dw_fwd = ut__cpu_dw_fwd,
+    .dw_bwd_dx = ut__cpu_dw_bwd_dx,
+    .dw_bwd_dw = ut__cpu_dw_bwd_dw,
+    .layernorm_fwd = ut__cpu_layernorm_fwd,
+    .layernorm_bwd = ut__cpu_layernorm_bwd,
+    .bn_stats = ut__cpu_bn_stats,
+    .bn_update_running = ut__cpu_bn_update_running,
+    .bn_apply = ut__cpu_bn_apply,
+    .bn_bwd = ut__cpu_bn_bwd,
+    .mse_fwd = ut__cpu_mse_fwd,
+    .mse_bwd = ut__cpu_mse_bwd,
+    .ce_fwd = ut__cpu_ce_fwd,
+    .ce_bwd = ut__cpu_ce_bwd,
+    .sgd = ut__cpu_sgd,
+    .adam = ut__cpu_adam,
+};
 
 #ifdef UT_NO_CUDA
 const ut__backend* ut__cuda_backend(void) { return NULL; }
@@ -1939,3 +4178,4 @@ long long ut_field_offset(const char* type_name, const char* field_name) {
 
 #endif /* UTENSIL_IMPLEMENTATION_DONE */
 #endif /* UT_IMPLEMENTATION */
+#endif /* UT__DW_PASS */
