@@ -113,52 +113,46 @@ _NULL = ffi.NULL
 
 
 # -- elementwise ----------------------------------------------------------------------------------
-def relu(x):
-    """max(x, 0), any shape."""
+def _unary(name, c_op, x):
     if isinstance(x, Tensor) and x._ptr is not None:
-        r = lib.ut_relu(x._ptr)
+        r = c_op(x._ptr)
         if r != _NULL:
             return _wrap(r)
-    with _Args("relu") as a:
-        return _new(lib.ut_relu(a.tensor(x, "x").ptr), "relu")
+    with _Args(name) as a:
+        return _new(c_op(a.tensor(x, "x").ptr), name)
+
+
+def _masked_backward(name, c_op, grad_out, x):
+    if isinstance(grad_out, Tensor) and isinstance(x, Tensor):
+        gp, xp = grad_out._ptr, x._ptr
+        if gp is not None and xp is not None:
+            r = c_op(gp, xp)
+            if r != _NULL:
+                return _wrap(r)
+    with _Args(name) as a:
+        g, x = a.tensor(grad_out, "grad_out"), a.tensor(x, "x")
+        _same_shape(name, g, x, "grad_out", "x")
+        return _new(c_op(g.ptr, x.ptr), name)
+
+
+def relu(x):
+    """max(x, 0), any shape."""
+    return _unary("relu", lib.ut_relu, x)
 
 
 def relu6(x):
     """min(max(x, 0), 6), any shape."""
-    if isinstance(x, Tensor) and x._ptr is not None:
-        r = lib.ut_relu6(x._ptr)
-        if r != _NULL:
-            return _wrap(r)
-    with _Args("relu6") as a:
-        return _new(lib.ut_relu6(a.tensor(x, "x").ptr), "relu6")
+    return _unary("relu6", lib.ut_relu6, x)
 
 
 def relu_backward(grad_out, x):
     """grad_out where 0 < x, else 0 (x: the forward input)."""
-    if isinstance(grad_out, Tensor) and isinstance(x, Tensor):
-        gp, xp = grad_out._ptr, x._ptr
-        if gp is not None and xp is not None:
-            r = lib.ut_relu_backward(gp, xp)
-            if r != _NULL:
-                return _wrap(r)
-    with _Args("relu_backward") as a:
-        g, x = a.tensor(grad_out, "grad_out"), a.tensor(x, "x")
-        _same_shape("relu_backward", g, x, "grad_out", "x")
-        return _new(lib.ut_relu_backward(g.ptr, x.ptr), "relu_backward")
+    return _masked_backward("relu_backward", lib.ut_relu_backward, grad_out, x)
 
 
 def relu6_backward(grad_out, x):
     """grad_out where 0 < x < 6, else 0 (x: the forward input)."""
-    if isinstance(grad_out, Tensor) and isinstance(x, Tensor):
-        gp, xp = grad_out._ptr, x._ptr
-        if gp is not None and xp is not None:
-            r = lib.ut_relu6_backward(gp, xp)
-            if r != _NULL:
-                return _wrap(r)
-    with _Args("relu6_backward") as a:
-        g, x = a.tensor(grad_out, "grad_out"), a.tensor(x, "x")
-        _same_shape("relu6_backward", g, x, "grad_out", "x")
-        return _new(lib.ut_relu6_backward(g.ptr, x.ptr), "relu6_backward")
+    return _masked_backward("relu6_backward", lib.ut_relu6_backward, grad_out, x)
 
 
 def add_(dst, src):
