@@ -1744,6 +1744,13 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   const int V = UT__CPU_DW_LANES();
   int kh = C->kh, kw = C->kw, s = C->s;
   *tab = NULL;
+  /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
+     with the stride: geometries whose scratch would not fit an int index or 2^40 floats a
+     thread are refused (0) rather than overflowing the sizes below */
+  ut__i64 ps = UT__DW_R16(((ut__i64)C->wo + V - 1) / V * V + (kw - 1) / s);
+  if ((double)s * ps > (double)(INT_MAX / 2) ||
+      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 3) * s * ps > 1099511627776.0)
+    return 0;
   C->Wq = C->wo + (kw - 1) / s;
   C->nv = (C->wo + V - 1) / V;
   C->PS = (int)UT__DW_R16((ut__i64)C->nv * V + (kw - 1) / s);
@@ -1806,8 +1813,12 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   return UT__DW_R16(per);
 }
 
-/* Per-thread buffers, zeroed (the vector loops read slack past the data). */
+/* Per-thread buffers, zeroed (the vector loops read slack past the data). per_thread 0: the
+   geometry's scratch does not fit (ut__dw_setup), NULL. */
 static float* ut__cpu_dw_bufs(int nt, ut__i64 per_thread, void** raw) {
+  *raw = NULL;
+  if (per_thread <= 0 || (double)nt * per_thread > (double)(SIZE_MAX / sizeof(float) / 2))
+    return NULL;
   *raw = calloc((size_t)(nt * per_thread + 16), sizeof(float));
   return *raw ? ut__cpu_align64(*raw) : NULL;
 }
@@ -1823,7 +1834,11 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
   float* bufs = ut__cpu_dw_bufs(nt, per, &raw);
   if (!bufs) {
     free(tab);
-    return ut__set_error(UT_ERR_MEMORY, "%s: out of memory", what);
+    return per > 0 ? ut__set_error(UT_ERR_MEMORY, "%s: out of memory", what)
+                   : ut__set_error(UT_ERR_SHAPE,
+                                   "%s: stride %d and output width %d need more scratch memory "
+                                   "than a depthwise convolution may use",
+                                   what, C->s, C->wo);
   }
   ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
   UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
@@ -1920,7 +1935,13 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * c;
   void* tab;
-  ut__i64 per = ut__dw_setup(&C, &tab) + UT__DW_R16(taps * V * 2); /* + the doubles */
+  ut__i64 per = ut__dw_setup(&C, &tab);
+  if (per <= 0)
+    return ut__set_error(UT_ERR_SHAPE,
+                         "dw_bwd_dw: stride %d and output width %d need more scratch memory than "
+                         "a depthwise convolution may use",
+                         C.s, C.wo);
+  per += UT__DW_R16(taps * V * 2); /* + the doubles */
   int nt = ut__cpu_nt((double)C.planes * g->ho * g->wo * taps / 4);
   if (nt > c) nt = c;
   void* raw;
@@ -3295,21 +3316,34 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
 
 /* ---- convolutions ------------------------------------------------------------------------- */
 /* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
-static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int kh, int kw,
-                             int stride, int pad, const char* who) {
+static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
+                             int kw, int stride, int pad, const char* who) {
   UT__TRY(ut__check_ndim(x, 4, who, "x"));
   UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
             who, x->shape.shape[1], c);
+  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
+            kw);
   UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
-  long long H = x->shape.shape[2], W = x->shape.shape[3];
-  UT__CHECK(H + 2LL * pad >= kh && W + 2LL * pad >= kw, UT_ERR_SHAPE,
-            "%s: the %dx%d kernel is larger than the padded %lldx%lld input", who, kh, kw,
-            H + 2LL * pad, W + 2LL * pad);
-  long long ho = (H + 2LL * pad - kh) / stride + 1, wo = (W + 2LL * pad - kw) / stride + 1;
-  UT__CHECK(ho <= INT_MAX && wo <= INT_MAX, UT_ERR_SHAPE, "%s: output too large", who);
-  *g = (ut__conv_geom){.n = x->shape.shape[0], .c = c, .h = (int)H, .w = (int)W, .kh = kh,
-                       .kw = kw, .stride = stride, .pad = pad, .ho = (int)ho, .wo = (int)wo};
+  long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
+  UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
+            "%s: the %dx%d kernel is larger than the padded %lldx%lld input", who, kh, kw, Hp, Wp);
+  long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
+  /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
+     int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
+     padded extent plus the stride. Otherwise stride <= the padded extent. */
+  long long s = ho == 1 && wo == 1 ? 1 : stride;
+  UT__CHECK(Hp + s <= INT_MAX && Wp + s <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the padded input %lldx%lld (padding %d) with stride %d is too large: padded "
+            "height and width plus the stride must stay below 2^31",
+            who, Hp, Wp, pad, stride);
+  long long n = x->shape.shape[0]; /* each factor < 2^31: every product of two fits */
+  UT__CHECK(ho * wo <= INT_MAX && n * out_c <= INT_MAX && ho * wo * (n * out_c) <= INT_MAX,
+            UT_ERR_SHAPE,
+            "%s: the output [%lld, %d, %lld, %lld] would have more than %d elements", who, n, out_c,
+            ho, wo, INT_MAX);
+  *g = (ut__conv_geom){.n = (int)n, .c = c, .h = (int)H, .w = (int)W, .kh = kh, .kw = kw,
+                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo};
   return UT_OK;
 }
 
@@ -3325,6 +3359,11 @@ static int ut__check_kernel_args(int kh, int kw, int stride, int pad, const char
             kw);
   UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
+  /* every input's padded extent (>= max(kernel, 2*padding + 1)) plus the stride must fit int */
+  UT__CHECK(2LL * pad + 2 <= INT_MAX && kh < INT_MAX && kw < INT_MAX, UT_ERR_ARG,
+            "%s: padding %d with a %dx%d kernel fits no input: 2*padding + 2 and the kernel size "
+            "must stay below 2^31",
+            who, pad, kh, kw);
   return UT_OK;
 }
 static long long ut__prod(long long a, long long b, long long c, long long d) {
@@ -3372,7 +3411,7 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
                                    const ut_tensor* dW, const ut_tensor* db, const char* who) {
   UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
   UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
-  UT__TRY(ut__conv_geometry(g, input, in_c, kh, kw, stride, pad, who));
+  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, who));
   UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
   UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
   if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
@@ -3384,14 +3423,25 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
 }
 
 static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
-  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
+  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
+         g->wo == g->w;
+}
+/* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
+static int ut__check_col(const ut__conv_geom* g, const char* who) {
+  if (ut__conv_is_pointwise(g)) return UT_OK;
+  long long K = (long long)g->c * g->kh * g->kw, P = (long long)g->ho * g->wo;
+  UT__CHECK(K <= INT_MAX && K * P <= INT_MAX && K * P * g->n <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the im2col buffer [%d, %lld, %lld] would have more than %d elements", who, g->n,
+            K, P, INT_MAX);
+  return UT_OK;
 }
 
 ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
   const char* who = "ut_conv2d_forward";
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->in_c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
+      ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
@@ -3437,7 +3487,8 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   if (ut__check_conv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
                               l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
-                              db, who) < 0)
+                              db, who) < 0 ||
+      ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
@@ -3517,7 +3568,7 @@ ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool b
     ut__set_error(UT_ERR_ARG, "ut_dwconv2d_alloc: channel count must be positive, got %d", c);
     return l;
   }
-  float std = sqrtf(2.f / (float)(kh * kw));
+  float std = sqrtf(2.f / (float)((double)kh * kw));
   ut_tensor* w = ut_randn(3, (int[]){c, kh, kw}, 0.f, std, dev);
   ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){c}, dev) : NULL;
   if (!w || (bias && !b)) {
@@ -3540,7 +3591,7 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
   const char* who = "ut_dwconv2d_forward";
   ut__conv_geom g;
   if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+      ut__conv_geometry(&g, x, l->c, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   const float* xp = ut__in(x, be);
