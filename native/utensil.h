@@ -779,7 +779,8 @@ ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1); /* new tensor with dims d
 /* ---- elementwise and dense ---------------------------------------------------------------- */
 ut_tensor* ut_relu(ut_tensor* x);     /* any shape -> same shape */
 ut_tensor* ut_relu6(ut_tensor* x);    /* min(max(x, 0), 6) */
-/* grad_out, fwd_input: same shape; gradient passes where 0 < x (relu), 0 < x < 6 (relu6) */
+/* grad_out, fwd_input: same shape; gradient passes except where x <= 0 (relu), x <= 0 or
+   x >= 6 (relu6): a NaN input passes it on, as in PyTorch */
 ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input);
 ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input);
 int ut_add_into(ut_tensor* dst, ut_tensor* src);   /* dst += src, same nelem */
@@ -1007,7 +1008,7 @@ typedef struct ut__backend {
   int (*axpy)(float* y, const float* x, ut__i64 n, float alpha);        /* y += alpha x */
   int (*scale)(float* x, ut__i64 n, float alpha);                       /* x *= alpha */
   int (*relu_fwd)(const float* x, float* y, ut__i64 n, float cap);
-  /* gi = go where 0 < x (and x < cap when cap > 0), else 0 */
+  /* gi = 0 where x <= 0 (or x >= cap when cap > 0), else go (NaN x passes go, like PyTorch) */
   int (*relu_bwd)(const float* go, const float* x, float* gi, ut__i64 n, float cap);
 
   /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner] */
@@ -1393,14 +1394,14 @@ UT__CPU_OPT static int ut__cpu_relu_bwd(const float* restrict go, const float* r
     UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
     for (ut__i64 i = 0; i < n; i++) {
       float v = x[i], g = go[i]; /* both loaded unconditionally: a branch-free select */
-      int keep = (v > 0.0f) & (v < cap);
-      gi[i] = keep ? g : 0.0f;
+      int stop = (v <= 0.0f) | (v >= cap); /* false for NaN: it passes g on, like PyTorch */
+      gi[i] = stop ? 0.0f : g;
     }
   } else {
     UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
     for (ut__i64 i = 0; i < n; i++) {
       float v = x[i], g = go[i];
-      gi[i] = v > 0.0f ? g : 0.0f;
+      gi[i] = v <= 0.0f ? 0.0f : g;
     }
   }
   return UT_OK;
@@ -1914,12 +1915,50 @@ static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const 
   return ut__cpu_dw_planes(&C, true, work, "dw_bwd_dx");
 }
 
+static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
+  for (ut__i64 i = 0; i < n; i++)
+    if (!isfinite(x[i])) return false;
+  return true;
+}
+/* dW summed over the (output, tap) pairs whose input lies inside x, as PyTorch's CPU kernels
+   do: the vector engines multiply padding zeros with go (and go's padding lanes with x), which
+   turns a NaN or inf there into NaN taps that PyTorch leaves finite. Only for non-finite data. */
+static void ut__cpu_dw_bwd_dw_exact(const float* go, const float* x, float* dw,
+                                    const ut__conv_geom* g) {
+  int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad;
+  ut__i64 taps = (ut__i64)kh * kw;
+  for (int ch = 0; ch < g->c; ch++)
+    for (ut__i64 t = 0; t < taps; t++) {
+      int ky = (int)(t / kw), kx = (int)(t % kw);
+      double acc = 0.0;
+      for (int n = 0; n < g->n; n++) {
+        ut__i64 q = (ut__i64)n * g->c + ch;
+        const float* xp = x + q * g->h * g->w;
+        const float* gp = go + q * g->ho * g->wo;
+        for (int oy = 0; oy < g->ho; oy++) {
+          ut__i64 iy = (ut__i64)oy * s - p + ky;
+          if (iy < 0 || iy >= g->h) continue;
+          for (int ox = 0; ox < g->wo; ox++) {
+            ut__i64 ix = (ut__i64)ox * s - p + kx;
+            if (ix >= 0 && ix < g->w) acc += (double)gp[(ut__i64)oy * g->wo + ox] * xp[iy * g->w + ix];
+          }
+        }
+      }
+      dw[(ut__i64)ch * taps + t] += (float)acc;
+    }
+}
+
 /* Parallel over channels; each channel loops over the batch in order (deterministic). */
 static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
   const int V = UT__CPU_DW_LANES();
   int c = g->c;
   ut__i64 taps = (ut__i64)g->kh * g->kw;
   if (c <= 0 || g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
+  if (!ut__cpu_all_finite(go, (ut__i64)g->n * c * g->ho * g->wo) ||
+      !ut__cpu_all_finite(x, (ut__i64)g->n * c * g->h * g->w)) {
+    ut__cpu_dw_bwd_dw_exact(go, x, dw, g);
+    return UT_OK;
+  }
   ut__dwctx C;
   memset(&C, 0, sizeof C);
   C.x = x;
@@ -2696,7 +2735,7 @@ UT__CPU_OPT static int ut__cpu_mse_bwd(const float* restrict p, const float* res
 
 /* -1 when the label is not an integer in [0, k). */
 static inline int ut__cpu_label(float v, int k) {
-  if (!(v >= 0.0f) || !(v < (float)k) || floorf(v) != v) return -1;
+  if (!(v >= 0.0f) || !((double)v < (double)k) || floorf(v) != v) return -1;
   return (int)v;
 }
 
@@ -2782,7 +2821,9 @@ UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, 
                                     float eps, float bc1, float bc2) {
   int nt = ut__cpu_nt((double)n);
   (void)nt;
-  float ib1 = 1.0f / bc1, ib2 = 1.0f / bc2;
+  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
+     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
+  float step = lr / bc1, sb2 = sqrtf(bc2);
   UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
   for (ut__i64 i = 0; i < n; i++) {
     float gi = g[i];
@@ -2790,7 +2831,7 @@ UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, 
     float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= lr * (mi * ib1) / (sqrtf(vi * ib2) + eps);
+    p[i] -= step * (mi / (sqrtf(vi) / sb2 + eps));
   }
   return UT_OK;
 }
@@ -3028,6 +3069,20 @@ static int ut__check_tensor(const ut_tensor* t, const char* who, const char* nam
   UT__CHECK(t->rc >= 1 && t->data && t->shape.ndim >= 1 && t->shape.ndim <= UT_MAX_DIMS &&
                 ut__dev_valid(t->dev),
             UT_ERR_ARG, "%s: %s is not a live tensor", who, name);
+  /* a struct whose shape was overwritten would send the kernels past its buffer */
+  long long n = 1;
+  for (int i = 0; i < t->shape.ndim && n <= INT_MAX; i++)
+    n *= t->shape.shape[i] >= 1 ? t->shape.shape[i] : (long long)INT_MAX + 1;
+  UT__CHECK(n == t->shape.nelem, UT_ERR_ARG,
+            "%s: %s is not a live tensor (its shape does not match its %d elements)", who, name,
+            t->shape.nelem);
+  return UT_OK;
+}
+/* Two arguments an op reads and writes in an order that needs them apart. */
+static int ut__check_distinct(const ut_tensor* a, const ut_tensor* b, const char* who,
+                              const char* an, const char* bn) {
+  UT__CHECK(!a || !b || (a != b && a->data != b->data && (!a->gpu_buf || a->gpu_buf != b->gpu_buf)),
+            UT_ERR_ARG, "%s: %s and %s must be different tensors", who, an, bn);
   return UT_OK;
 }
 static int ut__check_same_dev(const ut_tensor* a, const ut_tensor* b, const char* who,
@@ -3415,6 +3470,10 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
   UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
   UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
   if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
+  UT__TRY(ut__check_distinct(dW, w, who, "dW", "the layer's weight"));
+  UT__TRY(ut__check_distinct(dW, grad_out, who, "dW", "grad_out"));
+  UT__TRY(ut__check_distinct(dW, input, who, "dW", "cache->input"));
+  if (db && has_bias) UT__TRY(ut__check_distinct(dW, db, who, "dW", "db"));
   const int* gs = grad_out->shape.shape;
   UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
                 gs[3] == g->wo,
@@ -3716,6 +3775,11 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
   int N = x->shape.shape[0];
   UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
                  "%s: grad_out has %d rows, the input had %d", who, grad_out->shape.shape[0], N);
+  if (ut__check_distinct(dW, l->weight, who, "dW", "the layer's weight") < 0 ||
+      ut__check_distinct(dW, grad_out, who, "dW", "grad_out") < 0 ||
+      ut__check_distinct(dW, x, who, "dW", "cache->input") < 0 ||
+      (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
+    return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
@@ -4089,7 +4153,7 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
   if (!labels->dirty_cpu) { /* the host copy is current: check the labels without a transfer */
     for (int i = 0; i < N; i++) {
       float v = labels->data[i];
-      UT__CHECK(v >= 0.f && v < (float)K && v == floorf(v), UT_ERR_ARG,
+      UT__CHECK(v >= 0.f && (double)v < (double)K && v == floorf(v), UT_ERR_ARG,
                 "%s: labels[%d] = %g is not a class index in [0, %d)", who, i, (double)v, K);
     }
   }
@@ -4128,6 +4192,8 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   UT__TRY(ut__check_tensor(param, who, "param"));
   UT__TRY(ut__check_arg(grad, param, param->shape.nelem, who, "grad"));
   if (velocity) UT__TRY(ut__check_arg(velocity, param, param->shape.nelem, who, "velocity"));
+  UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
+  UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
   UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
@@ -4150,6 +4216,10 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
   UT__TRY(ut__check_arg(m, param, n, who, "m"));
   UT__TRY(ut__check_arg(v, param, n, who, "v"));
+  const ut_tensor* four[4] = {param, grad, m, v};
+  const char* names[4] = {"param", "grad", "m", "v"};
+  for (int i = 0; i < 4; i++)
+    for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
   UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
   UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,

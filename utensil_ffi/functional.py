@@ -92,7 +92,16 @@ class _Args:
                 "%s: labels must be in [0, %d), got values in [%d, %d]"
                 % (self.op, k, arr.min(), arr.max())
             )
-        return self.tensor(arr.astype(np.float32), "labels")
+        f = arr.astype(np.float32)
+        # the C API carries class indices as float32: above 2^24 not every integer is one, and a
+        # rounded label would silently name a neighbouring class
+        bad = np.flatnonzero(f.astype(np.int64) != arr)
+        if bad.size:
+            raise ArgumentError(
+                "%s: labels[%d] = %d is not exactly representable as float32 (class indices above "
+                "2^24 must be even, above 2^25 multiples of 4, ...)" % (self.op, bad[0], arr[bad[0]])
+            )
+        return self.tensor(f, "labels")
 
 
 def _same_shape(op, a, b, an, bn):
