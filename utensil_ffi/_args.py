@@ -100,7 +100,8 @@ def to_float32(value, name, lo=None, below=None, finite=True):
     inf, 0.99999999 to 1.0. ``below`` is an exclusive upper bound (betas < 1); the value
     returned is the Python float given, unchanged."""
     v = to_float(value, name, lo=lo, finite=finite)
-    v32 = float(np.float32(v))
+    with np.errstate(over="ignore"):
+        v32 = float(np.float32(v))
     if finite and v32 in (float("inf"), float("-inf")):
         raise ArgumentError("%s = %r overflows float32 (the precision the library computes in); "
                             "its magnitude must be at most %.6g" % (name, v, FLOAT32_MAX))
