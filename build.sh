@@ -6,9 +6,14 @@
 #                        (with the CUDA backend when nvcc is found, else the C part alone)
 #   ./build.sh test      build the C tests under AddressSanitizer + UBSan into $BUILD_DIR/asan/
 #                        and run them, then build (as `lib`) and run the plain test binary, which
-#                        exercises the CUDA paths when a GPU is present. Exits non-zero on any
-#                        failure. The sanitized build is always CPU-only (-DUT_NO_CUDA): ASan and
-#                        the CUDA runtime do not mix well.
+#                        exercises the CUDA paths when a GPU is present; then the single-header
+#                        check: native/test.c as a one-file program that defines
+#                        UT_IMPLEMENTATION, built with a plain `cc -std=c11 app.c -lm -lpthread`
+#                        and run ($BUILD_DIR/app/app_cpu), and, when nvcc built the CUDA objects,
+#                        the same program linked with them and run ($BUILD_DIR/app/app_cuda: on
+#                        the GPU when one is present). Exits non-zero on any failure. The
+#                        sanitized build is always CPU-only (-DUT_NO_CUDA): ASan and the CUDA
+#                        runtime do not mix well.
 #   ./build.sh asan-lib  build a sanitized, CPU-only $BUILD_DIR/asan/libutensil.so, for loading
 #                        into Python with
 #                          LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0
@@ -26,8 +31,10 @@
 #   UT_CUDA_ARCHS   SM architectures to compile for             (default: "80 90"); a PTX entry
 #                   for compute_90 is always included so newer GPUs can JIT it
 #
-# The CUDA runtime is linked statically (-cudart static), so libutensil.so has no load-time
-# dependency on libcuda/libcudart: it loads on machines without a GPU and falls back to the CPU.
+# The CUDA backend is native/cuda/*.cu, one object per file (compiled in parallel), linked with
+# utensil.o. The CUDA runtime is linked statically (-cudart static), so libutensil.so has no
+# load-time dependency on libcuda/libcudart: it loads on machines without a GPU and falls back to
+# the CPU.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -41,7 +48,7 @@ UT_CUDA="${UT_CUDA:-1}"
 UT_CUDA_ARCHS="${UT_CUDA_ARCHS:-80 90}"
 
 SRC_C=native/utensil.c
-SRC_CU=native/utensil_cuda.cu
+CUDA_DIR=native/cuda
 SRC_TEST=native/test.c
 HDR=native/utensil.h
 
@@ -75,10 +82,35 @@ want_cuda() {
     cuda_reason="UT_CUDA=0"
   elif ! command -v "$NVCC" >/dev/null 2>&1; then
     cuda_reason="'$NVCC' not found"
-  elif [[ ! -f "$SRC_CU" ]]; then
-    cuda_reason="$SRC_CU does not exist"
+  elif [[ ! -f "$CUDA_DIR/backend.cu" ]]; then
+    cuda_reason="$CUDA_DIR/backend.cu does not exist"
   fi
   [[ -z "$cuda_reason" ]]
+}
+
+# The CUDA objects of the last build_lib ($obj/cuda_<name>.o), empty when it built without CUDA.
+cuda_objs=()
+
+# Compiles each native/cuda/*.cu into $1/cuda_<name>.o, all at once (nvcc spends most of its
+# time in one file's device code, so the files overlap well); fails if any of them fails.
+build_cuda_objs() {
+  local obj="$1" gencode=() a src pids=() pid status=0
+  for a in $UT_CUDA_ARCHS; do
+    gencode+=(-gencode "arch=compute_$a,code=sm_$a")
+  done
+  gencode+=(-gencode "arch=compute_90,code=compute_90")
+  cuda_objs=()
+  for src in "$CUDA_DIR"/*.cu; do
+    local o
+    o="$obj/cuda_$(basename "$src" .cu).o"
+    cuda_objs+=("$o")
+    run "$NVCC" -std=c++17 -Xcompiler -fPIC "${nvccflags[@]}" "${gencode[@]}" -c "$src" -o "$o" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid" || status=1
+  done
+  [[ $status -eq 0 ]] || die "nvcc failed"
 }
 
 build_lib() {
@@ -89,25 +121,24 @@ build_lib() {
   local so="$BUILD_DIR/libutensil.so" exe="$BUILD_DIR/utensil_test"
   rm -f "$so" "$exe" "$obj"/*.o
 
+  cuda_objs=()
   if want_cuda; then
     log "building with CUDA (archs: $UT_CUDA_ARCHS)"
-    local gencode=() a
-    for a in $UT_CUDA_ARCHS; do
-      gencode+=(-gencode "arch=compute_$a,code=sm_$a")
-    done
-    gencode+=(-gencode "arch=compute_90,code=compute_90")
-
+    build_cuda_objs "$obj"
     run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" "${openmp[@]}" -c "$SRC_C" -o "$obj/utensil.o"
-    run "$NVCC" -std=c++17 -Xcompiler -fPIC "${nvccflags[@]}" "${gencode[@]}" \
-      -c "$SRC_CU" -o "$obj/utensil_cuda.o"
     run "$CC" -std=c11 -pthread "${cflags[@]}" "${openmp[@]}" -c "$SRC_TEST" -o "$obj/test.o"
 
     local linkomp=()
     [[ ${#openmp[@]} -gt 0 ]] && linkomp=(-lgomp)
-    run "$NVCC" -shared -cudart static -o "$so" "$obj/utensil.o" "$obj/utensil_cuda.o" \
+    run "$NVCC" -shared -cudart static -o "$so" "$obj/utensil.o" "${cuda_objs[@]}" \
       "${linkomp[@]}" -lpthread -lm
-    run "$NVCC" -cudart static -o "$exe" "$obj/test.o" "$obj/utensil.o" "$obj/utensil_cuda.o" \
+    run "$NVCC" -cudart static -o "$exe" "$obj/test.o" "$obj/utensil.o" "${cuda_objs[@]}" \
       "${linkomp[@]}" -lpthread -lm
+
+    # utensil.o's ut__cuda_backend is a weak stand-in (utensil.h); backend.cu's must win.
+    if command -v nm >/dev/null 2>&1 && [[ "$(nm -D "$so")" != *" T ut__cuda_backend"* ]]; then
+      die "$so: ut__cuda_backend is not the CUDA backend's (is $CUDA_DIR/backend.cu linked?)"
+    fi
 
     # The .so must load on machines without the CUDA driver or toolkit.
     if command -v ldd >/dev/null 2>&1; then
@@ -145,6 +176,32 @@ build_asan_lib() {
   log "built $BUILD_DIR/asan/libutensil.so (load with LD_PRELOAD=\$($CC -print-file-name=libasan.so))"
 }
 
+# The single-header promise: a one-file C program that defines UT_IMPLEMENTATION builds with a
+# plain cc and runs on the CPU; linking the CUDA objects into it adds the GPU, with no define.
+# The program is native/test.c itself. Needs build_lib first (for cuda_objs).
+run_app_tests() {
+  local dir="$BUILD_DIR/app" status=0
+  mkdir -p "$dir"
+  rm -f "$dir"/app_cpu "$dir"/app_cuda "$dir"/app.o
+  printf '#define UT_IMPLEMENTATION\n#include "%s/native/test.c"\n' "$PWD" >"$dir/app.c"
+  run "$CC" -std=c11 -O2 "$dir/app.c" -o "$dir/app_cpu" -lm -lpthread
+  log "running the one-file program ($dir/app_cpu)"
+  if ! "$dir/app_cpu"; then
+    log "FAILED: one-file program, plain cc"
+    status=1
+  fi
+  if [[ ${#cuda_objs[@]} -gt 0 ]]; then
+    run "$CC" -std=c11 -O2 -c "$dir/app.c" -o "$dir/app.o"
+    run "$NVCC" -cudart static -o "$dir/app_cuda" "$dir/app.o" "${cuda_objs[@]}" -lpthread -lm
+    log "running the one-file program linked with the CUDA objects ($dir/app_cuda)"
+    if ! "$dir/app_cuda"; then
+      log "FAILED: one-file program with the CUDA objects"
+      status=1
+    fi
+  fi
+  return $status
+}
+
 run_tests() {
   local status=0
   build_asan_test
@@ -161,6 +218,7 @@ run_tests() {
     log "FAILED: plain tests"
     status=1
   fi
+  run_app_tests || status=1
   [[ $status -eq 0 ]] && log "all tests passed"
   return $status
 }

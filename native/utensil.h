@@ -5,6 +5,10 @@
          #define UT_IMPLEMENTATION
          #include "utensil.h"
      Everywhere else just #include "utensil.h".
+     `cc -std=c11 app.c -lm -lpthread` builds a program that runs on the CPU. Linking in the
+     CUDA backend's objects (the .cu files of native/cuda/ compiled by nvcc, linked with
+     `nvcc -cudart static`) adds the GPU, with no define. That is on GCC and Clang; with other
+     compilers define UT_NO_CUDA for a CPU-only build.
      Build options (define before the implementation include):
          UT_NO_CUDA   build without the CUDA backend (UT_CUDA tensors then run on the CPU)
 
@@ -945,7 +949,7 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
 
 /* ============================================================================================
    BACKEND INTERFACE (private). Read by the implementation and by the CUDA translation unit
-   (native/utensil_cuda.cu, which defines UT_BACKEND_INTERFACE before including this header).
+   (native/cuda/common.cuh, which defines UT_BACKEND_INTERFACE before including this header).
    Plain C that also compiles as C++: no compound literals here.
 
    A backend is a table of functions over raw buffers of its own memory (host pointers for the
@@ -1076,7 +1080,14 @@ typedef struct ut__backend {
 /* Set by any part of the library; formats like printf. Returns status for `return ut__fail(...)`. */
 int ut__set_error(int status, const char* fmt, ...);
 
-/* The CUDA backend when built in and a GPU is present, else NULL (defined in utensil_cuda.cu). */
+/* The CUDA backend when built in and a GPU is present, else NULL. Defined in
+   native/cuda/backend.cu; the implementation adds a weak stand-in (see "CUDA BACKEND" there),
+   marked weak here, before any call to it. */
+#if defined(UT_IMPLEMENTATION) && !defined(UT_NO_CUDA) && defined(__GNUC__) && \
+    (defined(__ELF__) || defined(__APPLE__))
+#define UT__CUDA_WEAK_STANDIN
+__attribute__((weak))
+#endif
 const ut__backend* ut__cuda_backend(void);
 
 #ifdef __cplusplus
@@ -2874,7 +2885,16 @@ static const ut__backend ut__cpu_backend = {
     .adam = ut__cpu_adam,
 };
 
-#ifdef UT_NO_CUDA
+/* CUDA BACKEND. ut__cuda_backend() is defined by native/cuda/backend.cu when its objects are
+   linked in. So that a plain `cc app.c` links and runs on the CPU without them, the
+   implementation defines a stand-in that returns NULL ("no CUDA backend built in"): on GCC and
+   Clang (ELF, Mach-O) a weak definition (the declaration above carries the attribute), which
+   the linker drops in favour of backend.cu's strong one when both are linked, so the GPU comes
+   with the objects and no define. A weak definition rather than a weak reference tested for
+   NULL, so that every caller stays a plain call. Other compilers have no portable weak
+   symbols: there a CPU-only build defines UT_NO_CUDA, the explicit opt-out that works
+   everywhere (a strong stand-in, so linking backend.cu's objects as well fails to link). */
+#if defined(UT_NO_CUDA) || defined(UT__CUDA_WEAK_STANDIN)
 const ut__backend* ut__cuda_backend(void) { return NULL; }
 #endif
 

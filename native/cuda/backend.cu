@@ -1,0 +1,230 @@
+/* backend.cu — ut__cuda_backend(), the table the C core calls; device memory and
+   synchronization. The files and the naming: common.cuh. */
+#include "common.cuh"
+
+#include <unordered_map>
+#include <vector>
+
+/* ============================================================================================
+   Runtime helpers
+   ============================================================================================ */
+
+int ut__cuda_sms = 132; /* multiprocessors of the device, read at init */
+
+int ut__cuda_fail(cudaError_t e, const char* what) {
+  int st = (e == cudaErrorMemoryAllocation) ? UT_ERR_MEMORY : UT_ERR_DEVICE;
+  return ut__set_error(st, "cuda: %s: %s", what, cudaGetErrorString(e));
+}
+
+/* the reduction workspace (common.cuh) */
+std::mutex ut__cuda_workspace_lock;
+static float* ut__cuda_workspace = NULL;
+static size_t ut__cuda_workspace_bytes = 0;
+
+int ut__cuda_workspace_acquire(size_t bytes, float** out) {
+  if (bytes < 256) bytes = 256;
+  if (bytes > ut__cuda_workspace_bytes) {
+    if (ut__cuda_workspace) {
+      UT__CUDA_CHECK(cudaDeviceSynchronize(), "workspace sync");
+      cudaFree(ut__cuda_workspace);
+      ut__cuda_workspace = NULL;
+      ut__cuda_workspace_bytes = 0;
+    }
+    size_t want = bytes + bytes / 2;
+    void* p = NULL;
+    UT__CUDA_CHECK(cudaMalloc(&p, want), "workspace alloc");
+    ut__cuda_workspace = (float*)p;
+    ut__cuda_workspace_bytes = want;
+  }
+  *out = ut__cuda_workspace;
+  return UT_OK;
+}
+
+/* ============================================================================================
+   Memory
+   ============================================================================================ */
+
+/* Device memory is cached: cudaMalloc and cudaFree cost tens of microseconds each and cudaFree
+   synchronizes the device, which a training step allocating dozens of temporaries cannot afford.
+   Freed blocks go to a free list per rounded size and are handed out again; all work is queued
+   on one stream, so a block's next user runs after its last one. The cache is emptied when
+   cudaMalloc fails, and cached bytes count as free in mem_info. */
+static std::mutex ut__cuda_pool_lock;
+/* rounded size -> blocks */
+static std::unordered_map<size_t, std::vector<void*>> ut__cuda_pool_free;
+static std::unordered_map<void*, size_t> ut__cuda_pool_size; /* every live or cached block */
+static size_t ut__cuda_pool_cached = 0;                      /* bytes in the free lists */
+
+static size_t ut__cuda_pool_round(size_t bytes) {
+  if (bytes <= 512) return 512;
+  if (bytes <= (1u << 20)) return (bytes + 511) & ~(size_t)511;
+  return (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+}
+
+/* Caller holds ut__cuda_pool_lock. */
+static void ut__cuda_pool_release_cached(void) {
+  if (ut__cuda_pool_cached == 0) return;
+  cudaDeviceSynchronize();
+  for (auto& kv : ut__cuda_pool_free) {
+    for (void* p : kv.second) {
+      cudaFree(p);
+      ut__cuda_pool_size.erase(p);
+    }
+    kv.second.clear();
+  }
+  ut__cuda_pool_cached = 0;
+  cudaGetLastError();
+}
+
+static void* ut__cuda_mem_alloc(size_t bytes) {
+  size_t size = ut__cuda_pool_round(bytes);
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  auto it = ut__cuda_pool_free.find(size);
+  if (it != ut__cuda_pool_free.end() && !it->second.empty()) {
+    void* p = it->second.back();
+    it->second.pop_back();
+    ut__cuda_pool_cached -= size;
+    return p;
+  }
+  void* p = NULL;
+  cudaError_t e = cudaMalloc(&p, size);
+  if (e == cudaErrorMemoryAllocation && ut__cuda_pool_cached) {
+    cudaGetLastError();
+    ut__cuda_pool_release_cached();
+    e = cudaMalloc(&p, size);
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    ut__cuda_fail(e, "cudaMalloc");
+    return NULL;
+  }
+  ut__cuda_pool_size[p] = size;
+  return p;
+}
+
+static void ut__cuda_mem_free(void* p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  auto it = ut__cuda_pool_size.find(p);
+  if (it == ut__cuda_pool_size.end()) return; /* not ours: nothing to do */
+  ut__cuda_pool_free[it->second].push_back(p);
+  ut__cuda_pool_cached += it->second;
+}
+
+static int ut__cuda_upload(void* dst, const float* src, size_t bytes) {
+  if (!bytes) return UT_OK;
+  UT__CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
+  return UT_OK;
+}
+
+static int ut__cuda_download(float* dst, const void* src, size_t bytes) {
+  if (!bytes) return UT_OK;
+  UT__CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download");
+  return UT_OK;
+}
+
+static int ut__cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
+  size_t f = 0, t = 0;
+  UT__CUDA_CHECK(cudaMemGetInfo(&f, &t), "cudaMemGetInfo");
+  {
+    std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+    f += ut__cuda_pool_cached; /* cached blocks are free for the library to reuse */
+  }
+  if (free_bytes) *free_bytes = f;
+  if (total_bytes) *total_bytes = t;
+  return UT_OK;
+}
+
+static int ut__cuda_synchronize(void) {
+  UT__CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return UT_OK;
+}
+
+/* An event recorded on `signalling` and waited for on `waiting`: the wait is queued, the host
+   does not block. NULL is the library's stream, the legacy default stream. */
+static int ut__cuda_stream_wait(void* waiting, void* signalling) {
+  cudaStream_t w = waiting ? (cudaStream_t)waiting : cudaStreamLegacy;
+  cudaStream_t s = signalling ? (cudaStream_t)signalling : cudaStreamLegacy;
+  if (w == s) return UT_OK;
+  cudaEvent_t ev;
+  UT__CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  cudaError_t e = cudaEventRecord(ev, s);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(w, ev, 0);
+  cudaEventDestroy(ev); /* released once the wait has been satisfied */
+  UT__CUDA_CHECK(e, "stream wait");
+  return UT_OK;
+}
+
+/* ============================================================================================
+   The table
+   ============================================================================================ */
+
+static std::once_flag ut__cuda_init_once;
+static ut__backend ut__cuda_table;
+static bool ut__cuda_table_ok = false;
+
+static void ut__cuda_init(void) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count <= 0) {
+    cudaGetLastError(); /* no driver or no device: CPU only */
+    return;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    return;
+  }
+  /* a device this build has no code for is no usable GPU either */
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, ut__cuda_fill_kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  ut__cuda_sms = sms;
+
+  ut__backend* t = &ut__cuda_table;
+  t->name = "cuda";
+  t->mem_alloc = ut__cuda_mem_alloc;
+  t->mem_free = ut__cuda_mem_free;
+  t->upload = ut__cuda_upload;
+  t->download = ut__cuda_download;
+  t->mem_info = ut__cuda_mem_info;
+  t->synchronize = ut__cuda_synchronize;
+  t->stream_wait = ut__cuda_stream_wait;
+  t->fill = ut__cuda_fill;
+  t->copy = ut__cuda_copy;
+  t->axpy = ut__cuda_axpy;
+  t->scale = ut__cuda_scale;
+  t->relu_fwd = ut__cuda_relu_forward;
+  t->relu_bwd = ut__cuda_relu_backward;
+  t->transpose = ut__cuda_transpose;
+  t->gemm = ut__cuda_gemm;
+  t->bias_add = ut__cuda_bias_add;
+  t->channel_sum = ut__cuda_channel_sum;
+  t->row_mean = ut__cuda_global_avgpool2d_forward;
+  t->row_mean_bwd = ut__cuda_global_avgpool2d_backward;
+  t->im2col = ut__cuda_conv2d_im2col;
+  t->col2im = ut__cuda_conv2d_col2im;
+  t->dw_fwd = ut__cuda_dwconv2d_forward;
+  t->dw_bwd_dx = ut__cuda_dwconv2d_backward_dx;
+  t->dw_bwd_dw = ut__cuda_dwconv2d_backward_dw;
+  t->layernorm_fwd = ut__cuda_layernorm_forward;
+  t->layernorm_bwd = ut__cuda_layernorm_backward;
+  t->bn_stats = ut__cuda_batchnorm2d_stats;
+  t->bn_update_running = ut__cuda_batchnorm2d_update_running;
+  t->bn_apply = ut__cuda_batchnorm2d_apply;
+  t->bn_bwd = ut__cuda_batchnorm2d_backward;
+  t->mse_fwd = ut__cuda_mse_loss_forward;
+  t->mse_bwd = ut__cuda_mse_loss_backward;
+  t->ce_fwd = ut__cuda_cross_entropy_forward;
+  t->ce_bwd = ut__cuda_cross_entropy_backward;
+  t->sgd = ut__cuda_sgd;
+  t->adam = ut__cuda_adam;
+  ut__cuda_table_ok = true;
+}
+
+extern "C" const ut__backend* ut__cuda_backend(void) {
+  std::call_once(ut__cuda_init_once, ut__cuda_init);
+  return ut__cuda_table_ok ? &ut__cuda_table : NULL;
+}

@@ -1,0 +1,215 @@
+/* common.cuh — what the files of utensil's CUDA backend share (see utensil.h, BACKEND INTERFACE).
+
+   The backend is one translation unit per op family, each compiled by nvcc on its own and linked
+   with utensil.c into one shared library with `-cudart static`, so the library has no load-time
+   CUDA dependency: ut__cuda_backend() returns NULL when the runtime finds no driver or no device,
+   and the library runs CPU-only. A C program that includes utensil.h gets the GPU by linking
+   these objects, with no define (utensil.h, "CUDA BACKEND").
+
+   Files
+     common.cuh       this: error checks, launch helpers, block reductions, the reduction
+                      workspace, and the declarations of what one file gives another
+     backend.cu       ut__cuda_backend(), the table the C core calls; the device memory cache,
+                      copies, synchronization
+     elementwise.cu   fill, copy, axpy, scale, relu, transpose, bias_add, global_avgpool2d,
+                      mse_loss, cross_entropy
+     gemm.cu          gemm (matmul, linear and conv2d run on it), conv2d's im2col and col2im
+     depthwise.cu     dwconv2d: forward, dx, dW
+     norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
+                      batchnorm2d, layernorm
+     optim.cu         sgd, adam
+
+   Naming
+     Every file-level name starts with ut__cuda_ (macros and constants: UT__CUDA_), kernels end
+     in _kernel, and a name carries the op it serves as the C header spells it (dwconv2d,
+     conv2d, gemm, batchnorm2d, layernorm, relu, global_avgpool2d, mse_loss, cross_entropy,
+     sgd, adam), so `grep -rn dwconv2d native/` lands on the CUDA kernels too. The functions
+     of the backend table are ut__cuda_<op>_<forward|backward|...>. What a file gives another is
+     declared at the end of this header; everything else is static. Without relocatable device
+     code a kernel or device function cannot be called across files, so the device helpers
+     here are inline and each file launches only its own kernels.
+
+   Conventions
+     - Every pointer given to a table function is a device pointer; all work goes to the legacy
+       default stream, so ops are ordered and no op synchronizes the host (upload and download
+       do, being plain cudaMemcpy).
+     - Every runtime call and every launch is checked; a failure sets the thread-local error
+       (UT_ERR_MEMORY for an allocation failure, UT_ERR_DEVICE otherwise) and returns it.
+     - Reductions are deterministic: fixed launch shapes, fixed-order trees, no float atomics.
+       Multi-block reductions write partials to a shared workspace (see
+       ut__cuda_workspace_acquire) that a second small kernel sums in a fixed order. */
+#ifndef UT__CUDA_COMMON_CUH
+#define UT__CUDA_COMMON_CUH
+
+#define UT_BACKEND_INTERFACE
+#include "../utensil.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <mutex>
+
+/* multiprocessors of the device, read at init (backend.cu) */
+extern int ut__cuda_sms;
+
+/* Sets the thread-local error from e (UT_ERR_MEMORY for an allocation failure, else
+   UT_ERR_DEVICE) and returns that status. */
+int ut__cuda_fail(cudaError_t e, const char* what);
+
+#define UT__CUDA_CHECK(call, what)                             \
+  do {                                                         \
+    cudaError_t e_ = (call);                                   \
+    if (e_ != cudaSuccess) return ut__cuda_fail(e_, what);     \
+  } while (0)
+
+/* after every launch */
+#define UT__CUDA_LAUNCHED(what) UT__CUDA_CHECK(cudaGetLastError(), what)
+
+static inline ut__i64 ut__cuda_cdiv(ut__i64 a, ut__i64 b) { return (a + b - 1) / b; }
+
+/* blocks for a grid-stride loop over n items */
+static inline unsigned ut__cuda_grid_for(ut__i64 n, int threads) {
+  ut__i64 b = ut__cuda_cdiv(n, threads);
+  ut__i64 cap = (ut__i64)ut__cuda_sms * 16;
+  if (b > cap) b = cap;
+  if (b < 1) b = 1;
+  return (unsigned)b;
+}
+
+#define UT__CUDA_GRID_STRIDE(i, n)                                                     \
+  for (ut__i64 i = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);            \
+       i += (ut__i64)gridDim.x * blockDim.x)
+
+/* Workspace for multi-kernel reductions: one device buffer that grows and never shrinks
+   (backend.cu). The caller holds ut__cuda_workspace_lock from ut__cuda_workspace_acquire until
+   the launches that use it are enqueued; since all work is on the one legacy default stream,
+   the next user's kernels run after ours. Growing synchronizes the device before freeing the
+   old buffer (rare: only when a larger size is first needed). */
+extern std::mutex ut__cuda_workspace_lock;
+int ut__cuda_workspace_acquire(size_t bytes, float** out);
+
+/* ---- block reductions (blockDim.x a multiple of 32, at most 1024) ---- */
+
+static __device__ __forceinline__ float ut__cuda_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+static __device__ __forceinline__ float ut__cuda_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/* Sums NV values over the block; every thread gets the totals. sh: at least 32*NV floats. */
+template <int NV>
+static __device__ __forceinline__ void ut__cuda_block_sum(float (&v)[NV], float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = ut__cuda_warp_sum(v[i]);
+  __syncthreads(); /* sh may still be read by an earlier reduction */
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) sh[warp * NV + i] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float x = lane < nw ? sh[lane * NV + i] : 0.f;
+    v[i] = ut__cuda_warp_sum(x);
+  }
+}
+
+static __device__ __forceinline__ float ut__cuda_block_max(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = ut__cuda_warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  float x = lane < nw ? sh[lane] : -INFINITY;
+  return ut__cuda_warp_max(x);
+}
+
+/* threads for a block that works on one row of `len` items */
+static inline int ut__cuda_row_threads(ut__i64 len) {
+  ut__i64 t = ut__cuda_cdiv(len, 32) * 32;
+  if (t > 256) t = 256;
+  if (t < 32) t = 32;
+  return (int)t;
+}
+
+/* chunks per channel of a per-channel reduction (norm.cu, depthwise.cu): about 8 blocks per
+   multiprocessor overall, at least 2048 elements each */
+static inline int ut__cuda_channel_chunks(int c, ut__i64 m, ut__i64* chunk) {
+  ut__i64 ch = ut__cuda_cdiv((ut__i64)ut__cuda_sms * 8, c);
+  ut__i64 most = ut__cuda_cdiv(m, 2048);
+  if (ch > most) ch = most;
+  if (ch > 1024) ch = 1024;
+  if (ch < 1) ch = 1;
+  *chunk = ut__cuda_cdiv(m, ch);
+  return (int)ut__cuda_cdiv(m, *chunk);
+}
+
+/* ============================================================================================
+   What one file gives another. The table functions have the signatures of the ut__backend
+   fields they fill (utensil.h, BACKEND INTERFACE).
+   ============================================================================================ */
+
+/* elementwise.cu (init launches nothing: it asks the runtime whether ut__cuda_fill_kernel has
+   code for the device) */
+__global__ void ut__cuda_fill_kernel(float* __restrict__ x, ut__i64 n, float v);
+int ut__cuda_fill(float* x, ut__i64 n, float v);
+int ut__cuda_copy(float* dst, const float* src, ut__i64 n);
+int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha);
+int ut__cuda_scale(float* x, ut__i64 n, float alpha);
+int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap);
+int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap);
+int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner);
+int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner);
+int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols);
+int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols);
+int ut__cuda_mse_loss_forward(const float* p, const float* t, float* out, ut__i64 n);
+int ut__cuda_mse_loss_backward(const float* p, const float* t, float* g, ut__i64 n);
+int ut__cuda_cross_entropy_forward(const float* logits, const float* labels, float* out, int n,
+                                   int k);
+int ut__cuda_cross_entropy_backward(const float* logits, const float* labels, float* g, int n,
+                                    int k);
+
+/* gemm.cu */
+int ut__cuda_gemm(const ut__gemm_args* g);
+int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g);
+int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g);
+
+/* depthwise.cu */
+int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
+                              const ut__conv_geom* g);
+int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
+                                  const ut__conv_geom* g);
+int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
+                                  const ut__conv_geom* g);
+
+/* norm.cu */
+int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta);
+int ut__cuda_layernorm_forward(const float* x, const float* gamma, const float* beta, float* y,
+                               float* mean, float* rstd, int rows, int dim, float eps);
+int ut__cuda_layernorm_backward(const float* go, const float* x, const float* gamma,
+                                const float* mean, const float* rstd, float* dx, float* dgamma,
+                                float* dbeta, int rows, int dim);
+int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
+                               ut__i64 inner);
+int ut__cuda_batchnorm2d_update_running(float* running_mean, float* running_var, const float* mean,
+                                        const float* var, int c, float momentum, float unbias);
+int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
+                               const float* gamma, const float* beta, float* rstd, int n, int c,
+                               ut__i64 inner, float eps);
+int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
+                                  const float* rstd, const float* gamma, float* dx, float* dgamma,
+                                  float* dbeta, int n, int c, ut__i64 inner, bool training);
+
+/* optim.cu */
+int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
+int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
+                  float b2, float eps, float bc1, float bc2);
+
+#endif /* UT__CUDA_COMMON_CUH */

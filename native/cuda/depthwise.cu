@@ -1,0 +1,1071 @@
+/* depthwise.cu — dwconv2d: forward, dx and dW (measurements and history: CUDA_NOTES.md). The
+   files and the naming: common.cuh. */
+#include "common.cuh"
+
+/* ============================================================================================
+   Depthwise convolution
+
+   3x3 filters at stride 1 or 2 and 5x5 at stride 1 take the strip kernels
+   (ut__cuda_dwconv2d_strip_*, below ut__cuda_dwconv2d_dw_final_kernel), which were faster on
+   every measured shape. The tiled path (ut__cuda_dwconv2d_tile_kernel) covers the other square
+   3x3, 5x5 and 7x7 filters at stride 1 or 2 whose tiles fit in shared memory. A unit of work
+   is one channel c, a group of P images and a band of BH output rows of each of their planes
+   (P > 1 only when whole planes are small; BH < OH only when P == 1). The grid is persistent:
+   each block takes every gridDim.x-th unit and, while it computes one, copies the next unit's
+   input rows into its second shared buffer with cp.async (per plane a contiguous run of
+   memory, 16-byte copies for the body, 4-byte ones for unaligned heads and tails; each plane's
+   copy keeps its address modulo 16). Each thread then takes vertical strips of R outputs at
+   one column: it walks the input rows the strip touches once, and every row value it reads
+   feeds each output of the strip that uses it. Padding is handled by bounds checks, not by
+   stored zeros. Filter taps live in registers.
+
+     UT__CUDA_DWCONV2D_FWD   y = conv(x, w) + bias                     (in = x, out = y)
+     UT__CUDA_DWCONV2D_FLIP  the same with the filter rotated 180 degrees: the input gradient
+                             at stride 1 is exactly that, with go as input and padding kh-1-pad
+     UT__CUDA_DWCONV2D_TDX   the input gradient at stride > 1 (transposed convolution): go's
+                             rows in shared memory, each dx element gathers the taps whose
+                             stride phase matches
+     UT__CUDA_DWCONV2D_DW    dw partials: for each unit the KH*KW sums of go * x over its
+                             outputs, reduced in registers, then across the block, and written
+                             to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_kernel)
+                             adds each channel's partials in a fixed order into dw.
+
+   Everything else (other filter shapes, planes too wide for shared memory) takes plain
+   kernels: one thread per output (gather form for dx), and for dW a per-channel, per-chunk
+   block reduction tap by tap, with the same deterministic second stage.
+   ============================================================================================ */
+
+enum {
+  UT__CUDA_DWCONV2D_FWD = 0,
+  UT__CUDA_DWCONV2D_FLIP = 1,
+  UT__CUDA_DWCONV2D_DW = 2,
+  UT__CUDA_DWCONV2D_TDX = 3
+};
+
+/* n / d for 0 <= n < 2^31 with a multiply and a shift (d >= 1) */
+struct ut__cuda_fastdiv {
+  unsigned d, m, s;
+};
+
+static ut__cuda_fastdiv ut__cuda_fastdiv_make(unsigned d) {
+  ut__cuda_fastdiv f;
+  f.d = d;
+  unsigned s = 0;
+  while (s < 32 && (1ull << s) < d) ++s;
+  f.s = s;
+  f.m = (unsigned)(((1ull << 32) * ((1ull << s) - d)) / d + 1);
+  return f;
+}
+
+static __device__ __forceinline__ unsigned ut__cuda_fdiv(unsigned n, const ut__cuda_fastdiv& f) {
+  return (__umulhi(n, f.m) + n) >> f.s;
+}
+
+struct ut__cuda_dwconv2d_tile_params {
+  const float* in;   /* [N, C, IH, IW] */
+  const float* w;    /* [C, KH, KW] */
+  const float* bias; /* [C] or NULL (UT__CUDA_DWCONV2D_FWD) */
+  const float* go;   /* [N, C, OH, OW] (UT__CUDA_DWCONV2D_DW) */
+  float* out;        /* [N, C, OH, OW], or partials [units, KH*KW] for UT__CUDA_DWCONV2D_DW */
+  int N, C, IH, IW, OH, OW, pad_h, pad_w;
+  int P, NG, BH, NB, NS; /* images per unit, image groups, rows per band, bands, strips/band */
+  int SQ;                /* shared floats per plane */
+  int BUF;               /* shared floats per buffer (P * SQ, a multiple of 4) */
+  int units;             /* C * NG * NB */
+  ut__cuda_fastdiv fd_ow, fd_ns;
+};
+
+/* one unit of work: channel c, images [n0, n0 + np), output rows [oy0, oy0 + bh), and the
+   input rows [iy_lo, iy_lo + L / IW) they read */
+struct ut__cuda_dwconv2d_unit {
+  int c, n0, np, oy0, bh, iy_lo, L;
+};
+
+template <int MODE, int KH, int S>
+static __device__ __forceinline__ ut__cuda_dwconv2d_unit
+ut__cuda_dwconv2d_unit_at(const ut__cuda_dwconv2d_tile_params& p, int unit) {
+  ut__cuda_dwconv2d_unit u;
+  const int b = unit % p.NB;
+  const int t1 = unit / p.NB;
+  const int grp = t1 % p.NG;
+  u.c = t1 / p.NG;
+  u.n0 = grp * p.P;
+  u.np = min(p.P, p.N - u.n0);
+  u.oy0 = b * p.BH;
+  u.bh = min(p.BH, p.OH - u.oy0);
+  int hi;
+  if constexpr (MODE == UT__CUDA_DWCONV2D_TDX) {
+    /* output row y reads input rows (y + pad - ky) / S for the ky that divide evenly */
+    const int tlo = u.oy0 + p.pad_h - (KH - 1);
+    u.iy_lo = tlo <= 0 ? 0 : (tlo + S - 1) / S;
+    hi = min(p.IH - 1, (u.oy0 + u.bh - 1 + p.pad_h) / S);
+  } else {
+    u.iy_lo = max(0, u.oy0 * S - p.pad_h);
+    hi = min(p.IH - 1, (u.oy0 + u.bh - 1) * S - p.pad_h + KH - 1);
+  }
+  u.L = hi >= u.iy_lo ? (hi - u.iy_lo + 1) * p.IW : 0;
+  return u;
+}
+
+static __device__ __forceinline__ void ut__cuda_cp_async16(float* dst, const float* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+#else
+  *reinterpret_cast<float4*>(dst) = __ldg(reinterpret_cast<const float4*>(src));
+#endif
+}
+
+static __device__ __forceinline__ void ut__cuda_cp_async4(float* dst, const float* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+#else
+  *dst = __ldg(src);
+#endif
+}
+
+static __device__ __forceinline__ void ut__cuda_cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+/* wait until at most one group (the newest) is pending */
+static __device__ __forceinline__ void ut__cuda_cp_async_wait1() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::);
+#endif
+}
+
+/* start copying a unit's input rows into a shared buffer: per plane a contiguous run of L
+   floats, placed so that the copy keeps the source's address modulo 16 (16-byte body, 4-byte
+   head and tail) */
+template <int MODE, int KH, int S>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_issue(
+    const ut__cuda_dwconv2d_tile_params& p, int unit, float* buf) {
+  const ut__cuda_dwconv2d_unit u = ut__cuda_dwconv2d_unit_at<MODE, KH, S>(p, unit);
+  const ut__i64 in_plane = (ut__i64)p.IH * p.IW;
+  const int nv = (u.L + 6) >> 2;
+  const int slots = u.np * nv;
+  for (int idx = threadIdx.x; idx < slots; idx += blockDim.x) {
+    const int q = idx / nv, v = idx - q * nv;
+    const float* src =
+        p.in + ((ut__i64)(u.n0 + q) * p.C + u.c) * in_plane + (ut__i64)u.iy_lo * p.IW;
+    const int off = (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3);
+    const int e = 4 * v - off;
+    float* dst = buf + q * p.SQ + 4 * v;
+    if (e >= 0 && e + 3 < u.L) {
+      ut__cuda_cp_async16(dst, src + e);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (e + k >= 0 && e + k < u.L) ut__cuda_cp_async4(dst + k, src + e + k);
+    }
+  }
+}
+
+/* compute one unit from its shared buffer */
+template <int MODE, int KH, int KW, int S, int R>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
+    const ut__cuda_dwconv2d_tile_params& p, int unit, const float* sm, float* red) {
+  constexpr int T = KH * KW;
+  constexpr int ROWS = (R - 1) * S + KH; /* input rows a forward strip can touch */
+  const ut__cuda_dwconv2d_unit u = ut__cuda_dwconv2d_unit_at<MODE, KH, S>(p, unit);
+  const ut__i64 in_plane = (ut__i64)p.IH * p.IW;
+  const ut__i64 out_plane = (ut__i64)p.OH * p.OW;
+
+  float wr[T];
+  float bv = 0.f;
+  if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+      wr[i] = __ldg(p.w + (ut__i64)u.c * T + (MODE == UT__CUDA_DWCONV2D_FLIP ? T - 1 - i : i));
+    if (MODE == UT__CUDA_DWCONV2D_FWD && p.bias) bv = __ldg(p.bias + u.c);
+  }
+  float accw[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) accw[i] = 0.f;
+
+  /* vertical strips of R outputs: item = (q * NS + strip) * OW + ox */
+  const int items = u.np * p.NS * p.OW;
+  for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    const int t2 = (int)ut__cuda_fdiv((unsigned)it, p.fd_ow);
+    const int ox = it - t2 * p.OW;
+    const int q = (int)ut__cuda_fdiv((unsigned)t2, p.fd_ns);
+    const int s = t2 - q * p.NS;
+    const int oys = u.oy0 + s * R;
+    const int nr = min(R, u.oy0 + u.bh - oys);
+    if (nr <= 0) continue; /* a strip past the end of a short last band */
+    const ut__i64 plane_idx = (ut__i64)(u.n0 + q) * p.C + u.c;
+    const float* src = p.in + plane_idx * in_plane + (ut__i64)u.iy_lo * p.IW;
+    const int base = q * p.SQ + (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3) -
+                     u.iy_lo * p.IW; /* + iy * IW + ix: the input element (iy, ix) */
+
+    if constexpr (MODE == UT__CUDA_DWCONV2D_TDX) {
+      /* dx[y][x] = sum over (ky, kx) with y + pad = oy*S + ky, x + pad = ox*S + kx of
+         go[oy][ox] * w[ky][kx] */
+      bool okx[KW];
+      int cx[KW];
+#pragma unroll
+      for (int kx = 0; kx < KW; ++kx) {
+        const int tx = ox + p.pad_w - kx;
+        cx[kx] = tx / S;
+        okx[kx] = tx >= 0 && tx % S == 0 && tx / S < p.IW;
+      }
+      float* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < nr) {
+          float a = 0.f;
+#pragma unroll
+          for (int ky = 0; ky < KH; ++ky) {
+            const int ty = oys + r + p.pad_h - ky;
+            if (ty >= 0 && ty % S == 0 && ty / S < p.IH) {
+              const int rb = base + (ty / S) * p.IW;
+#pragma unroll
+              for (int kx = 0; kx < KW; ++kx)
+                if (okx[kx]) a = fmaf(wr[ky * KW + kx], sm[rb + cx[kx]], a);
+            }
+          }
+          yp[(ut__i64)r * p.OW] = a;
+        }
+      }
+    } else {
+      const int ixb = ox * S - p.pad_w;
+      const int iyb = oys * S - p.pad_h;
+      const int jmax = (nr - 1) * S + KH;
+      bool cv[KW];
+#pragma unroll
+      for (int cc = 0; cc < KW; ++cc) cv[cc] = (unsigned)(ixb + cc) < (unsigned)p.IW;
+
+      float g[R];   /* UT__CUDA_DWCONV2D_DW: the strip's output gradients */
+      float acc[R]; /* otherwise: the strip's outputs */
+      if constexpr (MODE == UT__CUDA_DWCONV2D_DW) {
+        const float* gp = p.go + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+#pragma unroll
+        for (int r = 0; r < R; ++r) g[r] = r < nr ? __ldg(gp + (ut__i64)r * p.OW) : 0.f;
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = bv;
+      }
+
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const int iy = iyb + j;
+        if (j < jmax && (unsigned)iy < (unsigned)p.IH) {
+          const int rb = base + iy * p.IW + ixb;
+          float v[KW];
+#pragma unroll
+          for (int cc = 0; cc < KW; ++cc) v[cc] = cv[cc] ? sm[rb + cc] : 0.f;
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const int kr = j - r * S;
+            if (kr >= 0 && kr < KH) {
+#pragma unroll
+              for (int cc = 0; cc < KW; ++cc) {
+                if constexpr (MODE == UT__CUDA_DWCONV2D_DW)
+                  accw[kr * KW + cc] = fmaf(g[r], v[cc], accw[kr * KW + cc]);
+                else
+                  acc[r] = fmaf(wr[kr * KW + cc], v[cc], acc[r]);
+              }
+            }
+          }
+        }
+      }
+      if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
+        float* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (r < nr) yp[(ut__i64)r * p.OW] = acc[r];
+      }
+    }
+  }
+
+  if constexpr (MODE == UT__CUDA_DWCONV2D_DW) {
+    /* the unit's T sums: warps, then warp partials in order -> out[unit] */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+      float v = ut__cuda_warp_sum(accw[i]);
+      if (lane == 0) red[warp * T + i] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < T; i += blockDim.x) {
+      float s = 0.f;
+      for (int w = 0; w < nw; ++w) s += red[w * T + i];
+      p.out[(ut__i64)unit * T + i] = s;
+    }
+  }
+}
+
+/* A persistent grid: block b takes units b, b + gridDim.x, ...; while it computes one unit
+   the copy of its next unit's input is in flight (two shared buffers, cp.async). */
+template <int MODE, int KH, int KW, int S, int R>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_tile_kernel(ut__cuda_dwconv2d_tile_params p) {
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  float* red = sm + 2 * p.BUF;
+  int unit = blockIdx.x;
+  if (unit >= p.units) return;
+  ut__cuda_dwconv2d_tile_issue<MODE, KH, S>(p, unit, sm);
+  ut__cuda_cp_async_commit();
+  int buf = 0;
+  for (; unit < p.units; unit += gridDim.x) {
+    const int next = unit + gridDim.x;
+    if (next < p.units) ut__cuda_dwconv2d_tile_issue<MODE, KH, S>(p, next, sm + (buf ^ 1) * p.BUF);
+    ut__cuda_cp_async_commit();
+    ut__cuda_cp_async_wait1();
+    __syncthreads();
+    ut__cuda_dwconv2d_tile_compute<MODE, KH, KW, S, R>(p, unit, sm + buf * p.BUF, red);
+    __syncthreads(); /* before this buffer is refilled */
+    buf ^= 1;
+  }
+}
+
+/* dw[c*T + t] += sum over parts of ws[(c*parts + i)*T + t]; one warp per weight element */
+static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict__ ws,
+                                                         float* __restrict__ dw, int C, int T,
+                                                         int parts) {
+  const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= (ut__i64)C * T) return;
+  const ut__i64 c = gw / T, t = gw % T;
+  float s = 0.f;
+  for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
+  s = ut__cuda_warp_sum(s);
+  if (lane == 0) dw[gw] += s;
+}
+
+/* ---- strip kernels (v3): straight from global memory, no shared tiles ----
+   One thread per item; an item is a vertical strip of R outputs at one column of one plane
+   (items are numbered column fastest, then strip, then plane, so a warp's lanes hit
+   consecutive columns and, for small planes, several planes at once). The thread walks the
+   (R - 1) * S + K input rows the strip touches once; every value it loads feeds each output
+   of the strip that uses it (a register window), so each input element is loaded K times
+   per strip (once per column tap) instead of K * K times; the overlap between neighbouring
+   lanes and strips is served by L1. All loads of a strip are independent, so many bytes are
+   in flight per thread, and index arithmetic (three fast divisions) is paid once per strip.
+
+     ut__cuda_dwconv2d_strip_forward_kernel<FLIP=false>
+                     y = conv(x, w) + bias
+     ut__cuda_dwconv2d_strip_forward_kernel<FLIP=true>
+                     dx at stride 1: go correlated with the rotated filter
+     ut__cuda_dwconv2d_strip_tdx_kernel
+                     dx at stride > 1: each item is R rows x S columns of dx; with the strip
+                     aligned to S, which taps meet which go element depends only on
+                     D = (pad - K + 1) mod S, a template argument, so the loop has no phase tests
+     ut__cuda_dwconv2d_strip_dw_kernel
+                     dw partials: block (part, c) sums go * x tap by tap over a fixed range of
+                     channel c's items, warp sums then warps in order into
+                     ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_kernel adds the
+                     parts in order */
+
+struct ut__cuda_dwconv2d_strip_params {
+  const float* in;   /* [planes, IH, IW] */
+  const float* w;    /* [C, K, K] */
+  const float* bias; /* [C] or NULL */
+  const float* go;   /* [planes, OH, OW] (ut__cuda_dwconv2d_strip_dw_kernel) */
+  float* out;        /* [planes, OH, OW], or partials (ut__cuda_dwconv2d_strip_dw_kernel) */
+  int C, IH, IW, OH, OW, pad;
+  int NX, NS;        /* column groups per row, strips per plane */
+  unsigned items;    /* all items (ut__cuda_dwconv2d_strip_forward_kernel,
+                        ut__cuda_dwconv2d_strip_tdx_kernel) or one channel's items
+                        (ut__cuda_dwconv2d_strip_dw_kernel) */
+  unsigned chunk;    /* items per block (ut__cuda_dwconv2d_strip_dw_kernel) */
+  int vec2;          /* ut__cuda_dwconv2d_strip_tdx_kernel with S == 2: rows of out are 8-byte
+                        aligned and W is even */
+  ut__cuda_fastdiv fd_nx, fd_ns, fd_c;
+};
+
+template <int K, int S, int R, bool FLIP>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_strip_forward_kernel(ut__cuda_dwconv2d_strip_params p) {
+  constexpr int T = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+  const int ox = (int)(it - t1 * (unsigned)p.NX);
+  const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
+  const int oy0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const float* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + (FLIP ? T - 1 - i : i));
+  const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
+  const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
+  bool cv[K];
+#pragma unroll
+  for (int kx = 0; kx < K; ++kx) cv[kx] = (unsigned)(ixb + kx) < (unsigned)p.IW;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = bv;
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    const bool rv = (unsigned)iy < (unsigned)p.IH;
+    const float* rp = xp + (iy * p.IW + ixb);
+    float v[K];
+#pragma unroll
+    for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int kr = j - r * S;
+      if (kr >= 0 && kr < K) {
+#pragma unroll
+        for (int kx = 0; kx < K; ++kx) acc[r] = fmaf(wr[kr * K + kx], v[kx], acc[r]);
+      }
+    }
+  }
+  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
+  const int nr = min(R, p.OH - oy0);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (r < nr) yp[r * p.OW] = acc[r];
+}
+
+/* dx at stride S > 1. in = go [planes, IH = ho, IW = wo], out = dx [planes, OH = h, OW = w].
+   An item is dx rows [y0, y0 + R) x columns [x0, x0 + S) with y0 = strip * R, x0 = group * S
+   (R a multiple of S). dx[y][x] = sum of go[gy][gx] * w[ky][kx] over y + pad = gy*S + ky,
+   x + pad = gx*S + kx. With E = K - 1 + D, go rows gy0 + j (gy0 = (y0 + pad - E) / S, exact)
+   meet dx row y0 + r through ky = E + r - j*S, and columns likewise. */
+template <int K, int S, int R, int D>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_strip_tdx_kernel(ut__cuda_dwconv2d_strip_params p) {
+  constexpr int T = K * K;
+  constexpr int E = K - 1 + D;
+  constexpr int JR = (E + R - 1) / S + 1; /* go rows an item reads */
+  constexpr int MR = (E + S - 1) / S + 1; /* go columns an item reads */
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+  const int x0 = (int)(it - t1 * (unsigned)p.NX) * S;
+  const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
+  const int y0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const float* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + i);
+  const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
+  bool cv[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) cv[m] = (unsigned)(gx0 + m) < (unsigned)p.IW;
+  float acc[R][S];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < S; ++q) acc[r][q] = 0.f;
+#pragma unroll
+  for (int j = 0; j < JR; ++j) {
+    const int gy = gy0 + j;
+    const bool rv = (unsigned)gy < (unsigned)p.IH;
+    const float* rp = gp + (gy * p.IW + gx0);
+    float v[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) v[m] = (rv && cv[m]) ? __ldg(rp + m) : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int ky = E + r - j * S;
+      if (ky >= 0 && ky < K) {
+#pragma unroll
+        for (int q = 0; q < S; ++q)
+#pragma unroll
+          for (int m = 0; m < MR; ++m) {
+            const int kx = E + q - m * S;
+            if (kx >= 0 && kx < K) acc[r][q] = fmaf(wr[ky * K + kx], v[m], acc[r][q]);
+          }
+      }
+    }
+  }
+  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
+  const int nr = min(R, p.OH - y0);
+  if (S == 2 && p.vec2) { /* x0 is even and OW is even: x0 + 1 < OW */
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) *reinterpret_cast<float2*>(yp + r * p.OW) = make_float2(acc[r][0], acc[r][S - 1]);
+  } else {
+    const int nq = min(S, p.OW - x0);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) {
+#pragma unroll
+        for (int q = 0; q < S; ++q)
+          if (q < nq) yp[r * p.OW + q] = acc[r][q];
+      }
+  }
+}
+
+/* in = x [planes, IH, IW], go [planes, OH, OW]; grid (parts, C); items of channel c are
+   numbered column fastest, then strip, then image */
+template <int K, int S, int R>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_strip_dw_kernel(ut__cuda_dwconv2d_strip_params p) {
+  constexpr int T = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  __shared__ float red[8 * T];
+  const int c = blockIdx.y;
+  float accw[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) accw[i] = 0.f;
+  const unsigned e0 = blockIdx.x * p.chunk;
+  const unsigned e1 = min(e0 + p.chunk, p.items);
+  const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
+  for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
+    const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+    const int ox = (int)(it - t1 * (unsigned)p.NX);
+    const unsigned n = ut__cuda_fdiv(t1, p.fd_ns);
+    const int oy0 = (int)(t1 - n * (unsigned)p.NS) * R;
+    const size_t plane = (size_t)n * p.C + c;
+    const float* __restrict__ xp = p.in + plane * in_plane;
+    const float* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
+    const int nr = min(R, p.OH - oy0);
+    float g[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) g[r] = r < nr ? __ldg(gp + r * p.OW) : 0.f;
+    const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
+    bool cv[K];
+#pragma unroll
+    for (int kx = 0; kx < K; ++kx) cv[kx] = (unsigned)(ixb + kx) < (unsigned)p.IW;
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      const bool rv = (unsigned)iy < (unsigned)p.IH;
+      const float* rp = xp + (iy * p.IW + ixb);
+      float v[K];
+#pragma unroll
+      for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int kr = j - r * S;
+        if (kr >= 0 && kr < K) {
+#pragma unroll
+          for (int kx = 0; kx < K; ++kx) accw[kr * K + kx] = fmaf(g[r], v[kx], accw[kr * K + kx]);
+        }
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    const float v = ut__cuda_warp_sum(accw[i]);
+    if (lane == 0) red[warp * T + i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < T; i += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w * T + i];
+    p.out[((size_t)c * gridDim.x + blockIdx.x) * T + i] = s;
+  }
+}
+
+/* tunables of the strip kernels (the self-check harness sets them; 0: automatic) and the
+   choice between them and the tiled kernels: -1 automatic, 0 tiled, 1 strips */
+static int ut__cuda_dwconv2d_strip_tune_impl = -1;
+static int ut__cuda_dwconv2d_strip_tune_R = 0;
+static int ut__cuda_dwconv2d_strip_tune_threads = 0;
+/* items per thread of ut__cuda_dwconv2d_strip_dw_kernel */
+static int ut__cuda_dwconv2d_strip_tune_ipt = 4;
+
+/* The filter shapes whose strip kernels were measured faster than the tiled kernels on an
+   H200 (3x3 at stride 1 and 2, 5x5 at stride 1; see CUDA_NOTES.md). 7x7 and 5x5 at stride 2
+   keep the tiled kernels until they are measured. */
+static bool ut__cuda_dwconv2d_strip_shape(int kh, int kw, int s) {
+  return kh == kw && ((kh == 3 && (s == 1 || s == 2)) || (kh == 5 && s == 1));
+}
+
+/* Rows per strip, from the H200 measurements: the forward pass at stride 1 with at least 24
+   output rows and dx at stride 1 with at least 12 rows take 8 (more reuse of each loaded row);
+   strided and small planes take 4 (more items in flight). dW takes 8 at stride 2, else 4. */
+static int ut__cuda_dwconv2d_strip_rows(int mode, int s, int oh) {
+  if (ut__cuda_dwconv2d_strip_tune_R) return ut__cuda_dwconv2d_strip_tune_R;
+  switch (mode) {
+    case UT__CUDA_DWCONV2D_FWD: return (s == 1 && oh >= 24) ? 8 : 4;
+    case UT__CUDA_DWCONV2D_FLIP: return oh >= 12 ? 8 : 4;
+    case UT__CUDA_DWCONV2D_TDX: return 8;
+    default: return s == 2 ? 8 : 4;
+  }
+}
+
+static int ut__cuda_dwconv2d_strip_threads() {
+  return ut__cuda_dwconv2d_strip_tune_threads ? ut__cuda_dwconv2d_strip_tune_threads : 128;
+}
+
+template <int K, int S, int R, bool FLIP>
+static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
+  ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP>
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads>>>(p);
+  UT__CUDA_LAUNCHED("depthwise conv (strips)");
+  return UT_OK;
+}
+
+template <int R, bool FLIP>
+static int ut__cuda_dwconv2d_strip_forward_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
+                                                    int s, int threads) {
+  switch (k * 10 + s) {
+    case 31: return ut__cuda_dwconv2d_strip_forward_launch<3, 1, R, FLIP>(p, threads);
+    case 51: return ut__cuda_dwconv2d_strip_forward_launch<5, 1, R, FLIP>(p, threads);
+    default: break;
+  }
+  if constexpr (!FLIP) { /* FLIP serves dx at stride 1 only */
+    if (k * 10 + s == 32) return ut__cuda_dwconv2d_strip_forward_launch<3, 2, R, FLIP>(p, threads);
+  }
+  return ut__set_error(UT_ERR_ARG, "dw: no strip kernel for %dx%d stride %d", k, k, s);
+}
+
+/* y = conv(in, w) (+ bias) over [planes, ih, iw] -> [planes, oh, ow] with the strip kernel;
+   false when the sizes do not fit its 32-bit item numbering */
+static bool ut__cuda_dwconv2d_strip_fits(ut__i64 planes, int ih, int iw, int oh, int ow) {
+  const ut__i64 lim = 0x7fffffffLL;
+  const int rows = oh > ih ? oh : ih, cols = ow > iw ? ow : iw; /* dx swaps the roles */
+  return planes * ut__cuda_cdiv(rows, 4) * cols < lim && planes < lim &&
+         (ut__i64)(ih + 16) * (iw + 16) < lim && (ut__i64)(oh + 16) * (ow + 16) < lim;
+}
+
+/* true: the strip kernels serve this call (mode UT__CUDA_DWCONV2D_FWD, UT__CUDA_DWCONV2D_FLIP,
+   UT__CUDA_DWCONV2D_TDX or UT__CUDA_DWCONV2D_DW) */
+static bool ut__cuda_dwconv2d_strip_pick(int mode, const ut__conv_geom* g) {
+  if (ut__cuda_dwconv2d_strip_tune_impl == 0 ||
+      !ut__cuda_dwconv2d_strip_shape(g->kh, g->kw, g->stride))
+    return false;
+  if (mode == UT__CUDA_DWCONV2D_TDX && g->stride != 2) return false;
+  if (!ut__cuda_dwconv2d_strip_fits((ut__i64)g->n * g->c, g->h, g->w, g->ho, g->wo)) return false;
+  return true;
+}
+
+static int ut__cuda_dwconv2d_strip_forward_run(const float* in, const float* w, const float* bias,
+                                               float* out, int n, int c, int ih, int iw, int oh,
+                                               int ow, int k, int s, int pad, bool flip) {
+  const int R =
+      ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
+  const int threads = ut__cuda_dwconv2d_strip_threads();
+  ut__cuda_dwconv2d_strip_params p = {};
+  p.in = in; p.w = w; p.bias = bias; p.out = out;
+  p.C = c; p.IH = ih; p.IW = iw; p.OH = oh; p.OW = ow; p.pad = pad;
+  p.NX = ow; p.NS = (int)ut__cuda_cdiv(oh, R);
+  p.items = (unsigned)((ut__i64)n * c * p.NS * ow);
+  p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+  p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+  p.fd_c = ut__cuda_fastdiv_make((unsigned)c);
+  if (R == 4)
+    return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<4, true>(p, k, s, threads)
+                : ut__cuda_dwconv2d_strip_forward_dispatch<4, false>(p, k, s, threads);
+  return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<8, true>(p, k, s, threads)
+              : ut__cuda_dwconv2d_strip_forward_dispatch<8, false>(p, k, s, threads);
+}
+
+template <int K, int R, int D>
+static int ut__cuda_dwconv2d_strip_tdx_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
+  ut__cuda_dwconv2d_strip_tdx_kernel<K, 2, R, D>
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads>>>(p);
+  UT__CUDA_LAUNCHED("depthwise dx (strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int ut__cuda_dwconv2d_strip_tdx_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
+                                                int d, int threads) {
+  switch (k * 10 + d) {
+    case 30: return ut__cuda_dwconv2d_strip_tdx_launch<3, R, 0>(p, threads);
+    case 31: return ut__cuda_dwconv2d_strip_tdx_launch<3, R, 1>(p, threads);
+    default: return ut__set_error(UT_ERR_ARG, "dw: no strip dx kernel for %dx%d", k, k);
+  }
+}
+
+/* dx at stride 2 from go [n*c, ho, wo] into dx [n*c, h, w] */
+static int ut__cuda_dwconv2d_strip_tdx_run(const float* go, const float* w, float* dx,
+                                           const ut__conv_geom* g) {
+  const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_TDX, 2, g->h);
+  const int threads = ut__cuda_dwconv2d_strip_threads();
+  ut__cuda_dwconv2d_strip_params p = {};
+  p.in = go; p.w = w; p.out = dx;
+  p.C = g->c; p.IH = g->ho; p.IW = g->wo; p.OH = g->h; p.OW = g->w; p.pad = g->pad;
+  p.NX = (int)ut__cuda_cdiv(g->w, 2); p.NS = (int)ut__cuda_cdiv(g->h, R);
+  p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
+  p.vec2 = (g->w % 2 == 0) && ((reinterpret_cast<uintptr_t>(dx) & 7) == 0);
+  p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+  p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+  p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
+  const int d = ((g->pad - g->kh + 1) % 2 + 2) % 2;
+  if (R == 4) return ut__cuda_dwconv2d_strip_tdx_dispatch<4>(p, g->kh, d, threads);
+  return ut__cuda_dwconv2d_strip_tdx_dispatch<8>(p, g->kh, d, threads);
+}
+
+template <int K, int S, int R>
+static int ut__cuda_dwconv2d_strip_dw_launch(ut__cuda_dwconv2d_strip_params p, int parts,
+                                             int threads) {
+  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R><<<dim3((unsigned)parts, (unsigned)p.C), threads>>>(p);
+  UT__CUDA_LAUNCHED("depthwise dW (strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
+                                               int s, int parts, int threads) {
+  switch (k * 10 + s) {
+    case 31: return ut__cuda_dwconv2d_strip_dw_launch<3, 1, R>(p, parts, threads);
+    case 51: return ut__cuda_dwconv2d_strip_dw_launch<5, 1, R>(p, parts, threads);
+    case 32: return ut__cuda_dwconv2d_strip_dw_launch<3, 2, R>(p, parts, threads);
+    default:
+      return ut__set_error(UT_ERR_ARG, "dw: no strip dW kernel for %dx%d stride %d", k, k, s);
+  }
+}
+
+/* parts of one channel's items for ut__cuda_dwconv2d_strip_dw_kernel */
+static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, unsigned* items,
+                                            unsigned* chunk) {
+  const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
+  const int threads = ut__cuda_dwconv2d_strip_threads();
+  const ut__i64 per_ch = (ut__i64)g->n * ut__cuda_cdiv(g->ho, R) * g->wo;
+  const ut__i64 ch = (ut__i64)threads * ut__cuda_dwconv2d_strip_tune_ipt;
+  *items = (unsigned)per_ch;
+  *chunk = (unsigned)ch;
+  return (int)ut__cuda_cdiv(per_ch, ch);
+}
+
+static int ut__cuda_dwconv2d_strip_dw_run(const float* go, const float* x, float* ws,
+                                          const ut__conv_geom* g) {
+  const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
+  const int threads = ut__cuda_dwconv2d_strip_threads();
+  ut__cuda_dwconv2d_strip_params p = {};
+  p.in = x; p.go = go; p.out = ws;
+  p.C = g->c; p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo; p.pad = g->pad;
+  p.NX = g->wo; p.NS = (int)ut__cuda_cdiv(g->ho, R);
+  const int parts = ut__cuda_dwconv2d_strip_dw_parts(g, &p.items, &p.chunk);
+  p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+  p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+  p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
+  if (R == 4) return ut__cuda_dwconv2d_strip_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
+  return ut__cuda_dwconv2d_strip_dw_dispatch<8>(p, g->kh, g->stride, parts, threads);
+}
+
+/* tunables (the self-check harness sweeps them) */
+static int ut__cuda_dwconv2d_tile_tune_tin = 4096; /* input floats per unit to aim for */
+static int ut__cuda_dwconv2d_tile_tune_threads = 128;
+static const int UT__CUDA_DWCONV2D_TILE_R = 4; /* outputs per strip */
+static const size_t UT__CUDA_DWCONV2D_TILE_SMEM_MAX = 96 * 1024;
+
+struct ut__cuda_dwconv2d_tile_plan {
+  int P, NG, BH, NB, NS, SQ, threads;
+  size_t smem;
+  ut__i64 units;
+};
+
+static bool ut__cuda_dwconv2d_tile_plan_tin(int mode, int N, int C, int IH, int IW, int OH, int OW,
+                                            int KH, int S, int T, int tin,
+                                            ut__cuda_dwconv2d_tile_plan* pl) {
+  const int R = UT__CUDA_DWCONV2D_TILE_R;
+  const ut__i64 plane_in = (ut__i64)IH * IW;
+  if (plane_in * 2 > tin || N == 1) {
+    pl->P = 1;
+    pl->NG = N;
+    int rows_in = tin / IW;
+    if (rows_in < 1) rows_in = 1;
+    int bh;
+    if (mode == UT__CUDA_DWCONV2D_TDX) bh = rows_in > 2 ? (rows_in - 2) * S + 1 : 1;
+    else bh = rows_in >= KH ? (rows_in - KH) / S + 1 : 1;
+    if (bh > R) bh = (int)ut__cuda_cdiv(bh, R) * R;
+    if (bh > OH) bh = OH;
+    int nb = (int)ut__cuda_cdiv(OH, bh);
+    bh = (int)ut__cuda_cdiv(OH, nb);
+    if (bh > R) bh = (int)ut__cuda_cdiv(bh, R) * R;
+    pl->BH = bh;
+    pl->NB = (int)ut__cuda_cdiv(OH, bh);
+  } else {
+    int pmax = (int)(tin / plane_in);
+    if (pmax > N) pmax = N;
+    if (pmax < 1) pmax = 1;
+    pl->NG = (int)ut__cuda_cdiv(N, pmax);
+    pl->P = (int)ut__cuda_cdiv(N, pl->NG);
+    pl->BH = OH;
+    pl->NB = 1;
+  }
+  pl->NS = (int)ut__cuda_cdiv(pl->BH, R);
+  ut__i64 rows = mode == UT__CUDA_DWCONV2D_TDX ? (ut__i64)(pl->BH + KH - 2) / S + 2
+                                               : (ut__i64)(pl->BH - 1) * S + KH;
+  if (rows > IH) rows = IH;
+  ut__i64 lmax = rows * IW;
+  pl->SQ = (int)(ut__cuda_cdiv(lmax + 6, 4) * 4);
+  ut__i64 items = (ut__i64)pl->P * pl->NS * OW;
+  ut__i64 th = ut__cuda_cdiv(items, 32) * 32;
+  if (th > ut__cuda_dwconv2d_tile_tune_threads) th = ut__cuda_dwconv2d_tile_tune_threads;
+  if (th < 32) th = 32;
+  pl->threads = (int)th;
+  pl->smem = (2 * (size_t)pl->P * pl->SQ + (size_t)(th / 32) * T) * sizeof(float);
+  pl->units = (ut__i64)C * pl->NG * pl->NB;
+  return pl->smem <= UT__CUDA_DWCONV2D_TILE_SMEM_MAX && pl->units < 0x7fffffff &&
+         items < 0x7fffffff;
+}
+
+/* Plans the units of ut__cuda_dwconv2d_tile_kernel (false: no plan fits in shared memory). Units
+   shrink until there are enough of them to spread over the multiprocessors. */
+static bool ut__cuda_dwconv2d_tile_plan_for(int mode, int N, int C, int IH, int IW, int OH, int OW,
+                                            int KH, int S, int T, ut__cuda_dwconv2d_tile_plan* pl) {
+  int tin = ut__cuda_dwconv2d_tile_tune_tin;
+  if (!ut__cuda_dwconv2d_tile_plan_tin(mode, N, C, IH, IW, OH, OW, KH, S, T, tin, pl)) return false;
+  while (pl->units < (ut__i64)ut__cuda_sms * 12 && tin > 1024) {
+    ut__cuda_dwconv2d_tile_plan q;
+    tin /= 2;
+    if (ut__cuda_dwconv2d_tile_plan_tin(mode, N, C, IH, IW, OH, OW, KH, S, T, tin, &q) &&
+        q.units > pl->units)
+      *pl = q;
+  }
+  return true;
+}
+
+template <int MODE, int K, int S>
+static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params p,
+                                         const ut__cuda_dwconv2d_tile_plan& pl) {
+  auto kern = ut__cuda_dwconv2d_tile_kernel<MODE, K, K, S, UT__CUDA_DWCONV2D_TILE_R>;
+  static std::once_flag once;
+  static cudaError_t attr_err = cudaSuccess;
+  std::call_once(once, [&] {
+    attr_err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)UT__CUDA_DWCONV2D_TILE_SMEM_MAX);
+  });
+  UT__CUDA_CHECK(attr_err, "depthwise conv: shared memory limit");
+  int per_sm = 0;
+  UT__CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, pl.threads, pl.smem),
+                 "depthwise conv: occupancy");
+  if (per_sm < 1) per_sm = 1;
+  ut__i64 grid = (ut__i64)per_sm * ut__cuda_sms;
+  if (grid > pl.units) grid = pl.units;
+  p.P = pl.P; p.NG = pl.NG; p.BH = pl.BH; p.NB = pl.NB; p.NS = pl.NS; p.SQ = pl.SQ;
+  p.BUF = pl.P * pl.SQ;
+  p.units = (int)pl.units;
+  p.fd_ow = ut__cuda_fastdiv_make((unsigned)p.OW);
+  p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+  kern<<<(unsigned)grid, pl.threads, pl.smem>>>(p);
+  UT__CUDA_LAUNCHED("depthwise conv");
+  return UT_OK;
+}
+
+/* the filter shapes with a tiled kernel */
+static bool ut__cuda_dwconv2d_tile_shape(int kh, int kw, int s) {
+  return kh == kw && (kh == 3 || kh == 5 || kh == 7) && (s == 1 || s == 2);
+}
+
+template <int MODE>
+static int ut__cuda_dwconv2d_tile_dispatch(const ut__cuda_dwconv2d_tile_params& p,
+                                           const ut__cuda_dwconv2d_tile_plan& pl, int k, int s) {
+  if constexpr (MODE != UT__CUDA_DWCONV2D_TDX) {
+    switch (k * 10 + s) {
+      case 31: return ut__cuda_dwconv2d_tile_launch<MODE, 3, 1>(p, pl);
+      case 51: return ut__cuda_dwconv2d_tile_launch<MODE, 5, 1>(p, pl);
+      case 71: return ut__cuda_dwconv2d_tile_launch<MODE, 7, 1>(p, pl);
+      default: break;
+    }
+  }
+  /* the rotated filter serves stride 1, TDX the rest */
+  if constexpr (MODE != UT__CUDA_DWCONV2D_FLIP) {
+    switch (k * 10 + s) {
+      case 32: return ut__cuda_dwconv2d_tile_launch<MODE, 3, 2>(p, pl);
+      case 52: return ut__cuda_dwconv2d_tile_launch<MODE, 5, 2>(p, pl);
+      case 72: return ut__cuda_dwconv2d_tile_launch<MODE, 7, 2>(p, pl);
+      default: break;
+    }
+  }
+  return ut__set_error(UT_ERR_ARG, "dw: no tiled kernel for %dx%d stride %d", k, k, s);
+}
+
+/* ---- plain kernels for the remaining cases ---- */
+
+static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __restrict__ x,
+                                                               const float* __restrict__ w,
+                                                               const float* __restrict__ bias,
+                                                               float* __restrict__ y,
+                                                               ut__conv_geom g, ut__i64 total) {
+  UT__CUDA_GRID_STRIDE(i, total) {
+    int ox = (int)(i % g.wo);
+    ut__i64 t = i / g.wo;
+    int oy = (int)(t % g.ho);
+    ut__i64 pl = t / g.ho; /* n*C + c */
+    int c = (int)(pl % g.c);
+    const float* xp = x + pl * g.h * (ut__i64)g.w;
+    const float* wp = w + (ut__i64)c * g.kh * g.kw;
+    float s = bias ? bias[c] : 0.f;
+    for (int ky = 0; ky < g.kh; ++ky) {
+      int iy = oy * g.stride - g.pad + ky;
+      if (iy < 0 || iy >= g.h) continue;
+      for (int kx = 0; kx < g.kw; ++kx) {
+        int ix = ox * g.stride - g.pad + kx;
+        if (ix < 0 || ix >= g.w) continue;
+        s = fmaf(wp[ky * g.kw + kx], __ldg(xp + (ut__i64)iy * g.w + ix), s);
+      }
+    }
+    y[i] = s;
+  }
+}
+
+static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restrict__ go,
+                                                          const float* __restrict__ w,
+                                                          float* __restrict__ dx, ut__conv_geom g,
+                                                          ut__i64 total) {
+  UT__CUDA_GRID_STRIDE(i, total) {
+    int ix = (int)(i % g.w);
+    ut__i64 t = i / g.w;
+    int iy = (int)(t % g.h);
+    ut__i64 pl = t / g.h;
+    int c = (int)(pl % g.c);
+    const float* gp = go + pl * g.ho * (ut__i64)g.wo;
+    const float* wp = w + (ut__i64)c * g.kh * g.kw;
+    float s = 0.f;
+    for (int ky = 0; ky < g.kh; ++ky) {
+      int ty = iy + g.pad - ky;
+      if (ty < 0 || ty % g.stride) continue;
+      int oy = ty / g.stride;
+      if (oy >= g.ho) continue;
+      for (int kx = 0; kx < g.kw; ++kx) {
+        int tx = ix + g.pad - kx;
+        if (tx < 0 || tx % g.stride) continue;
+        int ox = tx / g.stride;
+        if (ox >= g.wo) continue;
+        s = fmaf(wp[ky * g.kw + kx], __ldg(gp + (ut__i64)oy * g.wo + ox), s);
+      }
+    }
+    dx[i] = s;
+  }
+}
+
+/* C * chunks blocks: block c * chunks + q sums go * x tap by tap over outputs [e0, e1) of channel c
+   (output e is image e / (ho*wo), position e % (ho*wo)) -> ws[(c*chunks + q)*T + tap] */
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_direct_dw_kernel(const float* __restrict__ go, const float* __restrict__ x,
+                                       ut__conv_geom g, ut__i64 chunk, int chunks,
+                                       float* __restrict__ ws) {
+  __shared__ float sh[32];
+  const int c = blockIdx.x / chunks;
+  const int T = g.kh * g.kw;
+  const ut__i64 hw = (ut__i64)g.ho * g.wo;
+  const ut__i64 m = (ut__i64)g.n * hw;
+  const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
+  const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
+  for (int tap = 0; tap < T; ++tap) {
+    const int ky = tap / g.kw, kx = tap % g.kw;
+    float acc[1] = {0.f};
+    for (ut__i64 e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
+      ut__i64 ni = e / hw;
+      int pos = (int)(e - ni * hw);
+      int oy = pos / g.wo, ox = pos % g.wo;
+      int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
+      if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+      ut__i64 pl = ni * g.c + c;
+      acc[0] += __ldg(go + pl * hw + pos) * __ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
+    }
+    ut__cuda_block_sum<1>(acc, sh);
+    if (threadIdx.x == 0) ws[(ut__i64)blockIdx.x * T + tap] = acc[0];
+  }
+}
+
+static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params* p, const float* in,
+                                              const float* w, const float* bias, const float* go,
+                                              float* out, int n, int c, int ih, int iw, int oh,
+                                              int ow, int pad_h, int pad_w) {
+  p->in = in; p->w = w; p->bias = bias; p->go = go; p->out = out;
+  p->N = n; p->C = c; p->IH = ih; p->IW = iw; p->OH = oh; p->OW = ow;
+  p->pad_h = pad_h; p->pad_w = pad_w;
+}
+
+int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
+                              const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
+  if (total <= 0) return UT_OK;
+  if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
+    return ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
+                                               g->kh, g->stride, g->pad, false);
+  ut__cuda_dwconv2d_tile_plan pl;
+  if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
+      ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_FWD, g->n, g->c, g->h, g->w, g->ho, g->wo,
+                                      g->kh, g->stride, g->kh * g->kw, &pl)) {
+    ut__cuda_dwconv2d_tile_params p;
+    ut__cuda_dwconv2d_tile_params_set(&p, x, w, bias, NULL, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
+                                      g->pad, g->pad);
+    return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
+  }
+  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
+                                                                                  total);
+  UT__CUDA_LAUNCHED("dw_fwd");
+  return UT_OK;
+}
+
+int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
+                                  const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
+  if (total <= 0) return UT_OK;
+  if (g->ho <= 0 || g->wo <= 0) return ut__cuda_fill(dx, total, 0.f);
+  /* stride 1: go correlated with the rotated filter */
+  if (g->stride == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FLIP, g))
+    return ut__cuda_dwconv2d_strip_forward_run(go, w, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
+                                               g->w, g->kh, 1, g->kh - 1 - g->pad, true);
+  if (g->stride == 2 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_TDX, g))
+    return ut__cuda_dwconv2d_strip_tdx_run(go, w, dx, g);
+  ut__cuda_dwconv2d_tile_plan pl;
+  if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) && g->stride == 1 &&
+      ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_FLIP, g->n, g->c, g->ho, g->wo, g->h, g->w,
+                                      g->kh, 1, g->kh * g->kw, &pl)) {
+    /* stride 1: dx = go correlated with the rotated filter, padding kh-1-pad */
+    ut__cuda_dwconv2d_tile_params p;
+    ut__cuda_dwconv2d_tile_params_set(&p, go, w, NULL, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
+                                      g->w, g->kh - 1 - g->pad, g->kw - 1 - g->pad);
+    return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FLIP>(p, pl, g->kh, 1);
+  }
+  if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) && g->stride > 1 &&
+      ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_TDX, g->n, g->c, g->ho, g->wo, g->h, g->w,
+                                      g->kh, g->stride, g->kh * g->kw, &pl)) {
+    /* larger strides: the transposed convolution, gathering from go's tile */
+    ut__cuda_dwconv2d_tile_params p;
+    ut__cuda_dwconv2d_tile_params_set(&p, go, w, NULL, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
+                                      g->w, g->pad, g->pad);
+    return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
+  }
+  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total);
+  UT__CUDA_LAUNCHED("dw_bwd_dx");
+  return UT_OK;
+}
+
+int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
+                                  const ut__conv_geom* g) {
+  const int T = g->kh * g->kw;
+  if ((ut__i64)g->c * T <= 0) return UT_OK;
+  if ((ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK; /* nothing to add */
+  ut__cuda_dwconv2d_tile_plan pl;
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  float* ws;
+  int parts, st;
+  if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
+    unsigned items, chunk;
+    parts = ut__cuda_dwconv2d_strip_dw_parts(g, &items, &chunk);
+    st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+    if (st) return st;
+    st = ut__cuda_dwconv2d_strip_dw_run(go, x, ws, g);
+    if (st) return st;
+  } else if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
+             ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_DW, g->n, g->c, g->h, g->w, g->ho,
+                                             g->wo, g->kh, g->stride, T, &pl)) {
+    parts = pl.NG * pl.NB;
+    st = ut__cuda_workspace_acquire((size_t)pl.units * T * sizeof(float), &ws);
+    if (st) return st;
+    ut__cuda_dwconv2d_tile_params p;
+    ut__cuda_dwconv2d_tile_params_set(&p, x, NULL, NULL, go, ws, g->n, g->c, g->h, g->w, g->ho,
+                                      g->wo, g->pad, g->pad);
+    st = ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_DW>(p, pl, g->kh, g->stride);
+    if (st) return st;
+  } else {
+    ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
+    ut__i64 chunk;
+    parts = ut__cuda_channel_chunks(g->c, m, &chunk);
+    st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+    if (st) return st;
+    ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
+                                                                                   parts, ws);
+    UT__CUDA_LAUNCHED("dw_bwd_dw");
+  }
+  ut__i64 warps = (ut__i64)g->c * T;
+  ut__cuda_dwconv2d_dw_final_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(ws, dw, g->c,
+                                                                                       T, parts);
+  UT__CUDA_LAUNCHED("dw_bwd_dw final");
+  return UT_OK;
+}

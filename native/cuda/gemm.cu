@@ -1,0 +1,321 @@
+/* gemm.cu — the GEMM engine (matmul, linear and conv2d run on it) and conv2d's im2col and
+   col2im. The files and the naming: common.cuh. */
+#include "common.cuh"
+
+/* ============================================================================================
+   GEMM: shared-memory tiles of BM x BN over k-steps of 8, each thread a TM x TN register block
+   (two 4-wide groups per dimension for 8x8, so shared reads are conflict-free float4s). Tiles
+   are double-buffered in shared memory with the next tile prefetched into registers during the
+   current tile's arithmetic. blockIdx.z runs over batch items (and k-splits); with sum_batch the
+   k-loop runs over the tiles of all batch items. Edges are handled by zero-filled loads and
+   guarded stores. With splits > 1 each split writes raw partial sums to a workspace and a second
+   kernel adds them in a fixed order (deterministic).
+   ============================================================================================ */
+
+struct ut__cuda_gemm_params {
+  const float* a;
+  const float* b;
+  float* c;
+  float* ws;
+  ut__i64 sa, sb, sc;
+  int m, n, k, lda, ldb, ldc;
+  int batch;   /* items in this launch */
+  int splits;  /* k-splits per output tile */
+  int ktiles;  /* k-steps per batch item */
+  ut__i64 tps; /* k-steps per split */
+  float alpha, beta;
+  int sum_batch;
+};
+
+template <int BM, int BN, int TM, int TN, bool TA, bool TB, int MINB>
+static __global__ void __launch_bounds__((BM / TM) * (BN / TN), MINB)
+    ut__cuda_gemm_kernel(ut__cuda_gemm_params p) {
+  constexpr int BK = 8;
+  constexpr int NT = (BM / TM) * (BN / TN);
+  constexpr int LA = BM * BK / NT, LB = BN * BK / NT;
+  constexpr int GM = TM / 4, GN = TN / 4;      /* 4-wide groups per thread */
+  constexpr int SM_ = BM / GM, SN_ = BN / GN;  /* distance between a thread's groups */
+  __shared__ __align__(16) float As[2][BK][BM + 4];
+  __shared__ __align__(16) float Bs[2][BK][BN + 4];
+
+  const int tid = threadIdx.x;
+  const int tx = tid % (BN / TN), ty = tid / (BN / TN);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int z = blockIdx.z;
+  const int item = p.sum_batch ? 0 : z / p.splits;
+  const int split = p.sum_batch ? z : z % p.splits;
+  const ut__i64 total = p.sum_batch ? (ut__i64)p.batch * p.ktiles : (ut__i64)p.ktiles;
+  const ut__i64 t0 = (ut__i64)split * p.tps;
+  const ut__i64 t1 = t0 + p.tps < total ? t0 + p.tps : total;
+
+  float acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+
+  float ra[LA], rb[LB];
+
+  auto load = [&](ut__i64 t) {
+    int bi = p.sum_batch ? (int)(t / p.ktiles) : item;
+    int k0 = (int)(p.sum_batch ? t % p.ktiles : t) * BK;
+    const float* A = p.a + bi * p.sa;
+    const float* B = p.b + bi * p.sb;
+#pragma unroll
+    for (int q = 0; q < LA; ++q) {
+      int idx = tid + q * NT;
+      int gm, gk;
+      if (!TA) { gm = m0 + idx / BK; gk = k0 + idx % BK; }
+      else { gk = k0 + idx / BM; gm = m0 + idx % BM; }
+      bool ok = gm < p.m && gk < p.k;
+      ra[q] = ok ? __ldg(TA ? A + (ut__i64)gk * p.lda + gm : A + (ut__i64)gm * p.lda + gk) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < LB; ++q) {
+      int idx = tid + q * NT;
+      int gn, gk;
+      if (!TB) { gk = k0 + idx / BN; gn = n0 + idx % BN; }
+      else { gn = n0 + idx / BK; gk = k0 + idx % BK; }
+      bool ok = gn < p.n && gk < p.k;
+      rb[q] = ok ? __ldg(TB ? B + (ut__i64)gn * p.ldb + gk : B + (ut__i64)gk * p.ldb + gn) : 0.f;
+    }
+  };
+  auto store = [&](int buf) {
+#pragma unroll
+    for (int q = 0; q < LA; ++q) {
+      int idx = tid + q * NT;
+      if (!TA) As[buf][idx % BK][idx / BK] = ra[q];
+      else As[buf][idx / BM][idx % BM] = ra[q];
+    }
+#pragma unroll
+    for (int q = 0; q < LB; ++q) {
+      int idx = tid + q * NT;
+      if (!TB) Bs[buf][idx / BN][idx % BN] = rb[q];
+      else Bs[buf][idx % BK][idx / BK] = rb[q];
+    }
+  };
+
+  if (t0 < t1) {
+    load(t0);
+    store(0);
+    __syncthreads();
+    int buf = 0;
+    for (ut__i64 t = t0; t < t1; ++t) {
+      const bool more = t + 1 < t1;
+      if (more) load(t + 1);
+#pragma unroll
+      for (int kk = 0; kk < BK; ++kk) {
+        float fa[TM], fb[TN];
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          float4 v = *reinterpret_cast<const float4*>(&As[buf][kk][g * SM_ + ty * 4]);
+          fa[g * 4 + 0] = v.x; fa[g * 4 + 1] = v.y; fa[g * 4 + 2] = v.z; fa[g * 4 + 3] = v.w;
+        }
+#pragma unroll
+        for (int g = 0; g < GN; ++g) {
+          float4 v = *reinterpret_cast<const float4*>(&Bs[buf][kk][g * SN_ + tx * 4]);
+          fb[g * 4 + 0] = v.x; fb[g * 4 + 1] = v.y; fb[g * 4 + 2] = v.z; fb[g * 4 + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(fa[i], fb[j], acc[i][j]);
+      }
+      if (more) store(buf ^ 1);
+      __syncthreads();
+      buf ^= 1;
+    }
+  }
+
+  float* C = p.c + (p.sum_batch ? 0 : item * p.sc);
+  float* W = p.ws + (ut__i64)z * p.m * p.n;
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    int row = m0 + (i / 4) * SM_ + ty * 4 + (i % 4);
+    if (row >= p.m) continue;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      int col = n0 + (j / 4) * SN_ + tx * 4 + (j % 4);
+      if (col >= p.n) continue;
+      if (p.splits == 1) {
+        float* cp = C + (ut__i64)row * p.ldc + col;
+        float v = p.alpha * acc[i][j];
+        if (p.beta != 0.f) v += p.beta * *cp;
+        *cp = v;
+      } else {
+        W[(ut__i64)row * p.n + col] = acc[i][j];
+      }
+    }
+  }
+}
+
+/* C = alpha * (sum over splits, in order) + beta * C */
+static __global__ void ut__cuda_gemm_split_reduce_kernel(ut__cuda_gemm_params p, ut__i64 total) {
+  const ut__i64 mn = (ut__i64)p.m * p.n;
+  UT__CUDA_GRID_STRIDE(i, total) {
+    ut__i64 item = i / mn, rc = i % mn;
+    int row = (int)(rc / p.n), col = (int)(rc % p.n);
+    float s = 0.f;
+    const float* w = p.ws + item * p.splits * mn + rc;
+    for (int q = 0; q < p.splits; ++q) s += w[(ut__i64)q * mn];
+    float* cp = p.c + (p.sum_batch ? 0 : item * p.sc) + (ut__i64)row * p.ldc + col;
+    float v = p.alpha * s;
+    if (p.beta != 0.f) v += p.beta * *cp;
+    *cp = v;
+  }
+}
+
+template <int BM, int BN, int TM, int TN, int MINB>
+static int ut__cuda_gemm_launch(const ut__cuda_gemm_params& p, bool ta, bool tb, dim3 grid) {
+  const int nt = (BM / TM) * (BN / TN);
+  if (!ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, false, MINB><<<grid, nt>>>(p);
+  else if (!ta && tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, true, MINB><<<grid, nt>>>(p);
+  else if (ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, true, false, MINB><<<grid, nt>>>(p);
+  else ut__cuda_gemm_kernel<BM, BN, TM, TN, true, true, MINB><<<grid, nt>>>(p);
+  UT__CUDA_LAUNCHED("gemm");
+  return UT_OK;
+}
+
+/* 1: the 128x128 kernel may use all registers it wants (one block per multiprocessor);
+   2: it is held to 128 registers for two blocks (the harness times both) */
+static int ut__cuda_gemm_min_blocks = 2;
+
+static int ut__cuda_gemm_dispatch(const ut__cuda_gemm_params& p, bool big, bool ta, bool tb,
+                                  dim3 grid) {
+  if (!big) return ut__cuda_gemm_launch<64, 64, 4, 4, 1>(p, ta, tb, grid);
+  if (ut__cuda_gemm_min_blocks == 2)
+    return ut__cuda_gemm_launch<128, 128, 8, 8, 2>(p, ta, tb, grid);
+  return ut__cuda_gemm_launch<128, 128, 8, 8, 1>(p, ta, tb, grid);
+}
+
+int ut__cuda_gemm(const ut__gemm_args* g) {
+  if (!g) return ut__set_error(UT_ERR_ARG, "gemm: NULL arguments");
+  if (g->m <= 0 || g->n <= 0 || g->batch <= 0) return UT_OK;
+  ut__cuda_gemm_params p;
+  p.a = g->a; p.b = g->b; p.c = g->c; p.ws = NULL;
+  p.sa = g->stride_a; p.sb = g->stride_b; p.sc = g->stride_c;
+  p.m = g->m; p.n = g->n; p.k = g->k > 0 ? g->k : 0;
+  p.lda = g->lda; p.ldb = g->ldb; p.ldc = g->ldc;
+  p.alpha = g->alpha; p.beta = g->beta;
+  p.sum_batch = g->sum_batch ? 1 : 0;
+  p.ktiles = (int)ut__cuda_cdiv(p.k, 8);
+
+  const ut__i64 items = p.sum_batch ? 1 : g->batch;
+  const bool big = ut__cuda_cdiv(p.m, 128) * ut__cuda_cdiv(p.n, 128) * items >= ut__cuda_sms;
+  const int bm = big ? 128 : 64, bn = big ? 128 : 64;
+  const ut__i64 tiles_mn = ut__cuda_cdiv(p.m, bm) * ut__cuda_cdiv(p.n, bn);
+  const ut__i64 ktotal = p.sum_batch ? (ut__i64)g->batch * p.ktiles : p.ktiles;
+  ut__i64 splits = 1;
+  if (tiles_mn * items < ut__cuda_sms && ktotal >= 32) {
+    splits = ut__cuda_cdiv(2 * ut__cuda_sms, tiles_mn * items);
+    if (splits > ktotal / 16) splits = ktotal / 16;
+    if (splits > 64) splits = 64;
+    if (splits < 1) splits = 1;
+  }
+  if (items * splits > 65535) splits = 1;
+  p.tps = ktotal > 0 ? ut__cuda_cdiv(ktotal, splits) : 1;
+  if (ktotal > 0) splits = ut__cuda_cdiv(ktotal, p.tps);
+  p.splits = (int)splits;
+
+  dim3 grid((unsigned)ut__cuda_cdiv(p.n, bn), (unsigned)ut__cuda_cdiv(p.m, bm), 1);
+  if (grid.y > 65535) return ut__set_error(UT_ERR_SHAPE, "gemm: m = %d is too large", p.m);
+
+  if (splits == 1) {
+    /* items beyond gridDim.z's limit go in several launches */
+    const int zmax = 65535;
+    for (ut__i64 b0 = 0; b0 < items; b0 += zmax) {
+      ut__cuda_gemm_params q = p;
+      ut__i64 nb = items - b0 < zmax ? items - b0 : zmax;
+      q.a += b0 * p.sa; q.b += b0 * p.sb; q.c += b0 * p.sc;
+      q.batch = p.sum_batch ? g->batch : (int)nb;
+      grid.z = (unsigned)(p.sum_batch ? 1 : nb);
+      int st = ut__cuda_gemm_dispatch(q, big, g->trans_a, g->trans_b, grid);
+      if (st) return st;
+    }
+    return UT_OK;
+  }
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  float* ws;
+  int st = ut__cuda_workspace_acquire((size_t)(items * splits) * p.m * p.n * sizeof(float), &ws);
+  if (st) return st;
+  p.ws = ws;
+  p.batch = g->batch;
+  grid.z = (unsigned)(items * splits);
+  st = ut__cuda_gemm_dispatch(p, big, g->trans_a, g->trans_b, grid);
+  if (st) return st;
+  ut__i64 total = items * p.m * p.n;
+  ut__cuda_gemm_split_reduce_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(p, total);
+  UT__CUDA_LAUNCHED("gemm split reduce");
+  return UT_OK;
+}
+
+/* ============================================================================================
+   conv2d: im2col / col2im
+   ============================================================================================ */
+
+static __global__ void ut__cuda_conv2d_im2col_kernel(const float* __restrict__ x,
+                                                     float* __restrict__ col, ut__conv_geom g,
+                                                     ut__i64 total) {
+  const ut__i64 hw = (ut__i64)g.ho * g.wo;
+  const int rows = g.c * g.kh * g.kw;
+  UT__CUDA_GRID_STRIDE(i, total) {
+    ut__i64 t = i / hw;
+    int pos = (int)(i - t * hw);
+    int row = (int)(t % rows);
+    ut__i64 ni = t / rows;
+    int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
+    int oy = pos / g.wo, ox = pos % g.wo;
+    int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
+    float v = 0.f;
+    if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
+      v = x[((ni * g.c + ci) * g.h + iy) * (ut__i64)g.w + ix];
+    col[i] = v;
+  }
+}
+
+/* the adjoint of im2col as a gather: one thread per dx element sums the columns that read it */
+static __global__ void ut__cuda_conv2d_col2im_kernel(const float* __restrict__ col,
+                                                     float* __restrict__ dx, ut__conv_geom g,
+                                                     ut__i64 total) {
+  const ut__i64 hw = (ut__i64)g.ho * g.wo;
+  const int rows = g.c * g.kh * g.kw;
+  UT__CUDA_GRID_STRIDE(i, total) {
+    int ix = (int)(i % g.w);
+    ut__i64 t = i / g.w;
+    int iy = (int)(t % g.h);
+    t /= g.h;
+    int ci = (int)(t % g.c);
+    ut__i64 ni = t / g.c;
+    float s = 0.f;
+    for (int ky = 0; ky < g.kh; ++ky) {
+      int ty = iy + g.pad - ky;
+      if (ty < 0 || ty % g.stride) continue;
+      int oy = ty / g.stride;
+      if (oy >= g.ho) continue;
+      for (int kx = 0; kx < g.kw; ++kx) {
+        int tx = ix + g.pad - kx;
+        if (tx < 0 || tx % g.stride) continue;
+        int ox = tx / g.stride;
+        if (ox >= g.wo) continue;
+        s += col[(ni * rows + (ci * g.kh + ky) * g.kw + kx) * hw + (ut__i64)oy * g.wo + ox];
+      }
+    }
+    dx[i] = s;
+  }
+}
+
+int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
+  if (total <= 0) return UT_OK;
+  ut__cuda_conv2d_im2col_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, col, *g, total);
+  UT__CUDA_LAUNCHED("im2col");
+  return UT_OK;
+}
+
+int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
+  if (total <= 0) return UT_OK;
+  ut__cuda_conv2d_col2im_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(col, dx, *g, total);
+  UT__CUDA_LAUNCHED("col2im");
+  return UT_OK;
+}
