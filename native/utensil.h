@@ -37,7 +37,11 @@
      its data between host and GPU, must not run on it from two threads at once. The error
      message is thread-local; the RNG is shared and locked; the CUDA context is shared and all
      GPU work is queued on one stream. The CPU backend runs each op on ut_get_num_threads()
-     threads (default: the cores present).
+     threads (default: the cores the process may run on), from the library's own thread pool:
+     one op at a time uses the pool, an op started meanwhile by another thread runs on that
+     thread alone (same result). fork() is safe: the child starts new workers at its first
+     parallel op. Build the library with -Wl,-z,nodelete (build.sh does): its workers may be
+     parked in its code when the process exits.
 */
 
 /* The CPU backend compiles its depthwise engines once per vector width by including this header
