@@ -2297,6 +2297,287 @@ static void run_nodev(void (*fn)(void), const char* name) {
   finish_test(name, UT_CPU, live0);
 }
 
+
+/* ============================================================================================
+   Hostile arguments to every public entry point: each must fail with the right status and a
+   message (or, where the call is valid, work), never crash. g_hostile counts the cases.
+   ============================================================================================ */
+static int g_hostile;
+#define H_NULL(call, st) \
+  do {                   \
+    g_hostile++;         \
+    expect_null(call, st); \
+  } while (0)
+#define H_STATUS(call, st) \
+  do {                     \
+    g_hostile++;           \
+    expect_status(call, st); \
+  } while (0)
+#define H_LAYER(type, call, st)       \
+  do {                                \
+    g_hostile++;                      \
+    expect_layer_fail(type, call, st); \
+  } while (0)
+
+static void test_hostile_api(ut_dev dev) {
+  const float nan = NAN, inf = INFINITY;
+  ut_tensor* x = ut_from_data(4, S(1, 1, 2, 2), F(1, 2, 3, 4), dev);
+  ut_tensor* one = ut_from_data(4, S(1, 1, 1, 1), F(1), dev);
+  require(x && one);
+
+  /* ---- geometry: the crashes, for C users ---- */
+  ut_conv2d c1 = ut_conv2d_alloc(1, 1, 1, 1, 1, 32768, false, dev);
+  require(c1.weight);
+  H_NULL(ut_conv2d_forward(&c1, one, NULL), UT_ERR_SHAPE); /* output 65537^2 elements */
+  ut_conv2d c3 = ut_conv2d_alloc(1, 1, 3, 3, 1, 20000, false, dev);
+  require(c3.weight);
+  H_NULL(ut_conv2d_forward(&c3, one, NULL), UT_ERR_SHAPE); /* im2col 9 * 40000^2 */
+  H_LAYER(ut_dwconv2d, ut_dwconv2d_alloc(1, 3, 3, 1 << 30, (1 << 30) - 1, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_dwconv2d, ut_dwconv2d_alloc(1, 3, 3, INT_MAX, 1 << 30, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, 3, 3, 1, INT_MAX, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, INT_MAX, 1, 1, 0, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, 46341, 46341, 1, 0, false, dev), UT_ERR_SHAPE);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(0, 1, 1, 1, 1, 0, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, 1, 1, 0, 0, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, 1, 1, 1, -1, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_conv2d, ut_conv2d_alloc(1, 1, 1, 1, 1, 0, false, (ut_dev)3), UT_ERR_ARG);
+  H_LAYER(ut_dwconv2d, ut_dwconv2d_alloc(-1, 3, 3, 1, 0, false, dev), UT_ERR_ARG);
+  H_LAYER(ut_dwconv2d, ut_dwconv2d_alloc(1, 65536, 65536, 1, 0, false, dev), UT_ERR_SHAPE);
+  /* a layer struct edited past what alloc accepts */
+  ut_dwconv2d d = ut_dwconv2d_alloc(1, 3, 3, 1, 0, false, dev);
+  require(d.weight);
+  d.stride = 1 << 30;
+  d.pad = (1 << 30) - 1;
+  H_NULL(ut_dwconv2d_forward(&d, x, NULL), UT_ERR_ARG);
+  d.stride = 1 << 30;
+  d.pad = 1 << 29;
+  {
+    ut_tensor* big = ut_alloc(4, S(1, 1, 8, 8), dev);
+    require(big);
+    H_NULL(ut_dwconv2d_forward(&d, big, NULL), UT_ERR_SHAPE); /* padded 2^30 + 8, + stride 2^30 */
+    ut_free(big);
+  }
+  /* one output pixel: the stride is never applied, so 2^29 padding and stride 2^31-1 work */
+  d.stride = INT_MAX;
+  d.pad = 1 << 29;
+  ut_dwconv2d_cache dc = {0};
+  ut_tensor* y = ut_dwconv2d_forward(&d, x, &dc);
+  g_hostile++;
+  assert(y != NULL);
+  if (y) {
+    assert_shape(y, 4, 1, 1, 1, 1);
+    ut_tensor* dW = ut_alloc(3, S(1, 3, 3), dev);
+    ut_tensor* dx = ut_dwconv2d_backward(&d, &dc, y, dW, NULL);
+    g_hostile++;
+    assert(dx != NULL);
+    if (dx) {
+      ut_sync_cpu(dx);
+      assert_data(dx, F(0, 0, 0, 0), 0.f);
+    }
+    ut_free_all(dW, dx, y);
+  }
+  ut_dwconv2d_cache_free(&dc);
+  d.stride = 1;
+  d.pad = 0;
+  d.kh = 0;
+  H_NULL(ut_dwconv2d_forward(&d, x, NULL), UT_ERR_ARG);
+  d.kh = 3;
+  d.c = 0;
+  H_NULL(ut_dwconv2d_forward(&d, x, NULL), UT_ERR_ARG);
+  d.c = 1;
+  /* a scratch too large for the depthwise engines: stride 2^20 with two outputs a row */
+  {
+    ut_dwconv2d s = ut_dwconv2d_alloc(1, 3, 3, (1 << 20) + 1, 1 << 20, false, dev);
+    ut_tensor* in = ut_alloc(4, S(1, 1, 3, 3), dev);
+    require(s.weight && in);
+    ut_clear_error();
+    ut_tensor* o = ut_dwconv2d_forward(&s, in, NULL);
+    g_hostile++;
+    assert(o ? has_shape(o, 4, S(1, 1, 2, 2)) : ut_last_status() == UT_ERR_SHAPE);
+    ut_free_all(o, in);
+    ut_dwconv2d_free(&s);
+  }
+  H_NULL(ut_global_avgpool2d_backward(one, 65536, 65536), UT_ERR_SHAPE);
+  H_NULL(ut_global_avgpool2d_backward(one, 0, 1), UT_ERR_SHAPE);
+  H_NULL(ut_global_avgpool2d_backward(one, INT_MAX, INT_MAX), UT_ERR_SHAPE);
+  H_NULL(ut_reshape(x, 2, S(65536, 65536)), UT_ERR_SHAPE);
+  H_NULL(ut_reshape(x, 1, S(5)), UT_ERR_SHAPE);
+  H_NULL(ut_reshape(x, 9, S(1, 1, 1, 1, 1, 1, 1, 1, 4)), UT_ERR_SHAPE);
+  H_NULL(ut_transpose(x, -1, 0), UT_ERR_ARG);
+  H_NULL(ut_transpose(x, 0, 4), UT_ERR_ARG);
+  H_NULL(ut_wrap(2, S(65536, 65536), UT_CPU, (void*)x->data, NULL, NULL), UT_ERR_SHAPE);
+  H_NULL(ut_wrap(1, S(4), UT_CPU, NULL, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_wrap(1, S(4), (ut_dev)-1, (void*)x->data, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_wrap(1, NULL, UT_CPU, (void*)x->data, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_from_data(1, S(-4), F(1), dev), UT_ERR_SHAPE);
+  H_NULL(ut_randn(1, S(4), nan, 1.f, dev), UT_ERR_ARG);
+  H_NULL(ut_randn(1, S(4), 0.f, inf, dev), UT_ERR_ARG);
+  H_NULL(ut_randn(1, S(4), 0.f, -1.f, dev), UT_ERR_ARG);
+  ut_clear_error();
+  ut_shape sh = ut_shape_new(3, S(INT_MAX, INT_MAX, INT_MAX));
+  g_hostile++;
+  assert(sh.nelem == 0 && ut_last_status() == UT_ERR_SHAPE);
+  H_STATUS(ut_set_num_threads(0), UT_ERR_ARG);
+  H_STATUS(ut_set_num_threads(-5), UT_ERR_ARG);
+  H_STATUS(ut_set_num_threads(1 << 20), UT_ERR_ARG);
+  H_STATUS(ut_cuda_mem_info(NULL, NULL), UT_ERR_ARG);
+  g_hostile += 4;
+  assert(strcmp(ut_backend_name((ut_dev)42), "invalid") == 0);
+  assert(ut_type_size(NULL) == -1 && ut_field_offset("ut_tensor", NULL) == -1);
+  assert(ut_field_offset(NULL, "rc") == -1 && ut_type_size("no_such_type") == -1);
+  ut_free_n(NULL, 3);
+  ut_free_n((ut_tensor*[]){NULL}, -1);
+
+  /* ---- structs that are not live tensors ---- */
+  ut_tensor fake = *x;
+  fake.rc = 0;
+  H_NULL(ut_relu(&fake), UT_ERR_ARG);
+  fake = *x;
+  fake.data = NULL;
+  H_NULL(ut_copy(&fake), UT_ERR_ARG);
+  fake = *x;
+  fake.shape.ndim = UT_MAX_DIMS + 3;
+  H_STATUS(ut_fill(&fake, 1.f), UT_ERR_ARG);
+  fake = *x;
+  fake.dev = (ut_dev)9;
+  H_STATUS(ut_scale(&fake, 2.f), UT_ERR_ARG);
+  fake = *x;
+  fake.shape.nelem = INT_MAX; /* would run the kernel past the 4 floats */
+  H_STATUS(ut_fill(&fake, 1.f), UT_ERR_ARG);
+  fake = *x;
+  fake.shape.shape[2] = -2;
+  H_NULL(ut_relu(&fake), UT_ERR_ARG);
+  fake = *x;
+  fake.shape.shape[0] = 1 << 20; /* shape and nelem disagree */
+  H_NULL(ut_global_avgpool2d_forward(&fake), UT_ERR_ARG);
+
+  /* ---- NULL everywhere ---- */
+  ut_linear lin = ut_linear_alloc(2, 2, true, dev);
+  require(lin.weight);
+  ut_linear_cache lc = {0};
+  H_NULL(ut_matmul(NULL, x), UT_ERR_ARG);
+  H_NULL(ut_matmul(x, NULL), UT_ERR_ARG);
+  H_STATUS(ut_add_into(x, NULL), UT_ERR_ARG);
+  H_STATUS(ut_copy_into(NULL, x), UT_ERR_ARG);
+  H_STATUS(ut_bias_add(x, NULL), UT_ERR_ARG);
+  H_NULL(ut_relu_backward(NULL, x), UT_ERR_ARG);
+  H_NULL(ut_relu6_backward(x, NULL), UT_ERR_ARG);
+  H_NULL(ut_reshape(NULL, 1, S(4)), UT_ERR_ARG);
+  H_NULL(ut_reshape(x, 1, NULL), UT_ERR_ARG);
+  H_NULL(ut_linear_forward(NULL, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_linear_forward(&lin, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_linear_backward(&lin, NULL, x, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_linear_backward(&lin, &lc, x, x, NULL), UT_ERR_ARG); /* empty cache */
+  H_NULL(ut_conv2d_forward(NULL, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_conv2d_backward(&c1, NULL, x, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_dwconv2d_backward(&d, NULL, x, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_layernorm_forward(NULL, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_layernorm_backward(NULL, NULL, x, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_batchnorm2d_forward(NULL, x, NULL), UT_ERR_ARG);
+  H_NULL(ut_batchnorm2d_backward(NULL, NULL, x, NULL, NULL), UT_ERR_ARG);
+  H_NULL(ut_global_avgpool2d_forward(NULL), UT_ERR_ARG);
+  H_NULL(ut_global_avgpool2d_backward(NULL, 1, 1), UT_ERR_ARG);
+  H_NULL(ut_mse_loss(NULL, x), UT_ERR_ARG);
+  H_NULL(ut_mse_loss_backward(x, NULL), UT_ERR_ARG);
+  H_NULL(ut_cross_entropy_loss(NULL, x), UT_ERR_ARG);
+  H_NULL(ut_cross_entropy_backward(x, NULL), UT_ERR_SHAPE); /* x is 4-D: checked first */
+  H_STATUS(ut_sgd_step(NULL, x, NULL, 0.1f, 0.f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(x, NULL, x, x, 1, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_sync_gpu(NULL), UT_ERR_ARG);
+  H_STATUS(ut_sync_cpu_readonly(NULL), UT_ERR_ARG);
+  ut_conv2d_cache_free(NULL);
+  ut_dwconv2d_cache_free(NULL);
+  ut_linear_cache_free(NULL);
+  ut_layernorm_cache_free(NULL);
+  ut_batchnorm2d_cache_free(NULL);
+  ut_conv2d_free(NULL);
+  ut_dwconv2d_free(NULL);
+  ut_linear_free(NULL);
+  ut_layernorm_free(NULL);
+  ut_batchnorm2d_free(NULL);
+  /* a zeroed (never allocated or already freed) layer */
+  ut_linear zl = {0};
+  H_NULL(ut_linear_forward(&zl, x, NULL), UT_ERR_ARG);
+  ut_conv2d zc = {0};
+  H_NULL(ut_conv2d_forward(&zc, x, NULL), UT_ERR_ARG);
+  ut_layernorm zn = {0};
+  H_NULL(ut_layernorm_forward(&zn, x, NULL), UT_ERR_ARG);
+  ut_batchnorm2d zb = {0};
+  H_NULL(ut_batchnorm2d_forward(&zb, x, NULL), UT_ERR_ARG);
+
+  /* ---- hyperparameters: NaN, inf, out of range ---- */
+  H_LAYER(ut_layernorm, ut_layernorm_alloc(4, nan, dev), UT_ERR_ARG);
+  H_LAYER(ut_layernorm, ut_layernorm_alloc(4, 0.f, dev), UT_ERR_ARG);
+  H_LAYER(ut_layernorm, ut_layernorm_alloc(0, 1e-5f, dev), UT_ERR_ARG);
+  H_LAYER(ut_batchnorm2d, ut_batchnorm2d_alloc(1, inf, 0.1f, dev), UT_ERR_ARG);
+  H_LAYER(ut_batchnorm2d, ut_batchnorm2d_alloc(1, 1e-5f, nan, dev), UT_ERR_ARG);
+  H_LAYER(ut_batchnorm2d, ut_batchnorm2d_alloc(1, 1e-5f, 1.5f, dev), UT_ERR_ARG);
+  H_LAYER(ut_linear, ut_linear_alloc(65536, 65536, false, dev), UT_ERR_SHAPE);
+  H_LAYER(ut_linear, ut_linear_alloc(0, 2, false, dev), UT_ERR_ARG);
+  ut_tensor* p = ut_from_data(1, S(2), F(1, 2), dev);
+  ut_tensor* g = ut_from_data(1, S(2), F(1, 1), dev);
+  ut_tensor* m = ut_alloc(1, S(2), dev);
+  ut_tensor* v = ut_alloc(1, S(2), dev);
+  require(p && g && m && v);
+  H_STATUS(ut_sgd_step(p, g, NULL, nan, 0.f), UT_ERR_ARG);
+  H_STATUS(ut_sgd_step(p, g, NULL, 0.1f, inf), UT_ERR_ARG);
+  H_STATUS(ut_sgd_step(p, g, NULL, -0.1f, 0.f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, 1, nan, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, 1, 0.1f, nan, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, 1, 0.1f, 0.9f, 1.f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, 1, 0.1f, 0.9f, 0.999f, nan), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, 0, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, m, v, INT_MIN, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  /* ---- aliasing the API forbids ---- */
+  H_STATUS(ut_adam_step(p, g, m, m, 1, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, p, m, v, 1, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_adam_step(p, g, p, v, 1, 0.1f, 0.9f, 0.999f, 1e-8f), UT_ERR_ARG);
+  H_STATUS(ut_sgd_step(p, g, g, 0.1f, 0.9f), UT_ERR_ARG);
+  H_STATUS(ut_sgd_step(p, g, p, 0.1f, 0.9f), UT_ERR_ARG);
+  {
+    ut_tensor* xi = ut_from_data(2, S(1, 2), F(1, 2), dev);
+    require(xi);
+    ut_tensor* yo = ut_linear_forward(&lin, xi, &lc);
+    require(yo);
+    H_NULL(ut_linear_backward(&lin, &lc, yo, lin.weight, NULL), UT_ERR_ARG); /* dW is W */
+    ut_tensor* dW = ut_alloc(2, S(2, 2), dev);
+    H_NULL(ut_linear_backward(&lin, &lc, yo, dW, dW), UT_ERR_SHAPE);         /* db 4 != 2 */
+    ut_tensor* dW2 = ut_wrap(1, S(2), UT_CPU, dW->data, NULL, NULL); /* db over dW's memory */
+    if (dev == UT_CPU) H_NULL(ut_linear_backward(&lin, &lc, yo, dW, dW2), UT_ERR_ARG);
+    ut_free_all(dW, dW2, xi, yo);
+    ut_linear_cache_free(&lc);
+  }
+  /* ---- devices that do not match (only tagged apart when a GPU is present or not alike) ---- */
+  if (dev == UT_CUDA) {
+    ut_tensor* hc = ut_from_data(2, S(2, 2), F(1, 2, 3, 4), UT_CPU);
+    ut_tensor* hg = ut_from_data(2, S(2, 2), F(1, 2, 3, 4), UT_CUDA);
+    require(hc && hg);
+    H_NULL(ut_matmul(hc, hg), UT_ERR_ARG);
+    H_STATUS(ut_add_into(hg, hc), UT_ERR_ARG);
+    H_NULL(ut_mse_loss(hc, hg), UT_ERR_ARG);
+    ut_free_all(hc, hg);
+  }
+  /* ---- labels ---- */
+  {
+    ut_tensor* lg = ut_alloc(2, S(1, 3), dev);
+    require(lg);
+    const float bad[] = {nan, -1.f, 3.f, 0.5f, inf, 2147483648.f};
+    for (int i = 0; i < 6; i++) {
+      ut_tensor* lb = ut_from_data(1, S(1), &bad[i], dev);
+      H_NULL(ut_cross_entropy_loss(lg, lb), UT_ERR_ARG);
+      H_NULL(ut_cross_entropy_backward(lg, lb), UT_ERR_ARG);
+      ut_free(lb);
+    }
+    ut_free(lg);
+  }
+  ut_free_all(p, g, m, v, one, x);
+  ut_linear_free(&lin);
+  ut_conv2d_free(&c1);
+  ut_conv2d_free(&c3);
+  ut_dwconv2d_free(&d);
+  printf("  hostile cases so far: %d\n", g_hostile);
+}
+
 #define RUN(fn, dev) run_dev(fn, #fn, dev)
 #define RUN_BOTH(fn) \
   do {               \
@@ -2362,6 +2643,7 @@ int main(void) {
   RUN_BOTH(test_large_pool_ce_optim);
   RUN_BOTH(test_errors_tensors);
   RUN_BOTH(test_errors_layers);
+  RUN_BOTH(test_hostile_api);
   run_nodev(test_fork_after_parallel_op, "test_fork_after_parallel_op");
 
   printf("%d checks\n", g_checks);

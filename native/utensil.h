@@ -783,7 +783,8 @@ ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1); /* new tensor with dims d
 /* ---- elementwise and dense ---------------------------------------------------------------- */
 ut_tensor* ut_relu(ut_tensor* x);     /* any shape -> same shape */
 ut_tensor* ut_relu6(ut_tensor* x);    /* min(max(x, 0), 6) */
-/* grad_out, fwd_input: same shape; gradient passes where 0 < x (relu), 0 < x < 6 (relu6) */
+/* grad_out, fwd_input: same shape; gradient passes except where x <= 0 (relu), x <= 0 or
+   x >= 6 (relu6): a NaN input passes it on, as in PyTorch */
 ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input);
 ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input);
 int ut_add_into(ut_tensor* dst, ut_tensor* src);   /* dst += src, same nelem */
@@ -1011,7 +1012,7 @@ typedef struct ut__backend {
   int (*axpy)(float* y, const float* x, ut__i64 n, float alpha);        /* y += alpha x */
   int (*scale)(float* x, ut__i64 n, float alpha);                       /* x *= alpha */
   int (*relu_fwd)(const float* x, float* y, ut__i64 n, float cap);
-  /* gi = go where 0 < x (and x < cap when cap > 0), else 0 */
+  /* gi = 0 where x <= 0 (or x >= cap when cap > 0), else go (NaN x passes go, like PyTorch) */
   int (*relu_bwd)(const float* go, const float* x, float* gi, ut__i64 n, float cap);
 
   /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner] */
@@ -1662,13 +1663,13 @@ UT__CPU_OPT static void ut__cpu_relu_bwd_part(void* vc, int tid, int nt) {
   if (cap > 0.0f) {
     for (ut__i64 i = lo; i < hi; i++) {
       float v = x[i], g = go[i]; /* both loaded unconditionally: a branch-free select */
-      int keep = (v > 0.0f) & (v < cap);
-      gi[i] = keep ? g : 0.0f;
+      int stop = (v <= 0.0f) | (v >= cap); /* false for NaN: it passes g on, like PyTorch */
+      gi[i] = stop ? 0.0f : g;
     }
   } else {
     for (ut__i64 i = lo; i < hi; i++) {
       float v = x[i], g = go[i];
-      gi[i] = v > 0.0f ? g : 0.0f;
+      gi[i] = v <= 0.0f ? 0.0f : g;
     }
   }
 }
@@ -2119,6 +2120,13 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   const int V = UT__CPU_DW_LANES();
   int kh = C->kh, kw = C->kw, s = C->s;
   *tab = NULL;
+  /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
+     with the stride: geometries whose scratch would not fit an int index or 2^40 floats a
+     thread are refused (0) rather than overflowing the sizes below */
+  ut__i64 ps = UT__DW_R16(((ut__i64)C->wo + V - 1) / V * V + (kw - 1) / s);
+  if ((double)s * ps > (double)(INT_MAX / 2) ||
+      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 3) * s * ps > 1099511627776.0)
+    return 0;
   C->Wq = C->wo + (kw - 1) / s;
   C->nv = (C->wo + V - 1) / V;
   C->PS = (int)UT__DW_R16((ut__i64)C->nv * V + (kw - 1) / s);
@@ -2181,8 +2189,12 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   return UT__DW_R16(per);
 }
 
-/* Per-thread buffers, zeroed (the vector loops read slack past the data). */
+/* Per-thread buffers, zeroed (the vector loops read slack past the data). per_thread 0: the
+   geometry's scratch does not fit (ut__dw_setup), NULL. */
 static float* ut__cpu_dw_bufs(int nt, ut__i64 per_thread, void** raw) {
+  *raw = NULL;
+  if (per_thread <= 0 || (double)nt * per_thread > (double)(SIZE_MAX / sizeof(float) / 2))
+    return NULL;
   *raw = calloc((size_t)(nt * per_thread + 16), sizeof(float));
   return *raw ? ut__cpu_align64(*raw) : NULL;
 }
@@ -2211,7 +2223,11 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
   float* bufs = ut__cpu_dw_bufs(nt, per, &raw);
   if (!bufs) {
     free(tab);
-    return ut__set_error(UT_ERR_MEMORY, "%s: out of memory", what);
+    return per > 0 ? ut__set_error(UT_ERR_MEMORY, "%s: out of memory", what)
+                   : ut__set_error(UT_ERR_SHAPE,
+                                   "%s: stride %d and output width %d need more scratch memory "
+                                   "than a depthwise convolution may use",
+                                   what, C->s, C->wo);
   }
   ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
   ut__cpu_dw_planes_ctx c = {C, fn, bufs, per};
@@ -2286,6 +2302,39 @@ static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const 
   return ut__cpu_dw_planes(&C, true, work, "dw_bwd_dx");
 }
 
+static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
+  for (ut__i64 i = 0; i < n; i++)
+    if (!isfinite(x[i])) return false;
+  return true;
+}
+/* dW summed over the (output, tap) pairs whose input lies inside x, as PyTorch's CPU kernels
+   do: the vector engines multiply padding zeros with go (and go's padding lanes with x), which
+   turns a NaN or inf there into NaN taps that PyTorch leaves finite. Only for non-finite data. */
+static void ut__cpu_dw_bwd_dw_exact(const float* go, const float* x, float* dw,
+                                    const ut__conv_geom* g) {
+  int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad;
+  ut__i64 taps = (ut__i64)kh * kw;
+  for (int ch = 0; ch < g->c; ch++)
+    for (ut__i64 t = 0; t < taps; t++) {
+      int ky = (int)(t / kw), kx = (int)(t % kw);
+      double acc = 0.0;
+      for (int n = 0; n < g->n; n++) {
+        ut__i64 q = (ut__i64)n * g->c + ch;
+        const float* xp = x + q * g->h * g->w;
+        const float* gp = go + q * g->ho * g->wo;
+        for (int oy = 0; oy < g->ho; oy++) {
+          ut__i64 iy = (ut__i64)oy * s - p + ky;
+          if (iy < 0 || iy >= g->h) continue;
+          for (int ox = 0; ox < g->wo; ox++) {
+            ut__i64 ix = (ut__i64)ox * s - p + kx;
+            if (ix >= 0 && ix < g->w) acc += (double)gp[(ut__i64)oy * g->wo + ox] * xp[iy * g->w + ix];
+          }
+        }
+      }
+      dw[(ut__i64)ch * taps + t] += (float)acc;
+    }
+}
+
 typedef struct {
   const ut__dwctx* Cp;
   ut__cpu_dwdw_fn fn;
@@ -2323,6 +2372,11 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
   int c = g->c;
   ut__i64 taps = (ut__i64)g->kh * g->kw;
   if (c <= 0 || g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
+  if (!ut__cpu_all_finite(go, (ut__i64)g->n * c * g->ho * g->wo) ||
+      !ut__cpu_all_finite(x, (ut__i64)g->n * c * g->h * g->w)) {
+    ut__cpu_dw_bwd_dw_exact(go, x, dw, g);
+    return UT_OK;
+  }
   ut__dwctx C;
   memset(&C, 0, sizeof C);
   C.x = x;
@@ -2338,7 +2392,13 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * c;
   void* tab;
-  ut__i64 per = ut__dw_setup(&C, &tab) + UT__DW_R16(taps * V * 2); /* + the doubles */
+  ut__i64 per = ut__dw_setup(&C, &tab);
+  if (per <= 0)
+    return ut__set_error(UT_ERR_SHAPE,
+                         "dw_bwd_dw: stride %d and output width %d need more scratch memory than "
+                         "a depthwise convolution may use",
+                         C.s, C.wo);
+  per += UT__DW_R16(taps * V * 2); /* + the doubles */
   int nt = ut__cpu_nt((double)C.planes * g->ho * g->wo * taps / 4);
   if (nt > c) nt = c;
   void* raw;
@@ -3316,7 +3376,7 @@ UT__CPU_OPT static int ut__cpu_mse_bwd(const float* restrict p, const float* res
 
 /* -1 when the label is not an integer in [0, k). */
 static inline int ut__cpu_label(float v, int k) {
-  if (!(v >= 0.0f) || !(v < (float)k) || floorf(v) != v) return -1;
+  if (!(v >= 0.0f) || !((double)v < (double)k) || floorf(v) != v) return -1;
   return (int)v;
 }
 
@@ -3405,7 +3465,7 @@ typedef struct {
   float* m;
   float* v;
   ut__i64 n;
-  float lr, momentum, b1, b2, eps, ib1, ib2;
+  float lr, momentum, b1, b2, eps, step, sb2;
 } ut__cpu_optim_ctx;
 UT__CPU_OPT static void ut__cpu_sgd_part(void* vc, int tid, int nt) {
   const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
@@ -3439,7 +3499,7 @@ UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
   const float* restrict g = c->g;
   float* restrict m = c->m;
   float* restrict v = c->v;
-  float lr = c->lr, b1 = c->b1, b2 = c->b2, eps = c->eps, ib1 = c->ib1, ib2 = c->ib2;
+  float b1 = c->b1, b2 = c->b2, eps = c->eps, step = c->step, sb2 = c->sb2;
   ut__i64 lo, hi;
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) {
@@ -3448,15 +3508,17 @@ UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
     float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= lr * (mi * ib1) / (sqrtf(vi * ib2) + eps);
+    p[i] -= step * (mi / (sqrtf(vi) / sb2 + eps));
   }
 }
 UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
                                     float* restrict v, ut__i64 n, float lr, float b1, float b2,
                                     float eps, float bc1, float bc2) {
   int nt = ut__cpu_nt((double)n);
-  float ib1 = 1.0f / bc1, ib2 = 1.0f / bc2;
-  ut__cpu_optim_ctx c = {p, g, m, v, n, lr, 0.0f, b1, b2, eps, ib1, ib2};
+  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
+     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
+  float step = lr / bc1, sb2 = sqrtf(bc2);
+  ut__cpu_optim_ctx c = {p, g, m, v, n, lr, 0.0f, b1, b2, eps, step, sb2};
   ut__parallel_run(nt, ut__cpu_adam_part, &c);
   return UT_OK;
 }
@@ -3694,6 +3756,20 @@ static int ut__check_tensor(const ut_tensor* t, const char* who, const char* nam
   UT__CHECK(t->rc >= 1 && t->data && t->shape.ndim >= 1 && t->shape.ndim <= UT_MAX_DIMS &&
                 ut__dev_valid(t->dev),
             UT_ERR_ARG, "%s: %s is not a live tensor", who, name);
+  /* a struct whose shape was overwritten would send the kernels past its buffer */
+  long long n = 1;
+  for (int i = 0; i < t->shape.ndim && n <= INT_MAX; i++)
+    n *= t->shape.shape[i] >= 1 ? t->shape.shape[i] : (long long)INT_MAX + 1;
+  UT__CHECK(n == t->shape.nelem, UT_ERR_ARG,
+            "%s: %s is not a live tensor (its shape does not match its %d elements)", who, name,
+            t->shape.nelem);
+  return UT_OK;
+}
+/* Two arguments an op reads and writes in an order that needs them apart. */
+static int ut__check_distinct(const ut_tensor* a, const ut_tensor* b, const char* who,
+                              const char* an, const char* bn) {
+  UT__CHECK(!a || !b || (a != b && a->data != b->data && (!a->gpu_buf || a->gpu_buf != b->gpu_buf)),
+            UT_ERR_ARG, "%s: %s and %s must be different tensors", who, an, bn);
   return UT_OK;
 }
 static int ut__check_same_dev(const ut_tensor* a, const ut_tensor* b, const char* who,
@@ -3982,21 +4058,34 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
 
 /* ---- convolutions ------------------------------------------------------------------------- */
 /* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
-static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int kh, int kw,
-                             int stride, int pad, const char* who) {
+static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
+                             int kw, int stride, int pad, const char* who) {
   UT__TRY(ut__check_ndim(x, 4, who, "x"));
   UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
             who, x->shape.shape[1], c);
+  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
+            kw);
   UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
-  long long H = x->shape.shape[2], W = x->shape.shape[3];
-  UT__CHECK(H + 2LL * pad >= kh && W + 2LL * pad >= kw, UT_ERR_SHAPE,
-            "%s: the %dx%d kernel is larger than the padded %lldx%lld input", who, kh, kw,
-            H + 2LL * pad, W + 2LL * pad);
-  long long ho = (H + 2LL * pad - kh) / stride + 1, wo = (W + 2LL * pad - kw) / stride + 1;
-  UT__CHECK(ho <= INT_MAX && wo <= INT_MAX, UT_ERR_SHAPE, "%s: output too large", who);
-  *g = (ut__conv_geom){.n = x->shape.shape[0], .c = c, .h = (int)H, .w = (int)W, .kh = kh,
-                       .kw = kw, .stride = stride, .pad = pad, .ho = (int)ho, .wo = (int)wo};
+  long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
+  UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
+            "%s: the %dx%d kernel is larger than the padded %lldx%lld input", who, kh, kw, Hp, Wp);
+  long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
+  /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
+     int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
+     padded extent plus the stride. Otherwise stride <= the padded extent. */
+  long long s = ho == 1 && wo == 1 ? 1 : stride;
+  UT__CHECK(Hp + s <= INT_MAX && Wp + s <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the padded input %lldx%lld (padding %d) with stride %d is too large: padded "
+            "height and width plus the stride must stay below 2^31",
+            who, Hp, Wp, pad, stride);
+  long long n = x->shape.shape[0]; /* each factor < 2^31: every product of two fits */
+  UT__CHECK(ho * wo <= INT_MAX && n * out_c <= INT_MAX && ho * wo * (n * out_c) <= INT_MAX,
+            UT_ERR_SHAPE,
+            "%s: the output [%lld, %d, %lld, %lld] would have more than %d elements", who, n, out_c,
+            ho, wo, INT_MAX);
+  *g = (ut__conv_geom){.n = (int)n, .c = c, .h = (int)H, .w = (int)W, .kh = kh, .kw = kw,
+                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo};
   return UT_OK;
 }
 
@@ -4012,6 +4101,11 @@ static int ut__check_kernel_args(int kh, int kw, int stride, int pad, const char
             kw);
   UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
+  /* every input's padded extent (>= max(kernel, 2*padding + 1)) plus the stride must fit int */
+  UT__CHECK(2LL * pad + 2 <= INT_MAX && kh < INT_MAX && kw < INT_MAX, UT_ERR_ARG,
+            "%s: padding %d with a %dx%d kernel fits no input: 2*padding + 2 and the kernel size "
+            "must stay below 2^31",
+            who, pad, kh, kw);
   return UT_OK;
 }
 static long long ut__prod(long long a, long long b, long long c, long long d) {
@@ -4059,10 +4153,14 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
                                    const ut_tensor* dW, const ut_tensor* db, const char* who) {
   UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
   UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
-  UT__TRY(ut__conv_geometry(g, input, in_c, kh, kw, stride, pad, who));
+  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, who));
   UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
   UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
   if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
+  UT__TRY(ut__check_distinct(dW, w, who, "dW", "the layer's weight"));
+  UT__TRY(ut__check_distinct(dW, grad_out, who, "dW", "grad_out"));
+  UT__TRY(ut__check_distinct(dW, input, who, "dW", "cache->input"));
+  if (db && has_bias) UT__TRY(ut__check_distinct(dW, db, who, "dW", "db"));
   const int* gs = grad_out->shape.shape;
   UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
                 gs[3] == g->wo,
@@ -4071,14 +4169,25 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
 }
 
 static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
-  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
+  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
+         g->wo == g->w;
+}
+/* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
+static int ut__check_col(const ut__conv_geom* g, const char* who) {
+  if (ut__conv_is_pointwise(g)) return UT_OK;
+  long long K = (long long)g->c * g->kh * g->kw, P = (long long)g->ho * g->wo;
+  UT__CHECK(K <= INT_MAX && K * P <= INT_MAX && K * P * g->n <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the im2col buffer [%d, %lld, %lld] would have more than %d elements", who, g->n,
+            K, P, INT_MAX);
+  return UT_OK;
 }
 
 ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
   const char* who = "ut_conv2d_forward";
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->in_c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
+      ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
@@ -4124,7 +4233,8 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   if (ut__check_conv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
                               l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
-                              db, who) < 0)
+                              db, who) < 0 ||
+      ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
@@ -4204,7 +4314,7 @@ ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool b
     ut__set_error(UT_ERR_ARG, "ut_dwconv2d_alloc: channel count must be positive, got %d", c);
     return l;
   }
-  float std = sqrtf(2.f / (float)(kh * kw));
+  float std = sqrtf(2.f / (float)((double)kh * kw));
   ut_tensor* w = ut_randn(3, (int[]){c, kh, kw}, 0.f, std, dev);
   ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){c}, dev) : NULL;
   if (!w || (bias && !b)) {
@@ -4227,7 +4337,7 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
   const char* who = "ut_dwconv2d_forward";
   ut__conv_geom g;
   if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+      ut__conv_geometry(&g, x, l->c, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   const float* xp = ut__in(x, be);
@@ -4352,6 +4462,11 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
   int N = x->shape.shape[0];
   UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
                  "%s: grad_out has %d rows, the input had %d", who, grad_out->shape.shape[0], N);
+  if (ut__check_distinct(dW, l->weight, who, "dW", "the layer's weight") < 0 ||
+      ut__check_distinct(dW, grad_out, who, "dW", "grad_out") < 0 ||
+      ut__check_distinct(dW, x, who, "dW", "cache->input") < 0 ||
+      (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
+    return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
@@ -4725,7 +4840,7 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
   if (!labels->dirty_cpu) { /* the host copy is current: check the labels without a transfer */
     for (int i = 0; i < N; i++) {
       float v = labels->data[i];
-      UT__CHECK(v >= 0.f && v < (float)K && v == floorf(v), UT_ERR_ARG,
+      UT__CHECK(v >= 0.f && (double)v < (double)K && v == floorf(v), UT_ERR_ARG,
                 "%s: labels[%d] = %g is not a class index in [0, %d)", who, i, (double)v, K);
     }
   }
@@ -4764,6 +4879,8 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   UT__TRY(ut__check_tensor(param, who, "param"));
   UT__TRY(ut__check_arg(grad, param, param->shape.nelem, who, "grad"));
   if (velocity) UT__TRY(ut__check_arg(velocity, param, param->shape.nelem, who, "velocity"));
+  UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
+  UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
   UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
@@ -4786,6 +4903,10 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
   UT__TRY(ut__check_arg(m, param, n, who, "m"));
   UT__TRY(ut__check_arg(v, param, n, who, "v"));
+  const ut_tensor* four[4] = {param, grad, m, v};
+  const char* names[4] = {"param", "grad", "m", "v"};
+  for (int i = 0; i < 4; i++)
+    for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
   UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
   UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,

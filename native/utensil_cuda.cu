@@ -284,7 +284,8 @@ __global__ void k_relu_bwd(const float* __restrict__ go, const float* __restrict
                            float* __restrict__ gi, ut__i64 n, float cap) {
   GRID_STRIDE(i, n) {
     float v = x[i];
-    bool pass = v > 0.f && (cap <= 0.f || v < cap);
+    bool stop = v <= 0.f || (cap > 0.f && v >= cap); /* false for NaN: passes go, like PyTorch */
+    bool pass = !stop;
     gi[i] = pass ? go[i] : 0.f;
   }
 }
@@ -2154,7 +2155,7 @@ static int cu_mse_bwd(const float* p, const float* t, float* g, ut__i64 n) {
 
 /* label as a class index, or -1 when it is not an integer in [0, k) */
 __device__ __forceinline__ int ce_label(float l, int k) {
-  if (!(l >= 0.f && l < (float)k) || l != floorf(l)) return -1;
+  if (!(l >= 0.f && (double)l < (double)k) || l != floorf(l)) return -1;
   return (int)l;
 }
 
@@ -2248,7 +2249,8 @@ __global__ void k_adam(float* __restrict__ p, const float* __restrict__ g, float
     float vi = b2 * v[i] + (1.f - b2) * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
+    /* PyTorch's order: no v/bc2 or lr*m that could overflow on its own */
+    p[i] -= (lr / bc1) * (mi / (sqrtf(vi) / sqrtf(bc2) + eps));
   }
 }
 

@@ -90,6 +90,30 @@ def to_float(value, name, lo=None, hi=None, finite=True):
     return v
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def to_float32(value, name, lo=None, below=None, finite=True):
+    """A real-number argument the C library uses as a float32, checked as that float32.
+
+    A value that is fine as a Python float can round to something else in float32: 1e39 to
+    inf, 0.99999999 to 1.0. ``below`` is an exclusive upper bound (betas < 1); the value
+    returned is the Python float given, unchanged."""
+    v = to_float(value, name, lo=lo, finite=finite)
+    with np.errstate(over="ignore"):
+        v32 = float(np.float32(v))
+    if finite and v32 in (float("inf"), float("-inf")):
+        raise ArgumentError("%s = %r overflows float32 (the precision the library computes in); "
+                            "its magnitude must be at most %.6g" % (name, v, FLOAT32_MAX))
+    if below is not None and not v32 < below:
+        largest = float(np.nextafter(np.float32(below), np.float32(-np.inf)))
+        raise ArgumentError("%s must be < %g, got %r%s" % (
+            name, below, v, "" if v >= below else
+            ", which rounds to %r in float32 (the precision the library computes in); the "
+            "largest usable value is %r" % (v32, largest)))
+    return v
+
+
 def to_shape(shape, name="shape"):
     """A shape (an int or a sequence of positive ints) -> tuple, checked against C limits."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):

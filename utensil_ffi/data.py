@@ -6,8 +6,11 @@ training set's mean and standard deviation, and int64 labels in ``[0, num_classe
 - ``load_digits()``: the 1,797 8x8 handwritten digits scikit-learn ships (no download), with a
   fixed, stratified held-out split (20% per class to the test set, chosen by a numpy Generator
   seeded with 0, so the split does not depend on the training seed or the scikit-learn version).
-- ``load_npz(path)``: a file with arrays ``x_train, y_train, x_test, y_test``; images as
-  ``NCHW`` or ``NHW`` (``NHWC`` with 1 or 3 channels is recognized and transposed). Integer
+- ``load_npz(path, layout="auto")``: a file with arrays ``x_train, y_train, x_test, y_test``;
+  images as ``NHW`` or 4-D. 4-D arrays are ``NCHW`` with ``layout="nchw"``, ``NHWC`` (transposed)
+  with ``layout="nhwc"``; ``"auto"`` reads them as ``NCHW`` but refuses, with a DataError asking
+  for the layout, a shape whose last axis has 1 or 3 entries: (N, 5, 8, 3) may be 5 channels of
+  8x3 pixels or 5x8 RGB pixels, and guessing wrong would train silently on scrambled images. Integer
   images (e.g. uint8 0..255) are scaled to [0, 1] before normalization. Anything else is refused
   with a ``DataError`` that says what is wrong.
 - ``batches(n, batch_size, seed, epoch)``: the index batches of one epoch, shuffled by a
@@ -25,6 +28,7 @@ __all__ = ["DataError", "Dataset", "load_digits", "load_npz", "batches", "strati
 
 EXTRA_HINT = "pip install 'utensil[examples]'"
 KEYS = ("x_train", "y_train", "x_test", "y_test")
+LAYOUTS = ("auto", "nchw", "nhwc")
 
 
 class DataError(ValueError):
@@ -105,13 +109,19 @@ def load_digits(test_fraction=0.2, split_seed=0):
     return _finish("digits (scikit-learn, 8x8)", x[tr], y[tr], x[te], y[te], 10)
 
 
-def _images(name, a, path):
+def _images(name, a, path, layout="auto"):
     if a.dtype.kind not in "biuf":
         raise DataError("%s: %s has dtype %s; expected numbers" % (path, name, a.dtype))
     if a.ndim == 3:  # NHW
         a = a[:, None, :, :]
     elif a.ndim == 4:
-        if a.shape[-1] in (1, 3) and a.shape[1] not in (1, 3):  # NHWC -> NCHW
+        if layout == "auto" and a.shape[-1] in (1, 3):
+            n, d1, d2, d3 = a.shape
+            raise DataError(
+                "%s: %s has shape %s, which is ambiguous: NCHW (%d channels of %dx%d pixels) or "
+                "NHWC (%d channels of %dx%d pixels); say which with --layout nchw or --layout "
+                "nhwc (layout= for load_npz)" % (path, name, a.shape, d1, d2, d3, d3, d1, d2))
+        if layout == "nhwc":
             a = a.transpose(0, 3, 1, 2)
     else:
         raise DataError("%s: %s has shape %s; expected images as NCHW [N, C, H, W] or NHW "
@@ -147,8 +157,11 @@ def _labels(name, y, n, path):
     return y
 
 
-def load_npz(path):
-    """The user's data: an .npz with x_train, y_train, x_test, y_test (see the module doc)."""
+def load_npz(path, layout="auto"):
+    """The user's data: an .npz with x_train, y_train, x_test, y_test (see the module doc for
+    ``layout``: "auto", "nchw" or "nhwc")."""
+    if layout not in LAYOUTS:
+        raise DataError("layout must be one of %s, got %r" % (", ".join(LAYOUTS), layout))
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DataError("%s: no such file" % path)
@@ -176,8 +189,8 @@ def load_npz(path):
                         "arrays with numpy.savez" % (path, e)) from None
     except Exception as e:  # not a zip / npy file
         raise DataError("%s: not a readable .npz file (%s)" % (path, e)) from None
-    x_train = _images("x_train", arrays["x_train"], path)
-    x_test = _images("x_test", arrays["x_test"], path)
+    x_train = _images("x_train", arrays["x_train"], path, layout)
+    x_test = _images("x_test", arrays["x_test"], path, layout)
     if x_train.shape[1:] != x_test.shape[1:]:
         raise DataError("%s: x_train images are %s but x_test images are %s"
                         % (path, x_train.shape[1:], x_test.shape[1:]))

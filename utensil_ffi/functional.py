@@ -92,7 +92,16 @@ class _Args:
                 "%s: labels must be in [0, %d), got values in [%d, %d]"
                 % (self.op, k, arr.min(), arr.max())
             )
-        return self.tensor(arr.astype(np.float32), "labels")
+        f = arr.astype(np.float32)
+        # the C API carries class indices as float32: above 2^24 not every integer is one, and a
+        # rounded label would silently name a neighbouring class
+        bad = np.flatnonzero(f.astype(np.int64) != arr)
+        if bad.size:
+            raise ArgumentError(
+                "%s: labels[%d] = %d is not exactly representable as float32 (class indices above "
+                "2^24 must be even, above 2^25 multiples of 4, ...)" % (self.op, bad[0], arr[bad[0]])
+            )
+        return self.tensor(f, "labels")
 
 
 def _same_shape(op, a, b, an, bn):
@@ -292,8 +301,8 @@ def _state(a, x, name, like):
 
 def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
     """In place: velocity = momentum velocity + grad; param -= lr velocity (no velocity: lr grad)."""
-    lr = _args.to_float(lr, "lr", lo=0.0)
-    momentum = _args.to_float(momentum, "momentum", lo=0.0)
+    lr = _args.to_float32(lr, "lr", lo=0.0)
+    momentum = _args.to_float32(momentum, "momentum", lo=0.0)
     if not isinstance(param, Tensor):
         raise ArgumentTypeError("sgd_step: param must be a Tensor, got %s" % type(param).__name__)
     with _Args("sgd_step") as a:
@@ -309,12 +318,10 @@ def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
 def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8):
     """One in-place Adam update with bias correction; ``step`` is the 1-based update count."""
     step = _args.to_int(step, "step", 1)
-    lr = _args.to_float(lr, "lr", lo=0.0)
-    beta1 = _args.to_float(beta1, "beta1", lo=0.0, hi=1.0)
-    beta2 = _args.to_float(beta2, "beta2", lo=0.0, hi=1.0)
-    eps = _args.to_float(eps, "eps", lo=0.0)
-    if beta1 >= 1.0 or beta2 >= 1.0:
-        raise ArgumentError("adam_step: betas must be in [0, 1), got (%g, %g)" % (beta1, beta2))
+    lr = _args.to_float32(lr, "lr", lo=0.0)
+    beta1 = _args.to_float32(beta1, "adam_step: beta1", lo=0.0, below=1.0)
+    beta2 = _args.to_float32(beta2, "adam_step: beta2", lo=0.0, below=1.0)
+    eps = _args.to_float32(eps, "eps", lo=0.0)
     for name, x in (("param", param), ("m", m), ("v", v)):
         if not isinstance(x, Tensor):
             raise ArgumentTypeError("adam_step: %s must be a Tensor, got %s" % (name, type(x).__name__))

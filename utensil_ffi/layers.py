@@ -7,6 +7,7 @@ training mode (the default) forward keeps what backward needs; in eval mode it k
 and backward raises. ``close()`` frees the layer's C tensors now; ``with`` does it on exit.
 """
 
+import copy
 import weakref
 
 from . import _args
@@ -54,6 +55,46 @@ class Parameter(Tensor):
         if g is not None:
             g.close()
 
+    # copy.copy, copy.deepcopy: a standalone Parameter with copies of the values and of grad
+    # (None stays None), attached to no layer. pickle: the same, values and grad as float32.
+    def __deepcopy__(self, memo):
+        new = _new_parameter(getattr(self, "name", None))
+        memo[id(self)] = new
+        new._ptr = check_ptr(lib.ut_copy(self.ptr), "Parameter copy")
+        g = getattr(self, "grad", None)
+        new.grad = copy.deepcopy(g, memo) if g is not None else None
+        return new
+
+    def __copy__(self):
+        return self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol):
+        from .tensor import _host_copy
+
+        return (_rebuild_parameter,
+                (_host_copy(self), self.device, getattr(self, "name", None),
+                 getattr(self, "grad", None)))
+
+
+def _new_parameter(name):
+    p = object.__new__(Parameter)
+    p._ptr = None
+    p.name = name
+    p.grad = None
+    return p
+
+
+def _rebuild_parameter(data, device, name, grad):
+    """Unpickle a Parameter (see Parameter.__reduce_ex__)."""
+    from .tensor import _unpickle_device
+
+    _unpickle_device(device)
+    t = Tensor(data, device)
+    p = _new_parameter(name)
+    p._ptr, t._ptr = t._ptr, None
+    p.grad = grad
+    return p
+
 
 def _param(ptr, name):
     p = Parameter._borrow(ptr)
@@ -89,9 +130,10 @@ class Module:
     def parameters(self):
         return []
 
-    def zero_grad(self):
-        for p in self.parameters():
-            p.grad.zero_()
+    def zero_grad(self, set_to_none=False):
+        """Zero each parameter's grad in place, or with ``set_to_none=True`` drop it (the next
+        backward then starts from a fresh zero grad). A grad that is None stays None."""
+        _zero_grads(self.parameters(), set_to_none)
 
     def train(self, mode=True):
         self.training = _args.to_bool(mode, "mode")
@@ -118,6 +160,78 @@ class Module:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __copy__(self):
+        """``copy.copy(layer)`` is ``copy.deepcopy(layer)``: copies never share C memory."""
+        return copy.deepcopy(self)
+
+
+def _zero_grads(params, set_to_none):
+    set_to_none = _args.to_bool(set_to_none, "set_to_none")
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None  # not closed: the caller may still hold it, as in PyTorch
+        else:
+            p.grad.zero_()
+
+
+def _grad_ptr(p):
+    """``p.grad``'s C tensor; a grad that is None ("no gradient yet") becomes a zero tensor."""
+    if p.grad is None:
+        p.grad = zeros(p.shape, p.device)
+    return p.grad.ptr
+
+
+def _public_state(obj):
+    """The attributes copy and pickle carry over: the public ones (hyperparameters, training
+    mode, a user's own); private ones (C handles, caches) are made anew by the rebuild."""
+    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+
+
+def _rebuild_module(cls, init_cls, args, state):
+    """Unpickle (and deep-copy) a Module: ``init_cls.__init__(obj, *args)``, then its state."""
+    obj = cls.__new__(cls)
+    init_cls.__init__(obj, *args)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
+    """Unpickle (and deep-copy) a _CLayer.
+
+    The C struct is rebuilt from its scalar fields and adopts the C tensors of the given
+    Parameters and Tensors (so an optimizer pickled or deep-copied together with the layer keeps
+    pointing at the layer's parameters); no random initialization runs.
+    """
+    from .tensor import _unpickle_device
+
+    _unpickle_device(device)
+    kind = cls._kind
+    own = dict(tensors, weight=weight, bias=bias)
+    c = ffi.new("ut_%s*" % kind)
+    for name, value in scalars.items():
+        setattr(c, name, value)
+    for name, t in own.items():
+        if t is not None:
+            if not isinstance(t, Tensor):
+                raise ArgumentTypeError("%s: %s must be a Tensor" % (cls.__name__, name))
+            setattr(c, name, lib.ut_retain(t.ptr))  # the struct's own reference
+    obj = cls.__new__(cls)
+    _CLayer.__init__(obj, device, lambda dev: c[0])
+    for name, p in (("_weight", weight), ("_bias", bias)):
+        fresh = getattr(obj, name)
+        if fresh is not None:
+            fresh.close()  # the wrapper __init__ made; the struct keeps its reference
+        setattr(obj, name, p)
+    for name, t in tensors.items():
+        setattr(obj, "_" + name, t)
+    obj.__dict__.update(state)
+    return obj
+
+
+_TENSOR_PTR = ffi.typeof("ut_tensor *")
 
 
 class _Handle:
@@ -224,7 +338,7 @@ class _CLayer(Module):
         """Every C tensor the layer owns (moved by to())."""
         out = []
         for p in self.parameters():
-            out += [p.ptr, p.grad.ptr]
+            out += [p.ptr] if p.grad is None else [p.ptr, p.grad.ptr]
         return out
 
     def to(self, device):
@@ -303,8 +417,8 @@ class _CLayer(Module):
                     "%s.backward: grad_out has shape %s, the forward output had %s"
                     % (name, g.shape, out_shape)
                 )
-            db = self._bias.grad.ptr if self._bias is not None else ffi.NULL
-            p = self._bwd(s, h.cache, g.ptr, self._weight.grad.ptr, db)
+            db = _grad_ptr(self._bias) if self._bias is not None else ffi.NULL
+            p = self._bwd(s, h.cache, g.ptr, _grad_ptr(self._weight), db)
             return _wrap(check_ptr(p, "%s.backward" % name))
 
     def _clear_cache(self):
@@ -324,6 +438,22 @@ class _CLayer(Module):
         if self.closed:
             return "%s(<closed>)" % type(self).__name__
         return "%s(%s, device=%r)" % (type(self).__name__, self._describe(), self.device)
+
+    def __reduce_ex__(self, protocol):
+        """copy.deepcopy and pickle: the same layer with copies of its parameters (values and
+        grads), buffers (BatchNorm's running statistics), hyperparameters and train/eval mode,
+        on the same device; the last forward's cache is not copied (backward needs a new
+        forward). A closed layer raises ClosedError."""
+        c = self._struct
+        scalars, tensors = {}, {}
+        for name, field in ffi.typeof(c[0]).fields:
+            if field.type is _TENSOR_PTR:
+                if name not in ("weight", "bias"):
+                    tensors[name] = getattr(self, "_" + name)
+            else:
+                scalars[name] = getattr(c, name)
+        return (_rebuild_clayer, (type(self), scalars, tensors, self._weight, self._bias,
+                                  self.device, _public_state(self)))
 
 
 class Conv2d(_CLayer):
@@ -562,6 +692,10 @@ class _Stateless(Module):
     def __repr__(self):
         return "%s()" % type(self).__name__
 
+    def __reduce_ex__(self, protocol):
+        # the kept input is not copied: backward needs a new forward
+        return (_rebuild_module, (type(self), _Stateless, (), _public_state(self)))
+
 
 class ReLU(_Stateless):
     """max(x, 0), any shape."""
@@ -666,6 +800,11 @@ class Sequential(Module):
         for l in self.layers:
             l.close()
 
+    def __reduce_ex__(self, protocol):
+        # a layer that appears twice stays one layer in the copy (copy's and pickle's memo)
+        state = _public_state(self)
+        return (_rebuild_module, (type(self), Sequential, (state.pop("layers"),), state))
+
     def __repr__(self):
         inner = "".join("\n  (%d): %r" % (i, l) for i, l in enumerate(self.layers))
         return "Sequential(%s\n)" % inner if inner else "Sequential()"
@@ -692,6 +831,12 @@ class _Loss:
         keep_t = Tensor._borrow(target.ptr) if isinstance(target, Tensor) else target
         self._saved = (keep_p, keep_t)
         return out
+
+    def __getstate__(self):
+        # copy, deepcopy and pickle: the loss without the last call's saved inputs
+        state = dict(vars(self))
+        state["_saved"] = None
+        return state
 
     def backward(self):
         """The gradient of the last loss with respect to ``pred``."""

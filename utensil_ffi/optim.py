@@ -2,7 +2,20 @@
 
 State (SGD velocity, Adam moments) lives in C tensors next to each parameter, so a step does no
 host round trip. If a parameter is moved to another device, its state follows at the next step.
+A parameter whose ``grad`` is None ("no gradient yet", as after ``zero_grad(set_to_none=True)``)
+is skipped by ``step()``, its state untouched, as in PyTorch.
+
+Hyperparameters are checked as the float32 values the C library computes with (a beta that
+rounds to 1.0 in float32 is refused when the optimizer is made, not at the first step).
+
+Copies: ``copy.copy(opt)`` is an optimizer of the same kind over the SAME parameter objects with
+its own copy of the state. ``copy.deepcopy`` and ``pickle`` copy the parameters too, through the
+memo: ``copy.deepcopy((model, opt))`` or ``pickle.dumps((model, opt))`` gives an optimizer bound
+to the copied model's parameters (as PyTorch does); an optimizer copied alone gets standalone
+copies of its parameters. A closed optimizer raises ClosedError.
 """
+
+import copy
 
 import numpy as np
 
@@ -35,7 +48,7 @@ class Optimizer:
                     % (i, type(p).__name__)
                 )
         self.params = params
-        self.lr = _args.to_float(lr, "lr", lo=0.0)
+        self.lr = _args.to_float32(lr, "lr", lo=0.0)
         self._state = [None] * len(params)
         self._closed = False
         self.t = 0  # steps taken
@@ -122,10 +135,29 @@ class Optimizer:
                     t.copy_from(a)
         self.t = step
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=False):
+        """Zero each parameter's grad, or with ``set_to_none=True`` drop it (None: "no gradient
+        yet"; the next backward allocates a fresh one, and step() skips the parameter until then)."""
         self._check_open()
-        for p in self.params:
-            p.grad.zero_()
+        from .layers import _zero_grads
+
+        _zero_grads(self.params, set_to_none)
+
+    def __copy__(self):
+        self._check_open()
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.params = list(self.params)
+        new._state = [None if st is None else [t.clone() for t in st] for st in self._state]
+        for k, v in self.__dict__.items():
+            if isinstance(v, list) and k not in ("params", "_state"):
+                new.__dict__[k] = list(v)
+        return new
+
+    def __getstate__(self):
+        # deepcopy and pickle (parameters and state included, see the module doc)
+        self._check_open()
+        return dict(self.__dict__)
 
     def step(self):
         raise NotImplementedError
@@ -150,7 +182,7 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr=0.01, momentum=0.0):
         super().__init__(params, lr)
-        self.momentum = _args.to_float(momentum, "momentum", lo=0.0)
+        self.momentum = _args.to_float32(momentum, "momentum", lo=0.0)
 
     @property
     def _slot_count(self):
@@ -159,6 +191,8 @@ class SGD(Optimizer):
     def step(self):
         self._check_open()
         for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
             v = self._slot(i, 1)[0] if self.momentum != 0.0 else None
             _F.sgd_step(p, p.grad, v, self.lr, self.momentum)
         self.t += 1
@@ -178,10 +212,12 @@ class Adam(Optimizer):
             b1, b2 = betas
         except (TypeError, ValueError):
             raise ArgumentError("betas must be a pair (beta1, beta2), got %r" % (betas,)) from None
-        self.betas = (_args.to_float(b1, "beta1", lo=0.0), _args.to_float(b2, "beta2", lo=0.0))
-        if not all(b < 1.0 for b in self.betas):
-            raise ArgumentError("betas must be in [0, 1), got %r" % (self.betas,))
-        self.eps = _args.to_float(eps, "eps", lo=0.0)
+        self.betas = (_args.to_float32(b1, "beta1", lo=0.0, below=1.0),
+                      _args.to_float32(b2, "beta2", lo=0.0, below=1.0))
+        self.eps = _args.to_float32(eps, "eps", lo=0.0)
+        # Per-parameter update counts for the bias correction: a parameter skipped while its
+        # grad was None starts its correction at 1 when it first gets one (as in PyTorch).
+        self._steps = [0] * len(self.params)
 
     def step(self):
         self._check_open()
@@ -189,9 +225,35 @@ class Adam(Optimizer):
             raise ArgumentError("Adam: step count overflow")
         self.t += 1
         b1, b2 = self.betas
+        steps = self._steps
         for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
             m, v = self._slot(i, 2)
-            _F.adam_step(p, p.grad, m, v, self.t, self.lr, b1, b2, self.eps)
+            _F.adam_step(p, p.grad, m, v, steps[i] + 1, self.lr, b1, b2, self.eps)
+            steps[i] += 1
+
+    def state_dict(self):
+        """As Optimizer.state_dict, plus ``"param_steps"``: each parameter's update count (its
+        bias correction; below "step" for a parameter skipped while its grad was None)."""
+        sd = super().state_dict()
+        sd["param_steps"] = list(self._steps)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """As Optimizer.load_state_dict; without ``"param_steps"`` every parameter's update
+        count is ``"step"``."""
+        steps = state_dict.get("param_steps") if isinstance(state_dict, dict) else None
+        if steps is not None:
+            name = "Adam.load_state_dict"
+            if not isinstance(steps, (list, tuple)) or len(steps) != len(self.params):
+                raise ArgumentError("%s: 'param_steps' must be a list of %d integers"
+                                    % (name, len(self.params)))
+            hi = _args.to_int(state_dict.get("step", 0), "%s: step" % name, 0)
+            steps = [_args.to_int(n, "%s: param_steps[%d]" % (name, i), 0, hi)
+                     for i, n in enumerate(steps)]
+        super().load_state_dict(state_dict)
+        self._steps = list(steps) if steps is not None else [self.t] * len(self.params)
 
     def __repr__(self):
         return "Adam(lr=%g, betas=%r, eps=%g, %d params)" % (

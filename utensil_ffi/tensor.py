@@ -340,6 +340,48 @@ class Tensor:
 
         return matmul(self, other)
 
+    # -- copy and pickle ------------------------------------------------------------------------
+    # copy.copy is a deep copy too: a shallow copy would duplicate the C pointer without a
+    # reference (a double free, then a later tensor aliased). Neither shares memory with self.
+    def __copy__(self):
+        """``copy.copy(t)``: a new tensor with the same values on the same device (= clone)."""
+        return self.clone()
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy(t)``: a new tensor with the same values on the same device."""
+        new = self.clone()
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol):
+        """Pickle the values, shape and device (float32); a CUDA tensor unpickles onto the GPU and
+        raises DeviceError where there is none. A closed tensor raises ClosedError."""
+        return (_rebuild_tensor, (_host_copy(self), self.device))
+
+
+def _host_copy(t):
+    """A float32 numpy copy of ``t``'s values (ClosedError if closed)."""
+    return np.array(t.numpy(), dtype=np.float32, copy=True)
+
+
+def _unpickle_device(device):
+    """The C device for an unpickled tensor; a clear DeviceError for "cuda" without a GPU."""
+    if device != "cpu" and not lib.ut_cuda_available():
+        from ._errors import DeviceError
+
+        raise DeviceError(
+            "cannot unpickle a tensor saved on %r: no CUDA GPU is available here (the library "
+            "was built without CUDA, or no GPU is present); pickle it from the CPU instead "
+            "(tensor.cpu(), layer.to('cpu'))" % (device,)
+        )
+    return _args.parse_device(device)
+
+
+def _rebuild_tensor(data, device):
+    """Unpickle a Tensor (see Tensor.__reduce_ex__)."""
+    _unpickle_device(device)
+    return Tensor(data, device)
+
 
 # -- construction -------------------------------------------------------------------------------
 def tensor(data, device="cpu"):

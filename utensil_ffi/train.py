@@ -109,6 +109,47 @@ def _momentum(s):
     return v
 
 
+def _writable_file_problem(path, create_dirs):
+    """Why ``path`` cannot be written as a file (None if it can): checked before training, so a
+    bad path fails in a second, not after the first epoch."""
+    if path == "":
+        return "an empty path"
+    if os.path.isdir(path):
+        return "%s is a directory; give a file name" % path
+    if os.path.exists(path) and not os.path.isfile(path):
+        return "%s exists and is not a regular file" % path
+    folder = os.path.dirname(os.path.abspath(path))
+    if create_dirs:  # the nearest folder that exists is where the missing ones are made
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return "the folder %s %s" % (folder, "is not a directory" if os.path.exists(folder)
+                                     else "does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "the folder %s is not writable" % folder
+    if os.path.isfile(path) and not os.access(path, os.W_OK):
+        return "%s is not writable" % path
+    return None
+
+
+def _check_output_paths(parser, args):
+    """--checkpoint (or the file it defaults to) and --plot: parser errors up front."""
+    if args.plot is not None:
+        if not args.plot.lower().endswith(".png"):
+            parser.error("--plot %s: the curves are written as PNG; give a file name ending in "
+                         ".png" % args.plot)
+        why = _writable_file_problem(args.plot, create_dirs=False)
+        if why:
+            parser.error("--plot %s: cannot write there: %s" % (args.plot, why))
+    if not args.no_checkpoint:
+        path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
+        flag = "--checkpoint" if args.checkpoint else "--resume" if args.resume else "checkpoint"
+        why = _writable_file_problem(path, create_dirs=True)
+        if why:
+            parser.error("%s %s: cannot save the checkpoint there: %s (or pass --no-checkpoint)"
+                         % (flag, path, why))
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -121,6 +162,10 @@ def build_parser():
     g.add_argument("--data", metavar="FILE.npz", default=None,
                    help="train on your own data: an .npz with x_train, y_train, x_test, y_test "
                    "(images NCHW or NHW, integer labels); default: scikit-learn's digits")
+    g.add_argument("--layout", choices=_data.LAYOUTS, default="auto",
+                   help="how --data's 4-D images are laid out: nchw, nhwc, or auto (default): "
+                   "NCHW, and an error when the last axis has 1 or 3 entries (then it could "
+                   "be NHWC channels; say which with --layout)")
     g.add_argument("--width", type=_positive_int, default=None, metavar="C",
                    help="channels of the stem; the blocks use 2C and 4C (default %d)"
                    % RUN_DEFAULTS["width"])
@@ -150,13 +195,15 @@ def build_parser():
                    help="images per evaluation step (default 500)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", metavar="PATH", default=None,
-                   help="where to save the checkpoint after each epoch (default: the --resume "
-                   "file when resuming, else ./%s)" % DEFAULT_CHECKPOINT)
+                   help="where to save the checkpoint after each epoch, a file name used as "
+                   "given (missing folders are created; default: the --resume file when "
+                   "resuming, else ./%s)" % DEFAULT_CHECKPOINT)
     g.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints")
     g.add_argument("--resume", metavar="PATH", default=None,
                    help="continue the run saved in this checkpoint (with its settings)")
     g.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="draw the loss and accuracy curves into this image (needs matplotlib)")
+                   help="draw the loss and accuracy curves into this PNG file; the name must end "
+                   "in .png and its folder must exist (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no per-step progress bar")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="print only the final result (implies --no-progress)")
@@ -177,7 +224,7 @@ def _resolve(args, saved=None):
                     "--%s %s differs from the checkpoint's %s; a resumed run keeps the saved "
                     "run's settings (leave the flag out, or start a new run without --resume)"
                     % (k.replace("_", "-"), given, saved[k]))
-            run[k] = saved[k]
+            run[k] = _saved_setting(k, saved[k])
         else:
             run[k] = given if given is not None else default
     if run["lr"] is None:
@@ -185,6 +232,26 @@ def _resolve(args, saved=None):
     if run["data"] is not None:
         run["data"] = os.path.abspath(run["data"])
     return run
+
+
+def _saved_setting(k, v):
+    """A run setting read from a checkpoint, checked as the flag's value would be."""
+    num = isinstance(v, (int, float)) and not isinstance(v, bool)
+    integer = isinstance(v, int) and not isinstance(v, bool)
+    ok = {
+        "width": integer and v >= 1,
+        "batch_size": integer and v >= 1,
+        "seed": integer and 0 <= v < 2**63,
+        "lr": v is None or (num and math.isfinite(v) and v > 0),
+        "momentum": num and 0.0 <= v < 1.0,
+        "optimizer": v in ("adam", "sgd"),
+        "lr_schedule": v in ("cosine", "constant"),
+        "data": v is None or isinstance(v, str),
+    }.get(k, True)
+    if not ok:
+        raise CheckpointError("the checkpoint's setting %r is %r, which is not a valid value"
+                              % (k, v))
+    return v
 
 
 def _same_file(a, b):
@@ -287,7 +354,32 @@ def load_checkpoint(path):
                               % (path, meta.get("version"), CHECKPOINT_VERSION))
     model = {k[6:]: v for k, v in arrays.items() if k.startswith("model/")}
     optim = {k[6:]: v for k, v in arrays.items() if k.startswith("optim/")}
+    if not model:
+        raise CheckpointError("%s: the checkpoint holds no model weights" % path)
+    step = optim.get("step")
+    if step is not None and (np.asarray(step).shape != () or np.asarray(step).dtype.kind not in "iu"
+                             or int(step) < 0):
+        raise CheckpointError("%s: the optimizer step count is %r, not an integer >= 0"
+                              % (path, step))
     return meta, model, optim
+
+
+def _check_meta(path, meta):
+    """Raise CheckpointError naming ``path`` unless the metadata has what a resume reads."""
+    def bad(what):
+        raise CheckpointError("%s: the checkpoint's metadata %s" % (path, what))
+
+    if not isinstance(meta.get("epoch"), int) or isinstance(meta["epoch"], bool) \
+            or meta["epoch"] < 0:
+        bad("has no valid 'epoch' (epochs done: an integer >= 0), got %r" % (meta.get("epoch"),))
+    for k, kind in (("run", dict), ("data_info", dict), ("history", list)):
+        if not isinstance(meta.get(k, kind()), kind) or (k != "data_info" and k not in meta):
+            bad("has no valid %r (expected a %s), got %r" % (k, kind.__name__, meta.get(k)))
+    for i, h in enumerate(meta["history"]):
+        if not isinstance(h, dict) or not all(
+                isinstance(h.get(f), (int, float)) and not isinstance(h.get(f), bool)
+                for f in ("epoch", "train_loss", "test_loss", "test_acc")):
+            bad("has a malformed history entry %d: %r" % (i, h))
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -492,6 +584,7 @@ def _run_with_threads(args, out):
     resumed = None
     if args.resume:
         resumed = load_checkpoint(args.resume)
+        _check_meta(args.resume, resumed[0])
         run = _resolve(args, resumed[0].get("run", {}))
     else:
         run = _resolve(args)
@@ -501,7 +594,7 @@ def _run_with_threads(args, out):
         ckpt_path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
 
     # data
-    ds = _data.load_npz(run["data"]) if run["data"] else _data.load_digits()
+    ds = _data.load_npz(run["data"], args.layout) if run["data"] else _data.load_digits()
     data_info = {"name": ds.name, "image_shape": list(ds.image_shape),
                  "num_classes": ds.num_classes, "n_train": len(ds.x_train),
                  "n_test": len(ds.x_test)}
@@ -602,10 +695,17 @@ def main(argv=None, out=None):
     """Run the program; returns the exit status (0: trained; 2: bad usage, data or checkpoint)."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on bad flags
+    _check_output_paths(parser, args)
     out = out or sys.stdout
     try:
         return _run(args, out)
-    except (_UsageError, _data.DataError, CheckpointError) as e:
+    except CheckpointError as e:
+        msg = str(e)
+        if args.resume and not msg.startswith(args.resume):
+            msg = "%s: %s" % (args.resume, msg)
+        print("%s: error: %s" % (PROG, msg), file=sys.stderr)
+        return 2
+    except (_UsageError, _data.DataError) as e:
         print("%s: error: %s" % (PROG, e), file=sys.stderr)
         return 2
     except UtensilError as e:
