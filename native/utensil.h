@@ -2248,8 +2248,62 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
   return UT_OK;
 }
 
+static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
+  for (ut__i64 i = 0; i < n; i++)
+    if (!isfinite(x[i])) return false;
+  return true;
+}
+/* A convolution summed over the (output, tap) pairs whose input lies inside x only, as
+   PyTorch's CPU convolutions (oneDNN, the depthwise 3x3 kernel) do: the fast paths here multiply
+   padding zeros, which a non-finite weight or grad_out turns into NaN where PyTorch keeps the
+   value finite. groups == c: depthwise ([c, kh, kw] weights), groups == 1: dense. The three
+   directions: y = conv(x, w) + b (dst = y), dx = conv^T(go, w) (dst = dx), dW += go (x) x. */
+typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
+static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
+                               const float* bias, float* dst, int out_c, bool depthwise,
+                               const ut__conv_geom* g) {
+  int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, cin = g->c;
+  ut__i64 hw = (ut__i64)g->h * g->w, ohw = (ut__i64)g->ho * g->wo, taps = (ut__i64)kh * kw;
+  int in_per = depthwise ? 1 : cin;
+  if (dir == UT__CONV_DX) memset(dst, 0, sizeof(float) * (size_t)(g->n * cin * hw));
+  if (dir == UT__CONV_Y)
+    for (int n = 0; n < g->n; n++)
+      for (int o = 0; o < out_c; o++)
+        for (ut__i64 i = 0; i < ohw; i++) dst[((ut__i64)n * out_c + o) * ohw + i] = bias ? bias[o] : 0.f;
+  for (int o = 0; o < out_c; o++)
+    for (int j = 0; j < in_per; j++) {
+      int ci = depthwise ? o : j;
+      for (ut__i64 t = 0; t < taps; t++) {
+        int ky = (int)(t / kw), kx = (int)(t % kw);
+        ut__i64 wi = ((ut__i64)o * in_per + j) * taps + t;
+        double acc = 0.0;
+        for (int n = 0; n < g->n; n++) {
+          const float* xp = x ? x + ((ut__i64)n * cin + ci) * hw : NULL;
+          float* dxp = dst + ((ut__i64)n * cin + ci) * hw;
+          ut__i64 ob = ((ut__i64)n * out_c + o) * ohw;
+          for (int oy = 0; oy < g->ho; oy++) {
+            ut__i64 iy = (ut__i64)oy * s - p + ky;
+            if (iy < 0 || iy >= g->h) continue;
+            for (int ox = 0; ox < g->wo; ox++) {
+              ut__i64 ix = (ut__i64)ox * s - p + kx, xi = iy * g->w + ix, oi = (ut__i64)oy * g->wo + ox;
+              if (ix < 0 || ix >= g->w) continue;
+              if (dir == UT__CONV_Y) dst[ob + oi] += w[wi] * xp[xi];
+              else if (dir == UT__CONV_DX) dxp[xi] += go[ob + oi] * w[wi];
+              else acc += (double)go[ob + oi] * xp[xi];
+            }
+          }
+        }
+        if (dir == UT__CONV_DW) dst[wi] += (float)acc;
+      }
+    }
+}
+
 static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
                           const ut__conv_geom* g) {
+  if (!ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
+    ut__cpu_conv_exact(UT__CONV_Y, x, NULL, wt, bias, y, g->c, true, g);
+    return UT_OK;
+  }
   ut__dwctx C;
   memset(&C, 0, sizeof C);
   C.x = x;
@@ -2278,6 +2332,10 @@ static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const 
   int c = g->c, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad;
   ut__i64 planes = (ut__i64)g->n * c, taps = (ut__i64)kh * kw;
   if (planes <= 0 || g->h <= 0 || g->w <= 0) return UT_OK;
+  if (!ut__cpu_all_finite(wt, c * taps)) { /* the engines multiply go's padding zeros by w */
+    ut__cpu_conv_exact(UT__CONV_DX, NULL, go, wt, NULL, dx, c, true, g);
+    return UT_OK;
+  }
   double work = (double)planes * g->h * g->w * taps / 4;
   ut__dwctx C;
   memset(&C, 0, sizeof C);
@@ -2313,11 +2371,6 @@ static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const 
   return ut__cpu_dw_planes(&C, true, work, "dw_bwd_dx");
 }
 
-static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
-  for (ut__i64 i = 0; i < n; i++)
-    if (!isfinite(x[i])) return false;
-  return true;
-}
 /* dW summed over the (output, tap) pairs whose input lies inside x, as PyTorch's CPU kernels
    do: the vector engines multiply padding zeros with go (and go's padding lanes with x), which
    turns a NaN or inf there into NaN taps that PyTorch leaves finite. Only for non-finite data. */
@@ -4232,6 +4285,10 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
                       .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
   int rc = be->gemm(&mm);
   if (rc >= 0 && bp) rc = be->bias_add(op, bp, g.n, l->out_c, P);
+  /* the columns' padding zeros times a non-finite weight: redo with real input only */
+  if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
+      !ut__cpu_all_finite(wp, l->weight->shape.nelem))
+    ut__cpu_conv_exact(UT__CONV_Y, xp, NULL, wp, bp, op, l->out_c, false, &g);
   if (rc < 0) {
     ut_free(col);
     return ut__drop(out);
@@ -4293,7 +4350,15 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
                         .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
                         .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
                         .c = dWp, .ldc = K};
-    rc = be->gemm(&mm);
+    /* a non-finite grad_out times the columns' padding zeros: sum real input only */
+    const float* xp = g.pad > 0 && !ut__is_device_backend(be) &&
+                              !ut__cpu_all_finite(gop, grad_out->shape.nelem)
+                          ? ut__in(cache->input, be)
+                          : NULL;
+    if (xp)
+      ut__cpu_conv_exact(UT__CONV_DW, xp, gop, NULL, NULL, dWp, l->out_c, false, &g);
+    else
+      rc = be->gemm(&mm);
   }
   if (rc >= 0) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */

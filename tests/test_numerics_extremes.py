@@ -134,3 +134,248 @@ def test_cross_entropy_class_index_above_2_24(device):
     # 2^24 + 1 has no float32: refused, not rounded to the neighbouring class
     with pytest.raises(ArgumentError, match="float32"):
         F.cross_entropy(lt, np.array([2**24 + 1]))
+
+
+# ---- every op's non-finite propagation against PyTorch's CPU ops -------------------------------
+# One NaN, +inf or -inf is put into one array (x, grad_out, weight, bias, target) at its middle,
+# first or last element; the output and every gradient must have PyTorch's NaN/+inf/-inf pattern
+# and its finite values.
+
+TF = torch.nn.functional
+
+
+def _poke(a, pos, v):
+    a = a.copy()
+    if pos == "mid":
+        idx = tuple(s // 2 for s in a.shape)
+    elif pos == "first":
+        idx = (0,) * a.ndim
+    else:
+        idx = tuple(s - 1 for s in a.shape)
+    a[idx] = v
+    return a
+
+
+def _dw_dW_valid_pairs(x, go, k, stride, pad):
+    """float64 depthwise dW summed over the (output, tap) pairs inside x (see the dW tests)."""
+    n, c, h, w = x.shape
+    ho, wo = go.shape[2:]
+    x, go = x.astype(np.float64), go.astype(np.float64)
+    dW = np.zeros((c, k, k))
+    for ky in range(k):
+        for kx in range(k):
+            for oy in range(ho):
+                iy = oy * stride - pad + ky
+                if not 0 <= iy < h:
+                    continue
+                for ox in range(wo):
+                    ix = ox * stride - pad + kx
+                    if 0 <= ix < w:
+                        dW[:, ky, kx] += (go[:, :, oy, ox] * x[:, :, iy, ix]).sum(0)
+    return dW
+
+
+class _LayerOp:
+    """A layer of ours against a torch function of (x, weight, bias)."""
+
+    def __init__(self, make, x_shape, w_shape, b_shape, fwd, tw_shape=None, dW_ref=None):
+        self.make, self.x_shape, self.w_shape, self.b_shape = make, x_shape, w_shape, b_shape
+        self.fwd, self.tw_shape, self.dW_ref = fwd, tw_shape or w_shape, dW_ref
+        self.sites = ["x", "go", "w", "b"]
+
+    def run(self, site, pos, v, device):
+        rng = np.random.default_rng(11)
+        arr = {"x": rng.standard_normal(self.x_shape).astype(np.float32),
+               "w": (0.5 * rng.standard_normal(self.w_shape)).astype(np.float32),
+               "b": rng.standard_normal(self.b_shape).astype(np.float32)}
+        if site in arr:
+            arr[site] = _poke(arr[site], pos, v)
+        l = self.make(device)
+        l.weight = arr["w"]
+        l.bias = arr["b"]
+        ours = {}
+        y = l(ut.tensor(arr["x"], device=device))
+        ours["y"] = y.numpy()
+        go = rng.standard_normal(y.shape).astype(np.float32)
+        if site == "go":
+            go = _poke(go, pos, v)
+        ours["dx"] = l.backward(ut.tensor(go, device=device)).numpy()
+        ours["dW"] = l.weight.grad.numpy().reshape(self.w_shape)
+        ours["db"] = l.bias.grad.numpy()
+        tx = torch.tensor(arr["x"], requires_grad=True)
+        tw = torch.tensor(arr["w"].reshape(self.tw_shape), requires_grad=True)
+        tb = torch.tensor(arr["b"], requires_grad=True)
+        ty = self.fwd(l, tx, tw, tb)
+        ty.backward(torch.tensor(go))
+        want = {"y": ty.detach().numpy(), "dx": tx.grad.numpy(),
+                "dW": tw.grad.numpy().reshape(self.w_shape), "db": tb.grad.numpy()}
+        if self.dW_ref is not None:
+            want["dW"] = self.dW_ref(arr["x"], go)
+        extra = getattr(self, "extra", None)
+        if extra:
+            extra(l, ours, want)
+        l.close()
+        return ours, want
+
+
+def _conv(cin, cout, k, s, p, hw):
+    return _LayerOp(lambda d: ut.Conv2d(cin, cout, k, stride=s, padding=p, device=d),
+                    (2, cin, hw, hw), (cout, cin, k, k), (cout,),
+                    lambda l, x, w, b: TF.conv2d(x, w, b, stride=s, padding=p))
+
+
+def _dw(c, k, s, p, hw):
+    # PyTorch's 3x3 CPU kernel sums dW over the pairs inside the input; its other sizes multiply
+    # padding zeros (test_depthwise_dw_nonfinite_5x5_valid_pairs): ours follows the 3x3 rule
+    # everywhere, so the 5x5 dW is compared with that rule in float64
+    ref = None if k == 3 else (lambda x, go: _dw_dW_valid_pairs(x, go, k, s, p))
+    return _LayerOp(lambda d: ut.DWConv2d(c, k, stride=s, padding=p, device=d),
+                    (2, c, hw, hw), (c, k, k), (c,),
+                    lambda l, x, w, b: TF.conv2d(x, w, b, stride=s, padding=p, groups=c),
+                    tw_shape=(c, 1, k, k), dW_ref=ref)
+
+
+def _bn(training):
+    c = 3
+    rm0 = np.array([0.1, -0.2, 0.3], np.float32)
+    rv0 = np.array([0.5, 1.5, 2.0], np.float32)
+
+    def make(d):
+        l = ut.BatchNorm2d(c, eps=1e-5, momentum=0.1, device=d)
+        l.running_mean = rm0
+        l.running_var = rv0
+        l.train(training)
+        return l
+
+    state = {}
+
+    def fwd(l, x, w, b):
+        state["rm"], state["rv"] = torch.tensor(rm0), torch.tensor(rv0)
+        return TF.batch_norm(x, state["rm"], state["rv"], w, b, training, 0.1, 1e-5)
+
+    def extra(l, ours, want):
+        ours["running_mean"], ours["running_var"] = l.running_mean.numpy(), l.running_var.numpy()
+        want["running_mean"], want["running_var"] = state["rm"].numpy(), state["rv"].numpy()
+
+    op = _LayerOp(make, (2, c, 4, 5), (c,), (c,), fwd)
+    op.extra = extra
+    return op
+
+
+class _FuncOp:
+    """A functional op (and its backward, when it has one) against torch autograd."""
+
+    def __init__(self, shapes, ours, theirs, sites):
+        self.shapes, self.ours, self.theirs, self.sites = shapes, ours, theirs, sites
+
+    def run(self, site, pos, v, device):
+        rng = np.random.default_rng(5)
+        arrs = {k: rng.standard_normal(s).astype(np.float32) for k, s in self.shapes.items()}
+        go = None
+        if site == "go":
+            go = site
+        else:
+            arrs[site] = _poke(arrs[site], pos, v)
+        tens = {k: ut.tensor(a, device=device) for k, a in arrs.items()}
+        ts = {k: torch.tensor(a, requires_grad=True) for k, a in arrs.items()}
+        ours = {k: t.numpy() for k, t in self.ours(tens, rng, pos, v, site).items()}
+        want = self.theirs(ts, np.random.default_rng(5), pos, v, site)
+        for t in tens.values():
+            t.close()
+        return ours, want
+
+
+def _gap_ours(t, rng, pos, v, site):
+    x = t["x"]
+    y = F.global_avg_pool2d(x)
+    go = rng.standard_normal(y.shape).astype(np.float32)
+    if site == "go":
+        go = _poke(go, pos, v)
+    return {"y": y, "dx": F.global_avg_pool2d_backward(go, *x.shape[2:])}
+
+
+def _gap_torch(t, rng, pos, v, site):
+    x = t["x"]
+    rng.standard_normal(x.shape)  # the same draws as ours
+    y = x.mean((2, 3))
+    go = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    if site == "go":
+        go = _poke(go, pos, v)
+    y.backward(torch.tensor(go))
+    return {"y": y.detach().numpy(), "dx": x.grad.numpy()}
+
+
+def _mse_ours(t, rng, pos, v, site):
+    return {"y": F.mse_loss(t["x"], t["t"]), "dx": F.mse_loss_backward(t["x"], t["t"])}
+
+
+def _mse_torch(t, rng, pos, v, site):
+    y = TF.mse_loss(t["x"], t["t"])
+    y.backward()
+    return {"y": y.detach().numpy().reshape(1), "dx": t["x"].grad.numpy()}
+
+
+CE_LABELS = np.array([0, 3, 4, 2])
+
+
+def _ce_ours(t, rng, pos, v, site):
+    return {"y": F.cross_entropy(t["x"], CE_LABELS), "dx": F.cross_entropy_backward(t["x"], CE_LABELS)}
+
+
+def _ce_torch(t, rng, pos, v, site):
+    y = TF.cross_entropy(t["x"], torch.tensor(CE_LABELS))
+    y.backward()
+    return {"y": y.detach().numpy().reshape(1), "dx": t["x"].grad.numpy()}
+
+
+def _matmul_ours(t, rng, pos, v, site):
+    return {"y": F.matmul(t["x"], t["w"])}
+
+
+def _matmul_torch(t, rng, pos, v, site):
+    return {"y": (t["x"] @ t["w"]).detach().numpy()}
+
+
+def _matmul(m, k, n):
+    return _FuncOp({"x": (m, k), "w": (k, n)}, _matmul_ours, _matmul_torch, ["x", "w"])
+
+
+OPS = {
+    "conv3x3_s1p1": _conv(3, 4, 3, 1, 1, 6),
+    "conv3x3_s2p1": _conv(3, 4, 3, 2, 1, 7),
+    "conv3x3_s1p0": _conv(3, 4, 3, 1, 0, 6),
+    "conv1x1": _conv(3, 5, 1, 1, 0, 5),
+    "conv1x1_s2": _conv(3, 5, 1, 2, 0, 5),
+    "conv5x5_s1p2": _conv(2, 3, 5, 1, 2, 6),
+    "dw3x3_s1p1": _dw(3, 3, 1, 1, 6),
+    "dw3x3_s2p1": _dw(3, 3, 2, 1, 7),
+    "dw3x3_s1p0": _dw(3, 3, 1, 0, 6),
+    "dw5x5_s1p2": _dw(3, 5, 1, 2, 6),
+    "dw5x5_s2p2": _dw(3, 5, 2, 2, 7),
+    "linear": _LayerOp(lambda d: ut.Linear(5, 4, device=d), (3, 5), (4, 5), (4,),
+                       lambda l, x, w, b: TF.linear(x, w, b)),
+    "layernorm": _LayerOp(lambda d: ut.LayerNorm(6, device=d), (3, 6), (6,), (6,),
+                          lambda l, x, w, b: TF.layer_norm(x, (6,), w, b, 1e-5)),
+    "batchnorm_train": _bn(True),
+    "batchnorm_eval": _bn(False),
+    "global_avg_pool": _FuncOp({"x": (2, 3, 4, 5)}, _gap_ours, _gap_torch, ["x", "go"]),
+    "mse_loss": _FuncOp({"x": (3, 4), "t": (3, 4)}, _mse_ours, _mse_torch, ["x", "t"]),
+    "cross_entropy": _FuncOp({"x": (4, 5)}, _ce_ours, _ce_torch, ["x"]),
+    "matmul_small": _matmul(3, 5, 4),
+    "matmul_big": _matmul(67, 131, 45),
+}
+
+CASES = [pytest.param(op, site, id="%s-%s" % (op, site)) for op in OPS for site in OPS[op].sites]
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("pos", ["mid", "first", "last"])
+@pytest.mark.parametrize("op, site", CASES)
+def test_nonfinite_like_torch(device, op, site, pos, value):
+    ours, want = OPS[op].run(site, pos, value, device)
+    assert ours.keys() == want.keys()
+    for name in want:
+        try:
+            same_nonfinite(ours[name], want[name])
+        except AssertionError as e:
+            raise AssertionError("%s differs: %s" % (name, e)) from None
