@@ -3192,7 +3192,7 @@ UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
     double dm = mu - (double)mf;
     double v = cnt > 0 ? ss / cnt - dm * dm : 0.0;
     mean[j] = mf;
-    var[j] = (float)(v > 0.0 ? v : 0.0);
+    var[j] = (float)(v < 0.0 ? 0.0 : v); /* a NaN variance stays NaN, as in PyTorch */
   }
 }
 UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var, int n, int c,

@@ -368,14 +368,44 @@ OPS = {
 CASES = [pytest.param(op, site, id="%s-%s" % (op, site)) for op in OPS for site in OPS[op].sites]
 
 
-@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "+inf", "-inf"])
-@pytest.mark.parametrize("pos", ["mid", "first", "last"])
+# An infinite weight (batchnorm, layernorm) or grad_out (layernorm) meets an infinity of the other
+# sign inside the formula (inf - inf), so which outputs become NaN instead of +-inf depends on the
+# order of evaluation, not on the maths: PyTorch's CPU batchnorm folds gamma into a scale and a
+# shift, y = x * (gamma rstd) + (beta - mean gamma rstd), which is NaN wherever x and the mean have
+# the same sign, and NaN everywhere when the mean is 0 (running_mean = 0 in eval mode), while the
+# layer's definition gamma (x - mean) rstd + beta is +-inf there; its layernorm backward mixes
+# the two infinite row sums into every element. There the rule is: the same finite values, NaN
+# only where PyTorch has NaN, PyTorch's +-inf kept, and +-inf allowed where PyTorch has NaN.
+ORDER_DEPENDENT = {("batchnorm_train", "w"), ("batchnorm_eval", "w"), ("layernorm", "w"),
+                   ("layernorm", "go")}
+
+
+def same_nonfinite_up_to_order(got, want):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    assert not (np.isnan(got) & ~np.isnan(want)).any(), "NaN where PyTorch is not NaN"
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(got[inf], want[inf])
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("op, site", CASES)
-def test_nonfinite_like_torch(device, op, site, pos, value):
-    ours, want = OPS[op].run(site, pos, value, device)
-    assert ours.keys() == want.keys()
-    for name in want:
-        try:
-            same_nonfinite(ours[name], want[name])
-        except AssertionError as e:
-            raise AssertionError("%s differs: %s" % (name, e)) from None
+def test_nonfinite_like_torch(device, op, site):
+    # every position and value in one test: the per-test leak check's full collections would
+    # otherwise cost more than the ops
+    bad = []
+    for pos in ("mid", "first", "last"):
+        for value in (NAN, INF, -INF):
+            ours, want = OPS[op].run(site, pos, value, device)
+            assert ours.keys() == want.keys()
+            check = same_nonfinite
+            if (op, site) in ORDER_DEPENDENT and np.isinf(value):
+                check = same_nonfinite_up_to_order
+            for name in want:
+                try:
+                    check(ours[name], want[name])
+                except AssertionError as e:
+                    bad.append("%s at %s = %s: %s differs: %s" % (site, pos, value, name, e))
+    assert not bad, "\n".join(bad)
