@@ -327,7 +327,9 @@ static __global__ void __launch_bounds__(256)
 /* dw[c*T + t] += sum over parts of ws[(c*parts + i)*T + t]; one warp per weight element */
 static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict__ ws,
                                                          float* __restrict__ dw, int C, int T,
-                                                         int parts) {
+                                                         int parts, const int* __restrict__ gate,
+                                                         int want) {
+  if (gate && *gate != want) return;
   const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= (ut__i64)C * T) return;
@@ -877,7 +879,9 @@ static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __re
                                                                const float* __restrict__ w,
                                                                const float* __restrict__ bias,
                                                                float* __restrict__ y,
-                                                               ut__conv_geom g, ut__i64 total) {
+                                                               ut__conv_geom g, ut__i64 total,
+                                                               const int* __restrict__ gate) {
+  if (gate && !*gate) return;
   UT__CUDA_GRID_STRIDE(i, total) {
     int ox = (int)(i % g.wo);
     ut__i64 t = i / g.wo;
@@ -903,7 +907,9 @@ static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __re
 static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restrict__ go,
                                                           const float* __restrict__ w,
                                                           float* __restrict__ dx, ut__conv_geom g,
-                                                          ut__i64 total) {
+                                                          ut__i64 total,
+                                                          const int* __restrict__ gate) {
+  if (gate && !*gate) return;
   UT__CUDA_GRID_STRIDE(i, total) {
     int ix = (int)(i % g.w);
     ut__i64 t = i / g.w;
@@ -935,8 +941,9 @@ static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restric
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_direct_dw_kernel(const float* __restrict__ go, const float* __restrict__ x,
                                        ut__conv_geom g, ut__i64 chunk, int chunks,
-                                       float* __restrict__ ws) {
+                                       float* __restrict__ ws, const int* __restrict__ gate) {
   __shared__ float sh[32];
+  if (gate && !*gate) return;
   const int c = blockIdx.x / chunks;
   const int T = g.kh * g.kw;
   const ut__i64 hw = (ut__i64)g.ho * g.wo;
@@ -960,6 +967,31 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
+/* *flag = 1 when a[0..na) or b[0..nb) holds a NaN or an inf (else 0), all on the stream: the
+   CPU backend's rule (real input only for non-finite data) without a host round trip. The
+   flag lives as long as the library; the caller holds ut__cuda_workspace_lock, which orders
+   its users. */
+static __global__ void ut__cuda_dwconv2d_nonfinite_kernel(const float* __restrict__ a, ut__i64 na,
+                                                          const float* __restrict__ b, ut__i64 nb,
+                                                          int* __restrict__ flag) {
+  UT__CUDA_GRID_STRIDE(i, na + nb) {
+    float v = i < na ? a[i] : b[i - na];
+    if (!isfinite(v)) *flag = 1;
+  }
+}
+static int* ut__cuda_dwconv2d_flag = NULL;
+static int ut__cuda_dwconv2d_flag_nonfinite(const float* a, ut__i64 na, const float* b, ut__i64 nb,
+                                            int** flag) {
+  if (!ut__cuda_dwconv2d_flag)
+    UT__CUDA_CHECK(cudaMalloc((void**)&ut__cuda_dwconv2d_flag, sizeof(int)), "dw flag alloc");
+  UT__CUDA_CHECK(cudaMemsetAsync(ut__cuda_dwconv2d_flag, 0, sizeof(int)), "dw flag reset");
+  ut__cuda_dwconv2d_nonfinite_kernel<<<ut__cuda_grid_for(na + nb, 256), 256>>>(
+      a, na, b, nb, ut__cuda_dwconv2d_flag);
+  UT__CUDA_LAUNCHED("dw nonfinite check");
+  *flag = ut__cuda_dwconv2d_flag;
+  return UT_OK;
+}
+
 static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params* p, const float* in,
                                               const float* w, const float* bias, const float* go,
                                               float* out, int n, int c, int ih, int iw, int oh,
@@ -969,7 +1001,7 @@ static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params* p, 
   p->pad_h = pad_h; p->pad_w = pad_w;
 }
 
-int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
+static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const float* bias, float* y,
                               const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   if (total <= 0) return UT_OK;
@@ -986,12 +1018,12 @@ int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias,
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
   ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
-                                                                                  total);
+                                                                                  total, NULL);
   UT__CUDA_LAUNCHED("dw_fwd");
   return UT_OK;
 }
 
-int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
+static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, float* dx,
                                   const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
@@ -1021,7 +1053,8 @@ int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
                                       g->w, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
-  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total);
+  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
+                                                                             NULL);
   UT__CUDA_LAUNCHED("dw_bwd_dx");
   return UT_OK;
 }
@@ -1033,8 +1066,12 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   if ((ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK; /* nothing to add */
   ut__cuda_dwconv2d_tile_plan pl;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  int* flag;
+  int st = ut__cuda_dwconv2d_flag_nonfinite(go, (ut__i64)g->n * g->c * g->ho * g->wo, x,
+                                            (ut__i64)g->n * g->c * g->h * g->w, &flag);
+  if (st) return st;
   float* ws;
-  int parts, st;
+  int parts;
   if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
     unsigned items, chunk;
     parts = ut__cuda_dwconv2d_strip_dw_parts(g, &items, &chunk);
@@ -1060,12 +1097,57 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
     if (st) return st;
     ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
-                                                                                   parts, ws);
+                                                                                   parts, ws, NULL);
     UT__CUDA_LAUNCHED("dw_bwd_dw");
   }
   ut__i64 warps = (ut__i64)g->c * T;
   ut__cuda_dwconv2d_dw_final_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(ws, dw, g->c,
-                                                                                       T, parts);
+                                                                                       T, parts, flag, 0);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
+  /* non-finite data: the fast kernels' sums above are dropped (final kernel gated on flag 0) and
+     the plain kernel sums real input only (gated on flag 1) */
+  ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
+  ut__i64 chunk;
+  parts = ut__cuda_channel_chunks(g->c, m, &chunk);
+  st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+  if (st) return st;
+  ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
+                                                                                 parts, ws, flag);
+  UT__CUDA_LAUNCHED("dw_bwd_dw exact");
+  ut__cuda_dwconv2d_dw_final_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(ws, dw, g->c,
+                                                                                       T, parts, flag, 1);
+  UT__CUDA_LAUNCHED("dw_bwd_dw exact final");
+  return UT_OK;
+}
+
+int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
+                              const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
+  if (total <= 0) return UT_OK;
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  int* flag;
+  int st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
+  if (!st) st = ut__cuda_dwconv2d_forward_fast(x, w, bias, y, g);
+  if (st) return st;
+  /* a non-finite weight: the fast kernels multiplied it by padding zeros; redo, real input only */
+  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
+                                                                                  total, flag);
+  UT__CUDA_LAUNCHED("dw_fwd exact");
+  return UT_OK;
+}
+
+int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
+                                  const ut__conv_geom* g) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
+  if (total <= 0 || g->ho <= 0 || g->wo <= 0) return ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g);
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  int* flag;
+  int st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
+  if (!st) st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g);
+  if (st) return st;
+  /* a non-finite weight times go's padding zeros: redo, real outputs only */
+  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
+                                                                             flag);
+  UT__CUDA_LAUNCHED("dw_bwd_dx exact");
   return UT_OK;
 }
