@@ -53,7 +53,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from numpy_ref import WORST
+    from tolerances import WORST
 
     if not WORST:
         return
