@@ -145,16 +145,6 @@ def test_reference_finite_differences_are_sound(rng):
 # -- PyTorch --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def torch():
-    """PyTorch on one thread for the test (tiny ops), its thread count restored after."""
-    torch = pytest.importorskip("torch")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield torch
-    torch.set_num_threads(n)
-
-
 def _torch_run(torch, tnet, x, labels):
     xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
     tnet.zero_grad()

@@ -397,15 +397,6 @@ def test_reference_imports_only_numpy():
 
 
 # -- the reference against PyTorch (float64), an implementation it shares no code with -----------
-@pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield torch
-    torch.set_num_threads(n)
-
-
 def _torch_grads(torch, f, go, *args):
     """f(*tensors) and d sum(f * go) / d each argument, by PyTorch's autograd, as numpy."""
     ts = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in args]
