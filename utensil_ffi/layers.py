@@ -32,7 +32,7 @@ from ._errors import check, check_ptr
 from ._lib import ffi, lib
 from . import functional as _F
 from .functional import _Args
-from .tensor import _EXITING, Tensor, zeros
+from .tensor import _EXITING, Tensor, _hold, _let_go, zeros
 
 _wrap = Tensor._wrap
 _NULL = ffi.NULL
@@ -414,7 +414,11 @@ class _CLayer(Module):
         if s is None:
             return self._forward_checked(x)
         try:
-            p, c = self._run_forward(h, s, xp)
+            xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
+            try:
+                p, c = self._run_forward(h, s, xp)
+            finally:
+                _let_go(xp)
         finally:
             h.state.leave()
         if p == _NULL:
@@ -454,7 +458,11 @@ class _CLayer(Module):
             if s is None:
                 raise ClosedError("operation on a closed %s" % name)
             try:
-                p, _ = self._run_forward(h, s, xt.ptr)
+                xp = _hold(xt)
+                try:
+                    p, _ = self._run_forward(h, s, xp)
+                finally:
+                    _let_go(xp)
             finally:
                 h.state.leave()
             if p == _NULL:
@@ -501,9 +509,13 @@ class _CLayer(Module):
                         "%s.backward: grad_out has shape %s, the forward output had %s"
                         % (name, g.shape, out_shape)
                     )
-                with h.state.wlock:
-                    db = self._bias.grad.ptr if self._bias is not None else ffi.NULL
-                    p = self._bwd(s, c, g.ptr, self._weight.grad.ptr, db)
+                gp = _hold(g)
+                try:
+                    with h.state.wlock:
+                        db = self._bias.grad.ptr if self._bias is not None else ffi.NULL
+                        p = self._bwd(s, c, gp, self._weight.grad.ptr, db)
+                finally:
+                    _let_go(gp)
                 return _wrap(check_ptr(p, "%s.backward" % name))
         finally:
             h.state.leave()
