@@ -165,6 +165,7 @@ static void test_library(ut_dev dev) {
   assert(ut_field_offset("ut_tensor", "rc") == (long long)offsetof(ut_tensor, rc));
   assert(ut_field_offset("ut_batchnorm2d", "training") ==
          (long long)offsetof(ut_batchnorm2d, training));
+  assert(ut_field_offset("ut_tensor", "version") == (long long)offsetof(ut_tensor, version));
   assert(ut_field_offset("ut_tensor", "no_such_field") == -1);
   size_t fr = 0, tot = 0;
   int st = ut_cuda_mem_info(&fr, &tot);
@@ -204,6 +205,21 @@ static void test_alloc(ut_dev dev) {
 static void test_fill(ut_dev dev) {
   ut_tensor* t = ut_alloc(2, S(2, 3), dev);
   require(t);
+  // every write moves the version: in-place ops, the writable host hand-out; reads do not
+  unsigned v0 = t->version;
+  assert(ut_fill(t, 2.5f) == UT_OK);
+  assert(t->version != v0);
+  unsigned v1 = t->version;
+  assert(ut_sync_cpu_readonly(t) == UT_OK && t->version == v1);
+  ut_tensor* r = ut_relu(t);
+  require(r);
+  assert(t->version == v1);
+  assert(ut_scale(t, 1.f) == UT_OK && t->version != v1);
+  v1 = t->version;
+  assert(ut_add_into(t, r) == UT_OK && t->version != v1);
+  v1 = t->version;
+  assert(ut_sync_cpu(t) == UT_OK && t->version != v1);
+  ut_free(r);
   assert(ut_fill(t, 2.5f) == UT_OK);
   ut_sync_cpu(t);
   assert_data(t, F(2.5f, 2.5f, 2.5f, 2.5f, 2.5f, 2.5f), 0.f);

@@ -704,7 +704,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 1
+#define UT_VERSION 2
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -736,6 +736,10 @@ typedef struct ut_tensor {
      it. NULL for memory the library owns. */
   void (*release)(void* ctx);
   void* release_ctx;
+  /* Bumped by every write the library makes to the values (op outputs, in-place ops, optimizer
+     steps) and by ut_sync_cpu, which hands the host a writable copy; the bindings compare it to
+     refuse a backward whose saved input was changed after its forward. Wraps around. */
+  unsigned int version;
 } ut_tensor;
 
 /* ---- library ---------------------------------------------------------------------------- */
@@ -3730,6 +3734,7 @@ static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
 }
 /* A tensor whose host copy the caller just filled: the host owns the values. */
 static void ut__host_wrote(ut_tensor* t) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
   t->dirty_cpu = false;
   t->dirty_gpu = t->gpu_buf != NULL;
 }
@@ -3946,6 +3951,7 @@ static float* ut__out(ut_tensor* t, const ut__backend* be) {
   return ut__is_device_backend(be) ? (float*)t->gpu_buf : t->data;
 }
 static void ut__wrote(ut_tensor* t, const ut__backend* be) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
   if (ut__is_device_backend(be)) {
     t->dirty_cpu = true;
     t->dirty_gpu = false;
@@ -5027,6 +5033,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
     UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
     UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
+    UT__FIELD(ut_tensor, version),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
     UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
     UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),
