@@ -1,7 +1,7 @@
 """Stateful fuzzing of op sequences (tests/stateful_child.py) in a child process with a timeout,
 on each device; plus the fuzzer's findings kept as regression tests.
 
-UTENSIL_FUZZ_SEQUENCES (default 150, 40 ops each) and UTENSIL_FUZZ_SEED (default 0) size a run;
+UTENSIL_FUZZ_SEQUENCES (default 400, 40 ops each) and UTENSIL_FUZZ_SEED (default 0) size a run;
 e.g. UTENSIL_FUZZ_SEQUENCES=5000 for a long one. A failure names the seed, the sequence, its last
 ops and the command that replays it alone.
 """
@@ -22,7 +22,7 @@ import utensil_ffi as ut
 
 HERE = Path(__file__).resolve().parent
 PKG_ROOT = Path(ut.__file__).resolve().parent.parent
-SEQUENCES = int(os.environ.get("UTENSIL_FUZZ_SEQUENCES", "150"))
+SEQUENCES = int(os.environ.get("UTENSIL_FUZZ_SEQUENCES", "400"))
 SEED = int(os.environ.get("UTENSIL_FUZZ_SEED", "0"))
 TIMEOUT = 600
 
@@ -50,6 +50,17 @@ def run_child(sequences, seed, device, extra_env=None):
     return p.returncode, report, err
 
 
+# Findings of bugs outside this fuzzer's reach to fix, each with a strict xfail reproduction
+# below (which fails once the bug is fixed, so the entry gets removed): (kind, message part).
+KNOWN = [
+    ("raw-exception", "p = lib.ut_retain(x._ptr)"),  # test_stateless_forward_with_its_input_...
+]
+
+
+def is_known(f):
+    return any(f["kind"] == k and m in f["message"] for k, m in KNOWN)
+
+
 def format_finding(f):
     return ("[%(kind)s] seed %(seed)d, sequence %(sequence)d on %(device)s\n%(message)s\n"
             "last ops:\n  " % f) + "\n  ".join(f["ops"]) + "\nreplay: " + f["replay"]
@@ -62,7 +73,11 @@ def test_stateful_fuzz(device):
     print("\nstateful fuzz on %s: %d sequences, %d ops in %.1f s, seed %d; ops: %s" % (
         device, report["sequences"], report["ops"], report["seconds"], SEED, report["op_counts"]))
     assert report["sequences"] == SEQUENCES
-    assert not report["findings"], "\n\n".join(format_finding(f) for f in report["findings"])
+    known = [f for f in report["findings"] if is_known(f)]
+    if known:
+        print("known findings (xfail reproductions below): %d" % len(known))
+    new = [f for f in report["findings"] if not is_known(f)]
+    assert not new, "\n\n".join(format_finding(f) for f in new)
     # every kind of operation ran (forks and spawns are rare: not required in short runs)
     rare = {"op_fork", "op_spawn"}
     assert set(report["op_counts"]) >= {n for n, _ in __import__("stateful_child").Driver.OPS} - rare
