@@ -727,12 +727,14 @@ class Driver:
             x_in = xv
         self.note("y = L%d(%s)" % (li, "array" if use_array else "t%d" % self.tensors.index(xrec)))
         closed = any(getattr(s.obj, "closed", False) for s in lrec.steps)
+        elsewhere = any(not getattr(s.obj, "closed", False) and getattr(s.obj, "device", None)
+                        not in (None, self.dev) for s in lrec.steps)  # moved by to()
         before = {}
         for s in self.layers_of(lrec):
             if s.kind == "bn" and not s.obj.closed and s.obj.training:
                 before[s] = (s.obj.running_mean.numpy().astype(np.float64),
                              s.obj.running_var.numpy().astype(np.float64))
-        ref = None if closed else self.forward_ref(lrec, xv.astype(np.float64))
+        ref = None if closed or elsewhere else self.forward_ref(lrec, xv.astype(np.float64))
         self.touch(lrec)
         if closed:
             return self.expect_refused(lrec.obj, "forward of a closed layer", x_in)
