@@ -219,7 +219,10 @@ def _export(t, stream, versioned, copied):
         p.dirty_gpu = False
         data = int(ffi.cast("uintptr_t", p.gpu_buf))
     else:
-        check_status(lib.ut_sync_cpu(p), "__dlpack__")
+        # As Tensor.numpy(): a CPU tensor's host copy is its only copy, so the read-only sync
+        # suffices, and it leaves the version alone (exporting a layer's input between forward
+        # and backward, to read it, must not make backward refuse).
+        check_status(lib.ut_sync_cpu_readonly(p), "__dlpack__")
         data = int(ffi.cast("uintptr_t", p.data))
     dims = [p.shape.shape[i] for i in range(p.shape.ndim)]
     shape = (ctypes.c_int64 * len(dims))(*dims)

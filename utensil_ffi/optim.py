@@ -21,10 +21,10 @@ import numpy as np
 
 from . import _args
 from . import functional as _F
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, ShapeError, check
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
 from ._lib import lib
 from .layers import Module, Parameter
-from .tensor import zeros
+from .tensor import Tensor, zeros
 
 __all__ = ["Optimizer", "SGD", "Adam"]
 
@@ -47,9 +47,12 @@ class Optimizer:
                     "params[%d] is a %s, not a Parameter (pass model.parameters())"
                     % (i, type(p).__name__)
                 )
-        self.params = params
+        # One entry per parameter object: a layer used twice (Sequential(l, ReLU(), l)) lists
+        # its parameters twice, and stepping them twice per step() would double the update.
+        seen = set()
+        self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
         self.lr = _args.to_float32(lr, "lr", lo=0.0)
-        self._state = [None] * len(params)
+        self._state = [None] * len(self.params)
         self._closed = False
         self.t = 0  # steps taken
 
@@ -162,6 +165,30 @@ class Optimizer:
     def step(self):
         raise NotImplementedError
 
+    def _stepping(self):
+        """The indices of the parameters step() updates (grad not None), each checked first, so
+        that a step that raises has changed nothing (no parameter updated, no count advanced)."""
+        self._check_open()
+        name = "%s.step" % type(self).__name__
+        out = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            if not isinstance(g, Tensor):
+                raise ArgumentTypeError("%s: params[%d].grad is a %s, not a Tensor (or None)"
+                                        % (name, i, type(g).__name__))
+            if p.closed or g.closed:
+                raise ClosedError("%s: params[%d]%s is closed" % (name, i, "" if p.closed else ".grad"))
+            if g.shape != p.shape:
+                raise ShapeError("%s: params[%d].grad has shape %s, the parameter %s"
+                                 % (name, i, g.shape, p.shape))
+            if g.ptr.dev != p.ptr.dev:
+                raise DeviceError("%s: params[%d].grad is on %s, the parameter on %s"
+                                  % (name, i, g.device, p.device))
+            out.append(i)
+        return out
+
     def close(self):
         """Free the optimizer's state tensors now (idempotent)."""
         for st in self._state:
@@ -189,10 +216,8 @@ class SGD(Optimizer):
         return 1 if self.momentum != 0.0 else 0
 
     def step(self):
-        self._check_open()
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
+        for i in self._stepping():
+            p = self.params[i]
             v = self._slot(i, 1)[0] if self.momentum != 0.0 else None
             _F.sgd_step(p, p.grad, v, self.lr, self.momentum)
         self.t += 1
@@ -220,15 +245,14 @@ class Adam(Optimizer):
         self._steps = [0] * len(self.params)
 
     def step(self):
-        self._check_open()
+        todo = self._stepping()
         if self.t >= _args.INT_MAX:
             raise ArgumentError("Adam: step count overflow")
         self.t += 1
         b1, b2 = self.betas
         steps = self._steps
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
+        for i in todo:
+            p = self.params[i]
             m, v = self._slot(i, 2)
             _F.adam_step(p, p.grad, m, v, steps[i] + 1, self.lr, b1, b2, self.eps)
             steps[i] += 1
