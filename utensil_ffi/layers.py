@@ -87,7 +87,11 @@ class Parameter(Tensor):
     def __deepcopy__(self, memo):
         new = _new_parameter(getattr(self, "name", None))
         memo[id(self)] = new
-        new._ptr = check_ptr(lib.ut_copy(self.ptr), "Parameter copy")
+        p = _hold(self)
+        try:
+            new._ptr = check_ptr(lib.ut_copy(p), "Parameter copy")
+        finally:
+            _let_go(p)
         g = getattr(self, "grad", None)
         new.grad = copy.deepcopy(g, memo) if g is not None else None
         return new
