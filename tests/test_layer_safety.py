@@ -24,7 +24,8 @@ PKG_ROOT = str(Path(ut.__file__).resolve().parent.parent)
 
 
 def run_child(code, timeout=240):
-    env = dict(os.environ, PYTHONPATH=PKG_ROOT)
+    # keep the caller's path (cffi may come from it, as on the lent GPU machines)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PKG_ROOT, os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=timeout,
                        capture_output=True, text=True)
     assert r.returncode == 0, "child exited with %d\n%s" % (r.returncode, r.stderr[-3000:])
