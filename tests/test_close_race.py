@@ -22,7 +22,9 @@ PKG_ROOT = str(Path(ut.__file__).resolve().parent.parent)
 def run_child(code, timeout=300):
     # a fixed mmap threshold: glibc would otherwise raise it after the first big free and serve
     # the next big tensors from the heap, where a use after free reads stale values quietly
-    env = dict(os.environ, PYTHONPATH=PKG_ROOT, MALLOC_MMAP_THRESHOLD_="131072")
+    # keep the caller's path (cffi may come from it, as on the lent GPU machines)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",
+               PYTHONPATH=os.pathsep.join(filter(None, [PKG_ROOT, os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=timeout,
                        capture_output=True, text=True)
     assert r.returncode == 0, "child exited with %d\n%s" % (r.returncode, r.stderr[-3000:])
