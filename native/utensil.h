@@ -3865,16 +3865,25 @@ static int ut__check_arg(const ut_tensor* t, const ut_tensor* ref, long long nel
             "%s: %s must have %lld elements, got %d", who, name, nelem, t->shape.nelem);
   return UT_OK;
 }
-static int ut__check_ndim(const ut_tensor* t, int ndim, const char* who, const char* name) {
-  UT__CHECK(t->shape.ndim == ndim, UT_ERR_SHAPE, "%s: %s must be %d-D, got %d-D", who, name, ndim,
-            t->shape.ndim);
-  return UT_OK;
-}
 static bool ut__same_shape(const ut_tensor* a, const ut_tensor* b) {
   if (a->shape.ndim != b->shape.ndim) return false;
   for (int i = 0; i < a->shape.ndim; i++)
     if (a->shape.shape[i] != b->shape.shape[i]) return false;
   return true;
+}
+/* A shape as messages print it, "[2, 3, 4]": `ut__shape_text(t).s` lives to the end of the
+   statement that formats the message. The bindings raise these messages as they are, so they
+   name the shape the caller passed rather than only the rule it broke. */
+typedef struct ut__shape_str {
+  char s[UT_MAX_DIMS * 13 + 3];
+} ut__shape_str;
+static ut__shape_str ut__shape_text(const ut_tensor* t) {
+  ut__shape_str r = {"["};
+  size_t n = 1;
+  for (int i = 0; i < t->shape.ndim && i < UT_MAX_DIMS; i++)
+    n += (size_t)snprintf(r.s + n, sizeof r.s - n, i ? ", %d" : "%d", t->shape.shape[i]);
+  snprintf(r.s + n, sizeof r.s - n, "]");
+  return r;
 }
 
 /* ---- the host/device mirror --------------------------------------------------------------- */
@@ -4061,7 +4070,8 @@ static ut_tensor* ut__relu_bwd(ut_tensor* go, ut_tensor* x, float cap, const cha
   if (ut__check_tensor(go, who, "grad_out") < 0 || ut__check_arg(x, go, -1, who, "fwd_input") < 0)
     return NULL;
   UT__CHECK_NULL(ut__same_shape(go, x), UT_ERR_SHAPE,
-                 "%s: grad_out and fwd_input must have the same shape", who);
+                 "%s: grad_out has shape %s but fwd_input has shape %s (they must match)", who,
+                 ut__shape_text(go).s, ut__shape_text(x).s);
   const ut__backend* be = ut__backend_for(go->dev);
   const float* gp = ut__in(go, be);
   const float* xp = gp ? ut__in(x, be) : NULL;
@@ -4102,12 +4112,11 @@ int ut_scale(ut_tensor* t, float alpha) {
 /* ---- dense -------------------------------------------------------------------------------- */
 ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
   const char* who = "ut_matmul";
-  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0 ||
-      ut__check_ndim(a, 2, who, "a") < 0 || ut__check_ndim(b, 2, who, "b") < 0)
-    return NULL;
+  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0) return NULL;
+  UT__CHECK_NULL(a->shape.ndim == 2 && b->shape.ndim == 2 && b->shape.shape[0] == a->shape.shape[1],
+                 UT_ERR_SHAPE, "%s: cannot multiply a %s by b %s (a must be [M, K], b [K, N])",
+                 who, ut__shape_text(a).s, ut__shape_text(b).s);
   int M = a->shape.shape[0], K = a->shape.shape[1], N = b->shape.shape[1];
-  UT__CHECK_NULL(b->shape.shape[0] == K, UT_ERR_SHAPE,
-                 "ut_matmul: a is [%d, %d] but b is [%d, %d]", M, K, b->shape.shape[0], N);
   const ut__backend* be = ut__backend_for(a->dev);
   const float* ap = ut__in(a, be);
   const float* bp = ap ? ut__in(b, be) : NULL;
@@ -4122,7 +4131,8 @@ ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
 int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
   const char* who = "ut_bias_add";
   UT__TRY(ut__check_tensor(x, who, "x"));
-  UT__CHECK(x->shape.ndim >= 2, UT_ERR_SHAPE, "ut_bias_add: x must be at least 2-D ([N, C, ...])");
+  UT__CHECK(x->shape.ndim >= 2, UT_ERR_SHAPE, "%s: x must be [N, C, ...], got shape %s", who,
+            ut__shape_text(x).s);
   int C = x->shape.shape[1];
   UT__TRY(ut__check_arg(bias, x, C, who, "bias"));
   const ut__backend* be = ut__backend_for(x->dev);
@@ -4139,7 +4149,8 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
 /* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
 static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
                              int kw, int stride, int pad, const char* who) {
-  UT__TRY(ut__check_ndim(x, 4, who, "x"));
+  UT__CHECK(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
+            ut__shape_text(x).s);
   UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
             who, x->shape.shape[1], c);
   UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
@@ -4148,7 +4159,8 @@ static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int ou
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
   long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
   UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
-            "%s: the %dx%d kernel is larger than the padded %lldx%lld input", who, kh, kw, Hp, Wp);
+            "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel", who, H, W, pad, kh,
+            kw);
   long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
   /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
      int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
@@ -4243,7 +4255,8 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
   const int* gs = grad_out->shape.shape;
   UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
                 gs[3] == g->wo,
-            UT_ERR_SHAPE, "%s: grad_out must be [%d, %d, %d, %d]", who, g->n, out_c, g->ho, g->wo);
+            UT_ERR_SHAPE, "%s: grad_out has shape %s, the forward output had [%d, %d, %d, %d]", who,
+            ut__shape_text(grad_out).s, g->n, out_c, g->ho, g->wo);
   return UT_OK;
 }
 
@@ -4506,9 +4519,8 @@ static int ut__check_linear(const ut_linear* l, const char* who) {
   return ut__check_params(l->weight, l->bias, ut__prod(l->in_f, l->out_f, 1, 1), l->out_f, who);
 }
 static int ut__check_rows(const ut_tensor* x, int cols, const char* who, const char* name) {
-  UT__TRY(ut__check_ndim(x, 2, who, name));
-  UT__CHECK(x->shape.shape[1] == cols, UT_ERR_SHAPE, "%s: %s must be [N, %d], got [%d, %d]", who,
-            name, cols, x->shape.shape[0], x->shape.shape[1]);
+  UT__CHECK(x->shape.ndim == 2 && x->shape.shape[1] == cols, UT_ERR_SHAPE,
+            "%s: %s must be [N, %d], got shape %s", who, name, cols, ut__shape_text(x).s);
   return UT_OK;
 }
 
@@ -4552,7 +4564,8 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
     return NULL;
   int N = x->shape.shape[0];
   UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
-                 "%s: grad_out has %d rows, the input had %d", who, grad_out->shape.shape[0], N);
+                 "%s: grad_out has shape %s, the forward output had [%d, %d]", who,
+                 ut__shape_text(grad_out).s, N, l->out_f);
   if (ut__check_distinct(dW, l->weight, who, "dW", "the layer's weight") < 0 ||
       ut__check_distinct(dW, grad_out, who, "dW", "grad_out") < 0 ||
       ut__check_distinct(dW, x, who, "dW", "cache->input") < 0 ||
@@ -4627,8 +4640,7 @@ static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const 
   UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
   UT__CHECK(x->shape.shape[x->shape.ndim - 1] == l->dim, UT_ERR_SHAPE,
-            "%s: the last dimension of x is %d, the layer normalizes %d", who,
-            x->shape.shape[x->shape.ndim - 1], l->dim);
+            "%s: x must be [..., %d], got shape %s", who, l->dim, ut__shape_text(x).s);
   return UT_OK;
 }
 
@@ -4678,7 +4690,8 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
       (db && ut__check_arg(db, x, l->dim, who, "db") < 0))
     return NULL;
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out must have the input's shape", who);
+                 "%s: grad_out has shape %s, the forward output had %s", who,
+                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
   const ut__backend* be = ut__backend_for(x->dev);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
@@ -4752,9 +4765,8 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   UT__TRY(ut__check_arg(l->running_mean, l->weight, l->c, who, "running_mean"));
   UT__TRY(ut__check_arg(l->running_var, l->weight, l->c, who, "running_var"));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
-  UT__TRY(ut__check_ndim(x, 4, who, "x"));
-  UT__CHECK(x->shape.shape[1] == l->c, UT_ERR_SHAPE, "%s: x has %d channels, the layer %d", who,
-            x->shape.shape[1], l->c);
+  UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
+            "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
   return UT_OK;
 }
 
@@ -4764,7 +4776,8 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   int N = x->shape.shape[0], C = l->c;
   ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
   UT__CHECK_NULL(!l->training || count > 1, UT_ERR_SHAPE,
-                 "%s: training needs more than one value per channel (N*H*W = 1)", who);
+                 "%s: training needs more than one value per channel, got shape %s (N*H*W = 1)",
+                 who, ut__shape_text(x).s);
   const ut__backend* be = ut__backend_for(x->dev);
   const float* xp = ut__in(x, be);
   const float* wp = xp ? ut__in(l->weight, be) : NULL;
@@ -4826,7 +4839,8 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
       (db && ut__check_arg(db, x, l->c, who, "db") < 0))
     return NULL;
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out must have the input's shape", who);
+                 "%s: grad_out has shape %s, the forward output had %s", who,
+                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
   int N = x->shape.shape[0], C = l->c;
   ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
   const ut__backend* be = ut__backend_for(x->dev);
@@ -4863,7 +4877,9 @@ void ut_batchnorm2d_free(ut_batchnorm2d* l) {
 /* ---- pooling ------------------------------------------------------------------------------ */
 ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
   const char* who = "ut_global_avgpool2d_forward";
-  if (ut__check_tensor(x, who, "x") < 0 || ut__check_ndim(x, 4, who, "x") < 0) return NULL;
+  if (ut__check_tensor(x, who, "x") < 0) return NULL;
+  UT__CHECK_NULL(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
+                 ut__shape_text(x).s);
   int N = x->shape.shape[0], C = x->shape.shape[1];
   const ut__backend* be = ut__backend_for(x->dev);
   const float* xp = ut__in(x, be);
@@ -4876,9 +4892,9 @@ ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
 
 ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
   const char* who = "ut_global_avgpool2d_backward";
-  if (ut__check_tensor(grad_out, who, "grad_out") < 0 ||
-      ut__check_ndim(grad_out, 2, who, "grad_out") < 0)
-    return NULL;
+  if (ut__check_tensor(grad_out, who, "grad_out") < 0) return NULL;
+  UT__CHECK_NULL(grad_out->shape.ndim == 2, UT_ERR_SHAPE,
+                 "%s: grad_out must be [N, C], got shape %s", who, ut__shape_text(grad_out).s);
   UT__CHECK_NULL(h >= 1 && w >= 1, UT_ERR_SHAPE, "%s: h and w must be positive, got %d x %d", who,
                  h, w);
   int N = grad_out->shape.shape[0], C = grad_out->shape.shape[1];
@@ -4895,7 +4911,8 @@ static int ut__check_pair(ut_tensor* pred, ut_tensor* target, const char* who) {
   UT__TRY(ut__check_tensor(pred, who, "pred"));
   UT__TRY(ut__check_arg(target, pred, -1, who, "target"));
   UT__CHECK(ut__same_shape(pred, target), UT_ERR_SHAPE,
-            "%s: pred and target must have the same shape", who);
+            "%s: pred has shape %s but target has shape %s (they must match)", who,
+            ut__shape_text(pred).s, ut__shape_text(target).s);
   return UT_OK;
 }
 
@@ -4925,14 +4942,18 @@ ut_tensor* ut_mse_loss_backward(ut_tensor* pred, ut_tensor* target) {
 
 static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
   UT__TRY(ut__check_tensor(logits, who, "logits"));
-  UT__TRY(ut__check_ndim(logits, 2, who, "logits"));
+  UT__CHECK(logits->shape.ndim == 2, UT_ERR_SHAPE, "%s: logits must be [N, K], got shape %s", who,
+            ut__shape_text(logits).s);
   int N = logits->shape.shape[0], K = logits->shape.shape[1];
-  UT__TRY(ut__check_arg(labels, logits, N, who, "labels"));
+  UT__TRY(ut__check_arg(labels, logits, -1, who, "labels"));
+  UT__CHECK(labels->shape.ndim == 1 && labels->shape.shape[0] == N, UT_ERR_SHAPE,
+            "%s: labels must be [N] = [%d] (one class index per row of logits), got shape %s", who,
+            N, ut__shape_text(labels).s);
   if (!labels->dirty_cpu) { /* the host copy is current: check the labels without a transfer */
     for (int i = 0; i < N; i++) {
       float v = labels->data[i];
       UT__CHECK(v >= 0.f && (double)v < (double)K && v == floorf(v), UT_ERR_ARG,
-                "%s: labels[%d] = %g is not a class index in [0, %d)", who, i, (double)v, K);
+                "%s: labels[%d] = %.9g is not a class index in [0, %d)", who, i, (double)v, K);
     }
   }
   return UT_OK;

@@ -318,3 +318,22 @@ def test_out_of_memory_is_memory_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert "OOM-OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_mixed_devices_raise_device_error():
+    """C refuses tensors on two devices (status UT_ERR_ARG); the bindings raise DeviceError with
+    its message. Without a GPU the C library runs UT_CUDA tensors on the CPU, so a tensor made
+    through the C API is tagged "cuda" either way."""
+    shape = ffi.new("int[]", [2, 3])
+    other = ut.Tensor._wrap(check_ptr(lib.ut_alloc(2, shape, lib.UT_CUDA), "ut_alloc"))
+    a = t(2, 3)
+    with pytest.raises(ut.DeviceError, match="is on"):
+        ut.mse_loss(a, other)
+    with pytest.raises(ut.DeviceError, match="is on"):
+        ut.relu_backward(a, other)
+    with pytest.raises(ut.DeviceError, match="is on"):
+        ut.functional.add_(a, other)
+    with ut.Linear(3, 2) as lin, pytest.raises(ut.DeviceError, match="is on"):
+        lin(other)
+    other.close()
+    a.close()

@@ -81,26 +81,26 @@ def test_failed_forward_keeps_previous_cache(device, rng):
 
 def test_shape_errors_keep_python_messages(device):
     with ut.Linear(4, 3, device=device) as lin:
-        with pytest.raises(ut.ShapeError, match=r"Linear: x must be \[N, 4\]"):
+        with pytest.raises(ut.ShapeError, match=r"Linear\.forward: .*x must be \[N, 4\]"):
             lin(ut.zeros((2, 5), device))
     with ut.BatchNorm2d(2, device=device) as bn:
         with pytest.raises(ut.ShapeError, match="more than one value per channel"):
             bn(ut.zeros((1, 2, 1, 1), device))
     with ut.LayerNorm(3, device=device) as ln:
-        with pytest.raises(ut.ShapeError, match=r"LayerNorm: x must be \[\.\.\., 3\]"):
+        with pytest.raises(ut.ShapeError, match=r"LayerNorm\.forward: .*x must be \[\.\.\., 3\]"):
             ln(ut.zeros((2, 4), device))
     with pytest.raises(ut.ShapeError, match="cannot multiply"):
         F.matmul(ut.zeros((2, 3), device), ut.zeros((2, 3), device))
     with pytest.raises(ut.ShapeError, match="grad_out has shape"):
         F.relu_backward(ut.zeros((2, 3), device), ut.zeros((3, 2), device))
-    with pytest.raises(ut.ShapeError, match=r"global_avg_pool2d: x must be \[N, C, H, W\]"):
+    with pytest.raises(ut.ShapeError, match=r"global_avg_pool2d: .*x must be \[N, C, H, W\]"):
         F.global_avg_pool2d(ut.zeros((2, 3), device))
 
 
 def test_backward_checks_grad_shape(device, rng):
     with ut.Conv2d(2, 3, 2, device=device) as conv:
         conv(ut.Tensor(rng.standard_normal((1, 2, 3, 3)), device)).close()
-        with pytest.raises(ut.ShapeError, match=r"forward output had \(1, 3, 2, 2\)"):
+        with pytest.raises(ut.ShapeError, match=r"forward output had \[1, 3, 2, 2\]"):
             conv.backward(ut.zeros((1, 3, 3, 3), device))
         conv.eval()
         conv(ut.zeros((1, 2, 3, 3), device)).close()

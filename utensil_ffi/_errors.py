@@ -79,15 +79,16 @@ _BY_STATUS = {
 }
 
 
-def check(what, status=None):
-    """Raise the exception for the C library's last failure on this thread.
+def check(what, status=None, cls=None):
+    """Raise the exception for the C library's last failure on this thread: its message, as the
+    class its status names (``cls`` overrides that).
 
     ``status``: the negative ut_status a call returned, or None to read ut_last_status().
     """
     if status is None:
         status = int(lib.ut_last_status())
     msg = ffi.string(lib.ut_last_error()).decode("utf-8", "replace")
-    cls = _BY_STATUS.get(status, UtensilError)
+    cls = cls or _BY_STATUS.get(status, UtensilError)
     raise cls("%s: %s" % (what, msg or "failed (no message from the C library)"), status)
 
 

@@ -3,15 +3,21 @@
 Where a Tensor is expected an array-like is accepted too: it is copied to a temporary tensor on
 the device of the op's first Tensor argument (the CPU if there is none) and freed after the call.
 All tensor arguments of one op must be on one device (DeviceError otherwise).
+
+Validation is the C library's: each op calls C once, and a refused call raises the C message as
+the exception its status names (_errors.check). Python checks only what C cannot see: argument
+kinds, array-likes and their dtypes, integer labels before their float32 conversion, scalars that
+must fit a C int or float, and closed Tensors. Each Tensor argument is held for the call
+(tensor._hold), so a close() from another thread meanwhile cannot free it under C.
 """
 
 import numpy as np
 
 from . import _args
-from ._errors import ArgumentError, ArgumentTypeError, DeviceError, ShapeError
-from ._errors import check_ptr, check_status
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
+from ._errors import check, check_ptr
 from ._lib import ffi, lib
-from .tensor import Tensor
+from .tensor import _DEFERRED, _IN_USE, Tensor, _free_deferred, _hold, _let_go
 
 __all__ = [
     "relu",
@@ -36,47 +42,74 @@ __all__ = [
 
 
 class _Args:
-    """Turns op arguments into Tensors on one device; frees the temporaries it made on exit."""
+    """The pointers of an op's tensor arguments, each held for the call (see tensor._hold: a
+    Tensor another thread closes meanwhile stays allocated until the call ends); array-likes
+    become temporary tensors on the device of the first Tensor argument (the CPU if there is
+    none). ``with _Args(op) as a: a.ptrs(...)``; on exit it lets go and frees the temporaries.
 
-    def __init__(self, op):
+    Shapes and devices are the C library's to check: a failed call raises its message (fail()).
+    """
+
+    __slots__ = ("op", "dev", "held", "temps")
+
+    def __init__(self, op, dev=None):
         self.op = op
-        self.dev = None
+        self.dev = dev  # where array-likes go; None: the first Tensor argument's device
+        self.held = []
         self.temps = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        for p in reversed(self.held):
+            _let_go(p)
         for t in self.temps:
             t.close()
 
-    def tensor(self, x, name):
-        if isinstance(x, Tensor):
-            p = x.ptr  # ClosedError if closed
-            if self.dev is None:
-                self.dev = p.dev
-            elif p.dev != self.dev:
-                raise DeviceError(
-                    "%s: %s is on %s but the other tensors are on %s"
-                    % (self.op, name, _args.device_name(p.dev), _args.device_name(self.dev))
-                )
-            return x
+    def ptrs(self, *named):
+        """(value, name) pairs -> their held C pointers, Tensors first (their device is where the
+        array-likes go)."""
+        out = [None] * len(named)
+        for i, (x, name) in enumerate(named):
+            if isinstance(x, Tensor):
+                p = _hold(x)  # ClosedError if closed
+                self.held.append(p)
+                if self.dev is None:
+                    self.dev = p.dev
+                out[i] = p
+        for i, (x, name) in enumerate(named):
+            if out[i] is None:
+                out[i] = self.array(x, name)
+        return out
+
+    def ptr(self, x, name):
+        return self.ptrs((x, name))[0]
+
+    def array(self, x, name):
+        """Array-like ``x`` as a temporary tensor's pointer on this op's device."""
         if x is None:
             raise ArgumentTypeError("%s: %s must be a Tensor or an array, got None" % (self.op, name))
-        arr = _args.to_float_array(x, "%s: %s" % (self.op, name))
+        return self._temp(_args.to_float_array(x, "%s: %s" % (self.op, name)))
+
+    def _temp(self, arr):
         if self.dev is None:
             self.dev = lib.UT_CPU
-        t = Tensor(arr, _args.device_name(self.dev))
-        self.temps.append(t)
-        return t
+        p = check_ptr(lib.ut_from_data(arr.ndim, ffi.new("int[]", arr.shape),
+                                       ffi.from_buffer("float[]", arr), self.dev), self.op)
+        self.temps.append(_wrap(p))
+        return p
 
-    def labels(self, labels, n, k):
-        """Class indices for cross_entropy -> a float tensor [n] on the op's device."""
+    def labels(self, labels):
+        """Class indices for cross_entropy -> (a held pointer to a float tensor on the op's
+        device, None or the error to raise if the C call succeeds).
+
+        A Tensor is taken as it is. An integer array becomes float32 labels, the C API's form;
+        the C library checks their shape and values, but cannot see a value the conversion
+        changed: that error is raised only once C has accepted the rest, so that a wrong shape
+        or range is reported first, as C reports it."""
         if isinstance(labels, Tensor):
-            t = self.tensor(labels, "labels")
-            if t.shape != (n,):
-                raise ShapeError("%s: labels has shape %s, expected (%d,)" % (self.op, t.shape, n))
-            return t
+            return self.ptr(labels, "labels"), None
         try:
             arr = np.asarray(labels)
         except Exception as e:
@@ -85,63 +118,98 @@ class _Args:
             raise ArgumentTypeError(
                 "%s: labels must be integer class indices, got dtype %s" % (self.op, arr.dtype)
             )
-        if arr.shape != (n,):
-            raise ShapeError("%s: labels has shape %s, expected (%d,)" % (self.op, arr.shape, n))
-        if n and (arr.min() < 0 or arr.max() >= k):
-            raise ArgumentError(
-                "%s: labels must be in [0, %d), got values in [%d, %d]"
-                % (self.op, k, arr.min(), arr.max())
-            )
+        if arr.ndim == 0:  # the conversion would make it [1]
+            raise ShapeError("%s: labels must be [N], got a scalar" % self.op)
         f = arr.astype(np.float32)
-        # the C API carries class indices as float32: above 2^24 not every integer is one, and a
-        # rounded label would silently name a neighbouring class
+        # above 2^24 not every integer is a float32, and a rounded label would silently name a
+        # neighbouring class
         bad = np.flatnonzero(f.astype(np.int64) != arr)
+        lost = None
         if bad.size:
-            raise ArgumentError(
+            lost = ArgumentError(
                 "%s: labels[%d] = %d is not exactly representable as float32 (class indices above "
-                "2^24 must be even, above 2^25 multiples of 4, ...)" % (self.op, bad[0], arr[bad[0]])
+                "2^24 must be even, above 2^25 multiples of 4, ...)"
+                % (self.op, bad[0], arr.reshape(-1)[bad[0]])
             )
-        return self.tensor(f, "labels")
+        return self.array(f, "labels"), lost
 
 
-def _same_shape(op, a, b, an, bn):
-    if a.shape != b.shape:
-        raise ShapeError("%s: %s has shape %s but %s has shape %s" % (op, an, a.shape, bn, b.shape))
-
-
-def _new(p, op):
-    return _wrap(check_ptr(p, op))
+def fail(what, *ptrs):
+    """Raise the C library's error for the failed call ``what``: the exception class its status
+    names, or DeviceError when the call's tensors (``ptrs``, held) are on different devices."""
+    mixed = len({p.dev for p in ptrs}) > 1
+    check(what, cls=DeviceError if mixed else None)
 
 
 _wrap = Tensor._wrap
 _NULL = ffi.NULL
 
-# Fast paths: when every tensor argument is an open Tensor, the C op is called directly (the C
-# library checks shapes and devices itself). Only if it fails does the op run again through the
-# checked path below, which raises the Python message (or, failing again, the C one).
+
+def _new(what, c_op, *named):
+    """A C op that returns a new tensor, on (value, name) arguments."""
+    with _Args(what) as a:
+        ps = a.ptrs(*named)
+        r = c_op(*ps)
+        if r == _NULL:
+            fail(what, *ps)
+        return _wrap(r)
 
 
-# -- elementwise ----------------------------------------------------------------------------------
-def _unary(name, c_op, x):
-    if isinstance(x, Tensor) and x._ptr is not None:
-        r = c_op(x._ptr)
-        if r != _NULL:
-            return _wrap(r)
-    with _Args(name) as a:
-        return _new(c_op(a.tensor(x, "x").ptr), name)
+def _inplace(what, c_op, named, *scalars):
+    """A C op that returns a ut_status, on (value, name) arguments and then ``scalars``."""
+    with _Args(what) as a:
+        ps = a.ptrs(*named)
+        if c_op(*ps, *scalars) < 0:
+            fail(what, *ps)
 
 
-def _masked_backward(name, c_op, grad_out, x):
-    if isinstance(grad_out, Tensor) and isinstance(x, Tensor):
-        gp, xp = grad_out._ptr, x._ptr
-        if gp is not None and xp is not None:
-            r = c_op(gp, xp)
-            if r != _NULL:
-                return _wrap(r)
-    with _Args(name) as a:
-        g, x = a.tensor(grad_out, "grad_out"), a.tensor(x, "x")
-        _same_shape(name, g, x, "grad_out", "x")
-        return _new(c_op(g.ptr, x.ptr), name)
+# The fast paths: an op whose arguments are all Tensors lists them in tensor._IN_USE and calls C
+# directly: _hold and _let_go written out, since on a small op their two calls per tensor cost
+# more than the rest of the protocol (and no _Args, whose bookkeeping would double the cost).
+_list = _IN_USE.append
+_unlist = _IN_USE.remove
+
+
+def _unary(what, c_op, x):
+    if isinstance(x, Tensor):
+        xp = x._ptr
+        if xp is None:
+            raise ClosedError("operation on a closed Tensor")
+        _list(xp)
+        try:
+            if x._ptr is not xp:  # closed meanwhile (see _hold)
+                raise ClosedError("operation on a closed Tensor")
+            r = c_op(xp)
+            if r == _NULL:
+                fail(what)
+        finally:
+            _unlist(xp)
+            if _DEFERRED:
+                _free_deferred()
+        return _wrap(r)
+    return _new(what, c_op, (x, "x"))
+
+
+def _binary(what, c_op, a, b, an, bn):
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        ap, bp = a._ptr, b._ptr
+        if ap is None or bp is None:
+            raise ClosedError("operation on a closed Tensor")
+        _list(ap)
+        _list(bp)
+        try:
+            if a._ptr is not ap or b._ptr is not bp:  # closed meanwhile (see _hold)
+                raise ClosedError("operation on a closed Tensor")
+            r = c_op(ap, bp)
+            if r == _NULL:
+                fail(what, ap, bp)
+        finally:
+            _unlist(bp)
+            _unlist(ap)
+            if _DEFERRED:
+                _free_deferred()
+        return _wrap(r)
+    return _new(what, c_op, (a, an), (b, bn))
 
 
 def relu(x):
@@ -156,24 +224,20 @@ def relu6(x):
 
 def relu_backward(grad_out, x):
     """grad_out where 0 < x, else 0 (x: the forward input)."""
-    return _masked_backward("relu_backward", lib.ut_relu_backward, grad_out, x)
+    return _binary("relu_backward", lib.ut_relu_backward, grad_out, x, "grad_out", "x")
 
 
 def relu6_backward(grad_out, x):
     """grad_out where 0 < x < 6, else 0 (x: the forward input)."""
-    return _masked_backward("relu6_backward", lib.ut_relu6_backward, grad_out, x)
+    return _binary("relu6_backward", lib.ut_relu6_backward, grad_out, x, "grad_out", "x")
 
 
 def add_(dst, src):
     """dst += src in place (same number of elements); returns dst."""
     if not isinstance(dst, Tensor):
         raise ArgumentTypeError("add_: dst must be a Tensor, got %s" % type(dst).__name__)
-    with _Args("add_") as a:
-        d, s = a.tensor(dst, "dst"), a.tensor(src, "src")
-        if d.size != s.size:
-            raise ShapeError("add_: dst has %d elements, src %d" % (d.size, s.size))
-        check_status(lib.ut_add_into(d.ptr, s.ptr), "add_")
-        return dst
+    _inplace("add_", lib.ut_add_into, ((dst, "dst"), (src, "src")))
+    return dst
 
 
 def scale_(t, alpha):
@@ -187,54 +251,36 @@ def bias_add_(x, bias):
     """x[n, c, ...] += bias[c] in place (x: [N, C, ...], bias: [C]); returns x."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError("bias_add_: x must be a Tensor, got %s" % type(x).__name__)
-    with _Args("bias_add_") as a:
-        xt, b = a.tensor(x, "x"), a.tensor(bias, "bias")
-        if xt.ndim < 2 or b.shape != (xt.shape[1],):
-            raise ShapeError("bias_add_: x %s needs bias of shape (C,), got %s" % (xt.shape, b.shape))
-        check_status(lib.ut_bias_add(xt.ptr, b.ptr), "bias_add_")
-        return x
+    _inplace("bias_add_", lib.ut_bias_add, ((x, "x"), (bias, "bias")))
+    return x
 
 
 # -- dense ----------------------------------------------------------------------------------------
 def matmul(a, b):
     """a: [M, K] @ b: [K, N] -> [M, N]."""
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        ap, bp = a._ptr, b._ptr
-        if ap is not None and bp is not None:
-            r = lib.ut_matmul(ap, bp)
-            if r != _NULL:
-                return _wrap(r)
-    with _Args("matmul") as args:
-        at, bt = args.tensor(a, "a"), args.tensor(b, "b")
-        if at.ndim != 2 or bt.ndim != 2 or at.shape[1] != bt.shape[0]:
-            raise ShapeError("matmul: cannot multiply %s by %s" % (at.shape, bt.shape))
-        return _new(lib.ut_matmul(at.ptr, bt.ptr), "matmul")
+    return _binary("matmul", lib.ut_matmul, a, b, "a", "b")
 
 
 def transpose(x, d0, d1):
     """A copy of x with dimensions d0 and d1 swapped."""
-    with _Args("transpose") as a:
-        return a.tensor(x, "x").transpose(d0, d1)
+    if isinstance(x, Tensor):
+        return x.transpose(d0, d1)
+    with Tensor(_args.to_float_array(x, "transpose: x")) as t:
+        return t.transpose(d0, d1)
 
 
 def reshape(x, shape):
     """A copy of x with a new shape of the same element count."""
-    with _Args("reshape") as a:
-        return a.tensor(x, "x").reshape(shape)
+    if isinstance(x, Tensor):
+        return x.reshape(shape)
+    with Tensor(_args.to_float_array(x, "reshape: x")) as t:
+        return t.reshape(shape)
 
 
 # -- pooling --------------------------------------------------------------------------------------
 def global_avg_pool2d(x):
     """x: [N, C, H, W] -> [N, C], the mean over H and W."""
-    if isinstance(x, Tensor) and x._ptr is not None:
-        r = lib.ut_global_avgpool2d_forward(x._ptr)
-        if r != _NULL:
-            return _wrap(r)
-    with _Args("global_avg_pool2d") as a:
-        xt = a.tensor(x, "x")
-        if xt.ndim != 4:
-            raise ShapeError("global_avg_pool2d: x must be [N, C, H, W], got %s" % (xt.shape,))
-        return _new(lib.ut_global_avgpool2d_forward(xt.ptr), "global_avg_pool2d")
+    return _unary("global_avg_pool2d", lib.ut_global_avgpool2d_forward, x)
 
 
 def global_avg_pool2d_backward(grad_out, h, w):
@@ -242,35 +288,35 @@ def global_avg_pool2d_backward(grad_out, h, w):
     h = _args.to_int(h, "h", 1)
     w = _args.to_int(w, "w", 1)
     with _Args("global_avg_pool2d_backward") as a:
-        g = a.tensor(grad_out, "grad_out")
-        if g.ndim != 2:
-            raise ShapeError("global_avg_pool2d_backward: grad_out must be [N, C], got %s" % (g.shape,))
-        _args.to_shape((g.shape[0], g.shape[1], h, w), "dx shape")
-        return _new(lib.ut_global_avgpool2d_backward(g.ptr, h, w), "global_avg_pool2d_backward")
+        g = a.ptr(grad_out, "grad_out")
+        r = lib.ut_global_avgpool2d_backward(g, h, w)
+        if r == _NULL:
+            fail("global_avg_pool2d_backward")
+        return _wrap(r)
 
 
 # -- losses ---------------------------------------------------------------------------------------
 def mse_loss(pred, target):
     """mean((pred - target)^2) as a one-element tensor on pred's device."""
-    with _Args("mse_loss") as a:
-        p, t = a.tensor(pred, "pred"), a.tensor(target, "target")
-        _same_shape("mse_loss", p, t, "pred", "target")
-        return _new(lib.ut_mse_loss(p.ptr, t.ptr), "mse_loss")
+    return _binary("mse_loss", lib.ut_mse_loss, pred, target, "pred", "target")
 
 
 def mse_loss_backward(pred, target):
     """d mse_loss / d pred = 2 (pred - target) / pred.size."""
-    with _Args("mse_loss_backward") as a:
-        p, t = a.tensor(pred, "pred"), a.tensor(target, "target")
-        _same_shape("mse_loss_backward", p, t, "pred", "target")
-        return _new(lib.ut_mse_loss_backward(p.ptr, t.ptr), "mse_loss_backward")
+    return _binary("mse_loss_backward", lib.ut_mse_loss_backward, pred, target, "pred", "target")
 
 
-def _ce_args(a, logits, labels):
-    lt = a.tensor(logits, "logits")
-    if lt.ndim != 2:
-        raise ShapeError("%s: logits must be [N, K], got %s" % (a.op, lt.shape))
-    return lt, a.labels(labels, lt.shape[0], lt.shape[1])
+def _ce(what, c_op, logits, labels):
+    with _Args(what) as a:
+        lp = a.ptr(logits, "logits")
+        yp, lost = a.labels(labels)
+        r = c_op(lp, yp)
+        if r == _NULL:
+            fail(what, lp, yp)
+        if lost is not None:
+            lib.ut_free(r)  # computed from rounded labels
+            raise lost
+        return _wrap(r)
 
 
 def cross_entropy(logits, labels):
@@ -279,39 +325,29 @@ def cross_entropy(logits, labels):
     logits: [N, K]; labels: N integer class indices in [0, K) (an int array), or a float Tensor
     of such indices on the logits' device. Returns a one-element tensor.
     """
-    with _Args("cross_entropy") as a:
-        lt, lb = _ce_args(a, logits, labels)
-        return _new(lib.ut_cross_entropy_loss(lt.ptr, lb.ptr), "cross_entropy")
+    return _ce("cross_entropy", lib.ut_cross_entropy_loss, logits, labels)
 
 
 def cross_entropy_backward(logits, labels):
     """d cross_entropy / d logits = (softmax(logits) - onehot(labels)) / N, [N, K]."""
-    with _Args("cross_entropy_backward") as a:
-        lt, lb = _ce_args(a, logits, labels)
-        return _new(lib.ut_cross_entropy_backward(lt.ptr, lb.ptr), "cross_entropy_backward")
+    return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward, logits, labels)
 
 
 # -- optimizer steps ------------------------------------------------------------------------------
-def _state(a, x, name, like):
-    t = a.tensor(x, name)
-    if t.size != like.size:
-        raise ShapeError("%s: %s has %d elements, param %d" % (a.op, name, t.size, like.size))
-    return t
-
-
 def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
     """In place: velocity = momentum velocity + grad; param -= lr velocity (no velocity: lr grad)."""
     lr = _args.to_float32(lr, "lr", lo=0.0)
     momentum = _args.to_float32(momentum, "momentum", lo=0.0)
     if not isinstance(param, Tensor):
         raise ArgumentTypeError("sgd_step: param must be a Tensor, got %s" % type(param).__name__)
+    if velocity is not None and not isinstance(velocity, Tensor):
+        raise ArgumentTypeError("sgd_step: velocity must be a Tensor or None")
+    named = ((param, "param"), (grad, "grad")) + (((velocity, "velocity"),) if velocity is not None
+                                                   else ())
     with _Args("sgd_step") as a:
-        p = a.tensor(param, "param")
-        g = _state(a, grad, "grad", p)
-        if velocity is not None and not isinstance(velocity, Tensor):
-            raise ArgumentTypeError("sgd_step: velocity must be a Tensor or None")
-        v = _state(a, velocity, "velocity", p).ptr if velocity is not None else ffi.NULL
-        check_status(lib.ut_sgd_step(p.ptr, g.ptr, v, lr, momentum), "sgd_step")
+        ps = a.ptrs(*named)
+        if lib.ut_sgd_step(ps[0], ps[1], ps[2] if velocity is not None else _NULL, lr, momentum) < 0:
+            fail("sgd_step", *ps)
     return param
 
 
@@ -325,11 +361,6 @@ def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8
     for name, x in (("param", param), ("m", m), ("v", v)):
         if not isinstance(x, Tensor):
             raise ArgumentTypeError("adam_step: %s must be a Tensor, got %s" % (name, type(x).__name__))
-    with _Args("adam_step") as a:
-        p = a.tensor(param, "param")
-        g = _state(a, grad, "grad", p)
-        mt, vt = _state(a, m, "m", p), _state(a, v, "v", p)
-        check_status(
-            lib.ut_adam_step(p.ptr, g.ptr, mt.ptr, vt.ptr, step, lr, beta1, beta2, eps), "adam_step"
-        )
+    _inplace("adam_step", lib.ut_adam_step, ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
+             step, lr, beta1, beta2, eps)
     return param

@@ -28,11 +28,11 @@ import threading
 import weakref
 
 from . import _args
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, ShapeError
 from ._errors import check, check_ptr
 from ._lib import ffi, lib
 from . import functional as _F
-from .functional import _Args
+from .functional import _Args, fail
 from .tensor import _EXITING, Tensor, _hold, _let_go, zeros
 
 _wrap = Tensor._wrap
@@ -87,7 +87,11 @@ class Parameter(Tensor):
     def __deepcopy__(self, memo):
         new = _new_parameter(getattr(self, "name", None))
         memo[id(self)] = new
-        new._ptr = check_ptr(lib.ut_copy(self.ptr), "Parameter copy")
+        p = _hold(self)
+        try:
+            new._ptr = check_ptr(lib.ut_copy(p), "Parameter copy")
+        finally:
+            _let_go(p)
         g = getattr(self, "grad", None)
         new.grad = copy.deepcopy(g, memo) if g is not None else None
         return new
@@ -251,9 +255,8 @@ def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
     from .tensor import _unpickle_device
 
     _unpickle_device(device)
-    kind = cls._kind
     own = dict(tensors, weight=weight, bias=bias)
-    c = ffi.new("ut_%s*" % kind)
+    c = ffi.new(cls._c_struct)
     for name, value in scalars.items():
         setattr(c, name, value)
     for name, t in own.items():
@@ -391,17 +394,17 @@ class _Handle:
     """The C side of one layer: its struct and its forward caches, freed together.
 
     Kept apart from the layer object so a finalizer can free it without keeping the layer alive.
-    Each forward that keeps a cache fills a fresh ``ut_<kind>_cache`` of its own, so concurrent
-    forwards share nothing mutable.
+    Each forward that keeps a cache fills a fresh cache struct (the layer class's ``_c_cache``)
+    of its own, so concurrent forwards share nothing mutable.
     """
 
     __slots__ = ("s", "state", "_ctype", "_cache_free", "_free")
 
-    def __init__(self, kind, s):
+    def __init__(self, cls, s):
         self.s = s
-        self._ctype = ffi.typeof("ut_%s_cache*" % kind)
-        self._cache_free = getattr(lib, "ut_%s_cache_free" % kind)
-        self._free = getattr(lib, "ut_%s_free" % kind)
+        self._ctype = cls._c_cache
+        self._cache_free = cls._c_cache_free
+        self._free = cls._c_free
         self.state = _State(self._drop)
 
     def new_cache(self):
@@ -433,23 +436,54 @@ class _Handle:
             self._free(s)
 
 
-class _CLayer(Module):
-    """A layer backed by a C struct ``ut_<kind>`` and its forward cache ``ut_<kind>_cache``."""
+class _TensorField:
+    """A layer's parameter or buffer as an attribute (weight, bias, running_mean, ...): reading
+    gives its Tensor, assigning copies values into it (copy_from: the same shape), so the C
+    struct keeps its tensor. ClosedError once the layer is closed. The Tensor itself is kept in
+    the instance under the name with a leading underscore (None: the layer has none)."""
 
-    _kind = None
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.attr = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        obj._struct  # ClosedError once closed
+        return getattr(obj, self.attr)
+
+    def __set__(self, obj, value):
+        obj._struct
+        t = getattr(obj, self.attr)
+        if t is None:
+            raise ArgumentError("%s was created with %s=False" % (type(obj).__name__, self.name))
+        t.copy_from(value)
+
+
+class _CLayer(Module):
+    """A layer backed by a C struct and its forward cache.
+
+    Each subclass names its C side in full, so that grepping for an entry point finds its
+    binding: ``_c_struct`` and ``_c_cache`` (the struct pointer types) and the functions
+    ``_c_forward``, ``_c_backward``, ``_c_cache_free``, ``_c_free``; its allocator is passed to
+    __init__. The C calls validate shapes and devices; a refused call raises the C message.
+    """
+
+    _c_struct = _c_cache = _c_forward = _c_backward = _c_cache_free = _c_free = None
     _h = None
+
+    weight = _TensorField()
+    bias = _TensorField()
 
     def __init__(self, device, alloc, *args):
         dev = _args.parse_device(device)
-        s = ffi.new("ut_%s*" % self._kind)
+        s = ffi.new(self._c_struct)
         s[0] = alloc(*args, dev)
         if s.weight == ffi.NULL:
             check(type(self).__name__)
-        self._h = _Handle(self._kind, s)
+        self._h = _Handle(type(self), s)
         self._finalizer = weakref.finalize(self, self._h.free)
         self._finalizer.atexit = False
-        self._fwd = getattr(lib, "ut_%s_forward" % self._kind)
-        self._bwd = getattr(lib, "ut_%s_backward" % self._kind)
         self._weight = _param(s.weight, "weight")
         self._bias = _param(s.bias, "bias") if s.bias != ffi.NULL else None
 
@@ -466,28 +500,6 @@ class _CLayer(Module):
     @property
     def device(self):
         return _args.device_name(self._struct.weight.dev)
-
-    @property
-    def weight(self):
-        self._struct
-        return self._weight
-
-    @weight.setter
-    def weight(self, value):
-        self._struct
-        self._weight.copy_from(value)
-
-    @property
-    def bias(self):
-        self._struct
-        return self._bias
-
-    @bias.setter
-    def bias(self, value):
-        self._struct
-        if self._bias is None:
-            raise ArgumentError("%s was created with bias=False" % type(self).__name__)
-        self._bias.copy_from(value)
 
     def parameters(self):
         self._struct
@@ -510,90 +522,60 @@ class _CLayer(Module):
                     check("%s.to" % type(self).__name__)
         return self
 
-    def _check_input(self, shape):
-        """Raise ShapeError unless x's shape suits the layer; return the output shape."""
-        raise NotImplementedError
-
     def __call__(self, x):
         return self.forward(x)
 
     def forward(self, x):
         h = self._h
-        # The fast path: an open Tensor goes straight to C, which checks the shape and device;
-        # on failure the Python checks below run to raise their (more specific) message.
-        xp = x._ptr if isinstance(x, Tensor) else None
-        if xp is None or h is None:
-            return self._forward_checked(x)
-        s = h.enter()
+        s = h.enter() if h is not None else None
         if s is None:
-            return self._forward_checked(x)
+            raise ClosedError("operation on a closed %s" % type(self).__name__)
         try:
-            xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
-            try:
-                p, c = self._run_forward(h, s, xp)
-            finally:
-                _let_go(xp)
+            if isinstance(x, Tensor):
+                xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
+                try:
+                    return _wrap(self._run_forward(h, s, xp))
+                finally:
+                    _let_go(xp)
+            # an array-like: a temporary tensor on the layer's device, then the same call
+            with _Args(type(self).__name__, s.weight.dev) as a:
+                return _wrap(self._run_forward(h, s, a.array(x, "x")))
         finally:
             h.state.leave()
-        if p == _NULL:
-            return self._forward_checked(x)
-        return _wrap(p)
 
     def _run_forward(self, h, s, xp):
-        """One C forward with a cache of its own when it keeps one; pushes the cache on success."""
+        """One C forward with a cache of its own when it keeps one (pushed on success); raises
+        the C library's error on failure."""
         if not self._keeps_cache():
-            return self._fwd(s, xp, _NULL), None
+            p = self._c_forward(s, xp, _NULL)
+            if p == _NULL:
+                fail("%s.forward" % type(self).__name__, s.weight, xp)
+            return p
         c = h.new_cache()
         if self._writes_state():
             with h.state.wlock:
-                p = self._fwd(s, xp, c)
+                p = self._c_forward(s, xp, c)
         else:
-            p = self._fwd(s, xp, c)
+            p = self._c_forward(s, xp, c)
         if p == _NULL:
-            h._cache_free(c)  # whatever a failed forward may have stored
-        else:
-            h.state.push((getattr(_PASS, "id", None), c, c.input.version, s.weight.version))
-        return p, c
+            try:
+                fail("%s.forward" % type(self).__name__, s.weight, xp)
+            finally:
+                h._cache_free(c)  # whatever a failed forward may have stored
+        h.state.push((getattr(_PASS, "id", None), c, c.input.version, s.weight.version))
+        return p
 
     def _writes_state(self):
         """Whether forward writes the layer's own tensors (then it is serialized)."""
         return False
 
-    def _forward_checked(self, x):
-        """forward with every check in Python first (array-likes, closed tensors, failures)."""
-        s = self._struct
-        name = type(self).__name__
-        with _Args(name) as a:
-            a.dev = s.weight.dev
-            xt = a.tensor(x, "x")
-            self._check_input(xt.shape)
-            h = self._h
-            s = h.enter()
-            if s is None:
-                raise ClosedError("operation on a closed %s" % name)
-            try:
-                xp = _hold(xt)
-                try:
-                    p, _ = self._run_forward(h, s, xp)
-                finally:
-                    _let_go(xp)
-            finally:
-                h.state.leave()
-            if p == _NULL:
-                check("%s.forward" % name)
-            return _wrap(p)
-
     def _keeps_cache(self):
         """Whether forward keeps what backward needs: in training mode."""
         return self.training
 
-    def _grad_shape(self, in_shape):
-        """The shape backward's grad_out must have, given the input the last forward kept."""
-        return self._check_input(in_shape)
-
     def backward(self, grad_out):
-        s = self._struct
         name = type(self).__name__
+        self._struct  # ClosedError once closed
         h = self._h
         e = h.state.take()
         if e is None:
@@ -613,24 +595,14 @@ class _CLayer(Module):
                     "change it only after backward, or pass a clone to forward"
                     % (name, "input" if c.input.version != vin else "weight")
                 )
-            with _Args(name + ".backward") as a:
-                a.dev = s.weight.dev
-                g = a.tensor(grad_out, "grad_out")
-                ip = c.input.shape
-                out_shape = self._grad_shape(tuple(ffi.unpack(ip.shape, ip.ndim)))
-                if g.shape != out_shape:
-                    raise ShapeError(
-                        "%s.backward: grad_out has shape %s, the forward output had %s"
-                        % (name, g.shape, out_shape)
-                    )
-                gp = _hold(g)
-                try:
-                    with h.state.wlock:
-                        db = _grad_ptr(self._bias) if self._bias is not None else ffi.NULL
-                        p = self._bwd(s, c, gp, _grad_ptr(self._weight), db)
-                finally:
-                    _let_go(gp)
-                return _wrap(check_ptr(p, "%s.backward" % name))
+            with _Args(name + ".backward", s.weight.dev) as a:
+                gp = a.ptr(grad_out, "grad_out")
+                with h.state.wlock:
+                    db = _grad_ptr(self._bias) if self._bias is not None else _NULL
+                    p = self._c_backward(s, c, gp, _grad_ptr(self._weight), db)
+                    if p == _NULL:
+                        fail("%s.backward" % name, s.weight, gp)
+                return _wrap(p)
         finally:
             h.state.leave()
 
@@ -676,7 +648,12 @@ class Conv2d(_CLayer):
     weight: [out_channels, in_channels, kh, kw], bias: [out_channels] (or None).
     """
 
-    _kind = "conv2d"
+    _c_struct = ffi.typeof("ut_conv2d *")
+    _c_cache = ffi.typeof("ut_conv2d_cache *")
+    _c_forward = lib.ut_conv2d_forward
+    _c_backward = lib.ut_conv2d_backward
+    _c_cache_free = lib.ut_conv2d_cache_free
+    _c_free = lib.ut_conv2d_free
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  device="cpu"):
@@ -690,10 +667,6 @@ class Conv2d(_CLayer):
         super().__init__(device, lib.ut_conv2d_alloc, self.in_channels, self.out_channels, kh, kw,
                          self.stride, self.padding, _args.to_bool(bias, "bias"))
 
-    def _check_input(self, shape):
-        return _conv_out_shape(type(self).__name__, shape, self.in_channels, self.out_channels,
-                               self.kernel_size, self.stride, self.padding)
-
     def _describe(self):
         return "%d, %d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
             self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
@@ -706,7 +679,12 @@ class DWConv2d(_CLayer):
     weight: [C, kh, kw], bias: [C] (or None).
     """
 
-    _kind = "dwconv2d"
+    _c_struct = ffi.typeof("ut_dwconv2d *")
+    _c_cache = ffi.typeof("ut_dwconv2d_cache *")
+    _c_forward = lib.ut_dwconv2d_forward
+    _c_backward = lib.ut_dwconv2d_backward
+    _c_cache_free = lib.ut_dwconv2d_cache_free
+    _c_free = lib.ut_dwconv2d_free
 
     def __init__(self, channels, kernel_size, stride=1, padding=0, bias=True, device="cpu"):
         self.channels = _args.to_int(channels, "channels", 1)
@@ -718,28 +696,9 @@ class DWConv2d(_CLayer):
         super().__init__(device, lib.ut_dwconv2d_alloc, self.channels, kh, kw, self.stride,
                          self.padding, _args.to_bool(bias, "bias"))
 
-    def _check_input(self, shape):
-        return _conv_out_shape(type(self).__name__, shape, self.channels, self.channels,
-                               self.kernel_size, self.stride, self.padding)
-
     def _describe(self):
         return "%d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
             self.channels, self.kernel_size, self.stride, self.padding, self._bias is not None)
-
-
-def _conv_out_shape(name, shape, in_c, out_c, kernel, stride, pad):
-    if len(shape) != 4:
-        raise ShapeError("%s: x must be [N, C, H, W], got shape %s" % (name, shape))
-    n, c, h, w = shape
-    if c != in_c:
-        raise ShapeError("%s: x has %d channels, the layer expects %d" % (name, c, in_c))
-    kh, kw = kernel
-    if h + 2 * pad < kh or w + 2 * pad < kw:
-        raise ShapeError(
-            "%s: input %dx%d (padding %d) is smaller than the %dx%d kernel" % (name, h, w, pad, kh, kw)
-        )
-    out = (n, out_c, (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1)
-    return _args.to_shape(out, "%s output shape" % name)
 
 
 class Linear(_CLayer):
@@ -748,20 +707,18 @@ class Linear(_CLayer):
     weight: [out_features, in_features], bias: [out_features] (or None).
     """
 
-    _kind = "linear"
+    _c_struct = ffi.typeof("ut_linear *")
+    _c_cache = ffi.typeof("ut_linear_cache *")
+    _c_forward = lib.ut_linear_forward
+    _c_backward = lib.ut_linear_backward
+    _c_cache_free = lib.ut_linear_cache_free
+    _c_free = lib.ut_linear_free
 
     def __init__(self, in_features, out_features, bias=True, device="cpu"):
         self.in_features = _args.to_int(in_features, "in_features", 1)
         self.out_features = _args.to_int(out_features, "out_features", 1)
         _args.to_shape((self.out_features, self.in_features), "weight shape")
         super().__init__(device, lib.ut_linear_alloc, self.in_features, self.out_features, _args.to_bool(bias, "bias"))
-
-    def _check_input(self, shape):
-        if len(shape) != 2 or shape[1] != self.in_features:
-            raise ShapeError(
-                "Linear: x must be [N, %d], got shape %s" % (self.in_features, shape)
-            )
-        return (shape[0], self.out_features)
 
     def _describe(self):
         return "%d, %d, bias=%s" % (self.in_features, self.out_features, self._bias is not None)
@@ -770,7 +727,12 @@ class Linear(_CLayer):
 class LayerNorm(_CLayer):
     """x: [..., D] -> same shape, normalized over the last dimension; weight, bias: [D]."""
 
-    _kind = "layernorm"
+    _c_struct = ffi.typeof("ut_layernorm *")
+    _c_cache = ffi.typeof("ut_layernorm_cache *")
+    _c_forward = lib.ut_layernorm_forward
+    _c_backward = lib.ut_layernorm_backward
+    _c_cache_free = lib.ut_layernorm_cache_free
+    _c_free = lib.ut_layernorm_free
 
     def __init__(self, normalized_shape, eps=1e-5, device="cpu"):
         if isinstance(normalized_shape, (tuple, list)):
@@ -780,11 +742,6 @@ class LayerNorm(_CLayer):
         self.dim = _args.to_int(normalized_shape, "normalized_shape", 1)
         self.eps = _args.to_float(eps, "eps", lo=0.0)
         super().__init__(device, lib.ut_layernorm_alloc, self.dim, self.eps)
-
-    def _check_input(self, shape):
-        if shape[-1] != self.dim:
-            raise ShapeError("LayerNorm: x must be [..., %d], got shape %s" % (self.dim, shape))
-        return shape
 
     def _describe(self):
         return "%d, eps=%g" % (self.dim, self.eps)
@@ -799,7 +756,15 @@ class BatchNorm2d(_CLayer):
     works with frozen statistics (fine-tuning with a fixed normalization).
     """
 
-    _kind = "batchnorm2d"
+    _c_struct = ffi.typeof("ut_batchnorm2d *")
+    _c_cache = ffi.typeof("ut_batchnorm2d_cache *")
+    _c_forward = lib.ut_batchnorm2d_forward
+    _c_backward = lib.ut_batchnorm2d_backward
+    _c_cache_free = lib.ut_batchnorm2d_cache_free
+    _c_free = lib.ut_batchnorm2d_free
+
+    running_mean = _TensorField()
+    running_var = _TensorField()
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, device="cpu"):
         self.num_features = _args.to_int(num_features, "num_features", 1)
@@ -811,26 +776,6 @@ class BatchNorm2d(_CLayer):
         self._running_var = Tensor._borrow(self._struct.running_var)
         self._struct.training = True
 
-    @property
-    def running_mean(self):
-        self._struct
-        return self._running_mean
-
-    @running_mean.setter
-    def running_mean(self, value):
-        self._struct
-        self._running_mean.copy_from(value)
-
-    @property
-    def running_var(self):
-        self._struct
-        return self._running_var
-
-    @running_var.setter
-    def running_var(self, value):
-        self._struct
-        self._running_var.copy_from(value)
-
     def train(self, mode=True):
         super().train(mode)
         self._struct.training = _args.to_bool(mode, "mode")
@@ -839,22 +784,8 @@ class BatchNorm2d(_CLayer):
     def _keeps_cache(self):
         return True
 
-    def _grad_shape(self, in_shape):
-        return in_shape
-
     def _tensors(self):
         return super()._tensors() + [self._running_mean.ptr, self._running_var.ptr]
-
-    def _check_input(self, shape):
-        if len(shape) != 4 or shape[1] != self.num_features:
-            raise ShapeError(
-                "BatchNorm2d: x must be [N, %d, H, W], got shape %s" % (self.num_features, shape)
-            )
-        if self.training and shape[0] * shape[2] * shape[3] < 2:
-            raise ShapeError(
-                "BatchNorm2d: training needs more than one value per channel, got shape %s" % (shape,)
-            )
-        return shape
 
     def _writes_state(self):
         return self.training
@@ -868,6 +799,18 @@ class BatchNorm2d(_CLayer):
 
     def _describe(self):
         return "%d, eps=%g, momentum=%g" % (self.num_features, self.eps, self.momentum)
+
+
+def _kept(x, like):
+    """A Tensor with x's values for a later backward: a new reference to x's C tensor, or for an
+    array-like a copy on the device of ``like`` (the op's result)."""
+    if isinstance(x, Tensor):
+        p = _hold(x)  # another thread may be closing x
+        try:
+            return Tensor._borrow(p)
+        finally:
+            _let_go(p)
+    return Tensor(_args.to_float_array(x), like.device)
 
 
 def _drop_kept(entry):
@@ -899,11 +842,7 @@ class _Stateless(Module):
 
     def _keep(self, x, y):
         """What backward needs: (input, its version now)."""
-        # x succeeded as the op's input, so a Tensor x is open
-        if isinstance(x, Tensor):
-            p = lib.ut_retain(x._ptr)
-            return _wrap(p), p.version
-        t = Tensor(x, y.device)
+        t = _kept(x, y)
         return t, t._ptr.version
 
     def _take(self):
@@ -959,11 +898,9 @@ class GlobalAvgPool2d(_Stateless):
     _op = staticmethod(_F.global_avg_pool2d)
 
     def _keep(self, x, y):
-        # only the input's shape: backward does not read its values
-        if isinstance(x, Tensor):
-            n, c, h, w = ffi.unpack(x._ptr.shape.shape, 4)  # 4-D: the op succeeded
-        else:
-            n, c, h, w = _args.to_float_array(x).shape
+        # only the input's shape: backward does not read its values. The op succeeded, so x is
+        # 4-D (a Tensor closed by another thread since raises ClosedError here)
+        n, c, h, w = x.shape if isinstance(x, Tensor) else _args.to_float_array(x).shape
         return ((n, c), h, w), None
 
     def backward(self, grad_out):
@@ -1062,11 +999,8 @@ class _Loss:
     def forward(self, pred, target):
         out = self._fwd(pred, target)
         self.close()
-        with _Args(type(self).__name__) as a:
-            a.dev = out.ptr.dev
-            p = a.tensor(pred, "pred")
-            keep_p = Tensor._borrow(p.ptr)
-        keep_t = Tensor._borrow(target.ptr) if isinstance(target, Tensor) else target
+        keep_p = _kept(pred, out)
+        keep_t = _kept(target, out) if isinstance(target, Tensor) else target  # labels stay ints
         self._saved = (keep_p, keep_t)
         return out
 

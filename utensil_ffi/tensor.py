@@ -39,53 +39,38 @@ atexit.register(_EXITING.__setitem__, 0, True)
 _CLOSE_LOCK = threading.Lock()  # close() from two threads at once frees one reference once
 
 # Closing a Tensor while another thread's C call uses it must not free the memory under that
-# call. A thread lists the pointers its call uses in its slot (_hold ... _let_go); close() frees
-# only a pointer no slot lists, and otherwise defers the free to the _let_go that drops the last
-# listing. Plain list operations under the GIL order the listing against close()'s check: _hold
-# re-reads _ptr after listing, so either close() sees the listing or _hold sees the close.
-_SLOTS = {}  # thread ident -> that thread's list of pointers in use (a reused ident replaces it)
+# call. A call lists each pointer it uses in _IN_USE for its duration (_hold ... _let_go);
+# close() frees only a pointer nobody lists, and otherwise defers the free to the _let_go that
+# drops the last listing. One list for all threads: append and remove are each atomic, and
+# cheaper than finding a per-thread list, which matters on every op's path. _hold re-reads _ptr
+# after listing, so either close() sees the listing or _hold sees the close.
+_IN_USE = []  # pointers C calls are using now, one entry per use (a multiset)
 _DEFERRED = []  # pointers close() left for the last _let_go to free
-_local = threading.local()
 
 
-def _slot():
-    try:
-        return _local.slot
-    except AttributeError:
-        s = _local.slot = []
-        with _CLOSE_LOCK:
-            _SLOTS[threading.get_ident()] = s
-        return s
+def _hold(t, _list=_IN_USE.append, _unlist=_IN_USE.remove):
+    """t's pointer, listed as in use (pair with _let_go); ClosedError if t is closed.
 
-
-def _hold(t):
-    """t's pointer, listed as in use by this thread (pair with _let_go); ClosedError if closed."""
-    slot = _slot()
+    Every C call on a Tensor another thread may close goes through it: functional's ops, the
+    Tensor methods, the layers."""
     p = t._ptr
     if p is not None:
-        slot.append(p)
+        _list(p)
         if t._ptr is p:
             return p
-        slot.pop()
+        _unlist(p)
     raise ClosedError("operation on a closed Tensor")
 
 
-def _let_go(p):
-    slot = _local.slot
-    slot.reverse()  # the most recent listing of p goes: the rest keep their order
-    slot.remove(p)
-    slot.reverse()
+def _let_go(p, _unlist=_IN_USE.remove):
+    _unlist(p)
     if _DEFERRED:
         _free_deferred()
 
 
-def _in_use(p):
-    return any(p in s for s in list(_SLOTS.values()))
-
-
 def _free_deferred():
     with _CLOSE_LOCK:
-        free = [p for p in _DEFERRED if not _in_use(p)]
+        free = [p for p in _DEFERRED if p not in _IN_USE]
         for p in free:
             _DEFERRED.remove(p)
     for p in free:
@@ -188,11 +173,15 @@ class Tensor:
         with _CLOSE_LOCK:
             p = getattr(self, "_ptr", None)
             self._ptr = None
-            if p is not None and _SLOTS and _in_use(p):
-                _DEFERRED.append(p)  # another thread's call is using it: freed as it ends
+            if p is None:
                 return
-        if p is not None:
+            deferred = p in _IN_USE
+            if deferred:
+                _DEFERRED.append(p)  # another thread's call is using it: freed as it ends
+        if not deferred:
             lib.ut_free(p)
+        else:
+            _free_deferred()  # in case that call ended before the append: its _let_go missed it
 
     def __enter__(self):
         self.ptr
@@ -202,21 +191,34 @@ class Tensor:
         self.close()
 
     # -- description ----------------------------------------------------------------------------
+    # Even reading the struct is done under _hold: a close() from another thread must not free it
+    # between reading ndim and the dimensions.
     @property
     def shape(self):
-        s = self.ptr.shape
-        return tuple(ffi.unpack(s.shape, s.ndim))
+        p = _hold(self)
+        try:
+            return tuple(ffi.unpack(p.shape.shape, p.shape.ndim))
+        finally:
+            _let_go(p)
 
     @property
     def ndim(self):
-        return self.ptr.shape.ndim
+        p = _hold(self)
+        try:
+            return p.shape.ndim
+        finally:
+            _let_go(p)
 
     @property
     def size(self):
-        return self.ptr.shape.nelem
+        p = _hold(self)
+        try:
+            return p.shape.nelem
+        finally:
+            _let_go(p)
 
     def numel(self):
-        return self.ptr.shape.nelem
+        return self.size
 
     def __len__(self):
         return self.shape[0]
@@ -227,7 +229,11 @@ class Tensor:
 
     @property
     def device(self):
-        return _args.device_name(self.ptr.dev)
+        p = _hold(self)
+        try:
+            return _args.device_name(p.dev)
+        finally:
+            _let_go(p)
 
     def __repr__(self):
         if self.closed:
@@ -246,16 +252,15 @@ class Tensor:
         snapshot valid until the next GPU op writes this tensor. Use copy_from() to write.
         The view keeps the memory alive by itself, even after this Tensor is closed or deleted.
         """
-        p = self.ptr
-        if p.dev == lib.UT_CPU:
+        p = _hold(self)
+        try:
             # A CPU tensor's host copy is its only copy, so the read-only sync suffices; it leaves
             # the version alone: reading (print, item, np.asarray) between a layer's forward and
             # backward is fine, and writes through the view are not tracked anyway.
             check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
-            owner = _HostView(p, readonly=False)
-        else:
-            check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
-            owner = _HostView(p, readonly=True)
+            owner = _HostView(p, readonly=p.dev != lib.UT_CPU)  # its own reference
+        finally:
+            _let_go(p)
         return np.asarray(owner)
 
     def __array__(self, dtype=None, copy=None):
@@ -266,7 +271,7 @@ class Tensor:
                 dtype = np.dtype(dtype)
             except TypeError:
                 raise ArgumentTypeError("__array__: %r is not a numpy dtype" % (dtype,)) from None
-        if copy is False and self.ptr.dev != lib.UT_CPU:
+        if copy is False and self.device != "cpu":
             raise ValueError("a CUDA tensor cannot be viewed writable without a copy")
         a = self.numpy()
         if dtype is not None and dtype != a.dtype:
@@ -301,29 +306,44 @@ class Tensor:
 
         Works for every device: the host copy is made the owner first, so the GPU sees the write.
         """
-        p = self.ptr
+        # The shape rule is this method's own (the C copy only needs equal element counts).
         if isinstance(data, Tensor):
-            if data.shape != self.shape:
-                raise ShapeError("copy_from: shape %s into %s" % (data.shape, self.shape))
-            if data.ptr.dev == p.dev:
-                check_status(lib.ut_copy_into(p, data.ptr), "copy_from")
-                return self
-            data = data.numpy()
+            q = _hold(data)
+            try:
+                p = _hold(self)
+                try:
+                    if not _same_shape(p, q):
+                        raise ShapeError("copy_from: shape %s into %s" % (_shape(q), _shape(p)))
+                    if q.dev == p.dev:
+                        check_status(lib.ut_copy_into(p, q), "copy_from")
+                        return self
+                finally:
+                    _let_go(p)
+            finally:
+                _let_go(q)
+            data = data.numpy()  # from the other device: through the host
         arr = _args.to_float_array(data)
-        if arr.shape != self.shape:
-            raise ShapeError("copy_from: shape %s into %s" % (arr.shape, self.shape))
-        check_status(lib.ut_sync_cpu(p), "copy_from")
-        ffi.memmove(p.data, ffi.from_buffer("float[]", arr), arr.nbytes)
+        p = _hold(self)
+        try:
+            if arr.shape != _shape(p):
+                raise ShapeError("copy_from: shape %s into %s" % (arr.shape, _shape(p)))
+            check_status(lib.ut_sync_cpu(p), "copy_from")
+            ffi.memmove(p.data, ffi.from_buffer("float[]", arr), arr.nbytes)
+        finally:
+            _let_go(p)
         return self
 
     # -- devices --------------------------------------------------------------------------------
     def to(self, device):
         """This tensor on ``device``: ``self`` if it is there already, else a new copy."""
         dev = _args.parse_device(device)
-        p = self.ptr
-        if p.dev == dev:
-            return self
-        out = Tensor._wrap(check_ptr(lib.ut_copy(p), "Tensor.to"))
+        p = _hold(self)
+        try:
+            if p.dev == dev:
+                return self
+            out = Tensor._wrap(check_ptr(lib.ut_copy(p), "Tensor.to"))
+        finally:
+            _let_go(p)
         try:
             check_status(lib.ut_to_device(out.ptr, dev), "Tensor.to")
         except BaseException:
@@ -339,7 +359,11 @@ class Tensor:
 
     def sync(self):
         """Wait for the tensor's device data and bring the host copy up to date (read-only)."""
-        check_status(lib.ut_sync_cpu_readonly(self.ptr), "Tensor.sync")
+        p = _hold(self)
+        try:
+            check_status(lib.ut_sync_cpu_readonly(p), "Tensor.sync")
+        finally:
+            _let_go(p)
         return self
 
     # -- ops ------------------------------------------------------------------------------------
@@ -362,23 +386,32 @@ class Tensor:
             raise ArgumentTypeError("reshape: shape must be a sequence of ints, got %r"
                                     % (shape,)) from None
         dims = [_args.to_int(d, "shape[%d]" % i, -_args.INT_MAX - 1) for i, d in enumerate(dims)]
-        if dims.count(-1) == 1:
-            known = 1
-            for d in dims:
-                if d != -1:
-                    known *= _args.to_int(d, "shape", 1)
-            if known == 0 or self.size % known:
-                raise ShapeError("cannot reshape %s into %s" % (self.shape, tuple(shape)))
-            dims[dims.index(-1)] = self.size // known
-        dims = _args.to_shape(dims)
-        c = ffi.new("int[]", dims)
-        return Tensor._wrap(check_ptr(lib.ut_reshape(self.ptr, len(dims), c), "reshape"))
+        p = _hold(self)
+        try:
+            if dims.count(-1) == 1:  # -1 is Python's: the C call takes the dimensions themselves
+                n = p.shape.nelem
+                known = 1
+                for d in dims:
+                    if d != -1:
+                        known *= _args.to_int(d, "shape", 1)
+                if n % known:
+                    raise ShapeError("cannot reshape %s into %s" % (_shape(p), tuple(shape)))
+                dims[dims.index(-1)] = n // known
+            dims = _args.to_shape(dims)
+            c = ffi.new("int[]", dims)
+            return Tensor._wrap(check_ptr(lib.ut_reshape(p, len(dims), c), "reshape"))
+        finally:
+            _let_go(p)
 
     def transpose(self, d0, d1):
-        nd = self.ndim
-        d0 = _args.to_int(d0, "d0", -nd, nd - 1) % nd
-        d1 = _args.to_int(d1, "d1", -nd, nd - 1) % nd
-        return Tensor._wrap(check_ptr(lib.ut_transpose(self.ptr, d0, d1), "transpose"))
+        p = _hold(self)
+        try:
+            nd = p.shape.ndim  # negative dimensions are Python's; C checks the range
+            d0 = _args.to_int(d0, "d0", -nd, nd - 1) % nd
+            d1 = _args.to_int(d1, "d1", -nd, nd - 1) % nd
+            return Tensor._wrap(check_ptr(lib.ut_transpose(p, d0, d1), "transpose"))
+        finally:
+            _let_go(p)
 
     def fill_(self, value):
         value = _args.to_float(value, "value", finite=False)
@@ -438,6 +471,15 @@ class Tensor:
         """Pickle the values, shape and device (float32); a CUDA tensor unpickles onto the GPU and
         raises DeviceError where there is none. A closed tensor raises ClosedError."""
         return (_rebuild_tensor, (_host_copy(self), self.device))
+
+
+def _shape(p):
+    """The shape of a held ut_tensor* as a tuple."""
+    return tuple(ffi.unpack(p.shape.shape, p.shape.ndim))
+
+
+def _same_shape(p, q):
+    return _shape(p) == _shape(q)
 
 
 def _host_copy(t):
