@@ -562,6 +562,14 @@ def _run_with_threads(args, out):
             except (ArgumentError, ShapeError) as e:
                 raise CheckpointError("%s: the weights do not fit the network: %s"
                                       % (args.resume, e)) from None
+            # after an epoch every parameter has state (none for SGD without momentum); one
+            # missing would silently restart its moments
+            want = set(range(len(opt.params))) if int(resumed[0]["epoch"]) and (
+                run["optimizer"] == "adam" or run["momentum"] != 0.0) else set()
+            if set(optim_state["state"]) != want:
+                raise CheckpointError("%s: the optimizer state has entries for parameters %s, "
+                                      "expected %s" % (args.resume, sorted(optim_state["state"]),
+                                                       sorted(want)))
             try:
                 opt.load_state_dict(optim_state)
             except (ArgumentError, ShapeError) as e:
