@@ -22,7 +22,8 @@
 # SETTINGS (environment variables only)
 #   CC              C compiler                                  (default: cc)
 #   CFLAGS          C optimization/warning flags                (default: -O2 -Wall -Wextra)
-#                   -std=c11 -fPIC -pthread are always added; -fopenmp when the compiler supports it
+#                   -std=c11 -fPIC -pthread are always added (the CPU backend's threads are its
+#                   own pthreads, no OpenMP)
 #   NVCC            CUDA compiler                               (default: nvcc)
 #   NVCCFLAGS       extra nvcc flags                            (default: -O3)
 #                   -std=c++17 -Xcompiler -fPIC and the -gencode flags are always added
@@ -34,7 +35,8 @@
 # The CUDA backend is native/cuda/*.cu, one object per file (compiled in parallel), linked with
 # utensil.o. The CUDA runtime is linked statically (-cudart static), so libutensil.so has no
 # load-time dependency on libcuda/libcudart: it loads on machines without a GPU and falls back to
-# the CPU.
+# the CPU. libutensil.so is linked with -z nodelete: dlclose never unmaps it, so its worker threads
+# (parked, or finishing an op at interpreter exit) never run unmapped code.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -60,20 +62,7 @@ run() { printf '+ %s\n' "$*" >&2; "$@"; }
 read -r -a cflags <<<"$CFLAGS"
 read -r -a nvccflags <<<"$NVCCFLAGS"
 
-# -fopenmp when the compiler accepts it (and links it)
-openmp=()
-omp_probe() {
-  local tmp
-  tmp="$(mktemp -d)"
-  printf '#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n' \
-    >"$tmp/omp.c"
-  if "$CC" -fopenmp "$tmp/omp.c" -o "$tmp/omp" >/dev/null 2>&1; then
-    openmp=(-fopenmp)
-  else
-    log "compiler '$CC' does not support -fopenmp: building single-threaded CPU kernels"
-  fi
-  rm -rf "$tmp"
-}
+nodelete=(-Wl,-z,nodelete)
 
 # Decides whether CUDA is built; sets cuda_reason when it is not.
 cuda_reason=""
@@ -115,7 +104,6 @@ build_cuda_objs() {
 
 build_lib() {
   command -v "$CC" >/dev/null 2>&1 || die "C compiler '$CC' not found"
-  omp_probe
   local obj="$BUILD_DIR/obj"
   mkdir -p "$obj"
   local so="$BUILD_DIR/libutensil.so" exe="$BUILD_DIR/utensil_test"
@@ -125,15 +113,13 @@ build_lib() {
   if want_cuda; then
     log "building with CUDA (archs: $UT_CUDA_ARCHS)"
     build_cuda_objs "$obj"
-    run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" "${openmp[@]}" -c "$SRC_C" -o "$obj/utensil.o"
-    run "$CC" -std=c11 -pthread "${cflags[@]}" "${openmp[@]}" -c "$SRC_TEST" -o "$obj/test.o"
+    run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" -c "$SRC_C" -o "$obj/utensil.o"
+    run "$CC" -std=c11 -pthread "${cflags[@]}" -c "$SRC_TEST" -o "$obj/test.o"
 
-    local linkomp=()
-    [[ ${#openmp[@]} -gt 0 ]] && linkomp=(-lgomp)
-    run "$NVCC" -shared -cudart static -o "$so" "$obj/utensil.o" "${cuda_objs[@]}" \
-      "${linkomp[@]}" -lpthread -lm
+    run "$NVCC" -shared -cudart static -Xlinker -z,nodelete -o "$so" "$obj/utensil.o" \
+      "${cuda_objs[@]}" -lpthread -lm
     run "$NVCC" -cudart static -o "$exe" "$obj/test.o" "$obj/utensil.o" "${cuda_objs[@]}" \
-      "${linkomp[@]}" -lpthread -lm
+      -lpthread -lm
 
     # utensil.o's ut__cuda_backend is a weak stand-in (utensil.h); backend.cu's must win.
     if command -v nm >/dev/null 2>&1 && [[ "$(nm -D "$so")" != *" T ut__cuda_backend"* ]]; then
@@ -149,11 +135,11 @@ build_lib() {
     fi
   else
     echo "building without CUDA: $cuda_reason"
-    run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" "${openmp[@]}" -DUT_NO_CUDA \
+    run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" -DUT_NO_CUDA \
       -c "$SRC_C" -o "$obj/utensil.o"
-    run "$CC" -std=c11 -pthread "${cflags[@]}" "${openmp[@]}" -c "$SRC_TEST" -o "$obj/test.o"
-    run "$CC" -shared -pthread "${openmp[@]}" -o "$so" "$obj/utensil.o" -lm
-    run "$CC" -pthread "${openmp[@]}" -o "$exe" "$obj/test.o" "$obj/utensil.o" -lm
+    run "$CC" -std=c11 -pthread "${cflags[@]}" -c "$SRC_TEST" -o "$obj/test.o"
+    run "$CC" -shared -pthread "${nodelete[@]}" -o "$so" "$obj/utensil.o" -lm
+    run "$CC" -pthread -o "$exe" "$obj/test.o" "$obj/utensil.o" -lm
   fi
   log "built $so and $exe"
 }
@@ -162,16 +148,14 @@ asan_flags=(-std=c11 -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
   -pthread -DUT_NO_CUDA)
 
 build_asan_test() {
-  omp_probe
   mkdir -p "$BUILD_DIR/asan"
-  run "$CC" "${asan_flags[@]}" "${openmp[@]}" "$SRC_C" "$SRC_TEST" \
+  run "$CC" "${asan_flags[@]}" "$SRC_C" "$SRC_TEST" \
     -o "$BUILD_DIR/asan/utensil_test" -lm
 }
 
 build_asan_lib() {
-  omp_probe
   mkdir -p "$BUILD_DIR/asan"
-  run "$CC" "${asan_flags[@]}" "${openmp[@]}" -fPIC -shared "$SRC_C" \
+  run "$CC" "${asan_flags[@]}" "${nodelete[@]}" -fPIC -shared "$SRC_C" \
     -o "$BUILD_DIR/asan/libutensil.so" -lm
   log "built $BUILD_DIR/asan/libutensil.so (load with LD_PRELOAD=\$($CC -print-file-name=libasan.so))"
 }

@@ -14,11 +14,14 @@
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "utensil.h"
 
@@ -162,6 +165,7 @@ static void test_library(ut_dev dev) {
   assert(ut_field_offset("ut_tensor", "rc") == (long long)offsetof(ut_tensor, rc));
   assert(ut_field_offset("ut_batchnorm2d", "training") ==
          (long long)offsetof(ut_batchnorm2d, training));
+  assert(ut_field_offset("ut_tensor", "version") == (long long)offsetof(ut_tensor, version));
   assert(ut_field_offset("ut_tensor", "no_such_field") == -1);
   size_t fr = 0, tot = 0;
   int st = ut_cuda_mem_info(&fr, &tot);
@@ -201,6 +205,21 @@ static void test_alloc(ut_dev dev) {
 static void test_fill(ut_dev dev) {
   ut_tensor* t = ut_alloc(2, S(2, 3), dev);
   require(t);
+  // every write moves the version: in-place ops, the writable host hand-out; reads do not
+  unsigned v0 = t->version;
+  assert(ut_fill(t, 2.5f) == UT_OK);
+  assert(t->version != v0);
+  unsigned v1 = t->version;
+  assert(ut_sync_cpu_readonly(t) == UT_OK && t->version == v1);
+  ut_tensor* r = ut_relu(t);
+  require(r);
+  assert(t->version == v1);
+  assert(ut_scale(t, 1.f) == UT_OK && t->version != v1);
+  v1 = t->version;
+  assert(ut_add_into(t, r) == UT_OK && t->version != v1);
+  v1 = t->version;
+  assert(ut_sync_cpu(t) == UT_OK && t->version != v1);
+  ut_free(r);
   assert(ut_fill(t, 2.5f) == UT_OK);
   ut_sync_cpu(t);
   assert_data(t, F(2.5f, 2.5f, 2.5f, 2.5f, 2.5f, 2.5f), 0.f);
@@ -2193,6 +2212,69 @@ static void test_errors_layers(ut_dev dev) {
   ut_conv2d_free(&l);
 }
 
+
+/* fork() after parallel ops, also while another thread is inside one: the child inherits none
+   of the worker threads, so its own parallel ops must start new ones and give the parent's
+   results; an alarm turns a hang into a failure. CPU only: a CUDA context does not survive fork. */
+static ut_tensor* g_fork_a;
+static atomic_int g_fork_stop;
+
+static void* fork_busy_thread(void* arg) {
+  (void)arg;
+  while (!atomic_load(&g_fork_stop)) {
+    ut_tensor* c = ut_matmul(g_fork_a, g_fork_a);
+    ut_tensor* r = ut_randn(1, S(1000), 0.f, 1.f, UT_CPU);
+    ut_free_all(c, r);
+  }
+  return NULL;
+}
+
+/* In the child: 0 when its matmul and relu equal the parent's bit for bit. */
+static int fork_child_checks(const ut_tensor* c0, const ut_tensor* r0, ut_tensor* big) {
+  alarm(60);
+  ut_tensor* c = ut_matmul(g_fork_a, g_fork_a);
+  ut_tensor* r = ut_relu(big);
+  int bad = !c || !r || memcmp(c->data, c0->data, sizeof(float) * (size_t)c0->shape.nelem) != 0 ||
+            memcmp(r->data, r0->data, sizeof(float) * (size_t)r0->shape.nelem) != 0;
+  ut_free_all(c, r);
+  return bad;
+}
+
+static void test_fork_after_parallel_op(void) {
+  int old = ut_get_num_threads();
+  ut_set_num_threads(old < 2 ? 2 : old);
+  ut_seed(11);
+  g_fork_a = ut_randn(2, S(300, 300), 0.f, 1.f, UT_CPU);
+  ut_tensor* big = ut_randn(1, S(200000), 0.f, 1.f, UT_CPU);
+  require(g_fork_a && big);
+  ut_tensor* c0 = ut_matmul(g_fork_a, g_fork_a); /* the parent's workers now exist */
+  ut_tensor* r0 = ut_relu(big);
+  require(c0 && r0);
+  for (int round = 0; round < 6; round++) {
+    pthread_t th;
+    bool busy = round >= 2; /* later rounds fork while another thread runs parallel ops */
+    atomic_store(&g_fork_stop, 0);
+    if (busy) require(pthread_create(&th, NULL, fork_busy_thread, NULL) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) _exit(fork_child_checks(c0, r0, big));
+    int status = 0;
+    bool waited = pid > 0 && waitpid(pid, &status, 0) == pid;
+    if (busy) {
+      atomic_store(&g_fork_stop, 1);
+      pthread_join(th, NULL);
+    }
+    assert(pid > 0);
+    require(waited && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  /* and the parent's pool still works */
+  ut_tensor* c1 = ut_matmul(g_fork_a, g_fork_a);
+  require(c1);
+  assert(memcmp(c1->data, c0->data, sizeof(float) * (size_t)c0->shape.nelem) == 0);
+  ut_set_num_threads(old);
+  ut_free_all(g_fork_a, big, c0, r0, c1);
+}
+
 /* ============================================================================================
    main
    ============================================================================================ */
@@ -2578,6 +2660,7 @@ int main(void) {
   RUN_BOTH(test_errors_tensors);
   RUN_BOTH(test_errors_layers);
   RUN_BOTH(test_hostile_api);
+  run_nodev(test_fork_after_parallel_op, "test_fork_after_parallel_op");
 
   printf("%d checks\n", g_checks);
   printf("%d passed, %d failed\n", g_passed, g_failed);

@@ -41,7 +41,11 @@
      its data between host and GPU, must not run on it from two threads at once. The error
      message is thread-local; the RNG is shared and locked; the CUDA context is shared and all
      GPU work is queued on one stream. The CPU backend runs each op on ut_get_num_threads()
-     threads (default: the cores present).
+     threads (default: the cores the process may run on), from the library's own thread pool:
+     one op at a time uses the pool, an op started meanwhile by another thread runs on that
+     thread alone (same result). fork() is safe: the child starts new workers at its first
+     parallel op. Build the library with -Wl,-z,nodelete (build.sh does): its workers may be
+     parked in its code when the process exits.
 */
 
 /* The CPU backend compiles its depthwise engines once per vector width by including this header
@@ -700,7 +704,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 1
+#define UT_VERSION 2
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -732,6 +736,10 @@ typedef struct ut_tensor {
      it. NULL for memory the library owns. */
   void (*release)(void* ctx);
   void* release_ctx;
+  /* Bumped by every write the library makes to the values (op outputs, in-place ops, optimizer
+     steps) and by ut_sync_cpu, which hands the host a writable copy; the bindings compare it to
+     refuse a backward whose saved input was changed after its forward. Wraps around. */
+  unsigned int version;
 } ut_tensor;
 
 /* ---- library ---------------------------------------------------------------------------- */
@@ -1106,6 +1114,7 @@ const ut__backend* ut__cuda_backend(void);
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -1161,11 +1170,24 @@ int ut_set_num_threads(int n) {
   atomic_store(&ut__nthreads, n);
   return UT_OK;
 }
-int ut_get_num_threads(void) {
-  int n = atomic_load(&ut__nthreads);
+/* The cores this process may run on (its affinity mask where the build can read it, as
+   utensil.c's _GNU_SOURCE allows; else the cores online), found once. */
+static int ut__default_threads(void) {
+  static atomic_int cached = 0;
+  int n = atomic_load(&cached);
   if (n > 0) return n;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  return cores > 0 ? (int)cores : 1;
+#if defined(__linux__) && defined(CPU_COUNT)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cores = CPU_COUNT(&set);
+#endif
+  n = cores > 0 ? (cores < 4096 ? (int)cores : 4096) : 1;
+  atomic_store(&cached, n);
+  return n;
+}
+int ut_get_num_threads(void) {
+  int n = atomic_load(&ut__nthreads);
+  return n > 0 ? n : ut__default_threads();
 }
 long long ut_live_tensors(void) { return atomic_load(&ut__live); }
 
@@ -1177,6 +1199,7 @@ void ut_transfer_counts(long long* uploads, long long* downloads) {
 
 /* The RNG: xoshiro256** seeded through splitmix64, shared by all threads under a lock. */
 static pthread_mutex_t ut__rng_lock = PTHREAD_MUTEX_INITIALIZER;
+static void ut__pool_init(void); /* registers the fork handlers, which hold this lock too */
 static uint64_t ut__rng_s[4];
 static bool ut__rng_seeded = false;
 
@@ -1192,6 +1215,7 @@ static void ut__rng_seed_locked(unsigned long long seed) {
   ut__rng_seeded = true;
 }
 void ut_seed(unsigned long long seed) {
+  ut__pool_init();
   pthread_mutex_lock(&ut__rng_lock);
   ut__rng_seed_locked(seed);
   pthread_mutex_unlock(&ut__rng_lock);
@@ -1213,6 +1237,7 @@ static double ut__rng_uniform_locked(void) {
   return ((double)(ut__rng_next_locked() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
 }
 static void ut__fill_randn(float* out, ut__i64 n, float mean, float std) {
+  ut__pool_init();
   pthread_mutex_lock(&ut__rng_lock);
   if (!ut__rng_seeded) ut__rng_seed_locked(0x5eed);
   for (ut__i64 i = 0; i < n; i += 2) {
@@ -1224,13 +1249,209 @@ static void ut__fill_randn(float* out, ut__i64 n, float mean, float std) {
   pthread_mutex_unlock(&ut__rng_lock);
 }
 
+/* ---- thread pool ---------------------------------------------------------------------------
+   The CPU backend's parallel loops run on the library's own pthreads, not OpenMP: libgomp's
+   workers were still running when the library was unloaded at interpreter exit (a crash), and
+   a fork()ed child inherited none of them while libgomp believed they existed (a hang).
+
+   ut__parallel_run(nt, fn, ctx) calls fn(ctx, tid, nt) once for every tid in [0, nt) and
+   returns when all have returned. The caller takes tids like the workers do, so a worker that
+   is slow to wake costs nothing but parallelism. Which thread runs a tid never matters: a tid
+   names a fixed part of the work (ut__cpu_part) and a scratch slot, so results do not depend
+   on scheduling. One caller at a time owns the workers; a second caller (another thread, or
+   a parallel op nested in a part) runs its nt parts itself in order, with the same result.
+
+   The job is one atomic word: generation (32 bits) | nt (16) | next tid (16). A tid is taken
+   by compare-and-swap on the whole word, so a late worker never takes a part of a newer job,
+   and the owner only starts a new job after every part of the last one has returned.
+
+   Workers spin a short while for the next job (ops often come back to back), then sleep on a
+   condition variable. pthread_atfork: the child keeps no workers (they were not copied) and
+   creates new ones at its next parallel op. The library is linked with -z nodelete, so code
+   that parked workers return into is never unmapped. */
+typedef void (*ut__pool_fn)(void* ctx, int tid, int nt);
+
+/* Spins of the workers (for the next job) and of the owner (for the last parts) before they
+   sleep: about 50 us at 25 ns a pause (AMD; 3 to 40 ns on Intel), enough for back-to-back ops,
+   short enough that an idle pool does not take a 2-core machine's CPU from its neighbours. */
+#define UT__POOL_SPIN 2000
+
+static pthread_mutex_t ut__pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t ut__pool_wake = PTHREAD_COND_INITIALIZER; /* workers: a new job */
+static pthread_cond_t ut__pool_idle = PTHREAD_COND_INITIALIZER; /* owner: the last part done */
+static pthread_once_t ut__pool_once = PTHREAD_ONCE_INIT;
+static atomic_bool ut__pool_busy = false;
+static atomic_ullong ut__pool_job = 0;
+static atomic_int ut__pool_done = 0;     /* parts of the current job that returned */
+static atomic_int ut__pool_sleepers = 0; /* workers waiting on ut__pool_wake */
+static atomic_int ut__pool_waiting = 0;  /* the owner waits on ut__pool_idle */
+static int ut__pool_nworkers = 0;        /* changed by the owner, under ut__pool_lock */
+static uint32_t ut__pool_gen = 0;        /* the owner's */
+static ut__pool_fn ut__pool_fn_cur;      /* stable while any part of the job is unfinished */
+static void* ut__pool_ctx_cur;
+
+static inline void ut__pool_relax(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__ __volatile__("pause");
+#elif defined(__GNUC__) && defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* fork: the prepare handler holds the library's locks so that the child copies them
+   unlocked-able and consistent; the child then starts without workers. */
+static void ut__pool_prepare(void) {
+  pthread_mutex_lock(&ut__rng_lock);
+  pthread_mutex_lock(&ut__pool_lock);
+}
+static void ut__pool_parent(void) {
+  pthread_mutex_unlock(&ut__pool_lock);
+  pthread_mutex_unlock(&ut__rng_lock);
+}
+static void ut__pool_child(void) {
+  pthread_mutex_init(&ut__pool_lock, NULL);
+  pthread_mutex_init(&ut__rng_lock, NULL);
+  pthread_cond_init(&ut__pool_wake, NULL);
+  pthread_cond_init(&ut__pool_idle, NULL);
+  ut__pool_nworkers = 0;
+  ut__pool_gen = (uint32_t)(atomic_load(&ut__pool_job) >> 32) + 1;
+  atomic_store(&ut__pool_job, (unsigned long long)ut__pool_gen << 32); /* nt 0: no parts */
+  atomic_store(&ut__pool_done, 0);
+  atomic_store(&ut__pool_sleepers, 0);
+  atomic_store(&ut__pool_waiting, 0);
+  atomic_store(&ut__pool_busy, false); /* the owner, if any, was another thread */
+}
+static void ut__pool_register(void) {
+  pthread_atfork(ut__pool_prepare, ut__pool_parent, ut__pool_child);
+}
+static void ut__pool_init(void) { pthread_once(&ut__pool_once, ut__pool_register); }
+
+/* Takes a part of job `gen`: its tid (and *nt), or -1 when none is left. */
+static int ut__pool_take(uint32_t gen, int* nt) {
+  unsigned long long w = atomic_load(&ut__pool_job);
+  for (;;) {
+    unsigned next = (unsigned)(w & 0xffff), n = (unsigned)((w >> 16) & 0xffff);
+    if ((uint32_t)(w >> 32) != gen || next >= n) return -1;
+    if (atomic_compare_exchange_weak(&ut__pool_job, &w, w + 1)) {
+      *nt = (int)n;
+      return (int)next;
+    }
+  }
+}
+
+/* Runs parts of job `gen` until none is left. */
+static void ut__pool_work(uint32_t gen) {
+  int tid, nt;
+  while ((tid = ut__pool_take(gen, &nt)) >= 0) {
+    ut__pool_fn_cur(ut__pool_ctx_cur, tid, nt);
+    /* after the last part's count the owner may start the next job: read nothing of this one */
+    if (atomic_fetch_add(&ut__pool_done, 1) + 1 == nt && atomic_load(&ut__pool_waiting)) {
+      pthread_mutex_lock(&ut__pool_lock);
+      pthread_cond_signal(&ut__pool_idle);
+      pthread_mutex_unlock(&ut__pool_lock);
+    }
+  }
+}
+
+static void* ut__pool_worker(void* arg) {
+  uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation before the job it was made for */
+  for (;;) {
+    unsigned long long w = atomic_load(&ut__pool_job);
+    for (int i = 0; i < UT__POOL_SPIN && (uint32_t)(w >> 32) == seen; i++) {
+      ut__pool_relax();
+      w = atomic_load(&ut__pool_job);
+    }
+    if ((uint32_t)(w >> 32) == seen) {
+      /* sleepers is raised before the job is read again and the owner reads it after
+         publishing the job (both seq_cst), so one of the two sees the other */
+      pthread_mutex_lock(&ut__pool_lock);
+      atomic_fetch_add(&ut__pool_sleepers, 1);
+      while ((uint32_t)((w = atomic_load(&ut__pool_job)) >> 32) == seen)
+        pthread_cond_wait(&ut__pool_wake, &ut__pool_lock);
+      atomic_fetch_sub(&ut__pool_sleepers, 1);
+      pthread_mutex_unlock(&ut__pool_lock);
+    }
+    seen = (uint32_t)(w >> 32);
+    ut__pool_work(seen);
+  }
+  return NULL;
+}
+
+/* Up to `want` workers; fewer when threads cannot be created (the owner then runs more parts). */
+static void ut__pool_grow(int want) {
+  if (ut__pool_nworkers >= want) return;
+  pthread_mutex_lock(&ut__pool_lock);
+  pthread_attr_t attr;
+  if (pthread_attr_init(&attr) == 0) {
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (ut__pool_nworkers < want) {
+      pthread_t th;
+      if (pthread_create(&th, &attr, ut__pool_worker, (void*)(uintptr_t)ut__pool_gen) != 0) break;
+      ut__pool_nworkers++;
+    }
+    pthread_attr_destroy(&attr);
+  }
+  pthread_mutex_unlock(&ut__pool_lock);
+}
+
+static void ut__parallel_run(int nt, ut__pool_fn fn, void* ctx) {
+  if (nt <= 1) {
+    fn(ctx, 0, 1);
+    return;
+  }
+  bool idle = false;
+  if (nt > 0xffff || !atomic_compare_exchange_strong(&ut__pool_busy, &idle, true)) {
+    for (int t = 0; t < nt; t++) fn(ctx, t, nt);
+    return;
+  }
+  ut__pool_init();
+  ut__pool_grow(nt - 1);
+  ut__pool_fn_cur = fn;
+  ut__pool_ctx_cur = ctx;
+  atomic_store(&ut__pool_done, 0);
+  uint32_t gen = ++ut__pool_gen;
+  atomic_store(&ut__pool_job, (unsigned long long)gen << 32 | (unsigned long long)nt << 16);
+  if (atomic_load(&ut__pool_sleepers) > 0) {
+    pthread_mutex_lock(&ut__pool_lock);
+    pthread_cond_broadcast(&ut__pool_wake);
+    pthread_mutex_unlock(&ut__pool_lock);
+  }
+  ut__pool_work(gen);
+  for (int i = 0; i < UT__POOL_SPIN && atomic_load(&ut__pool_done) != nt; i++) ut__pool_relax();
+  if (atomic_load(&ut__pool_done) != nt) {
+    pthread_mutex_lock(&ut__pool_lock);
+    atomic_store(&ut__pool_waiting, 1);
+    while (atomic_load(&ut__pool_done) != nt) pthread_cond_wait(&ut__pool_idle, &ut__pool_lock);
+    atomic_store(&ut__pool_waiting, 0);
+    pthread_mutex_unlock(&ut__pool_lock);
+  }
+  atomic_store(&ut__pool_busy, false);
+}
+
+/* Part tid of nt of [0, n), cut as OpenMP's schedule(static) cuts it (contiguous blocks, the
+   first n % nt of them one longer), so per-part reductions keep their order. */
+static inline void ut__cpu_part(ut__i64 n, int tid, int nt, ut__i64* lo, ut__i64* hi) {
+  if (n <= 0) {
+    *lo = *hi = 0;
+    return;
+  }
+  ut__i64 q = n / nt, r = n % nt;
+  *lo = q * tid + (tid < r ? tid : r);
+  *hi = *lo + q + (tid < r ? 1 : 0);
+}
+
+/* The next task of a dynamic schedule (one at a time, whoever asks first). */
+static inline ut__i64 ut__cpu_next_task(atomic_llong* next) { return atomic_fetch_add(next, 1); }
+
 /* ---- backends ----------------------------------------------------------------------------- */
 /* ============================================================================================
    CPU BACKEND (the implementation section, after the core).
 
    Every function here is a ut__backend entry over host buffers; arguments were validated by
-   the core. Work is split with OpenMP (when built with -fopenmp) over ut_get_num_threads()
-   threads; calls below ~32K elements run serially so small ops stay cheap.
+   the core. Work is split over ut_get_num_threads() threads by the library's thread pool
+   (ut__parallel_run): each parallel loop is a part function over a context struct, its
+   range cut per tid by ut__cpu_part; calls below ~32K elements run serially so small ops
+   stay cheap.
 
    Determinism: every reduction is computed by one thread in a fixed order (partitioned by
    output element: channel, column, row or fixed-size block), so results do not depend on the
@@ -1245,15 +1466,6 @@ static void ut__fill_randn(float* out, ut__i64 n, float mean, float std) {
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef _OPENMP
-#include <omp.h>
-#define UT__OMP(x) _Pragma(x)
-#define UT__CPU_TID() omp_get_thread_num()
-#else
-#define UT__OMP(x)
-#define UT__CPU_TID() 0
-#endif
 
 /* UT__CPU_OPT: full vectorization and FMA contraction for the loops that need them (-O2 in
    GCC 12 only vectorizes loops with known trip counts, and -std=c11 turns contraction off). */
@@ -1301,15 +1513,9 @@ static int ut__cpu_level(void) {
 
 /* Threads for a call touching about `work` elements (1 below the serial threshold). */
 static int ut__cpu_nt(double work) {
-#ifdef _OPENMP
   if (work < UT__CPU_SERIAL_BELOW) return 1;
   int nt = ut_get_num_threads();
-  (void)nt;
   return nt < 1 ? 1 : nt;
-#else
-  (void)work;
-  return 1;
-#endif
 }
 
 static float* ut__cpu_align64(void* p) {
@@ -1338,100 +1544,177 @@ UT__CPU_OPT static double ut__cpu_sum(const float* x, ut__i64 n) { return ut__cp
 
 /* ---- elementwise ---------------------------------------------------------------------- */
 
+typedef struct {
+  float* x;
+  ut__i64 n;
+  float v;
+} ut__cpu_fill_ctx;
+UT__CPU_OPT static void ut__cpu_fill_part(void* vc, int tid, int nt) {
+  const ut__cpu_fill_ctx* c = (const ut__cpu_fill_ctx*)vc;
+  float* x = c->x;
+  float v = c->v;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) x[i] = v;
+}
 UT__CPU_OPT static int ut__cpu_fill(float* x, ut__i64 n, float v) {
   int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 i = 0; i < n; i++) x[i] = v;
+  ut__cpu_fill_ctx c = {x, n, v};
+  ut__parallel_run(nt, ut__cpu_fill_part, &c);
   return UT_OK;
 }
 
+typedef struct {
+  float* dst;
+  const float* src;
+  ut__i64 n, chunk;
+} ut__cpu_copy_ctx;
+static void ut__cpu_copy_part(void* vc, int t, int nt) {
+  const ut__cpu_copy_ctx* c = (const ut__cpu_copy_ctx*)vc;
+  float* dst = c->dst;
+  const float* src = c->src;
+  ut__i64 n = c->n, chunk = c->chunk;
+  (void)nt;
+  {
+    ut__i64 lo = (ut__i64)t * chunk, hi = UT__CPU_MIN(n, lo + chunk);
+    if (lo < hi) memcpy(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
+  }
+}
 static int ut__cpu_copy(float* dst, const float* src, ut__i64 n) {
   int nt = ut__cpu_nt((double)n / 4);
-  (void)nt;
   if (nt <= 1) {
     if (n > 0 && dst != src) memmove(dst, src, (size_t)n * sizeof(float));
     return UT_OK;
   }
   ut__i64 chunk = ((n + nt - 1) / nt + 15) & ~(ut__i64)15;
-  UT__OMP("omp parallel for num_threads(nt) schedule(static)")
-  for (int t = 0; t < nt; t++) {
-    ut__i64 lo = (ut__i64)t * chunk, hi = UT__CPU_MIN(n, lo + chunk);
-    if (lo < hi) memcpy(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
-  }
+  ut__cpu_copy_ctx c = {dst, src, n, chunk};
+  ut__parallel_run(nt, ut__cpu_copy_part, &c);
   return UT_OK;
 }
 
+typedef struct {
+  float* y;
+  const float* x;
+  ut__i64 n;
+  float alpha;
+} ut__cpu_axpy_ctx;
+UT__CPU_OPT static void ut__cpu_axpy_part(void* vc, int tid, int nt) {
+  const ut__cpu_axpy_ctx* c = (const ut__cpu_axpy_ctx*)vc;
+  float* restrict y = c->y;
+  const float* restrict x = c->x;
+  float alpha = c->alpha;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) y[i] += alpha * x[i];
+}
 UT__CPU_OPT static int ut__cpu_axpy(float* restrict y, const float* restrict x, ut__i64 n,
                                     float alpha) {
   int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 i = 0; i < n; i++) y[i] += alpha * x[i];
+  ut__cpu_axpy_ctx c = {y, x, n, alpha};
+  ut__parallel_run(nt, ut__cpu_axpy_part, &c);
   return UT_OK;
 }
 
+typedef struct {
+  float* x;
+  ut__i64 n;
+  float alpha;
+} ut__cpu_scale_ctx;
+UT__CPU_OPT static void ut__cpu_scale_part(void* vc, int tid, int nt) {
+  const ut__cpu_scale_ctx* c = (const ut__cpu_scale_ctx*)vc;
+  float* x = c->x;
+  float alpha = c->alpha;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) x[i] *= alpha;
+}
 UT__CPU_OPT static int ut__cpu_scale(float* x, ut__i64 n, float alpha) {
   int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 i = 0; i < n; i++) x[i] *= alpha;
+  ut__cpu_scale_ctx c = {x, n, alpha};
+  ut__parallel_run(nt, ut__cpu_scale_part, &c);
   return UT_OK;
 }
 
 /* NaN propagates (like torch.relu): the comparisons are false for NaN. */
-UT__CPU_OPT static int ut__cpu_relu_fwd(const float* restrict x, float* restrict y, ut__i64 n,
-                                        float cap) {
-  int nt = ut__cpu_nt((double)n);
-  (void)nt;
+typedef struct {
+  const float* x;
+  const float* go;
+  float* y;
+  ut__i64 n;
+  float cap;
+} ut__cpu_relu_ctx;
+UT__CPU_OPT static void ut__cpu_relu_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_relu_ctx* c = (const ut__cpu_relu_ctx*)vc;
+  const float* restrict x = c->x;
+  float* restrict y = c->y;
+  float cap = c->cap;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
   if (cap > 0.0f) {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) {
+    for (ut__i64 i = lo; i < hi; i++) {
       float v = x[i] < 0.0f ? 0.0f : x[i];
       y[i] = v > cap ? cap : v;
     }
   } else {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+    for (ut__i64 i = lo; i < hi; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
   }
+}
+UT__CPU_OPT static int ut__cpu_relu_fwd(const float* restrict x, float* restrict y, ut__i64 n,
+                                        float cap) {
+  int nt = ut__cpu_nt((double)n);
+  ut__cpu_relu_ctx c = {x, NULL, y, n, cap};
+  ut__parallel_run(nt, ut__cpu_relu_fwd_part, &c);
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_relu_bwd(const float* restrict go, const float* restrict x,
-                                        float* restrict gi, ut__i64 n, float cap) {
-  int nt = ut__cpu_nt((double)n);
-  (void)nt;
+UT__CPU_OPT static void ut__cpu_relu_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_relu_ctx* c = (const ut__cpu_relu_ctx*)vc;
+  const float* restrict go = c->go;
+  const float* restrict x = c->x;
+  float* restrict gi = c->y;
+  float cap = c->cap;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
   if (cap > 0.0f) {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) {
+    for (ut__i64 i = lo; i < hi; i++) {
       float v = x[i], g = go[i]; /* both loaded unconditionally: a branch-free select */
       int stop = (v <= 0.0f) | (v >= cap); /* false for NaN: it passes g on, like PyTorch */
       gi[i] = stop ? 0.0f : g;
     }
   } else {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) {
+    for (ut__i64 i = lo; i < hi; i++) {
       float v = x[i], g = go[i];
       gi[i] = v <= 0.0f ? 0.0f : g;
     }
   }
+}
+UT__CPU_OPT static int ut__cpu_relu_bwd(const float* restrict go, const float* restrict x,
+                                        float* restrict gi, ut__i64 n, float cap) {
+  int nt = ut__cpu_nt((double)n);
+  ut__cpu_relu_ctx c = {x, go, gi, n, cap};
+  ut__parallel_run(nt, ut__cpu_relu_bwd_part, &c);
   return UT_OK;
 }
 
 /* ---- layout ------------------------------------------------------------------------------ */
 
 /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner], in tiles of 32 x 32. */
-static int ut__cpu_transpose(const float* in, float* out, int outer, int d0, int mid, int d1,
-                             int inner) {
+typedef struct {
+  const float* in;
+  float* out;
+  int d0, mid, d1, inner;
+  ut__i64 nti, ntj, tasks, in_i, out_j;
+} ut__cpu_transpose_ctx;
+static void ut__cpu_transpose_part(void* vc, int tid, int nt) {
+  const ut__cpu_transpose_ctx* c = (const ut__cpu_transpose_ctx*)vc;
   const int T = 32;
-  ut__i64 nti = (d0 + T - 1) / T, ntj = (d1 + T - 1) / T;
-  ut__i64 tasks = (ut__i64)outer * mid * ntj;
-  ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
-  int nt = ut__cpu_nt((double)total);
-  (void)nt;
-  ut__i64 in_i = (ut__i64)mid * d1 * inner, out_j = (ut__i64)mid * d0 * inner;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 t = 0; t < tasks; t++) {
+  const float* in = c->in;
+  float* out = c->out;
+  int d0 = c->d0, mid = c->mid, d1 = c->d1, inner = c->inner;
+  ut__i64 nti = c->nti, ntj = c->ntj, in_i = c->in_i, out_j = c->out_j;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->tasks, tid, nt, &lo, &hi);
+  for (ut__i64 t = lo; t < hi; t++) {
     ut__i64 jt = t % ntj, om = t / ntj;
     int m = (int)(om % mid), o = (int)(om / mid);
     int j0 = (int)jt * T, j1 = UT__CPU_MIN(d1, j0 + T);
@@ -1451,20 +1734,63 @@ static int ut__cpu_transpose(const float* in, float* out, int outer, int d0, int
       }
     }
   }
+}
+static int ut__cpu_transpose(const float* in, float* out, int outer, int d0, int mid, int d1,
+                             int inner) {
+  const int T = 32;
+  ut__i64 nti = (d0 + T - 1) / T, ntj = (d1 + T - 1) / T;
+  ut__i64 tasks = (ut__i64)outer * mid * ntj;
+  ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
+  int nt = ut__cpu_nt((double)total);
+  ut__i64 in_i = (ut__i64)mid * d1 * inner, out_j = (ut__i64)mid * d0 * inner;
+  ut__cpu_transpose_ctx c = {in, out, d0, mid, d1, inner, nti, ntj, tasks, in_i, out_j};
+  ut__parallel_run(nt, ut__cpu_transpose_part, &c);
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
-  ut__i64 rows = (ut__i64)n * c;
-  int nt = ut__cpu_nt((double)rows * inner);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 r = 0; r < rows; r++) {
+typedef struct {
+  float* x;
+  const float* bias;
+  int c;
+  ut__i64 inner, rows;
+} ut__cpu_bias_add_ctx;
+UT__CPU_OPT static void ut__cpu_bias_add_part(void* vc, int tid, int nt) {
+  const ut__cpu_bias_add_ctx* cx = (const ut__cpu_bias_add_ctx*)vc;
+  float* x = cx->x;
+  const float* bias = cx->bias;
+  int c = cx->c;
+  ut__i64 inner = cx->inner;
+  ut__i64 lo, hi;
+  ut__cpu_part(cx->rows, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) {
     float b = bias[r % c];
     float* p = x + r * inner;
     for (ut__i64 i = 0; i < inner; i++) p[i] += b;
   }
+}
+UT__CPU_OPT static int ut__cpu_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
+  ut__i64 rows = (ut__i64)n * c;
+  int nt = ut__cpu_nt((double)rows * inner);
+  ut__cpu_bias_add_ctx cx = {x, bias, c, inner, rows};
+  ut__parallel_run(nt, ut__cpu_bias_add_part, &cx);
   return UT_OK;
+}
+
+/* Row sums and means: x [rows, cols] in, per-row out (part: doubles, y: floats). */
+typedef struct {
+  const float* x;
+  double* part;
+  float* y;
+  ut__i64 rows, cols;
+} ut__cpu_rows_ctx;
+static void ut__cpu_channel_sum_part(void* vc, int tid, int nt) {
+  const ut__cpu_rows_ctx* c = (const ut__cpu_rows_ctx*)vc;
+  const float* x = c->x;
+  double* part = c->part;
+  ut__i64 inner = c->cols;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->rows, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) part[r] = ut__cpu_sum(x + r * inner, inner);
 }
 
 /* Per-row partial sums (in parallel), then each channel adds its rows in order of i. */
@@ -1475,9 +1801,8 @@ static int ut__cpu_channel_sum(const float* x, float* out, int n, int c, ut__i64
   double* part = rows <= 256 ? stackbuf : (double*)malloc((size_t)rows * sizeof(double));
   if (!part) return ut__set_error(UT_ERR_MEMORY, "channel_sum: out of memory");
   int nt = ut__cpu_nt((double)rows * inner);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 r = 0; r < rows; r++) part[r] = ut__cpu_sum(x + r * inner, inner);
+  ut__cpu_rows_ctx rc = {x, part, NULL, rows, inner};
+  ut__parallel_run(nt, ut__cpu_channel_sum_part, &rc);
   for (int j = 0; j < c; j++) {
     double s = 0.0;
     for (int i = 0; i < n; i++) s += part[(ut__i64)i * c + j];
@@ -1487,24 +1812,41 @@ static int ut__cpu_channel_sum(const float* x, float* out, int n, int c, ut__i64
   return UT_OK;
 }
 
+static void ut__cpu_row_mean_part(void* vc, int tid, int nt) {
+  const ut__cpu_rows_ctx* c = (const ut__cpu_rows_ctx*)vc;
+  const float* x = c->x;
+  float* y = c->y;
+  ut__i64 cols = c->cols;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->rows, tid, nt, &lo, &hi);
+  for (int r = (int)lo; r < hi; r++)
+    y[r] = cols > 0 ? (float)(ut__cpu_sum(x + (ut__i64)r * cols, cols) / (double)cols) : 0.0f;
+}
 static int ut__cpu_row_mean(const float* x, float* y, int rows, ut__i64 cols) {
   int nt = ut__cpu_nt((double)rows * cols);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int r = 0; r < rows; r++)
-    y[r] = cols > 0 ? (float)(ut__cpu_sum(x + (ut__i64)r * cols, cols) / (double)cols) : 0.0f;
+  ut__cpu_rows_ctx c = {x, NULL, y, rows, cols};
+  ut__parallel_run(nt, ut__cpu_row_mean_part, &c);
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_row_mean_bwd(const float* go, float* dx, int rows, ut__i64 cols) {
-  int nt = ut__cpu_nt((double)rows * cols);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int r = 0; r < rows; r++) {
+/* x is go here, y is dx */
+UT__CPU_OPT static void ut__cpu_row_mean_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_rows_ctx* c = (const ut__cpu_rows_ctx*)vc;
+  const float* go = c->x;
+  float* dx = c->y;
+  ut__i64 cols = c->cols;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->rows, tid, nt, &lo, &hi);
+  for (int r = (int)lo; r < hi; r++) {
     float v = (float)((double)go[r] / (double)cols);
     float* p = dx + (ut__i64)r * cols;
     for (ut__i64 i = 0; i < cols; i++) p[i] = v;
   }
+}
+UT__CPU_OPT static int ut__cpu_row_mean_bwd(const float* go, float* dx, int rows, ut__i64 cols) {
+  int nt = ut__cpu_nt((double)rows * cols);
+  ut__cpu_rows_ctx c = {go, NULL, dx, rows, cols};
+  ut__parallel_run(nt, ut__cpu_row_mean_bwd_part, &c);
   return UT_OK;
 }
 
@@ -1689,15 +2031,22 @@ UT__CPU_VARIANT(UT__TGT_V4, ut__cpu_tconv_v4, ut__cpu_tconv_body, UT__CPU_TCONV_
 
 /* ---- im2col / col2im ----------------------------------------------------------------------- */
 
-/* x: [n, c, h, w] -> col: [n, c*kh*kw, ho*wo]; one task per (n, c, ky, kx) row of col. */
-static int ut__cpu_im2col(const float* x, float* col, const ut__conv_geom* g) {
+typedef struct {
+  const float* x;
+  float* col;
+  const ut__conv_geom* g;
+} ut__cpu_im2col_ctx;
+static void ut__cpu_im2col_part(void* vc, int tid, int nt) {
+  const ut__cpu_im2col_ctx* c = (const ut__cpu_im2col_ctx*)vc;
+  const float* x = c->x;
+  float* col = c->col;
+  const ut__conv_geom* g = c->g;
   int h = g->h, w = g->w, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, ho = g->ho,
       wo = g->wo;
   ut__i64 rows = (ut__i64)g->n * g->c * kh * kw, hw = (ut__i64)ho * wo;
-  int nt = ut__cpu_nt((double)rows * hw);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 r = 0; r < rows; r++) {
+  ut__i64 lo_r, hi_r;
+  ut__cpu_part(rows, tid, nt, &lo_r, &hi_r);
+  for (ut__i64 r = lo_r; r < hi_r; r++) {
     int kx = (int)(r % kw), ky = (int)(r / kw % kh);
     ut__i64 plane = r / ((ut__i64)kh * kw);
     const float* xp = x + plane * h * w;
@@ -1721,16 +2070,49 @@ static int ut__cpu_im2col(const float* x, float* col, const ut__conv_geom* g) {
       for (int ox = hi; ox < wo; ox++) d[ox] = 0.0f;
     }
   }
+}
+
+/* x: [n, c, h, w] -> col: [n, c*kh*kw, ho*wo]; one task per (n, c, ky, kx) row of col. */
+static int ut__cpu_im2col(const float* x, float* col, const ut__conv_geom* g) {
+  ut__i64 rows = (ut__i64)g->n * g->c * g->kh * g->kw, hw = (ut__i64)g->ho * g->wo;
+  int nt = ut__cpu_nt((double)rows * hw);
+  ut__cpu_im2col_ctx c = {x, col, g};
+  ut__parallel_run(nt, ut__cpu_im2col_part, &c);
   return UT_OK;
+}
+
+typedef struct {
+  const float* col;
+  float* dx;
+  const ut__conv_geom* g;
+  const float* ones;
+  float* tmp0;
+  ut__i64 tmpn;
+  ut__cpu_tconv_fn fn;
+} ut__cpu_col2im_ctx;
+static void ut__cpu_col2im_part(void* vc, int tid, int nt) {
+  const ut__cpu_col2im_ctx* c = (const ut__cpu_col2im_ctx*)vc;
+  const ut__conv_geom* g = c->g;
+  int h = g->h, w = g->w, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, ho = g->ho,
+      wo = g->wo;
+  ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  const float* col = c->col;
+  float* dx = c->dx;
+  const float* ones = c->ones;
+  ut__cpu_tconv_fn fn = c->fn;
+  ut__i64 lo, hi;
+  ut__cpu_part(planes, tid, nt, &lo, &hi);
+  for (ut__i64 pl = lo; pl < hi; pl++) {
+    float* tmp = c->tmp0 + (ut__i64)tid * c->tmpn;
+    fn(col + pl * taps * hw, hw, ones, dx + pl * h * w, h, w, kh, kw, s, p, ho, wo, tmp);
+  }
 }
 
 /* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], gathered per (n, c) plane. */
 static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
-  int h = g->h, w = g->w, kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, ho = g->ho,
-      wo = g->wo;
+  int w = g->w, kh = g->kh, kw = g->kw, s = g->stride, ho = g->ho, wo = g->wo;
   ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
   int nt = ut__cpu_nt((double)planes * taps * hw);
-  (void)nt;
   ut__i64 qn = (w + s - 1) / s, tmpn = s > 1 ? (ut__i64)s * qn : 0;
   float* buf = (float*)malloc((size_t)(taps + (ut__i64)nt * tmpn) * sizeof(float));
   if (!buf) return ut__set_error(UT_ERR_MEMORY, "col2im: out of memory");
@@ -1738,11 +2120,8 @@ static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
   const float* ones = buf;
   float* tmp0 = buf + taps;
   ut__cpu_tconv_fn fn = UT__CPU_PICK(ut__cpu_tconv);
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 pl = 0; pl < planes; pl++) {
-    float* tmp = tmp0 + (ut__i64)UT__CPU_TID() * tmpn;
-    fn(col + pl * taps * hw, hw, ones, dx + pl * h * w, h, w, kh, kw, s, p, ho, wo, tmp);
-  }
+  ut__cpu_col2im_ctx c = {col, dx, g, ones, tmp0, tmpn, fn};
+  ut__parallel_run(nt, ut__cpu_col2im_part, &c);
   free(buf);
   return UT_OK;
 }
@@ -1835,6 +2214,19 @@ static float* ut__cpu_dw_bufs(int nt, ut__i64 per_thread, void** raw) {
   return *raw ? ut__cpu_align64(*raw) : NULL;
 }
 
+typedef struct {
+  const ut__dwctx* C;
+  ut__cpu_dwf_fn fn;
+  float* bufs;
+  ut__i64 per;
+} ut__cpu_dw_planes_ctx;
+static void ut__cpu_dw_planes_part(void* vc, int t, int nt) {
+  const ut__cpu_dw_planes_ctx* c = (const ut__cpu_dw_planes_ctx*)vc;
+  const ut__dwctx* C = c->C;
+  ut__i64 planes = C->planes, per = c->per;
+  c->fn(C, planes * t / nt, planes * (t + 1) / nt, c->bufs + (ut__i64)t * per);
+}
+
 /* Runs fn over the planes, one contiguous range per thread. */
 static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const char* what) {
   void* tab;
@@ -1853,9 +2245,8 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
                                    what, C->s, C->wo);
   }
   ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int t = 0; t < nt; t++)
-    fn(C, planes * t / nt, planes * (t + 1) / nt, bufs + (ut__i64)t * per);
+  ut__cpu_dw_planes_ctx c = {C, fn, bufs, per};
+  ut__parallel_run(nt, ut__cpu_dw_planes_part, &c);
   free(raw);
   free(tab);
   return UT_OK;
@@ -1959,6 +2350,37 @@ static void ut__cpu_dw_bwd_dw_exact(const float* go, const float* x, float* dw,
     }
 }
 
+typedef struct {
+  const ut__dwctx* Cp;
+  ut__cpu_dwdw_fn fn;
+  float* bufs;
+  ut__i64 per;
+  float* dw;
+  int V;
+} ut__cpu_dw_bwd_dw_ctx;
+static void ut__cpu_dw_bwd_dw_part(void* vc, int tid, int nt) {
+  const ut__cpu_dw_bwd_dw_ctx* cx = (const ut__cpu_dw_bwd_dw_ctx*)vc;
+  const ut__dwctx* Cp = cx->Cp;
+  ut__cpu_dwdw_fn fn = cx->fn;
+  float* bufs = cx->bufs;
+  float* dw = cx->dw;
+  ut__i64 per = cx->per, taps = (ut__i64)Cp->kh * Cp->kw;
+  int V = cx->V;
+  ut__i64 lo, hi;
+  ut__cpu_part(Cp->c, tid, nt, &lo, &hi);
+  for (int ch = (int)lo; ch < hi; ch++) {
+    float* buf = bufs + (ut__i64)tid * per;
+    double* dacc = (double*)(void*)(buf + per - UT__DW_R16(taps * V * 2));
+    for (ut__i64 i = 0; i < taps * V; i++) dacc[i] = 0.0;
+    fn(Cp, ch, dacc, buf);
+    for (ut__i64 t = 0; t < taps; t++) {
+      double sum = 0.0;
+      for (int l = 0; l < V; l++) sum += dacc[t * V + l];
+      dw[(ut__i64)ch * taps + t] += (float)sum;
+    }
+  }
+}
+
 /* Parallel over channels; each channel loops over the batch in order (deterministic). */
 static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
   const int V = UT__CPU_DW_LANES();
@@ -2001,19 +2423,8 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
     return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dw: out of memory");
   }
   ut__cpu_dwdw_fn fn = UT__CPU_PICK(ut__cpu_dwdw);
-  const ut__dwctx* Cp = &C;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int ch = 0; ch < c; ch++) {
-    float* buf = bufs + (ut__i64)UT__CPU_TID() * per;
-    double* dacc = (double*)(void*)(buf + per - UT__DW_R16(taps * V * 2));
-    for (ut__i64 i = 0; i < taps * V; i++) dacc[i] = 0.0;
-    fn(Cp, ch, dacc, buf);
-    for (ut__i64 t = 0; t < taps; t++) {
-      double sum = 0.0;
-      for (int l = 0; l < V; l++) sum += dacc[t * V + l];
-      dw[(ut__i64)ch * taps + t] += (float)sum;
-    }
-  }
+  ut__cpu_dw_bwd_dw_ctx cx = {&C, fn, bufs, per, dw, V};
+  ut__parallel_run(nt, ut__cpu_dw_bwd_dw_part, &cx);
   free(raw);
   free(tab);
   return UT_OK;
@@ -2267,50 +2678,50 @@ UT__CPU_OPT static void ut__cpu_gemm_sum_parts(const ut__gemm_args* g, const flo
   }
 }
 
+/* The second phase of a chunked sum_batch: C = ((beta C + p0) + p1) + ..., each row by one
+   thread (after every chunk's partial is complete). */
+typedef struct {
+  const ut__gemm_args* g;
+  const float* part;
+  size_t pstride;
+  int nck;
+} ut__cpu_gemm_sum_ctx;
+static void ut__cpu_gemm_sum_part(void* vc, int tid, int nt) {
+  const ut__cpu_gemm_sum_ctx* c = (const ut__cpu_gemm_sum_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->g->m, tid, nt, &lo, &hi);
+  for (int i = (int)lo; i < hi; i++) ut__cpu_gemm_sum_parts(c->g, c->part, c->pstride, c->nck, i);
+}
+
 #ifdef UT__CPU_HAVE_DOT
 #define UT__CPU_DOT_MC 64
 #define UT__CPU_DOT_NC 64
 #define UT__CPU_DOT_KC 512 /* a multiple of every VL */
 
-/* sum_batch with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C summed per batch chunk
-   (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
-static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
+typedef struct {
+  const ut__gemm_args* g;
+  ut__cpu_dot_kern kern;
+  int VL, RM, RN, nck, per, MC, NC;
+  ut__i64 ib, jb, tasks;
+  float* base;
+  float* part;
+  size_t accsz, pstride;
+  atomic_llong next; /* the dynamic schedule's next task */
+} ut__cpu_gemm_dot_ctx;
+static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
+  ut__cpu_gemm_dot_ctx* cx = (ut__cpu_gemm_dot_ctx*)vc;
+  const ut__gemm_args* g = cx->g;
   int m = g->m, n = g->n, k = g->k;
-  ut__cpu_dot_kern kern = ut__cpu_dot_k0;
-  int VL = 4, RM = 2, RN = 4;
-#ifdef UT__CPU_X86
-  int lv = ut__cpu_level();
-  if (lv >= 4) {
-    kern = ut__cpu_dot_k4;
-    VL = 16;
-    RM = 4;
-  } else if (lv >= 3) {
-    kern = ut__cpu_dot_k3;
-    VL = 8;
-  }
-#endif
-  int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
-  while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
-  int per = (g->batch + nck - 1) / nck;
-  nck = (g->batch + per - 1) / per;
-  int MC = UT__CPU_DOT_MC, NC = UT__CPU_DOT_NC;
-  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC, tasks = (ut__i64)nck * ib * jb;
-  int nt = ut__cpu_nt((double)m * n * k * g->batch / 2);
-  if (tasks < nt) nt = (int)tasks;
-  int ntj_max = (NC + RN - 1) / RN;
-  size_t accn = (size_t)((MC + RM - 1) / RM) * ntj_max * RM * RN * VL;
-  size_t accsz = (accn + 15) & ~(size_t)15;
-  size_t pstride = ((size_t)m * n + 15) & ~(size_t)15, psz = nck > 1 ? pstride * nck : 0;
-  void* raw = malloc((accsz * (size_t)nt + psz) * sizeof(float) + 64);
-  if (!raw) return ut__set_error(UT_ERR_MEMORY, "gemm: out of memory");
-  float* base = ut__cpu_align64(raw);
-  float* part = base + accsz * (size_t)nt;
+  ut__cpu_dot_kern kern = cx->kern;
+  int VL = cx->VL, RM = cx->RM, RN = cx->RN, nck = cx->nck, per = cx->per, MC = cx->MC,
+      NC = cx->NC;
+  ut__i64 ib = cx->ib, jb = cx->jb, tasks = cx->tasks;
+  float* part = cx->part;
+  size_t pstride = cx->pstride;
   (void)nt;
-  UT__OMP("omp parallel num_threads(nt) if(nt > 1)")
   {
-    float* acc = base + (size_t)UT__CPU_TID() * accsz;
-    UT__OMP("omp for schedule(dynamic, 1)")
-    for (ut__i64 t = 0; t < tasks; t++) {
+    float* acc = cx->base + (size_t)tid * cx->accsz;
+    for (ut__i64 t = ut__cpu_next_task(&cx->next); t < tasks; t = ut__cpu_next_task(&cx->next)) {
       ut__i64 jj = t % jb, rest = t / jb;
       int ii = (int)(rest % ib), ci = (int)(rest / ib);
       int i0 = ii * MC, j0 = (int)jj * NC;
@@ -2348,15 +2759,104 @@ static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
         }
       }
     }
-    if (nck > 1) {
-      UT__OMP("omp for schedule(static)")
-      for (int i = 0; i < m; i++) ut__cpu_gemm_sum_parts(g, part, pstride, nck, i);
-    }
+  }
+}
+
+/* sum_batch with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C summed per batch chunk
+   (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
+static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
+  int m = g->m, n = g->n, k = g->k;
+  ut__cpu_dot_kern kern = ut__cpu_dot_k0;
+  int VL = 4, RM = 2, RN = 4;
+#ifdef UT__CPU_X86
+  int lv = ut__cpu_level();
+  if (lv >= 4) {
+    kern = ut__cpu_dot_k4;
+    VL = 16;
+    RM = 4;
+  } else if (lv >= 3) {
+    kern = ut__cpu_dot_k3;
+    VL = 8;
+  }
+#endif
+  int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
+  while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
+  int per = (g->batch + nck - 1) / nck;
+  nck = (g->batch + per - 1) / per;
+  int MC = UT__CPU_DOT_MC, NC = UT__CPU_DOT_NC;
+  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC, tasks = (ut__i64)nck * ib * jb;
+  int nt = ut__cpu_nt((double)m * n * k * g->batch / 2);
+  if (tasks < nt) nt = (int)tasks;
+  int ntj_max = (NC + RN - 1) / RN;
+  size_t accn = (size_t)((MC + RM - 1) / RM) * ntj_max * RM * RN * VL;
+  size_t accsz = (accn + 15) & ~(size_t)15;
+  size_t pstride = ((size_t)m * n + 15) & ~(size_t)15, psz = nck > 1 ? pstride * nck : 0;
+  void* raw = malloc((accsz * (size_t)nt + psz) * sizeof(float) + 64);
+  if (!raw) return ut__set_error(UT_ERR_MEMORY, "gemm: out of memory");
+  float* base = ut__cpu_align64(raw);
+  float* part = base + accsz * (size_t)nt;
+  ut__cpu_gemm_dot_ctx cx = {g, kern, VL, RM, RN, nck, per, MC, NC, ib, jb, tasks,
+                             base, part, accsz, pstride, 0};
+  ut__parallel_run(nt, ut__cpu_gemm_dot_part, &cx);
+  if (nck > 1) {
+    ut__cpu_gemm_sum_ctx sc = {g, part, pstride, nck};
+    ut__parallel_run(nt, ut__cpu_gemm_sum_part, &sc);
   }
   free(raw);
   return UT_OK;
 }
 #endif
+
+typedef struct {
+  const ut__gemm_args* g;
+  ut__cpu_gemm_kern kern;
+  int MR, NR, MC, NC, nck, per;
+  ut__i64 ib, jb, tasks;
+  float* base;
+  float* part;
+  size_t asz, bsz, pstride;
+  atomic_llong next; /* the dynamic schedule's next task */
+} ut__cpu_gemm_ctx;
+static void ut__cpu_gemm_part(void* vc, int tid, int nt) {
+  ut__cpu_gemm_ctx* cx = (ut__cpu_gemm_ctx*)vc;
+  const ut__gemm_args* g = cx->g;
+  int m = g->m, n = g->n;
+  ut__cpu_gemm_kern kern = cx->kern;
+  int MR = cx->MR, NR = cx->NR, MC = cx->MC, NC = cx->NC, nck = cx->nck, per = cx->per;
+  ut__i64 ib = cx->ib, jb = cx->jb, tasks = cx->tasks;
+  float* part = cx->part;
+  size_t asz = cx->asz, bsz = cx->bsz, pstride = cx->pstride;
+  (void)nt;
+  {
+    float* abuf = cx->base + (size_t)tid * (asz + bsz);
+    float* bbuf = abuf + asz;
+    for (ut__i64 t = ut__cpu_next_task(&cx->next); t < tasks; t = ut__cpu_next_task(&cx->next)) {
+      ut__i64 jj = t % jb, rest = t / jb;
+      ut__i64 ii = rest % ib, bi = rest / ib;
+      int i0 = (int)ii * MC, j0 = (int)jj * NC;
+      int b0, b1, ldc = g->ldc;
+      float* c;
+      float beta = g->beta;
+      if (nck > 1) {
+        b0 = (int)bi * per;
+        b1 = UT__CPU_MIN(g->batch, b0 + per);
+        c = part + (size_t)bi * pstride;
+        ldc = n;
+        beta = 0.0f;
+      } else if (g->sum_batch) {
+        b0 = 0;
+        b1 = g->batch;
+        c = g->c;
+      } else {
+        b0 = (int)bi;
+        b1 = b0 + 1;
+        c = g->c + (ut__i64)bi * g->stride_c;
+      }
+      ut__cpu_gemm_task(g, kern, MR, NR, b0, b1, c, ldc, beta, i0, UT__CPU_MIN(MC, m - i0), j0,
+                        UT__CPU_MIN(NC, n - j0), abuf, bbuf);
+    }
+  }
+}
 
 static int ut__cpu_gemm(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
@@ -2431,42 +2931,13 @@ static int ut__cpu_gemm(const ut__gemm_args* g) {
   float* base = ut__cpu_align64(raw);
   float* part = base + (asz + bsz) * (size_t)nt;
   size_t pstride = ((size_t)m * n + 15) & ~(size_t)15;
-  UT__OMP("omp parallel num_threads(nt) if(nt > 1)")
-  {
-    int tid = UT__CPU_TID();
-    float* abuf = base + (size_t)tid * (asz + bsz);
-    float* bbuf = abuf + asz;
-    UT__OMP("omp for schedule(dynamic, 1)")
-    for (ut__i64 t = 0; t < tasks; t++) {
-      ut__i64 jj = t % jb, rest = t / jb;
-      ut__i64 ii = rest % ib, bi = rest / ib;
-      int i0 = (int)ii * MC, j0 = (int)jj * NC;
-      int b0, b1, ldc = g->ldc;
-      float* c;
-      float beta = g->beta;
-      if (nck > 1) {
-        b0 = (int)bi * per;
-        b1 = UT__CPU_MIN(g->batch, b0 + per);
-        c = part + (size_t)bi * pstride;
-        ldc = n;
-        beta = 0.0f;
-      } else if (g->sum_batch) {
-        b0 = 0;
-        b1 = g->batch;
-        c = g->c;
-      } else {
-        b0 = (int)bi;
-        b1 = b0 + 1;
-        c = g->c + (ut__i64)bi * g->stride_c;
-      }
-      ut__cpu_gemm_task(g, kern, MR, NR, b0, b1, c, ldc, beta, i0, UT__CPU_MIN(MC, m - i0), j0,
-                        UT__CPU_MIN(NC, n - j0), abuf, bbuf);
-    }
-    if (nck > 1) {
-      /* C = ((beta C + p0) + p1) + ..., each row by one thread */
-      UT__OMP("omp for schedule(static)")
-      for (int i = 0; i < m; i++) ut__cpu_gemm_sum_parts(g, part, pstride, nck, i);
-    }
+  ut__cpu_gemm_ctx cx = {g, kern, MR, NR, MC, NC, nck, per, ib, jb, tasks,
+                         base, part, asz, bsz, pstride, 0};
+  ut__parallel_run(nt, ut__cpu_gemm_part, &cx);
+  if (nck > 1) {
+    /* C = ((beta C + p0) + p1) + ..., each row by one thread */
+    ut__cpu_gemm_sum_ctx sc = {g, part, pstride, nck};
+    ut__parallel_run(nt, ut__cpu_gemm_sum_part, &sc);
   }
   free(raw);
   return UT_OK;
@@ -2474,13 +2945,34 @@ static int ut__cpu_gemm(const ut__gemm_args* g) {
 
 /* ---- layer norm ----------------------------------------------------------------------------- */
 
-UT__CPU_OPT static int ut__cpu_layernorm_fwd(const float* x, const float* gamma, const float* beta,
-                                             float* y, float* mean, float* rstd, int rows,
-                                             int dim, float eps) {
-  int nt = ut__cpu_nt((double)rows * dim);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int r = 0; r < rows; r++) {
+/* The arguments of the layer norm ops (fwd: go, dx, dgamma, dbeta unused; bwd: y, beta). */
+typedef struct {
+  const float* go;
+  const float* x;
+  const float* gamma;
+  const float* beta;
+  float* y;
+  float* mean;
+  float* rstd;
+  float* dx;
+  float* dgamma;
+  float* dbeta;
+  int rows, dim;
+  float eps;
+} ut__cpu_layernorm_ctx;
+UT__CPU_OPT static void ut__cpu_layernorm_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_layernorm_ctx* c = (const ut__cpu_layernorm_ctx*)vc;
+  const float* x = c->x;
+  const float* gamma = c->gamma;
+  const float* beta = c->beta;
+  float* y = c->y;
+  float* mean = c->mean;
+  float* rstd = c->rstd;
+  int dim = c->dim;
+  float eps = c->eps;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->rows, tid, nt, &lo, &hi);
+  for (int r = (int)lo; r < hi; r++) {
     const float* xr = x + (ut__i64)r * dim;
     float* yr = y + (ut__i64)r * dim;
     double mu = ut__cpu_sum_body(xr, dim) / dim;
@@ -2498,18 +2990,30 @@ UT__CPU_OPT static int ut__cpu_layernorm_fwd(const float* x, const float* gamma,
       yr[i] = (gamma ? v * gamma[i] : v) + (beta ? beta[i] : 0.0f);
     }
   }
+}
+UT__CPU_OPT static int ut__cpu_layernorm_fwd(const float* x, const float* gamma, const float* beta,
+                                             float* y, float* mean, float* rstd, int rows,
+                                             int dim, float eps) {
+  int nt = ut__cpu_nt((double)rows * dim);
+  ut__cpu_layernorm_ctx c = {NULL, x, gamma, beta, y, mean, rstd, NULL, NULL, NULL, rows, dim, eps};
+  ut__parallel_run(nt, ut__cpu_layernorm_fwd_part, &c);
   return UT_OK;
 }
 
 /* dx = rstd (gamma go - mean(gamma go) - xhat mean(gamma go xhat)); the parameter gradients
    are summed per column over the rows in order (column blocks in parallel). */
-UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, const float* gamma,
-                                             const float* mean, const float* rstd, float* dx,
-                                             float* dgamma, float* dbeta, int rows, int dim) {
-  int nt = ut__cpu_nt((double)rows * dim);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int r = 0; r < rows; r++) {
+UT__CPU_OPT static void ut__cpu_layernorm_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_layernorm_ctx* c = (const ut__cpu_layernorm_ctx*)vc;
+  const float* go = c->go;
+  const float* x = c->x;
+  const float* gamma = c->gamma;
+  const float* mean = c->mean;
+  const float* rstd = c->rstd;
+  float* dx = c->dx;
+  int dim = c->dim;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->rows, tid, nt, &lo, &hi);
+  for (int r = (int)lo; r < hi; r++) {
     const float* gr = go + (ut__i64)r * dim;
     const float* xr = x + (ut__i64)r * dim;
     float* dr = dx + (ut__i64)r * dim;
@@ -2527,13 +3031,22 @@ UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, co
       dr[i] = rs * (gg - a - xh * bq);
     }
   }
-  if (!dgamma && !dbeta) return UT_OK;
-  const int CB = 64;
+}
+#define UT__CPU_LN_CB 64 /* columns per block of the parameter gradients */
+UT__CPU_OPT static void ut__cpu_layernorm_bwd_params_part(void* vc, int tid, int nt) {
+  const ut__cpu_layernorm_ctx* c = (const ut__cpu_layernorm_ctx*)vc;
+  const float* go = c->go;
+  const float* x = c->x;
+  const float* mean = c->mean;
+  const float* rstd = c->rstd;
+  float* dgamma = c->dgamma;
+  float* dbeta = c->dbeta;
+  int rows = c->rows, dim = c->dim;
+  const int CB = UT__CPU_LN_CB;
   int nblk = (dim + CB - 1) / CB;
-  int nt2 = UT__CPU_MIN(nt, nblk);
-  (void)nt2;
-  UT__OMP("omp parallel for num_threads(nt2) if(nt2 > 1) schedule(static)")
-  for (int bk = 0; bk < nblk; bk++) {
+  ut__i64 lo, hi;
+  ut__cpu_part(nblk, tid, nt, &lo, &hi);
+  for (int bk = (int)lo; bk < hi; bk++) {
     int d0 = bk * CB, d1 = UT__CPU_MIN(dim, d0 + CB);
     double ag[64] = {0}, ab[64] = {0};
     for (int r = 0; r < rows; r++) {
@@ -2550,19 +3063,55 @@ UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, co
       if (dbeta) dbeta[i] += (float)ab[i - d0];
     }
   }
+}
+UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, const float* gamma,
+                                             const float* mean, const float* rstd, float* dx,
+                                             float* dgamma, float* dbeta, int rows, int dim) {
+  int nt = ut__cpu_nt((double)rows * dim);
+  ut__cpu_layernorm_ctx c = {go, x, gamma, NULL, NULL, (float*)mean, (float*)rstd, dx,
+                             dgamma, dbeta, rows, dim, 0.0f};
+  ut__parallel_run(nt, ut__cpu_layernorm_bwd_part, &c);
+  if (!dgamma && !dbeta) return UT_OK;
+  const int CB = UT__CPU_LN_CB;
+  int nblk = (dim + CB - 1) / CB;
+  int nt2 = UT__CPU_MIN(nt, nblk);
+  ut__parallel_run(nt2, ut__cpu_layernorm_bwd_params_part, &c);
   return UT_OK;
 }
 
 /* ---- batch norm (x: [n, c, inner]); every reduction is per channel, one thread each ---- */
 
-UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var, int n, int c,
-                                        ut__i64 inner) {
-  int nt = ut__cpu_nt((double)n * c * inner);
-  (void)nt;
-  if (nt > c) nt = c;
+/* The arguments of the batch norm ops (x: [n, c, inner]); each uses its own. */
+typedef struct {
+  const float* go;
+  const float* x;
+  float* y;
+  const float* mean;
+  const float* var;
+  const float* rstd;
+  const float* gamma;
+  const float* beta;
+  float* dx;
+  float* dgamma;
+  float* dbeta;
+  float* mean_out;
+  float* var_out;
+  int n, c;
+  ut__i64 inner;
+  float eps;
+  bool training;
+} ut__cpu_bn_ctx;
+UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
+  const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
+  const float* x = cx->x;
+  float* mean = cx->mean_out;
+  float* var = cx->var_out;
+  int n = cx->n, c = cx->c;
+  ut__i64 inner = cx->inner;
   double cnt = (double)n * inner;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int j = 0; j < c; j++) {
+  ut__i64 lo, hi;
+  ut__cpu_part(c, tid, nt, &lo, &hi);
+  for (int j = (int)lo; j < hi; j++) {
     double s = 0.0;
     for (int i = 0; i < n; i++) s += ut__cpu_sum_body(x + ((ut__i64)i * c + j) * inner, inner);
     double mu = cnt > 0 ? s / cnt : 0.0;
@@ -2596,6 +3145,19 @@ UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var,
     mean[j] = mf;
     var[j] = (float)(v > 0.0 ? v : 0.0);
   }
+}
+UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var, int n, int c,
+                                        ut__i64 inner) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  if (nt > c) nt = c;
+  ut__cpu_bn_ctx cx = {0};
+  cx.x = x;
+  cx.mean_out = mean;
+  cx.var_out = var;
+  cx.n = n;
+  cx.c = c;
+  cx.inner = inner;
+  ut__parallel_run(nt, ut__cpu_bn_stats_part, &cx);
   return UT_OK;
 }
 
@@ -2608,6 +3170,29 @@ static int ut__cpu_bn_update_running(float* running_mean, float* running_var, co
   return UT_OK;
 }
 
+UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
+  const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
+  const float* x = cx->x;
+  float* y = cx->y;
+  const float* mean = cx->mean;
+  const float* var = cx->var;
+  const float* gamma = cx->gamma;
+  const float* beta = cx->beta;
+  const float* rstd = cx->rstd;
+  int c = cx->c;
+  ut__i64 inner = cx->inner;
+  float eps = cx->eps;
+  ut__i64 lo, hi;
+  ut__cpu_part((ut__i64)cx->n * c, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) {
+    int j = (int)(r % c);
+    float rs = rstd ? rstd[j] : (float)(1.0 / sqrt((double)var[j] + (double)eps));
+    float sc = rs * (gamma ? gamma[j] : 1.0f), m = mean[j], bt = beta ? beta[j] : 0.0f;
+    const float* xr = x + r * inner;
+    float* yr = y + r * inner;
+    for (ut__i64 i = 0; i < inner; i++) yr[i] = (xr[i] - m) * sc + bt;
+  }
+}
 UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* mean,
                                         const float* var, const float* gamma, const float* beta,
                                         float* rstd, int n, int c, ut__i64 inner, float eps) {
@@ -2617,29 +3202,39 @@ UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* m
   }
   ut__i64 rows = (ut__i64)n * c;
   int nt = ut__cpu_nt((double)rows * inner);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 r = 0; r < rows; r++) {
-    int j = (int)(r % c);
-    float rs = rstd ? rstd[j] : (float)(1.0 / sqrt((double)var[j] + (double)eps));
-    float sc = rs * (gamma ? gamma[j] : 1.0f), m = mean[j], bt = beta ? beta[j] : 0.0f;
-    const float* xr = x + r * inner;
-    float* yr = y + r * inner;
-    for (ut__i64 i = 0; i < inner; i++) yr[i] = (xr[i] - m) * sc + bt;
-  }
+  ut__cpu_bn_ctx cx = {0};
+  cx.x = x;
+  cx.y = y;
+  cx.mean = mean;
+  cx.var = var;
+  cx.gamma = gamma;
+  cx.beta = beta;
+  cx.rstd = rstd;
+  cx.n = n;
+  cx.c = c;
+  cx.inner = inner;
+  cx.eps = eps;
+  ut__parallel_run(nt, ut__cpu_bn_apply_part, &cx);
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const float* mean,
-                                      const float* rstd, const float* gamma, float* dx,
-                                      float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
-                                      bool training) {
-  int nt = ut__cpu_nt((double)n * c * inner);
-  (void)nt;
-  if (nt > c) nt = c;
+UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
+  const float* go = cx->go;
+  const float* x = cx->x;
+  const float* mean = cx->mean;
+  const float* rstd = cx->rstd;
+  const float* gamma = cx->gamma;
+  float* dx = cx->dx;
+  float* dgamma = cx->dgamma;
+  float* dbeta = cx->dbeta;
+  int n = cx->n, c = cx->c;
+  ut__i64 inner = cx->inner;
+  bool training = cx->training;
   double cnt = (double)n * inner;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int j = 0; j < c; j++) {
+  ut__i64 lo, hi;
+  ut__cpu_part(c, tid, nt, &lo, &hi);
+  for (int j = (int)lo; j < hi; j++) {
     float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
     double sg = 0.0, sgx = 0.0;
     for (int i = 0; i < n; i++) {
@@ -2690,6 +3285,27 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
       }
     }
   }
+}
+UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const float* mean,
+                                      const float* rstd, const float* gamma, float* dx,
+                                      float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
+                                      bool training) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  if (nt > c) nt = c;
+  ut__cpu_bn_ctx cx = {0};
+  cx.go = go;
+  cx.x = x;
+  cx.mean = mean;
+  cx.rstd = rstd;
+  cx.gamma = gamma;
+  cx.dx = dx;
+  cx.dgamma = dgamma;
+  cx.dbeta = dbeta;
+  cx.n = n;
+  cx.c = c;
+  cx.inner = inner;
+  cx.training = training;
+  ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
   return UT_OK;
 }
 
@@ -2698,14 +3314,26 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
    added in order, independent of the thread count. */
 #define UT__CPU_NBLK 256
 
-UT__CPU_OPT static int ut__cpu_mse_fwd(const float* p, const float* t, float* out, ut__i64 n) {
-  double part[UT__CPU_NBLK];
-  ut__i64 bs = UT__CPU_MAX((ut__i64)4096, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
-  int nb = (int)((n + bs - 1) / bs);
-  int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int b = 0; b < nb; b++) {
+/* The arguments of the losses; mse: p, t, g; cross-entropy: logits (p), labels (t), g. */
+typedef struct {
+  const float* p;
+  const float* t;
+  float* g;
+  double* part;
+  ut__i64 n, bs;
+  int nb, k;
+  float sc;
+  double inv_n;
+} ut__cpu_loss_ctx;
+UT__CPU_OPT static void ut__cpu_mse_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_loss_ctx* c = (const ut__cpu_loss_ctx*)vc;
+  const float* p = c->p;
+  const float* t = c->t;
+  double* part = c->part;
+  ut__i64 n = c->n, bs = c->bs;
+  ut__i64 blo, bhi;
+  ut__cpu_part(c->nb, tid, nt, &blo, &bhi);
+  for (int b = (int)blo; b < bhi; b++) {
     ut__i64 lo = (ut__i64)b * bs, hi = UT__CPU_MIN(n, lo + bs);
     double s = 0.0;
     for (ut__i64 i0 = lo; i0 < hi; i0 += 512) {
@@ -2728,19 +3356,36 @@ UT__CPU_OPT static int ut__cpu_mse_fwd(const float* p, const float* t, float* ou
     }
     part[b] = s;
   }
+}
+UT__CPU_OPT static int ut__cpu_mse_fwd(const float* p, const float* t, float* out, ut__i64 n) {
+  double part[UT__CPU_NBLK];
+  ut__i64 bs = UT__CPU_MAX((ut__i64)4096, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
+  int nb = (int)((n + bs - 1) / bs);
+  int nt = ut__cpu_nt((double)n);
+  ut__cpu_loss_ctx c = {p, t, NULL, part, n, bs, nb, 0, 0.0f, 0.0};
+  ut__parallel_run(nt, ut__cpu_mse_fwd_part, &c);
   double s = 0.0;
   for (int b = 0; b < nb; b++) s += part[b];
   out[0] = n > 0 ? (float)(s / (double)n) : 0.0f;
   return UT_OK;
 }
 
+UT__CPU_OPT static void ut__cpu_mse_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_loss_ctx* c = (const ut__cpu_loss_ctx*)vc;
+  const float* restrict p = c->p;
+  const float* restrict t = c->t;
+  float* restrict g = c->g;
+  float sc = c->sc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) g[i] = sc * (p[i] - t[i]);
+}
 UT__CPU_OPT static int ut__cpu_mse_bwd(const float* restrict p, const float* restrict t,
                                        float* restrict g, ut__i64 n) {
   float sc = n > 0 ? (float)(2.0 / (double)n) : 0.0f;
   int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 i = 0; i < n; i++) g[i] = sc * (p[i] - t[i]);
+  ut__cpu_loss_ctx c = {p, t, g, NULL, n, 0, 0, 0, sc, 0.0};
+  ut__parallel_run(nt, ut__cpu_mse_bwd_part, &c);
   return UT_OK;
 }
 
@@ -2760,35 +3405,46 @@ UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab) {
   return log(s) + (double)mx - (double)row[lab];
 }
 
-static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
-  double part[UT__CPU_NBLK];
-  int bs = UT__CPU_MAX(1, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
-  int nb = (n + bs - 1) / bs;
-  int nt = ut__cpu_nt((double)n * k * 4);
-  (void)nt;
-  if (nt > nb) nt = nb;
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int b = 0; b < nb; b++) {
+static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_loss_ctx* c = (const ut__cpu_loss_ctx*)vc;
+  const float* logits = c->p;
+  const float* labels = c->t;
+  double* part = c->part;
+  int n = (int)c->n, k = c->k, bs = (int)c->bs;
+  ut__i64 blo, bhi;
+  ut__cpu_part(c->nb, tid, nt, &blo, &bhi);
+  for (int b = (int)blo; b < bhi; b++) {
     int lo = b * bs, hi = UT__CPU_MIN(n, lo + bs);
     double s = 0.0;
     for (int i = lo; i < hi; i++)
       s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k));
     part[b] = s;
   }
+}
+static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+  double part[UT__CPU_NBLK];
+  int bs = UT__CPU_MAX(1, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
+  int nb = (n + bs - 1) / bs;
+  int nt = ut__cpu_nt((double)n * k * 4);
+  if (nt > nb) nt = nb;
+  ut__cpu_loss_ctx c = {logits, labels, NULL, part, n, bs, nb, k, 0.0f, 0.0};
+  ut__parallel_run(nt, ut__cpu_ce_fwd_part, &c);
   double s = 0.0;
   for (int b = 0; b < nb; b++) s += part[b];
   out[0] = n > 0 ? (float)(s / n) : 0.0f;
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, float* g, int n,
-                                      int k) {
-  int nt = ut__cpu_nt((double)n * k * 4);
-  (void)nt;
-  if (nt > n) nt = n;
-  double inv_n = 1.0 / (n > 0 ? n : 1);
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (int i = 0; i < n; i++) {
+UT__CPU_OPT static void ut__cpu_ce_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_loss_ctx* c = (const ut__cpu_loss_ctx*)vc;
+  const float* logits = c->p;
+  const float* labels = c->t;
+  float* g = c->g;
+  int k = c->k;
+  double inv_n = c->inv_n;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (int i = (int)lo; i < hi; i++) {
     const float* row = logits + (ut__i64)i * k;
     float* gr = g + (ut__i64)i * k;
     int lab = ut__cpu_label(labels[i], k);
@@ -2804,39 +3460,64 @@ UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, 
     for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
     gr[lab] -= (float)inv_n;
   }
+}
+UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, float* g, int n,
+                                      int k) {
+  int nt = ut__cpu_nt((double)n * k * 4);
+  if (nt > n) nt = n;
+  double inv_n = 1.0 / (n > 0 ? n : 1);
+  ut__cpu_loss_ctx c = {logits, labels, g, NULL, n, 0, 0, k, 0.0f, inv_n};
+  ut__parallel_run(nt, ut__cpu_ce_bwd_part, &c);
   return UT_OK;
 }
 
 /* ---- optimizers ----------------------------------------------------------------------------- */
 
-UT__CPU_OPT static int ut__cpu_sgd(float* restrict p, const float* restrict g, float* restrict v,
-                                   ut__i64 n, float lr, float momentum) {
-  int nt = ut__cpu_nt((double)n);
-  (void)nt;
+/* The optimizers' arguments (sgd: v is the momentum buffer or NULL; adam: m and v). */
+typedef struct {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  ut__i64 n;
+  float lr, momentum, b1, b2, eps, step, sb2;
+} ut__cpu_optim_ctx;
+UT__CPU_OPT static void ut__cpu_sgd_part(void* vc, int tid, int nt) {
+  const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
+  float* restrict p = c->p;
+  const float* restrict g = c->g;
+  float* restrict v = c->v;
+  float lr = c->lr, momentum = c->momentum;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
   if (v) {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) {
+    for (ut__i64 i = lo; i < hi; i++) {
       float vi = momentum * v[i] + g[i];
       v[i] = vi;
       p[i] -= lr * vi;
     }
   } else {
-    UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-    for (ut__i64 i = 0; i < n; i++) p[i] -= lr * g[i];
+    for (ut__i64 i = lo; i < hi; i++) p[i] -= lr * g[i];
   }
+}
+UT__CPU_OPT static int ut__cpu_sgd(float* restrict p, const float* restrict g, float* restrict v,
+                                   ut__i64 n, float lr, float momentum) {
+  int nt = ut__cpu_nt((double)n);
+  ut__cpu_optim_ctx c = {p, g, NULL, v, n, lr, momentum, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  ut__parallel_run(nt, ut__cpu_sgd_part, &c);
   return UT_OK;
 }
 
-UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
-                                    float* restrict v, ut__i64 n, float lr, float b1, float b2,
-                                    float eps, float bc1, float bc2) {
-  int nt = ut__cpu_nt((double)n);
-  (void)nt;
-  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
-     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
-  float step = lr / bc1, sb2 = sqrtf(bc2);
-  UT__OMP("omp parallel for num_threads(nt) if(nt > 1) schedule(static)")
-  for (ut__i64 i = 0; i < n; i++) {
+UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
+  const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
+  float* restrict p = c->p;
+  const float* restrict g = c->g;
+  float* restrict m = c->m;
+  float* restrict v = c->v;
+  float b1 = c->b1, b2 = c->b2, eps = c->eps, step = c->step, sb2 = c->sb2;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) {
     float gi = g[i];
     float mi = b1 * m[i] + (1.0f - b1) * gi;
     float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
@@ -2844,6 +3525,16 @@ UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, 
     v[i] = vi;
     p[i] -= step * (mi / (sqrtf(vi) / sb2 + eps));
   }
+}
+UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
+                                    float* restrict v, ut__i64 n, float lr, float b1, float b2,
+                                    float eps, float bc1, float bc2) {
+  int nt = ut__cpu_nt((double)n);
+  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
+     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
+  float step = lr / bc1, sb2 = sqrtf(bc2);
+  ut__cpu_optim_ctx c = {p, g, m, v, n, lr, 0.0f, b1, b2, eps, step, sb2};
+  ut__parallel_run(nt, ut__cpu_adam_part, &c);
   return UT_OK;
 }
 
@@ -2990,6 +3681,7 @@ static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
 }
 /* A tensor whose host copy the caller just filled: the host owns the values. */
 static void ut__host_wrote(ut_tensor* t) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
   t->dirty_cpu = false;
   t->dirty_gpu = t->gpu_buf != NULL;
 }
@@ -3206,6 +3898,7 @@ static float* ut__out(ut_tensor* t, const ut__backend* be) {
   return ut__is_device_backend(be) ? (float*)t->gpu_buf : t->data;
 }
 static void ut__wrote(ut_tensor* t, const ut__backend* be) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
   if (ut__is_device_backend(be)) {
     t->dirty_cpu = true;
     t->dirty_gpu = false;
@@ -4275,6 +4968,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
     UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
     UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
+    UT__FIELD(ut_tensor, version),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
     UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
     UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),

@@ -25,6 +25,17 @@ def device(request):
 
 
 @pytest.fixture
+def torch():
+    """PyTorch on one thread for the test (tiny ops), its thread count restored after; skips
+    where PyTorch is not installed."""
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(1234)
 
@@ -53,7 +64,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from numpy_ref import WORST
+    from tolerances import WORST
 
     if not WORST:
         return

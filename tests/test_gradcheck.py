@@ -10,8 +10,10 @@ with:
 
 and, on a GPU, output and gradients against the CPU. Errors are normalized, ||a - b|| / ||b||,
 with the bounds of utensil_ffi.selftest.BOUNDS (fd64 <= 1e-4, fd32 <= 1e-3, forward and vs cpu
-<= 1e-4). The float64 forward used for fd64 lives in utensil_ffi.selftest; it is checked here
-against the independent references in tests/numpy_ref.py, so the two cannot share a mistake.
+<= 1e-4). The float64 forward used for fd64 is the op's in utensil_ffi.reference (numpy only);
+each case's forward is checked here to be that op with the case's own geometry, and the reference
+itself is checked in tests/test_reference.py (its backward against finite differences, forward
+and backward against PyTorch in float64 where it is installed).
 
 Shapes are small (FD costs two forwards per input element) and cover batch > 1, stride 1 and 2,
 padding 0..2, kh != kw, 1x1 kernels and odd sizes; a hypothesis test adds random conv geometries.
@@ -24,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import numpy_ref as R
 import utensil_ffi as ut
+from utensil_ffi import reference as R
 from utensil_ffi import selftest as S
 
 EXAMPLES = int(os.environ.get("UTENSIL_HYPOTHESIS_EXAMPLES", "10"))
@@ -68,8 +70,8 @@ def _id(case):
                                for k, v in g.items())
 
 
-def _numpy_ref(case):
-    """The independent tests/numpy_ref.py forward for a selftest Case (float64 inputs)."""
+def _reference(case):
+    """The utensil_ffi.reference forward of a selftest Case's op (float64 inputs)."""
     op = case.op
     if op == "conv2d":
         return lambda a, s, p: R.conv2d(a["x"], a["w"], a["b"], s, p)
@@ -79,16 +81,16 @@ def _numpy_ref(case):
         "batchnorm2d": lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], 1e-5)[0],
         "layernorm": lambda a: R.layernorm(a["x"], a["w"], a["b"], 1e-5),
         "linear": lambda a: R.linear(a["x"], a["w"], a["b"]),
-        "global_avg_pool2d": lambda a: R.avgpool(a["x"]),
+        "global_avg_pool2d": lambda a: R.global_avg_pool2d(a["x"]),
         "relu": lambda a: R.relu(a["x"]),
         "relu6": lambda a: R.relu6(a["x"]),
     }.get(op)
 
 
 def _check(case, device, seed):
-    # The float64 forward the fd64 check differentiates agrees with tests/numpy_ref.py.
+    # The float64 forward the fd64 check differentiates is the reference op, geometry included.
     a64 = {k: v.astype(np.float64) for k, v in case.inputs.items()}
-    ref = _numpy_ref(case)
+    ref = _reference(case)
     if ref is not None:
         if case.op in ("conv2d", "dwconv2d"):
             s, p = case._geom

@@ -1,7 +1,8 @@
 """The package's import graph: data flows one way (STYLE.md section 7).
 
     CLI (train, selftest) -> package facade (__init__) -> models, data -> optim -> layers
-    -> functional -> tensor -> dlpack -> _args -> _errors -> _lib
+    -> functional -> tensor -> dlpack -> _args -> _errors -> _lib; reference (float64 numpy
+    references of the ops, for selftest and the tests) imports nothing of the package
 
 Every import of a package module, at the top of a file or inside a function (a lazy import is
 still an import), must name a module strictly below the importer; so there is no upward import
@@ -18,6 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom first; modules on one line may not import each other
 LAYERS = [
+    ["reference"],
     ["_lib"],
     ["_errors"],
     ["_args"],

@@ -1,12 +1,12 @@
 """The whole network, not just its layers: utensil_ffi.models.mobilenet against references.
 
-- a float64 numpy re-implementation of the network's forward pass (written here, independent
-  of the library) gives the same loss, and its central finite differences give the parameter
-  and input gradients that utensil's backward computes (BatchNorm in training mode, kinks of
-  ReLU6 on both sides exercised);
+- a float64 numpy re-implementation of the network's forward pass (from the ops of
+  utensil_ffi.reference, numpy only and independent of the library) gives the same loss, and
+  its central finite differences give the parameter and input gradients that utensil's
+  backward computes (BatchNorm in training mode, kinks of ReLU6 on both sides exercised);
 - when PyTorch is installed, the same architecture written as a torch.nn.Sequential, loaded with
-  utensil's state_dict() by PyTorch's load_state_dict(strict=True), gives the same logits, loss, gradients, BatchNorm running statistics, eval-mode outputs, and
-  the same weights after a few SGD-with-momentum and Adam steps.
+  utensil's state_dict() by PyTorch's load_state_dict(strict=True), gives the same logits, loss,
+  gradients, BatchNorm running statistics, eval-mode outputs, and the same weights after a few SGD-with-momentum and Adam steps.
 """
 
 import numpy as np
@@ -14,59 +14,28 @@ import pytest
 
 import utensil_ffi as ut
 from utensil_ffi import models
+from utensil_ffi import reference as R
 
-# -- the float64 reference ------------------------------------------------------------------------
-
-
-def _taps(xp, kh, kw, s, ho, wo):
-    for i in range(kh):
-        for j in range(kw):
-            yield i, j, xp[:, :, i:i + s * (ho - 1) + 1:s, j:j + s * (wo - 1) + 1:s]
-
-
-def _conv(x, w, b, s, p):
-    o, c, kh, kw = w.shape
-    n, _, h, wd = x.shape
-    ho, wo = (h + 2 * p - kh) // s + 1, (wd + 2 * p - kw) // s + 1
-    xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
-    y = np.zeros((n, o, ho, wo))
-    for i, j, win in _taps(xp, kh, kw, s, ho, wo):
-        y += np.einsum("nchw,oc->nohw", win, w[:, :, i, j])
-    return y if b is None else y + b[None, :, None, None]
-
-
-def _dwconv(x, w, b, s, p):
-    c, _, kh, kw = w.shape  # PyTorch's depthwise layout, as in the state dict
-    n, _, h, wd = x.shape
-    ho, wo = (h + 2 * p - kh) // s + 1, (wd + 2 * p - kw) // s + 1
-    xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
-    y = np.zeros((n, c, ho, wo))
-    for i, j, win in _taps(xp, kh, kw, s, ho, wo):
-        y += win * w[None, :, 0, i, j, None, None]
-    return y if b is None else y + b[None, :, None, None]
-
-
-def _bn_train(x, g, b, eps):
-    mean = x.mean(axis=(0, 2, 3), keepdims=True)
-    var = x.var(axis=(0, 2, 3), keepdims=True)  # biased, as in training
-    return (x - mean) / np.sqrt(var + eps) * g[None, :, None, None] + b[None, :, None, None]
+# -- the float64 reference, built from utensil_ffi.reference ------------------------------------
 
 
 def _apply(layer, params, i, h):
     """Layer ``i`` of the network on h, in float64, with the weights in ``params``."""
     w, b = params.get("%d.weight" % i), params.get("%d.bias" % i)
     if isinstance(layer, ut.DWConv2d):
-        return _dwconv(h, w, b, layer.stride, layer.padding)
+        # the state dict holds PyTorch's depthwise layout [C, 1, kh, kw]
+        return R.dwconv2d(h, w.reshape((w.shape[0],) + w.shape[2:]), b, layer.stride,
+                          layer.padding)
     if isinstance(layer, ut.Conv2d):
-        return _conv(h, w, b, layer.stride, layer.padding)
+        return R.conv2d(h, w, b, layer.stride, layer.padding)
     if isinstance(layer, ut.BatchNorm2d):
-        return _bn_train(h, w, b, layer.eps)
+        return R.batchnorm2d_train(h, w, b, layer.eps)[0]  # batch statistics, as in training
     if isinstance(layer, ut.ReLU6):
-        return np.clip(h, 0.0, 6.0)
+        return R.relu6(h)
     if isinstance(layer, ut.GlobalAvgPool2d):
-        return h.mean(axis=(2, 3))
+        return R.global_avg_pool2d(h)
     if isinstance(layer, ut.Linear):
-        return h @ w.T + (b if b is not None else 0.0)
+        return R.linear(h, w, b)
     raise TypeError(layer)
 
 
@@ -77,9 +46,7 @@ def ref_forward(net, params, x, labels, relu6_inputs=None):
         if relu6_inputs is not None and isinstance(layer, ut.ReLU6):
             relu6_inputs.append(h)
         h = _apply(layer, params, i, h)
-    z = h - h.max(axis=1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return -logp[np.arange(len(labels)), labels].mean(), h
+    return R.cross_entropy(h, labels)[0], h
 
 
 def _tiny_net(device, rng, blocks=((2, 2),), width=2, in_channels=1, classes=3):
@@ -113,17 +80,7 @@ def _utensil_grads(net, x, labels, device):
 
 def _fd(f, arr, eps=1e-6):
     """Central differences of the scalar f() with respect to each element of arr (in place)."""
-    g = np.zeros_like(arr)
-    flat, gf = arr.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gf[i] = (fp - fm) / (2 * eps)
-    return g
+    return R.numeric_grad(lambda _: f(), arr, 1.0, eps)
 
 
 def _close(name, got, ref, rtol, atol):
@@ -188,16 +145,6 @@ def test_reference_finite_differences_are_sound(rng):
 
 
 # -- PyTorch --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def torch():
-    """PyTorch on one thread for the test (tiny ops), its thread count restored after."""
-    torch = pytest.importorskip("torch")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield torch
-    torch.set_num_threads(n)
 
 
 def _torch_twin(torch, net):

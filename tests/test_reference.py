@@ -1,18 +1,23 @@
-"""Every op, forward and backward, on random inputs against a float64 numpy reference.
+"""Every op, forward and backward, on random inputs against its float64 numpy reference
+(utensil_ffi/reference.py, which the self-check uses too).
 
 Geometries include batch > 1, odd sizes, padding, stride 2, kh != kw and 1x1 kernels: the cases
-where other libraries shipped wrong results. The references' own backward formulas are checked
-against central finite differences (float64) at the end of this file.
+where other libraries shipped wrong results. The reference itself is checked at the end of this
+file: its backward formulas against central finite differences (float64), its forward and
+backward against PyTorch in float64 (where it is installed), and that it imports only numpy.
 """
+
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import numpy_ref as R
 import utensil_ffi as ut
-from numpy_ref import assert_close
+from tolerances import assert_close
+from utensil_ffi import reference as R
 
 f32 = np.float32
 
@@ -165,11 +170,9 @@ def test_batchnorm2d(device, rng, shape):
         y = layer(ut.tensor(x, device))  # training mode: batch statistics
         ref, mean, var = R.batchnorm2d_train(x64, g64, b64, eps)
         assert_close("batchnorm2d train forward", y.numpy(), ref)
-        cnt = n * h * w
-        assert_close("batchnorm2d running_mean", layer.running_mean.numpy(),
-                     (1 - momentum) * rm0 + momentum * mean)
-        assert_close("batchnorm2d running_var", layer.running_var.numpy(),
-                     (1 - momentum) * rv0 + momentum * var * cnt / (cnt - 1))
+        rm, rv = R.batchnorm2d_running_stats(rm0, rv0, mean, var, n * h * w, momentum)
+        assert_close("batchnorm2d running_mean", layer.running_mean.numpy(), rm)
+        assert_close("batchnorm2d running_var", layer.running_var.numpy(), rv)
         go = _randn(rng, *shape)
         _check_layer_grads("batchnorm2d", layer, x, go,
                            R.batchnorm2d_backward(x64, g64, eps, go.astype(float)), device)
@@ -180,12 +183,8 @@ def test_batchnorm2d(device, rng, shape):
         y = layer(ut.tensor(x, device))
         assert_close("batchnorm2d eval forward", y.numpy(), R.batchnorm2d_eval(x64, g64, b64, rm, rv, eps))
         np.testing.assert_array_equal(layer.running_mean.numpy(), rm.astype(f32))
-        # eval backward: the statistics are constants, dx = gamma rstd go
-        rstd = 1.0 / np.sqrt(rv + eps)
-        xhat = (x64 - rm[None, :, None, None]) * rstd[None, :, None, None]
         _check_layer_grads("batchnorm2d eval", layer, x, go,
-                           (go * (g64 * rstd)[None, :, None, None], (go * xhat).sum(axis=(0, 2, 3)),
-                            go.sum(axis=(0, 2, 3))), device)
+                           R.batchnorm2d_eval_backward(x64, g64, rm, rv, eps, go.astype(float)), device)
 
 
 @pytest.mark.parametrize("shape", [(7,), (2, 3, 5), (4, 1, 3, 3)])
@@ -210,22 +209,22 @@ def test_global_avgpool2d(device, rng, shape):
     x = _randn(rng, *shape)
     layer = ut.GlobalAvgPool2d()
     y = layer(ut.tensor(x, device))
-    assert_close("global_avgpool2d forward", y.numpy(), R.avgpool(x.astype(float)))
+    assert_close("global_avgpool2d forward", y.numpy(), R.global_avg_pool2d(x.astype(float)))
     go = _randn(rng, *shape[:2])
     dx = layer.backward(ut.tensor(go, device))
-    assert_close("global_avgpool2d backward", dx.numpy(), R.avgpool_backward(go.astype(float), *shape[2:]))
+    assert_close("global_avgpool2d backward", dx.numpy(), R.global_avg_pool2d_backward(go.astype(float), *shape[2:]))
 
 
 @pytest.mark.parametrize("shape", [(4, 5), (1,), (3, 2, 7)])
 def test_mse_loss(device, rng, shape):
     p, t = _randn(rng, *shape), _randn(rng, *shape)
     pt, tt = ut.tensor(p, device), ut.tensor(t, device)
-    assert_close("mse_loss forward", ut.mse_loss(pt, tt).numpy(), R.mse(p.astype(float), t.astype(float)))
+    assert_close("mse_loss forward", ut.mse_loss(pt, tt).numpy(), R.mse_loss(p.astype(float), t.astype(float)))
     assert_close("mse_loss backward", ut.mse_loss_backward(pt, tt).numpy(),
-                 R.mse_backward(p.astype(float), t.astype(float)))
+                 R.mse_loss_backward(p.astype(float), t.astype(float)))
     crit = ut.MSELoss()
-    assert crit(pt, t).item() == pytest.approx(R.mse(p.astype(float), t.astype(float))[0], rel=1e-5)
-    assert_close("mse_loss backward", crit.backward().numpy(), R.mse_backward(p.astype(float), t.astype(float)))
+    assert crit(pt, t).item() == pytest.approx(R.mse_loss(p.astype(float), t.astype(float))[0], rel=1e-5)
+    assert_close("mse_loss backward", crit.backward().numpy(), R.mse_loss_backward(p.astype(float), t.astype(float)))
     crit.close()
 
 
@@ -251,7 +250,7 @@ def test_cross_entropy(device, rng, n, k, scale):
 def test_matmul(device, rng, m, k, n):
     a, b = _randn(rng, m, k), _randn(rng, k, n)
     at, bt = ut.tensor(a, device), ut.tensor(b, device)
-    ref = a.astype(float) @ b.astype(float)
+    ref = R.matmul(a.astype(float), b.astype(float))
     assert_close("matmul", ut.matmul(at, bt).numpy(), ref)
     assert_close("matmul", (at @ bt).numpy(), ref)
 
@@ -261,7 +260,7 @@ def test_matmul(device, rng, m, k, n):
 def test_transpose(device, rng, shape, d0, d1):
     x = _randn(rng, *shape)
     y = ut.tensor(x, device).transpose(d0, d1)
-    assert_close("transpose", y.numpy(), np.swapaxes(x, d0, d1), atol=0, rtol=0)
+    assert_close("transpose", y.numpy(), R.transpose(x, d0, d1), atol=0, rtol=0)
 
 
 def test_reshape_add_scale_bias(device, rng):
@@ -287,7 +286,7 @@ def test_sgd(device, rng, momentum):
     for _ in range(3):
         g = _randn(rng, 4, 5)
         ut.sgd_step(pt, ut.tensor(g, device), vt, lr, momentum)
-        ref_p, ref_v = R.sgd(ref_p, g.astype(float), ref_v, lr, momentum)
+        ref_p, ref_v = R.sgd_step(ref_p, g.astype(float), ref_v, lr, momentum)
     assert_close("sgd_step", pt.numpy(), ref_p)
     # the optimizer class does the same with each parameter's grad
     with ut.Linear(5, 4, bias=False, device=device) as layer:
@@ -299,7 +298,7 @@ def test_sgd(device, rng, momentum):
             opt.zero_grad()
             layer.weight.grad.copy_from(g)
             opt.step()
-            ref_p, ref_v = R.sgd(ref_p, g.astype(float), ref_v, lr, momentum)
+            ref_p, ref_v = R.sgd_step(ref_p, g.astype(float), ref_v, lr, momentum)
         assert_close("SGD", layer.weight.numpy(), ref_p)
         opt.close()
 
@@ -311,7 +310,7 @@ def test_adam(device, rng):
     for step in range(1, 5):
         g = _randn(rng, 3, 7)
         ut.adam_step(pt, ut.tensor(g, device), mt, vt, step, lr, b1, b2, eps)
-        ref = R.adam(ref[0], g.astype(float), ref[1], ref[2], step, lr, b1, b2, eps)
+        ref = R.adam_step(ref[0], g.astype(float), ref[1], ref[2], step, lr, b1, b2, eps)
     assert_close("adam_step", pt.numpy(), ref[0])
     assert_close("adam_step m", mt.numpy(), ref[1])
     assert_close("adam_step v", vt.numpy(), ref[2])
@@ -324,7 +323,7 @@ def test_adam(device, rng):
             opt.zero_grad()
             layer.weight.grad.copy_from(g)
             opt.step()
-            ref = R.adam(ref[0], g.astype(float), ref[1], ref[2], step, lr, b1, b2, eps)
+            ref = R.adam_step(ref[0], g.astype(float), ref[1], ref[2], step, lr, b1, b2, eps)
         assert_close("Adam", layer.weight.numpy(), ref[0])
         opt.close()
 
@@ -350,7 +349,7 @@ def test_sequential_matches_composition(device, rng):
         h2, _, _ = R.batchnorm2d_train(h1, l1.weight.numpy().astype(float), l1.bias.numpy().astype(float), 1e-5)
         h3 = R.relu6(h2)
         h4 = R.dwconv2d(h3, l3.weight.numpy().astype(float), l3.bias.numpy().astype(float), 2, 1)
-        h6 = R.avgpool(R.relu(h4))
+        h6 = R.global_avg_pool2d(R.relu(h4))
         ref = R.linear(h6, l6.weight.numpy().astype(float), l6.bias.numpy().astype(float))
         assert_close("sequential forward", y.numpy(), ref)
         assert len(model.parameters()) == 8
@@ -387,6 +386,128 @@ def test_reference_gradients_are_right():
     z, labels = rng.standard_normal((4, 3)), np.array([0, 2, 1, 2])
     np.testing.assert_allclose(R.cross_entropy_backward(z, labels),
                                R.numeric_grad(lambda v: R.cross_entropy(v, labels), z, np.ones(1)), atol=1e-7)
+
+
+def test_reference_imports_only_numpy():
+    """Independent by construction: no utensil (nor torch) behind the reference."""
+    tree = ast.parse(Path(R.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"numpy"}
+
+
+# -- the reference against PyTorch (float64), an implementation it shares no code with -----------
+def _torch_grads(torch, f, go, *args):
+    """f(*tensors) and d sum(f * go) / d each argument, by PyTorch's autograd, as numpy."""
+    ts = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in args]
+    y = f(*ts)
+    (y * torch.tensor(go)).sum().backward()
+    return y.detach().numpy(), [t.grad.numpy() for t in ts]
+
+
+def _same(name, got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_reference_matches_pytorch(torch):
+    F = torch.nn.functional
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 7, 6))
+    for s, p, (kh, kw) in ((2, 1, (3, 2)), (1, 2, (2, 3)), (1, 0, (1, 1))):
+        w, b = rng.standard_normal((4, 3, kh, kw)), rng.standard_normal(4)
+        y = R.conv2d(x, w, b, s, p)
+        go = rng.standard_normal(y.shape)
+        ty, tg = _torch_grads(torch, lambda x_, w_, b_: F.conv2d(x_, w_, b_, s, p), go, x, w, b)
+        _same("conv2d", y, ty)
+        _same("conv2d no bias", R.conv2d(x, w, None, s, p), ty - b[None, :, None, None])
+        for name, r, t in zip(("dx", "dW", "db"), R.conv2d_backward(x, w, s, p, go), tg):
+            _same("conv2d " + name, r, t)
+        wd, bd = rng.standard_normal((3, kh, kw)), rng.standard_normal(3)
+        y = R.dwconv2d(x, wd, bd, s, p)
+        go = rng.standard_normal(y.shape)
+        ty, tg = _torch_grads(torch, lambda x_, w_, b_: F.conv2d(x_, w_[:, None], b_, s, p, groups=3),
+                              go, x, wd, bd)
+        _same("dwconv2d", y, ty)
+        _same("dwconv2d no bias", R.dwconv2d(x, wd, None, s, p), ty - bd[None, :, None, None])
+        for name, r, t in zip(("dx", "dW", "db"), R.dwconv2d_backward(x, wd, s, p, go), tg):
+            _same("dwconv2d " + name, r, t)
+
+    xl, wl, bl = rng.standard_normal((5, 7)), rng.standard_normal((3, 7)), rng.standard_normal(3)
+    go = rng.standard_normal((5, 3))
+    ty, tg = _torch_grads(torch, F.linear, go, xl, wl, bl)
+    _same("linear", R.linear(xl, wl, bl), ty)
+    _same("linear no bias", R.linear(xl, wl, None), ty - bl)
+    for name, r, t in zip(("dx", "dW", "db"), R.linear_backward(xl, wl, go), tg):
+        _same("linear " + name, r, t)
+    _same("matmul", R.matmul(xl, wl.T), (torch.tensor(xl) @ torch.tensor(wl.T)).numpy())
+    _same("transpose", R.transpose(x, 1, -1), torch.tensor(x).transpose(1, -1).numpy())
+
+    xn, g, b = rng.standard_normal((2, 3, 5)) * 3 + 1, rng.standard_normal(5) + 1, rng.standard_normal(5)
+    go = rng.standard_normal(xn.shape)
+    ty, tg = _torch_grads(torch, lambda x_, g_, b_: F.layer_norm(x_, (5,), g_, b_, 1e-5), go, xn, g, b)
+    _same("layernorm", R.layernorm(xn, g, b, 1e-5), ty)
+    for name, r, t in zip(("dx", "dgamma", "dbeta"), R.layernorm_backward(xn, g, 1e-5, go), tg):
+        _same("layernorm " + name, r, t)
+
+    g, b = rng.standard_normal(3) + 1, rng.standard_normal(3)
+    rm, rv = rng.standard_normal(3), rng.uniform(0.5, 2.0, 3)
+    trm, trv = torch.tensor(rm), torch.tensor(rv)
+    go = rng.standard_normal(x.shape)
+    ty, tg = _torch_grads(torch, lambda x_, g_, b_: F.batch_norm(x_, trm, trv, g_, b_, True, 0.1, 1e-5),
+                          go, x, g, b)
+    y, mean, var = R.batchnorm2d_train(x, g, b, 1e-5)
+    _same("batchnorm2d train", y, ty)
+    for name, r, t in zip(("dx", "dgamma", "dbeta"), R.batchnorm2d_backward(x, g, 1e-5, go), tg):
+        _same("batchnorm2d " + name, r, t)
+    nrm, nrv = R.batchnorm2d_running_stats(rm, rv, mean, var, 2 * 7 * 6, 0.1)
+    _same("batchnorm2d running_mean", nrm, trm.numpy())
+    _same("batchnorm2d running_var", nrv, trv.numpy())
+    ty, tg = _torch_grads(torch, lambda x_, g_, b_: F.batch_norm(x_, trm, trv, g_, b_, False, 0.1, 1e-5),
+                          go, x, g, b)
+    _same("batchnorm2d eval", R.batchnorm2d_eval(x, g, b, nrm, nrv, 1e-5), ty)
+    for name, r, t in zip(("dx", "dgamma", "dbeta"),
+                          R.batchnorm2d_eval_backward(x, g, nrm, nrv, 1e-5, go), tg):
+        _same("batchnorm2d eval " + name, r, t)
+
+    xe = rng.uniform(-3.0, 9.0, (4, 11))  # no value sits on a kink
+    go = rng.standard_normal(xe.shape)
+    for name, f, tf, bwd in (("relu", R.relu, F.relu, R.relu_backward),
+                             ("relu6", R.relu6, F.relu6, R.relu6_backward)):
+        ty, (tdx,) = _torch_grads(torch, tf, go, xe)
+        _same(name, f(xe), ty)
+        _same(name + " backward", bwd(go, xe), tdx)
+
+    go = rng.standard_normal((2, 3))
+    ty, (tdx,) = _torch_grads(torch, lambda x_: x_.mean(dim=(2, 3)), go, x)
+    _same("global_avg_pool2d", R.global_avg_pool2d(x), ty)
+    _same("global_avg_pool2d backward", R.global_avg_pool2d_backward(go, 7, 6), tdx)
+
+    t = rng.standard_normal(xl.shape)
+    ty, (tdx,) = _torch_grads(torch, lambda p_: F.mse_loss(p_, torch.tensor(t)).reshape(1), np.ones(1), xl)
+    _same("mse_loss", R.mse_loss(xl, t), ty)
+    _same("mse_loss backward", R.mse_loss_backward(xl, t), tdx)
+    labels = np.array([0, 2, 1, 2, 0])
+    ty, (tdx,) = _torch_grads(torch, lambda z_: F.cross_entropy(z_, torch.tensor(labels)).reshape(1),
+                              np.ones(1), xl[:, :3] * 4)
+    _same("cross_entropy", R.cross_entropy(xl[:, :3] * 4, labels), ty)
+    _same("cross_entropy backward", R.cross_entropy_backward(xl[:, :3] * 4, labels), tdx)
+
+    for opt, ref in ((lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+                     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+                     (lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8), "adam")):
+        tp = torch.tensor(wl, requires_grad=True)
+        o = opt([tp])
+        p, v, m = wl.copy(), np.zeros(wl.shape), np.zeros(wl.shape)
+        vel = v if ref == "sgd" else None
+        for step in range(1, 4):
+            grad = rng.standard_normal(wl.shape)
+            tp.grad = torch.tensor(grad)
+            o.step()
+            if ref == "adam":
+                p, m, v = R.adam_step(p, grad, m, v, step, 0.01, 0.9, 0.999, 1e-8)
+            else:
+                p, vel = R.sgd_step(p, grad, vel, 0.1, 0.9)
+        _same("%s step" % (ref or "plain sgd"), p, tp.detach().numpy())
 
 
 # -- every GPU layer against the same layer on the CPU ---------------------------------------------

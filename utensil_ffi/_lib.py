@@ -95,8 +95,11 @@ def _load():
     ffi = cffi.FFI()
     ffi.cdef(cdef_text(text))
     path = _find_library()
+    # RTLD_NODELETE (the library is also linked -z nodelete): the library's worker threads may
+    # still be running or parked in its code when the interpreter unloads it at exit.
+    flags = ffi.RTLD_NOW | getattr(ffi, "RTLD_NODELETE", 0)
     try:
-        lib = ffi.dlopen(str(path))
+        lib = ffi.dlopen(str(path), flags)
     except OSError as e:
         raise ImportError("utensil_ffi: cannot load %s: %s" % (path, e)) from e
     try:

@@ -5,9 +5,26 @@ gradient with respect to the input of the last forward and ADDS the parameter gr
 ``p.grad`` for each ``p`` in ``layer.parameters()`` (call ``zero_grad()`` between steps). In
 training mode (the default) forward keeps what backward needs; in eval mode it keeps nothing
 and backward raises. ``close()`` frees the layer's C tensors now; ``with`` does it on exit.
+
+What forward keeps is a stack per thread, scoped to one outer call: a layer used several times in
+one network (``Sequential(l, ReLU(), l)``, or a Module whose forward calls ``l`` twice) keeps one
+entry per use, and backward walks them in reverse; a forward under a new outer call (calling the
+model or a layer again) drops what the earlier one kept, so memory stays bounded. Call a Module
+(``net(x)``) rather than ``net.forward(x)`` so its layers know they are inside one call. Backward
+refuses (ArgumentError) when the input its forward saw, or the layer's weight, was changed in
+place since (a version counter on every C tensor, bumped by every library write, copy_from and
+in-place method); writes through a numpy() or DLPack view are not tracked.
+
+Threads: a layer (or network) may be used from several threads at once. Eval-mode forwards run in
+parallel and give the results of a serial run; training-mode forwards keep a cache per thread, so
+each thread's backward differentiates its own forward; backward passes (which accumulate into
+``p.grad``) and BatchNorm2d's training forward (which updates the running statistics) are
+serialized per layer. ``close()`` from another thread waits for the calls in flight to finish.
 """
 
 import copy
+import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -18,7 +35,7 @@ from ._errors import check, check_ptr
 from ._lib import ffi, lib
 from . import functional as _F
 from .functional import _Args
-from .tensor import Tensor, zeros
+from .tensor import _EXITING, Tensor, _hold, _let_go, zeros
 
 _wrap = Tensor._wrap
 _NULL = ffi.NULL
@@ -46,10 +63,20 @@ class Parameter(Tensor):
 
     __slots__ = ("grad", "name")
 
+    def __init__(self, data, device="cpu", requires_grad=True, name=None):
+        """A standalone parameter: a float32 copy of ``data`` with a zeroed ``grad`` (``grad`` is
+        None when ``requires_grad`` is false)."""
+        self.name = name
+        self.grad = None
+        super().__init__(data, device)
+        if _args.to_bool(requires_grad, "requires_grad"):
+            self.grad = zeros(self.shape, self.device)
+
     def __repr__(self):
         if self.closed:
             return "Parameter(<closed>)"
-        return "Parameter(name=%r, shape=%s, device=%r)" % (self.name, self.shape, self.device)
+        return "Parameter(name=%r, shape=%s, device=%r)" % (
+            getattr(self, "name", None), self.shape, self.device)
 
     def close(self):
         super().close()
@@ -115,6 +142,22 @@ def _kernel(value, name):
     return k, k
 
 
+# The outermost Module call running in each thread: layers tag what forward keeps with it.
+_PASS = threading.local()
+_pass_ids = itertools.count(1)
+
+
+def _in_pass(fn, args):
+    """fn(*args) as one outer call (unless one is running in this thread already)."""
+    if getattr(_PASS, "id", None) is not None:
+        return fn(*args)
+    _PASS.id = next(_pass_ids)
+    try:
+        return fn(*args)
+    finally:
+        _PASS.id = None
+
+
 class Module:
     """Base of every layer: call = forward, backward, parameters, zero_grad, train/eval, to."""
 
@@ -127,7 +170,7 @@ class Module:
         raise NotImplementedError
 
     def __call__(self, *args):
-        return self.forward(*args)
+        return _in_pass(self.forward, args)
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
@@ -387,43 +430,159 @@ def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
 _TENSOR_PTR = ffi.typeof("ut_tensor *")
 
 
+class _Stack:
+    """One thread's forward caches on one layer: entries [(pass id, cache, versions...)], the
+    first ``pos`` not yet differentiated. Freed with its thread (threading.local drops it)."""
+
+    __slots__ = ("owner", "entries", "pos", "__weakref__")
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.entries = []
+        self.pos = 0
+
+    def __del__(self):
+        if self.entries and not _EXITING[0]:
+            self.owner.retire(self.entries)
+
+
+class _State:
+    """What a layer shares between threads: its forward caches (a _Stack per thread) and the
+    count of C calls in flight, which close() waits for. ``lock`` guards both and is held only
+    briefly; ``wlock`` serializes the calls that write the layer's tensors (backward's gradient
+    accumulation, BatchNorm2d's running statistics)."""
+
+    __slots__ = ("lock", "wlock", "busy", "idle", "tls", "stacks", "pending", "drop")
+
+    def __init__(self, drop):
+        self.lock = threading.Lock()
+        self.wlock = threading.Lock()
+        self.busy = 0
+        self.idle = None  # an Event while close() waits
+        self.tls = threading.local()
+        self.stacks = weakref.WeakSet()
+        self.pending = []  # entries to free once no call is in flight
+        self.drop = drop  # frees one entry
+
+    def push(self, entry):
+        """Keep ``entry`` for this thread's backward, dropping those of an earlier outer call."""
+        st = getattr(self.tls, "st", None)
+        if st is None:
+            st = self.tls.st = _Stack(self)
+            with self.lock:
+                self.stacks.add(st)
+        pid = entry[0]
+        with self.lock:
+            old = st.entries
+            if old and (pid is None or old[-1][0] != pid):
+                st.entries = [entry]
+            else:
+                old = ()
+                st.entries.append(entry)
+            st.pos = len(st.entries)
+        if old:
+            self.retire(old)
+
+    def take(self):
+        """This thread's next entry to differentiate (the last forward's first), counted as in
+        flight (call leave() after); None if there is none. Once all were used the walk starts
+        over, so a backward can be repeated."""
+        st = getattr(self.tls, "st", None)
+        with self.lock:
+            if st is None or not st.entries:
+                return None
+            if st.pos == 0:
+                st.pos = len(st.entries)
+            st.pos -= 1
+            self.busy += 1
+            return st.entries[st.pos]
+
+    def leave(self):
+        with self.lock:
+            self.busy -= 1
+            if self.busy:
+                return
+            old, self.pending = self.pending, []
+            idle = self.idle
+        if idle is not None:
+            idle.set()
+        for e in old:
+            self.drop(e)
+
+    def retire(self, entries):
+        """Free ``entries`` now, or once the calls in flight (which may use them) end."""
+        with self.lock:
+            if self.busy:
+                self.pending.extend(entries)
+                return
+        for e in entries:
+            self.drop(e)
+
+    def clear(self):
+        """Drop every thread's entries."""
+        with self.lock:
+            old = []
+            for st in list(self.stacks):
+                old += st.entries
+                st.entries = []
+                st.pos = 0
+        if old:
+            self.retire(old)
+
+    def wait_idle(self):
+        """Block until no call is in flight (the caller has made new calls impossible)."""
+        with self.lock:
+            if not self.busy:
+                return
+            if self.idle is None:
+                self.idle = threading.Event()
+            idle = self.idle
+        idle.wait()
+
+
 class _Handle:
-    """The C side of one layer: its struct and its forward cache, freed together.
+    """The C side of one layer: its struct and its forward caches, freed together.
 
     Kept apart from the layer object so a finalizer can free it without keeping the layer alive.
-    Two cache structs are allocated once and reused: ``cache`` holds what the last forward kept
-    when ``used``; ``spare`` is always empty and is what the next forward fills, so a forward that
-    fails leaves the previous one's cache usable. (The C header requires freeing a used cache
-    before passing it to forward again: a cache becomes the spare only once freed.)
+    Each forward that keeps a cache fills a fresh ``ut_<kind>_cache`` of its own, so concurrent
+    forwards share nothing mutable.
     """
 
-    __slots__ = ("s", "cache", "spare", "used", "_cache_free", "_free")
+    __slots__ = ("s", "state", "_ctype", "_cache_free", "_free")
 
     def __init__(self, kind, s):
         self.s = s
-        self.cache = ffi.new("ut_%s_cache*" % kind)
-        self.spare = ffi.new("ut_%s_cache*" % kind)
-        self.used = False
+        self._ctype = ffi.typeof("ut_%s_cache*" % kind)
         self._cache_free = getattr(lib, "ut_%s_cache_free" % kind)
         self._free = getattr(lib, "ut_%s_free" % kind)
+        self.state = _State(self._drop)
 
-    def swap_in(self, filled):
-        """After a successful forward: drop the old cache; the spare becomes it if ``filled``."""
-        if self.used:
-            self._cache_free(self.cache)
-        if filled:
-            self.cache, self.spare = self.spare, self.cache
-        self.used = filled
+    def new_cache(self):
+        return ffi.new(self._ctype)
+
+    def _drop(self, entry):
+        self._cache_free(entry[1])
+
+    def enter(self):
+        """The struct, counted as in flight (call state.leave() after); ClosedError if closed."""
+        st = self.state
+        with st.lock:
+            s = self.s
+            if s is not None:
+                st.busy += 1
+                return s
+        return None
 
     def clear_cache(self):
-        if self.used:
-            self.used = False
-            self._cache_free(self.cache)
+        self.state.clear()
 
     def free(self):
-        self.clear_cache()
-        if self.s is not None:
+        """Make the layer unusable, wait for the calls in flight, then free its C side."""
+        with self.state.lock:
             s, self.s = self.s, None
+        self.state.wait_idle()
+        self.state.clear()
+        if s is not None:
             self._free(s)
 
 
@@ -513,23 +672,50 @@ class _CLayer(Module):
         """Raise ShapeError unless x's shape suits the layer; return the output shape."""
         raise NotImplementedError
 
+    def __call__(self, x):
+        return self.forward(x)
+
     def forward(self, x):
         h = self._h
-        s = h.s if h is not None else None
-        if s is None:
-            raise ClosedError("operation on a closed %s" % type(self).__name__)
         # The fast path: an open Tensor goes straight to C, which checks the shape and device;
         # on failure the Python checks below run to raise their (more specific) message.
         xp = x._ptr if isinstance(x, Tensor) else None
-        if xp is None:
+        if xp is None or h is None:
             return self._forward_checked(x)
-        keep = self._keeps_cache()
-        p = self._fwd(s, xp, h.spare if keep else _NULL)
+        s = h.enter()
+        if s is None:
+            return self._forward_checked(x)
+        try:
+            xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
+            try:
+                p, c = self._run_forward(h, s, xp)
+            finally:
+                _let_go(xp)
+        finally:
+            h.state.leave()
         if p == _NULL:
-            h._cache_free(h.spare)  # whatever a failed forward may have stored
             return self._forward_checked(x)
-        h.swap_in(keep)
         return _wrap(p)
+
+    def _run_forward(self, h, s, xp):
+        """One C forward with a cache of its own when it keeps one; pushes the cache on success."""
+        if not self._keeps_cache():
+            return self._fwd(s, xp, _NULL), None
+        c = h.new_cache()
+        if self._writes_state():
+            with h.state.wlock:
+                p = self._fwd(s, xp, c)
+        else:
+            p = self._fwd(s, xp, c)
+        if p == _NULL:
+            h._cache_free(c)  # whatever a failed forward may have stored
+        else:
+            h.state.push((getattr(_PASS, "id", None), c, c.input.version, s.weight.version))
+        return p, c
+
+    def _writes_state(self):
+        """Whether forward writes the layer's own tensors (then it is serialized)."""
+        return False
 
     def _forward_checked(self, x):
         """forward with every check in Python first (array-likes, closed tensors, failures)."""
@@ -539,13 +725,20 @@ class _CLayer(Module):
             a.dev = s.weight.dev
             xt = a.tensor(x, "x")
             self._check_input(xt.shape)
-            keep = self._keeps_cache()
             h = self._h
-            p = self._fwd(s, xt.ptr, h.spare if keep else _NULL)
+            s = h.enter()
+            if s is None:
+                raise ClosedError("operation on a closed %s" % name)
+            try:
+                xp = _hold(xt)
+                try:
+                    p, _ = self._run_forward(h, s, xp)
+                finally:
+                    _let_go(xp)
+            finally:
+                h.state.leave()
             if p == _NULL:
-                h._cache_free(h.spare)
                 check("%s.forward" % name)
-            h.swap_in(keep)
             return _wrap(p)
 
     def _keeps_cache(self):
@@ -560,37 +753,58 @@ class _CLayer(Module):
         s = self._struct
         name = type(self).__name__
         h = self._h
-        if not h.used:
+        e = h.state.take()
+        if e is None:
             raise ArgumentError(
                 "%s.backward: no forward pass to differentiate; call forward() in training "
                 "mode (layer.train()) first" % name
             )
-        with _Args(name + ".backward") as a:
-            a.dev = s.weight.dev
-            g = a.tensor(grad_out, "grad_out")
-            ip = h.cache.input.shape
-            out_shape = self._grad_shape(tuple(ffi.unpack(ip.shape, ip.ndim)))
-            if g.shape != out_shape:
-                raise ShapeError(
-                    "%s.backward: grad_out has shape %s, the forward output had %s"
-                    % (name, g.shape, out_shape)
+        try:
+            s = h.s
+            if s is None:
+                raise ClosedError("operation on a closed %s" % name)
+            _, c, vin, vw = e
+            if c.input.version != vin or s.weight.version != vw:
+                raise ArgumentError(
+                    "%s.backward: the %s was modified in place after the forward pass (copy_from, "
+                    "an in-place method or an optimizer step), so its gradient would be wrong; "
+                    "change it only after backward, or pass a clone to forward"
+                    % (name, "input" if c.input.version != vin else "weight")
                 )
-            db = _grad_ptr(self._bias) if self._bias is not None else ffi.NULL
-            p = self._bwd(s, h.cache, g.ptr, _grad_ptr(self._weight), db)
-            return _wrap(check_ptr(p, "%s.backward" % name))
+            with _Args(name + ".backward") as a:
+                a.dev = s.weight.dev
+                g = a.tensor(grad_out, "grad_out")
+                ip = c.input.shape
+                out_shape = self._grad_shape(tuple(ffi.unpack(ip.shape, ip.ndim)))
+                if g.shape != out_shape:
+                    raise ShapeError(
+                        "%s.backward: grad_out has shape %s, the forward output had %s"
+                        % (name, g.shape, out_shape)
+                    )
+                gp = _hold(g)
+                try:
+                    with h.state.wlock:
+                        db = _grad_ptr(self._bias) if self._bias is not None else ffi.NULL
+                        p = self._bwd(s, c, gp, _grad_ptr(self._weight), db)
+                finally:
+                    _let_go(gp)
+                return _wrap(check_ptr(p, "%s.backward" % name))
+        finally:
+            h.state.leave()
 
     def _clear_cache(self):
         if self._h is not None:
             self._h.clear_cache()
 
     def close(self):
-        """Free the layer's C tensors now (idempotent); its Parameters become closed."""
+        """Free the layer's C tensors now (idempotent); its Parameters become closed. Calls in
+        flight in other threads finish first."""
         if self.closed:
             return
+        self._finalizer()
         for p in (self._weight, self._bias):
             if p is not None:
                 p.close()
-        self._finalizer()
 
     def __repr__(self):
         if self.closed:
@@ -804,11 +1018,15 @@ class BatchNorm2d(_CLayer):
             )
         return shape
 
+    def _writes_state(self):
+        return self.training
+
     def close(self):
-        if not self.closed:
+        was_open = not self.closed
+        super().close()
+        if was_open:
             self._running_mean.close()
             self._running_var.close()
-        super().close()
 
     def _describe(self):
         return "%d, eps=%g, momentum=%g" % (self.num_features, self.eps, self.momentum)
@@ -835,42 +1053,66 @@ class BatchNorm2d(_CLayer):
         self.num_batches_tracked = value
 
 
+def _drop_kept(entry):
+    t = entry[1]
+    if isinstance(t, Tensor):
+        t.close()
+
+
 class _Stateless(Module):
     """A layer without parameters; forward keeps its input (its own reference) for backward."""
 
     _op = _bwd_op = None
 
     def __init__(self):
-        self._input = None
+        self._state = _State(_drop_kept)
 
     @property
     def device(self):
         return None
 
+    def __call__(self, x):
+        return self.forward(x)
+
     def forward(self, x):
         y = self._op(x)
-        if self._input is not None:
-            self._clear_cache()
         if self.training:
-            self._keep(x, y)
+            self._state.push((getattr(_PASS, "id", None),) + self._keep(x, y))
         return y
 
     def _keep(self, x, y):
+        """What backward needs: (input, its version now)."""
         # x succeeded as the op's input, so a Tensor x is open
-        self._input = _wrap(lib.ut_retain(x._ptr)) if isinstance(x, Tensor) else Tensor(x, y.device)
+        if isinstance(x, Tensor):
+            p = lib.ut_retain(x._ptr)
+            return _wrap(p), p.version
+        t = Tensor(x, y.device)
+        return t, t._ptr.version
 
-    def backward(self, grad_out):
-        if self._input is None:
+    def _take(self):
+        e = self._state.take()
+        if e is None:
             raise ArgumentError(
                 "%s.backward: no forward pass to differentiate; call forward() in training "
                 "mode first" % type(self).__name__
             )
-        return self._bwd_op(grad_out, self._input)
+        return e
+
+    def backward(self, grad_out):
+        _, t, version = self._take()
+        try:
+            if t._ptr.version != version:
+                raise ArgumentError(
+                    "%s.backward: the input was modified in place after the forward pass "
+                    "(copy_from or an in-place method), so its gradient would be wrong; change it "
+                    "only after backward, or pass a clone to forward" % type(self).__name__
+                )
+            return self._bwd_op(grad_out, t)
+        finally:
+            self._state.leave()
 
     def _clear_cache(self):
-        if self._input is not None:
-            t, self._input = self._input, None
-            t.close()
+        self._state.clear()
 
     def __repr__(self):
         return "%s()" % type(self).__name__
@@ -900,19 +1142,16 @@ class GlobalAvgPool2d(_Stateless):
     _op = staticmethod(_F.global_avg_pool2d)
 
     def _keep(self, x, y):
+        # only the input's shape: backward does not read its values
         if isinstance(x, Tensor):
             n, c, h, w = ffi.unpack(x._ptr.shape.shape, 4)  # 4-D: the op succeeded
         else:
             n, c, h, w = _args.to_float_array(x).shape
-        self._input = ((n, c), h, w)
+        return ((n, c), h, w), None
 
     def backward(self, grad_out):
-        if self._input is None:
-            raise ArgumentError(
-                "GlobalAvgPool2d.backward: no forward pass to differentiate; call forward() in "
-                "training mode first"
-            )
-        out_shape, h, w = self._input
+        _, (out_shape, h, w), _ = self._take()
+        self._state.leave()
         g_shape = grad_out.shape if isinstance(grad_out, Tensor) else _args.to_float_array(grad_out).shape
         if tuple(g_shape) != out_shape:
             raise ShapeError(
@@ -920,9 +1159,6 @@ class GlobalAvgPool2d(_Stateless):
                 % (tuple(g_shape), out_shape)
             )
         return _F.global_avg_pool2d_backward(grad_out, h, w)
-
-    def _clear_cache(self):
-        self._input = None
 
 
 class Sequential(Module):
@@ -958,13 +1194,15 @@ class Sequential(Module):
         cur = x
         for step in steps:
             nxt = step(cur)
-            if cur is not x and isinstance(cur, Tensor):
+            # a layer may hand back its input (an identity): that is the next value, kept open
+            if cur is not x and cur is not nxt and isinstance(cur, Tensor):
                 cur.close()
             cur = nxt
         return cur
 
     def forward(self, x):
-        return self._chain(x, [l.forward for l in self.layers])
+        # one outer call even when forward is called directly: layers used twice keep both uses
+        return _in_pass(self._chain, (x, [l.forward for l in self.layers]))
 
     def backward(self, grad_out):
         return self._chain(grad_out, [l.backward for l in reversed(self.layers)])

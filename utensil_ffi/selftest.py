@@ -6,7 +6,8 @@ Run it after installing on new hardware, a new driver or a new build. For each o
 backward and each device that is present it checks, on small random inputs (batch > 1, odd
 sizes, stride 2, padding, kh != kw):
 
-  forward   the op's output against an exact float64 numpy implementation in this file;
+  forward   the op's output against the exact float64 numpy implementation of the op in
+            utensil_ffi.reference (numpy only, independent of the library);
   fd64      the analytic gradients (utensil's float32 backward) against central finite
             differences of that float64 implementation (eps 1e-6): the gradient is right;
   fd32      the same gradients against central differences of utensil's OWN float32 forward
@@ -26,6 +27,8 @@ import sys
 import time
 
 import numpy as np
+
+from . import reference as R
 
 __all__ = ["BOUNDS", "CASES", "Case", "make_case", "default_cases", "check_case", "nerr", "main"]
 
@@ -47,77 +50,6 @@ def nerr(got, want):
     if not math.isfinite(num):
         return math.inf
     return num / den if den > 0 else num
-
-
-# -- float64 numpy references (self-contained on purpose: this module must not need the tests) --
-def _pad(x, p):
-    return np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
-
-
-def _taps(kh, kw, s, ho, wo):
-    for i in range(kh):
-        for j in range(kw):
-            yield i, j, slice(i, i + s * (ho - 1) + 1, s), slice(j, j + s * (wo - 1) + 1, s)
-
-
-def ref_conv2d(x, w, b, s, p):
-    kh, kw = w.shape[2:]
-    ho = (x.shape[2] + 2 * p - kh) // s + 1
-    wo = (x.shape[3] + 2 * p - kw) // s + 1
-    xp = _pad(x, p)
-    y = np.zeros((x.shape[0], w.shape[0], ho, wo))
-    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
-        y += np.einsum("nchw,oc->nohw", xp[:, :, si, sj], w[:, :, i, j])
-    return y + b[None, :, None, None]
-
-
-def ref_dwconv2d(x, w, b, s, p):
-    kh, kw = w.shape[1:]
-    ho = (x.shape[2] + 2 * p - kh) // s + 1
-    wo = (x.shape[3] + 2 * p - kw) // s + 1
-    xp = _pad(x, p)
-    y = np.zeros((x.shape[0], x.shape[1], ho, wo))
-    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
-        y += xp[:, :, si, sj] * w[None, :, i, j, None, None]
-    return y + b[None, :, None, None]
-
-
-def ref_linear(x, w, b):
-    return x @ w.T + b
-
-
-def ref_layernorm(x, w, b, eps):
-    mu = x.mean(axis=-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * w + b
-
-
-def ref_batchnorm2d_train(x, w, b, eps):
-    mu = x.mean(axis=(0, 2, 3), keepdims=True)
-    var = ((x - mu) ** 2).mean(axis=(0, 2, 3), keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * w[None, :, None, None] + b[None, :, None, None]
-
-
-def ref_avgpool(x):
-    return x.mean(axis=(2, 3))
-
-
-def ref_relu(x):
-    return np.maximum(x, 0.0)
-
-
-def ref_relu6(x):
-    return np.clip(x, 0.0, 6.0)
-
-
-def ref_mse(pred, target):
-    return np.array([np.mean((pred - target) ** 2)])
-
-
-def ref_cross_entropy(z, labels):
-    z = z - z.max(axis=1, keepdims=True)
-    ls = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return np.array([-ls[np.arange(len(labels)), labels].mean()])
 
 
 # -- cases ----------------------------------------------------------------------------------------
@@ -228,7 +160,7 @@ def case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
     inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, o, c, kh, kw, scale=0.5), "b": _f32(rng, o)}
     return Case(
         "conv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d o%d" % (n, c, h, w, kh, kw, stride, pad, o), inputs,
-        lambda a: ref_conv2d(a["x"], a["w"], a["b"], stride, pad),
+        lambda a: R.conv2d(a["x"], a["w"], a["b"], stride, pad),
         lambda dev: _Runner(ut.Conv2d(c, o, (kh, kw), stride=stride, padding=pad, device=dev), dev))
 
 
@@ -238,7 +170,7 @@ def case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
     inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, c, kh, kw, scale=0.5), "b": _f32(rng, c)}
     return Case(
         "dwconv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d" % (n, c, h, w, kh, kw, stride, pad), inputs,
-        lambda a: ref_dwconv2d(a["x"], a["w"], a["b"], stride, pad),
+        lambda a: R.dwconv2d(a["x"], a["w"], a["b"], stride, pad),
         lambda dev: _Runner(ut.DWConv2d(c, (kh, kw), stride=stride, padding=pad, device=dev), dev))
 
 
@@ -247,7 +179,7 @@ def case_linear(rng, n=3, i=5, o=4):
 
     inputs = {"x": _f32(rng, n, i), "w": _f32(rng, o, i, scale=0.5), "b": _f32(rng, o)}
     return Case("linear", "x[%d,%d] o%d" % (n, i, o), inputs,
-                lambda a: ref_linear(a["x"], a["w"], a["b"]),
+                lambda a: R.linear(a["x"], a["w"], a["b"]),
                 lambda dev: _Runner(ut.Linear(i, o, device=dev), dev))
 
 
@@ -258,7 +190,7 @@ def case_layernorm(rng, shape=(3, 2, 7), eps=1e-5):
     inputs = {"x": _f32(rng, *shape, scale=2.0, shift=0.5), "w": _f32(rng, d, shift=1.0),
               "b": _f32(rng, d)}
     return Case("layernorm", "x%s" % (list(shape),), inputs,
-                lambda a: ref_layernorm(a["x"], a["w"], a["b"], eps),
+                lambda a: R.layernorm(a["x"], a["w"], a["b"], eps),
                 lambda dev: _Runner(ut.LayerNorm(d, eps=eps, device=dev), dev))
 
 
@@ -268,7 +200,7 @@ def case_batchnorm2d(rng, n=2, c=3, h=3, w=4, eps=1e-5):
     inputs = {"x": _f32(rng, n, c, h, w, scale=2.0, shift=0.5), "w": _f32(rng, c, shift=1.0),
               "b": _f32(rng, c)}
     return Case("batchnorm2d", "train x[%d,%d,%d,%d]" % (n, c, h, w), inputs,
-                lambda a: ref_batchnorm2d_train(a["x"], a["w"], a["b"], eps),
+                lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], eps)[0],
                 lambda dev: _Runner(ut.BatchNorm2d(c, eps=eps, device=dev).train(), dev))
 
 
@@ -279,7 +211,7 @@ def case_global_avg_pool2d(rng, n=2, c=3, h=5, w=3):
         return ut.global_avg_pool2d_backward(g, h, w)
 
     return Case("global_avg_pool2d", "x[%d,%d,%d,%d]" % (n, c, h, w), {"x": _f32(rng, n, c, h, w)},
-                lambda a: ref_avgpool(a["x"]),
+                lambda a: R.global_avg_pool2d(a["x"]),
                 lambda dev: _FnRunner(dev, ut.global_avg_pool2d, bwd))
 
 
@@ -287,7 +219,7 @@ def case_relu(rng, shape=(2, 3, 4)):
     import utensil_ffi as ut
 
     x = _away_from(_f32(rng, *shape, scale=2.0), [0.0], 0.05)
-    return Case("relu", "x%s" % (list(shape),), {"x": x}, lambda a: ref_relu(a["x"]),
+    return Case("relu", "x%s" % (list(shape),), {"x": x}, lambda a: R.relu(a["x"]),
                 lambda dev: _FnRunner(dev, ut.relu, ut.relu_backward))
 
 
@@ -296,7 +228,7 @@ def case_relu6(rng, shape=(2, 3, 4)):
 
     x = rng.uniform(-2.0, 8.0, size=shape).astype(np.float32)
     x = _away_from(x, [0.0, 6.0], 0.05)
-    return Case("relu6", "x%s" % (list(shape),), {"x": x}, lambda a: ref_relu6(a["x"]),
+    return Case("relu6", "x%s" % (list(shape),), {"x": x}, lambda a: R.relu6(a["x"]),
                 lambda dev: _FnRunner(dev, ut.relu6, ut.relu6_backward))
 
 
@@ -313,7 +245,7 @@ def case_mse(rng, shape=(3, 5)):
         return d.mul_(float(g.numpy().reshape(-1)[0]))
 
     return Case("mse_loss", "pred%s" % (list(shape),), {"x": _f32(rng, *shape)},
-                lambda a: ref_mse(a["x"], target.astype(np.float64)),
+                lambda a: R.mse_loss(a["x"], target.astype(np.float64)),
                 lambda dev: _FnRunner(dev, fwd, bwd))
 
 
@@ -330,7 +262,7 @@ def case_cross_entropy(rng, n=4, k=5):
         return d.mul_(float(g.numpy().reshape(-1)[0]))
 
     return Case("softmax_cross_entropy", "logits[%d,%d]" % (n, k), {"x": _f32(rng, n, k, scale=2.0)},
-                lambda a: ref_cross_entropy(a["x"], labels),
+                lambda a: R.cross_entropy(a["x"], labels),
                 lambda dev: _FnRunner(dev, fwd, bwd))
 
 
@@ -371,26 +303,14 @@ def default_cases(rng):
 
 
 # -- the checks -----------------------------------------------------------------------------------
-def _fd(f, inputs, names, go, eps, dtype):
-    """Central differences of sum(f(inputs) * go) with respect to each input in `names`."""
+def _fd(f, inputs, names, go, eps):
+    """Central differences of sum(f(inputs) * go) with respect to each input in `names`, the step
+    taken in that input's dtype (reference.numeric_grad)."""
     out = {}
     for name in names:
-        base = inputs[name]
-        g = np.zeros(base.shape, dtype=np.float64)
-        flat = g.reshape(-1)
-        for i in range(base.size):
-            vals = []
-            for step in (eps, -eps):
-                a = dict(inputs)
-                v = base.copy().reshape(-1)
-                v[i] = v[i] + dtype(step)
-                a[name] = v.reshape(base.shape)
-                vals.append(float(np.sum(np.asarray(f(a), dtype=np.float64) * go)))
-            # the step actually taken in `dtype` (v[i] +- eps is rounded)
-            b = base.reshape(-1)[i]
-            h = float(dtype(b + dtype(eps))) - float(dtype(b - dtype(eps)))
-            flat[i] = (vals[0] - vals[1]) / h
-        out[name] = g
+        a = dict(inputs)
+        a[name] = inputs[name].copy()  # numeric_grad perturbs it in place
+        out[name] = R.numeric_grad(lambda _: f(a), a[name], go, eps)
     return out
 
 
@@ -413,10 +333,10 @@ def check_case(case, device, rng=None, fd32=True, cpu_results=None):
     try:
         y, grads = runner.backward(inputs, go32)
         errs["forward"] = nerr(y, y_ref)
-        fd = _fd(case.ref, inputs64, names, go, FD64_EPS, np.float64)
+        fd = _fd(case.ref, inputs64, names, go, FD64_EPS)
         errs["fd64"] = max(nerr(grads[k], fd[k]) for k in names)
         if fd32:
-            fd = _fd(runner.forward, inputs, names, go, FD32_EPS, np.float32)
+            fd = _fd(runner.forward, inputs, names, go, FD32_EPS)
             errs["fd32"] = max(nerr(grads[k], fd[k]) for k in names)
         if cpu_results is not None:
             cy, cg = cpu_results

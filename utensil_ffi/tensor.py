@@ -40,6 +40,59 @@ _EXITING = [False]
 atexit.register(_EXITING.__setitem__, 0, True)
 _CLOSE_LOCK = threading.Lock()  # close() from two threads at once frees one reference once
 
+# Closing a Tensor while another thread's C call uses it must not free the memory under that
+# call. A thread lists the pointers its call uses in its slot (_hold ... _let_go); close() frees
+# only a pointer no slot lists, and otherwise defers the free to the _let_go that drops the last
+# listing. Plain list operations under the GIL order the listing against close()'s check: _hold
+# re-reads _ptr after listing, so either close() sees the listing or _hold sees the close.
+_SLOTS = {}  # thread ident -> that thread's list of pointers in use (a reused ident replaces it)
+_DEFERRED = []  # pointers close() left for the last _let_go to free
+_local = threading.local()
+
+
+def _slot():
+    try:
+        return _local.slot
+    except AttributeError:
+        s = _local.slot = []
+        with _CLOSE_LOCK:
+            _SLOTS[threading.get_ident()] = s
+        return s
+
+
+def _hold(t):
+    """t's pointer, listed as in use by this thread (pair with _let_go); ClosedError if closed."""
+    slot = _slot()
+    p = t._ptr
+    if p is not None:
+        slot.append(p)
+        if t._ptr is p:
+            return p
+        slot.pop()
+    raise ClosedError("operation on a closed Tensor")
+
+
+def _let_go(p):
+    slot = _local.slot
+    slot.reverse()  # the most recent listing of p goes: the rest keep their order
+    slot.remove(p)
+    slot.reverse()
+    if _DEFERRED:
+        _free_deferred()
+
+
+def _in_use(p):
+    return any(p in s for s in list(_SLOTS.values()))
+
+
+def _free_deferred():
+    with _CLOSE_LOCK:
+        free = [p for p in _DEFERRED if not _in_use(p)]
+        for p in free:
+            _DEFERRED.remove(p)
+    for p in free:
+        lib.ut_free(p)
+
 
 class _HostView:
     """The base object of the arrays Tensor.numpy() returns.
@@ -137,6 +190,9 @@ class Tensor:
         with _CLOSE_LOCK:
             p = getattr(self, "_ptr", None)
             self._ptr = None
+            if p is not None and _SLOTS and _in_use(p):
+                _DEFERRED.append(p)  # another thread's call is using it: freed as it ends
+                return
         if p is not None:
             lib.ut_free(p)
 
@@ -194,7 +250,10 @@ class Tensor:
         """
         p = self.ptr
         if p.dev == lib.UT_CPU:
-            check_status(lib.ut_sync_cpu(p), "Tensor.numpy")
+            # A CPU tensor's host copy is its only copy, so the read-only sync suffices; it leaves
+            # the version alone: reading (print, item, np.asarray) between a layer's forward and
+            # backward is fine, and writes through the view are not tracked anyway.
+            check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
             owner = _HostView(p, readonly=False)
         else:
             check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
@@ -283,7 +342,11 @@ class Tensor:
 
     # -- ops ------------------------------------------------------------------------------------
     def clone(self):
-        return Tensor._wrap(check_ptr(lib.ut_copy(self.ptr), "Tensor.clone"))
+        p = _hold(self)
+        try:
+            return Tensor._wrap(check_ptr(lib.ut_copy(p), "Tensor.clone"))
+        finally:
+            _let_go(p)
 
     def reshape(self, *shape):
         """A copy with a new shape holding the same number of elements."""
@@ -316,7 +379,12 @@ class Tensor:
         return Tensor._wrap(check_ptr(lib.ut_transpose(self.ptr, d0, d1), "transpose"))
 
     def fill_(self, value):
-        check_status(lib.ut_fill(self.ptr, _args.to_float(value, "value", finite=False)), "fill_")
+        value = _args.to_float(value, "value", finite=False)
+        p = _hold(self)
+        try:
+            check_status(lib.ut_fill(p, value), "fill_")
+        finally:
+            _let_go(p)
         return self
 
     def zero_(self):
@@ -326,11 +394,24 @@ class Tensor:
         """self += other (a Tensor on the same device with the same number of elements)."""
         if not isinstance(other, Tensor):
             raise ArgumentTypeError("add_: expected a Tensor, got %s" % type(other).__name__)
-        check_status(lib.ut_add_into(self.ptr, other.ptr), "add_")
+        p = _hold(self)
+        try:
+            q = _hold(other)
+            try:
+                check_status(lib.ut_add_into(p, q), "add_")
+            finally:
+                _let_go(q)
+        finally:
+            _let_go(p)
         return self
 
     def mul_(self, alpha):
-        check_status(lib.ut_scale(self.ptr, _args.to_float(alpha, "alpha", finite=False)), "mul_")
+        alpha = _args.to_float(alpha, "alpha", finite=False)
+        p = _hold(self)
+        try:
+            check_status(lib.ut_scale(p, alpha), "mul_")
+        finally:
+            _let_go(p)
         return self
 
     def __matmul__(self, other):
