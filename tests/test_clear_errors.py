@@ -98,7 +98,9 @@ def test_step_skips_none_grads_like_torch(kind, rng):
             for p, q in zip(ps, tp):
                 np.testing.assert_allclose(_np(p), q.detach().numpy(), rtol=1e-5, atol=1e-6)
         if kind == "adam":
-            assert opt.state_dict()["param_steps"] == [3, 3] and opt.t == 4
+            steps = [int(e["step"]) for e in opt.state_dict()["state"].values()]
+            assert steps == [3, 3] and opt.t == 4
+            assert steps == [int(e["step"]) for e in topt.state_dict()["state"].values()]
     finally:
         opt.close()
         lin.close()
@@ -111,15 +113,19 @@ def test_adam_param_steps_round_trip():
         lin.bias.grad = None
         opt.step()
         sd = opt.state_dict()
-        assert sd["step"] == 1 and sd["param_steps"] == [1, 0]
+        # each parameter's own count is its "step"; the bias has no state yet, as in PyTorch
+        assert sorted(sd["state"]) == [0] and sd["state"][0]["step"] == 1
         opt2 = ut.Adam(lin.parameters())
         opt2.load_state_dict(sd)
+        assert opt2._steps == [1, 0] and opt2.t == 1
+        groups = sd["param_groups"]
+        with pytest.raises(ut.ArgumentError, match="whole number"):
+            opt2.load_state_dict({"state": {0: dict(sd["state"][0], step=np.float32(1.5))},
+                                  "param_groups": groups})
+        no_step = {k: v for k, v in sd["state"][0].items() if k != "step"}
+        with pytest.raises(ut.ArgumentError, match="'step'"):
+            opt2.load_state_dict({"state": {0: no_step}, "param_groups": groups})
         assert opt2._steps == [1, 0]
-        del sd["param_steps"]
-        opt2.load_state_dict(sd)  # an older state dict: every parameter at "step"
-        assert opt2._steps == [1, 1]
-        with pytest.raises(ut.ArgumentError):
-            opt2.load_state_dict(dict(sd, param_steps=[5, 0]))
         opt2.close()
     finally:
         opt.close()

@@ -1,19 +1,19 @@
-"""The whole network, not just its layers: utensil_ffi.mobilenet against references.
+"""The whole network, not just its layers: utensil_ffi.models.mobilenet against references.
 
 - a float64 numpy re-implementation of the network's forward pass (from the ops of
   utensil_ffi.reference, numpy only and independent of the library) gives the same loss, and
   its central finite differences give the parameter and input gradients that utensil's
   backward computes (BatchNorm in training mode, kinks of ReLU6 on both sides exercised);
-- when PyTorch is installed, the same architecture with the same weights (mobilenet.to_torch)
-  gives the same logits, loss, gradients, BatchNorm running statistics, eval-mode outputs, and
-  the same weights after a few SGD-with-momentum and Adam steps.
+- when PyTorch is installed, the same architecture written as a torch.nn.Sequential, loaded with
+  utensil's state_dict() by PyTorch's load_state_dict(strict=True), gives the same logits, loss,
+  gradients, BatchNorm running statistics, eval-mode outputs, and the same weights after a few SGD-with-momentum and Adam steps.
 """
 
 import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import mobilenet as mn
+from utensil_ffi import models
 from utensil_ffi import reference as R
 
 # -- the float64 reference, built from utensil_ffi.reference ------------------------------------
@@ -23,7 +23,9 @@ def _apply(layer, params, i, h):
     """Layer ``i`` of the network on h, in float64, with the weights in ``params``."""
     w, b = params.get("%d.weight" % i), params.get("%d.bias" % i)
     if isinstance(layer, ut.DWConv2d):
-        return R.dwconv2d(h, w, b, layer.stride, layer.padding)
+        # the state dict holds PyTorch's depthwise layout [C, 1, kh, kw]
+        return R.dwconv2d(h, w.reshape((w.shape[0],) + w.shape[2:]), b, layer.stride,
+                          layer.padding)
     if isinstance(layer, ut.Conv2d):
         return R.conv2d(h, w, b, layer.stride, layer.padding)
     if isinstance(layer, ut.BatchNorm2d):
@@ -50,7 +52,7 @@ def ref_forward(net, params, x, labels, relu6_inputs=None):
 def _tiny_net(device, rng, blocks=((2, 2),), width=2, in_channels=1, classes=3):
     """A tiny network whose BatchNorm scales/shifts are random, so ReLU6 clips at 0 and at 6."""
     ut.seed(7)
-    net = mn.build_mobilenet(in_channels, classes, width, blocks=blocks, device=device)
+    net = models.mobilenet(in_channels, classes, width, blocks=blocks, device=device)
     for layer in net:
         if isinstance(layer, ut.BatchNorm2d):
             c = layer.num_features
@@ -69,7 +71,7 @@ def _utensil_grads(net, x, labels, device):
     loss = ut.cross_entropy(logits, labels)
     g = ut.cross_entropy_backward(logits, labels)
     dx = net.backward(g)
-    grads = {k: np.array(p.grad.numpy(), np.float64) for k, p in mn.named_parameters(net)}
+    grads = {k: np.array(p.grad.numpy(), np.float64) for k, p in net.named_parameters()}
     out = (loss.item(), np.array(logits.numpy(), np.float64), grads, np.array(dx.numpy(), np.float64))
     for t in (xt, logits, loss, g, dx):
         t.close()
@@ -96,7 +98,7 @@ def test_gradients_match_finite_differences(device, rng, blocks):
     labels = np.array([0, 2, 1, 2])
     try:
         loss, logits, grads, dx = _utensil_grads(net, x.astype(np.float32), labels, device)
-        params = {k: v.astype(np.float64) for k, v in mn.state_dict(net).items()}
+        params = {k: v.astype(np.float64) for k, v in net.state_dict().items()}
         x32 = x.astype(np.float32).astype(np.float64)  # what utensil saw
         ref_loss, ref_logits = ref_forward(net, params, x32, labels)
 
@@ -110,12 +112,12 @@ def test_gradients_match_finite_differences(device, rng, blocks):
         assert (pre < 0).any() and (pre > 6).any() and ((pre > 0) & (pre < 6)).any()
 
         checked = 0
-        for key, p in mn.named_parameters(net):
+        for key, p in net.named_parameters():
             fd = _fd(lambda: ref_forward(net, params, x32, labels)[0], params[key])
-            _close("d loss / d " + key, grads[key], fd, 2e-3, 2e-4)
+            _close("d loss / d " + key, grads[key], fd.reshape(grads[key].shape), 2e-3, 2e-4)
             assert np.any(fd != 0.0), key
             checked += fd.size
-        assert checked == mn.count_parameters(net)
+        assert checked == models.count_parameters(net)
         fdx = _fd(lambda: ref_forward(net, params, x32, labels)[0], x32)
         _close("d loss / d x", dx, fdx, 2e-3, 2e-4)
     finally:
@@ -125,9 +127,9 @@ def test_gradients_match_finite_differences(device, rng, blocks):
 def test_reference_finite_differences_are_sound(rng):
     """The checker itself: FD of the reference recovers a known analytic gradient (Linear head)."""
     ut.seed(3)
-    net = mn.build_mobilenet(1, 3, 2, blocks=((1, 1),))
+    net = models.mobilenet(1, 3, 2, blocks=((1, 1),))
     try:
-        params = {k: v.astype(np.float64) for k, v in mn.state_dict(net).items()}
+        params = {k: v.astype(np.float64) for k, v in net.state_dict().items()}
         x = rng.normal(0, 1, (5, 1, 4, 4))
         labels = np.array([0, 1, 2, 1, 0])
         loss, logits = ref_forward(net, params, x, labels)
@@ -145,6 +147,34 @@ def test_reference_finite_differences_are_sound(rng):
 # -- PyTorch --------------------------------------------------------------------------------------
 
 
+def _torch_twin(torch, net):
+    """The same architecture written in PyTorch, with utensil's weights loaded strictly: the
+    keys and shapes of net.state_dict() must be exactly PyTorch's."""
+    nn = torch.nn
+    mods = []
+    for layer in net:
+        if isinstance(layer, ut.DWConv2d):
+            m = nn.Conv2d(layer.channels, layer.channels, layer.kernel_size, layer.stride,
+                          layer.padding, groups=layer.channels, bias=layer.bias is not None)
+        elif isinstance(layer, ut.Conv2d):
+            m = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                          layer.padding, bias=layer.bias is not None)
+        elif isinstance(layer, ut.BatchNorm2d):
+            m = nn.BatchNorm2d(layer.num_features, eps=layer.eps, momentum=layer.momentum)
+        elif isinstance(layer, ut.ReLU6):
+            m = nn.ReLU6()
+        elif isinstance(layer, ut.GlobalAvgPool2d):
+            m = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        else:
+            m = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        mods.append(m)
+    tnet = nn.Sequential(*mods)
+    sd = net.state_dict()
+    assert list(sd) == list(tnet.state_dict())  # the same keys, in the same order
+    tnet.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()}, strict=True)
+    return tnet
+
+
 def _torch_run(torch, tnet, x, labels):
     xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
     tnet.zero_grad()
@@ -158,10 +188,9 @@ def _torch_run(torch, tnet, x, labels):
 def test_same_as_pytorch(device, rng, torch):
     """Default architecture (small width): logits, loss, every gradient, running statistics."""
     ut.seed(11)
-    net = mn.build_mobilenet(1, 10, 4, device=device)
+    net = models.mobilenet(1, 10, 4, device=device)
     try:
-        tnet = mn.to_torch(net)
-        assert set(mn.state_dict(net)) <= set(tnet.state_dict())
+        tnet = _torch_twin(torch, net)
         x = rng.normal(0, 1, (8, 1, 8, 8)).astype(np.float32)
         labels = rng.integers(0, 10, 8)
         loss, logits, grads, dx = _utensil_grads(net, x, labels, device)
@@ -174,7 +203,7 @@ def test_same_as_pytorch(device, rng, torch):
         _close("grad x", dx, tdx, 1e-4, 1e-4)
 
         # BatchNorm running statistics after that one training forward pass (unbiased var)
-        ours = mn.state_dict(net)
+        ours = net.state_dict()
         theirs = tnet.state_dict()
         for k in ours:
             if "running" in k:
@@ -198,8 +227,8 @@ def test_same_as_pytorch(device, rng, torch):
 def test_training_steps_same_as_pytorch(device, rng, optimizer, torch):
     """A few optimizer steps on the same batches end with the same weights as PyTorch."""
     ut.seed(5)
-    net = mn.build_mobilenet(1, 4, 3, blocks=((2, 1), (2, 2)), device=device)
-    tnet = mn.to_torch(net)
+    net = models.mobilenet(1, 4, 3, blocks=((2, 1), (2, 2)), device=device)
+    tnet = _torch_twin(torch, net)
     if optimizer == "sgd":
         opt = ut.SGD(net.parameters(), lr=0.05, momentum=0.9)
         topt = torch.optim.SGD(tnet.parameters(), lr=0.05, momentum=0.9)
@@ -216,7 +245,7 @@ def test_training_steps_same_as_pytorch(device, rng, optimizer, torch):
             topt.zero_grad()
             _torch_run(torch, tnet, x, labels)
             topt.step()
-        ours = mn.state_dict(net)
+        ours = net.state_dict()
         theirs = tnet.state_dict()
         for k, v in ours.items():
             _close(k, v, theirs[k].numpy().reshape(v.shape), 1e-4, 1e-4)
@@ -225,24 +254,26 @@ def test_training_steps_same_as_pytorch(device, rng, optimizer, torch):
         net.close()
 
 
-def test_to_torch_copies_weights(torch):
+def test_state_dict_round_trips_through_pytorch(torch):
+    """utensil -> PyTorch (strict) -> utensil: the same arrays; num_batches_tracked counts."""
     ut.seed(2)
-    net = mn.build_mobilenet(3, 5, 2)
+    net = models.mobilenet(3, 5, 2)
+    net2 = models.mobilenet(3, 5, 2)
     try:
-        tnet = mn.to_torch(net)
-        sd = tnet.state_dict()
-        for k, v in mn.state_dict(net).items():
-            assert np.array_equal(sd[k].numpy().reshape(v.shape), v), k
+        with ut.tensor(np.ones((2, 3, 6, 6))) as x:
+            net(x).close()
+            net(x).close()
+        tnet = _torch_twin(torch, net)
         dw = [m for m in tnet if isinstance(m, torch.nn.Conv2d) and m.groups > 1]
         assert dw and all(m.weight.shape[1] == 1 for m in dw)
+        assert int(tnet.state_dict()["1.num_batches_tracked"]) == 2
+        missing, unexpected = net2.load_state_dict(tnet.state_dict())
+        assert missing == [] and unexpected == []
+        a, b = net.state_dict(), net2.state_dict()
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
+        assert net2[1].num_batches_tracked == 2
     finally:
         net.close()
-
-
-def test_compare_with_torch_trains_alike(torch):
-    """The benchmark helper: same weights and batches give (nearly) the same training loss."""
-    pytest.importorskip("sklearn")
-    r = mn.compare_with_torch("cpu", width=4, batch_size=64, epochs=1, threads=1)
-    assert len(r["utensil"]) == 1 and len(r["torch"]) == 1
-    assert r["utensil"][0] > 0 and r["torch"][0] > 0
-    assert abs(r["loss"]["utensil"] - r["loss"]["torch"]) <= 0.02 * r["loss"]["torch"] + 1e-3
+        net2.close()

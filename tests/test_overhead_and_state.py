@@ -215,11 +215,18 @@ def test_state_dict_resume_is_bitwise(device, rng, make):
     _train(net, opt, xs[:3])
     sd = opt.state_dict()
     w = _weights(net)
-    assert sd["step"] == 3 and len(sd["state"]) == len(net.parameters())
-    for arrays, p in zip(sd["state"], net.parameters()):
-        assert len(arrays) == opt._slot_count
-        for a in arrays:
+    # PyTorch's layout: one group listing the parameters by index, state per parameter
+    assert list(sd) == ["state", "param_groups"] and len(sd["param_groups"]) == 1
+    assert sd["param_groups"][0]["params"] == list(range(len(net.parameters())))
+    assert sd["param_groups"][0]["lr"] == opt.lr
+    slots = opt._slot_names
+    assert sorted(sd["state"]) == (list(range(len(net.parameters()))) if slots else [])
+    for i, p in enumerate(net.parameters()):
+        for k in slots:
+            a = sd["state"][i][k]
             assert a.dtype == np.float32 and a.shape == p.shape
+        if isinstance(opt, ut.Adam):
+            assert sd["state"][i]["step"] == 3
     _train(net, opt, xs[3:])
     straight = _weights(net)
 
@@ -228,15 +235,12 @@ def test_state_dict_resume_is_bitwise(device, rng, make):
         p.copy_from(a)
     opt2 = make(net2.parameters())
     opt2.load_state_dict(sd)
-    assert opt2.t == 3
+    if isinstance(opt2, ut.Adam):
+        assert opt2.t == 3
     _train(net2, opt2, xs[3:])
     for a, b in zip(straight, _weights(net2)):
         np.testing.assert_array_equal(a, b)
-    sd1, sd2 = opt.state_dict(), opt2.state_dict()
-    assert sd1["step"] == sd2["step"]
-    for r1, r2 in zip(sd1["state"], sd2["state"]):
-        for a, b in zip(r1, r2):
-            np.testing.assert_array_equal(a, b)
+    _assert_same_optimizer_state(opt.state_dict(), opt2.state_dict())
     for o in (opt, opt2):
         o.close()
     for n in (net, net2):
@@ -245,17 +249,26 @@ def test_state_dict_resume_is_bitwise(device, rng, make):
         x.close()
 
 
-def test_state_dict_is_a_copy_and_fresh_state_is_zeros(device):
+def _assert_same_optimizer_state(sd1, sd2):
+    assert sd1["param_groups"] == sd2["param_groups"]
+    assert sorted(sd1["state"]) == sorted(sd2["state"])
+    for i, e in sd1["state"].items():
+        assert sorted(e) == sorted(sd2["state"][i])
+        for k, a in e.items():
+            np.testing.assert_array_equal(a, sd2["state"][i][k])
+
+
+def test_state_dict_is_a_copy_and_fresh_state_is_empty(device):
     with ut.Linear(2, 2, device=device) as lin:
         opt = ut.Adam(lin.parameters())
         sd = opt.state_dict()
-        assert sd["step"] == 0
-        assert all(np.all(a == 0) for row in sd["state"] for a in row)
+        assert sd["state"] == {}  # no state before the first step, as in PyTorch
         lin.weight.grad.fill_(1.0)
         opt.step()
         sd = opt.state_dict()
-        sd["state"][0][0][...] = 123.0
-        assert not np.any(opt.state_dict()["state"][0][0] == 123.0)
+        assert sd["state"][0]["step"] == 1 and np.all(sd["state"][0]["exp_avg"] != 0)
+        sd["state"][0]["exp_avg"][...] = 123.0
+        assert not np.any(opt.state_dict()["state"][0]["exp_avg"] == 123.0)
         opt.close()
         with pytest.raises(ut.ClosedError):
             opt.state_dict()
@@ -268,24 +281,61 @@ def test_load_state_dict_validates_before_changing(device):
         lin.bias.grad.fill_(1.0)
         opt.step()
         good = opt.state_dict()
-        bad_shape = {"step": 1, "state": [[np.zeros((2, 3))], [np.zeros(3)]]}
-        with pytest.raises(ut.ShapeError, match=r"state\[1\]\[0\] has shape \(3,\)"):
+
+        def with_state(state, **group):
+            return {"state": state, "param_groups": [dict(good["param_groups"][0], **group)]}
+
+        bad_shape = with_state({0: {"momentum_buffer": np.zeros((2, 3))},
+                                1: {"momentum_buffer": np.zeros(3)}})
+        with pytest.raises(ut.ShapeError, match=r"state\[1\]\['momentum_buffer'\] has shape \(3,\)"):
             opt.load_state_dict(bad_shape)
         with pytest.raises(ut.ShapeError, match="2 parameters"):
-            opt.load_state_dict({"step": 1, "state": good["state"][:1]})
-        with pytest.raises(ut.ShapeError, match="keeps 1 per parameter"):
-            opt.load_state_dict({"step": 1, "state": [[], []]})
-        with pytest.raises(ut.ArgumentError, match="'step'"):
+            opt.load_state_dict(with_state({}, params=[0]))
+        with pytest.raises(ut.ArgumentError, match="'momentum_buffer'"):
+            opt.load_state_dict(with_state({0: {}}))
+        with pytest.raises(ut.ArgumentError, match="'param_groups'"):
             opt.load_state_dict({"state": good["state"]})
+        with pytest.raises(ut.ArgumentError, match="not in the group"):
+            opt.load_state_dict(with_state({5: good["state"][0]}))
+        with pytest.raises(ut.ArgumentError, match="nesterov"):
+            opt.load_state_dict(with_state(good["state"], nesterov=True))
         with pytest.raises(ut.ArgumentError):
-            opt.load_state_dict({"step": -1, "state": good["state"]})
+            opt.load_state_dict(with_state(good["state"], lr=-1.0))
+        with pytest.raises(ut.ArgumentError, match="one group"):
+            opt.load_state_dict({"state": {}, "param_groups": good["param_groups"] * 2})
         with pytest.raises(ut.ArgumentTypeError):
             opt.load_state_dict([1, 2])
         with pytest.raises(ut.ArgumentTypeError):
-            opt.load_state_dict({"step": 1, "state": [["x"], [np.zeros(2)]]})
-        after = opt.state_dict()
-        assert after["step"] == good["step"]
-        for r1, r2 in zip(good["state"], after["state"]):
-            for a, b in zip(r1, r2):
-                np.testing.assert_array_equal(a, b)
+            opt.load_state_dict(with_state({0: {"momentum_buffer": "x"}}))
+        _assert_same_optimizer_state(good, opt.state_dict())
+        assert opt.lr == np.float32(0.1)
+        opt.close()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizer_state_dict_round_trips_through_pytorch(kind):
+    """PyTorch's optimizer of the same kind loads the state dict and gives back the same one."""
+    torch = pytest.importorskip("torch")
+    with ut.Linear(3, 2) as lin:
+        opt = ut.SGD(lin.parameters(), lr=0.1, momentum=0.5) if kind == "sgd" \
+            else ut.Adam(lin.parameters(), lr=0.01, betas=(0.8, 0.9), eps=1e-6)
+        lin.weight.grad.fill_(1.0)
+        lin.bias.grad.fill_(0.5)
+        opt.step()
+        opt.step()
+        sd = opt.state_dict()
+        tl = torch.nn.Linear(3, 2)
+        topt = torch.optim.SGD(tl.parameters(), lr=1.0, momentum=0.9) if kind == "sgd" \
+            else torch.optim.Adam(tl.parameters(), lr=1.0)
+        topt.load_state_dict({"state": {i: {k: torch.from_numpy(v) for k, v in e.items()}
+                                        for i, e in sd["state"].items()},
+                              "param_groups": sd["param_groups"]})
+        fresh = type(opt)(ut.Linear(3, 2).parameters())
+        try:
+            fresh.load_state_dict(topt.state_dict())
+            _assert_same_optimizer_state(sd, fresh.state_dict())
+        finally:
+            fresh.close()
+            for p in fresh.params:
+                p.close()
         opt.close()

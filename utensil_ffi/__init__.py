@@ -41,7 +41,6 @@ from .functional import (
     sgd_step,
     transpose,
 )
-from .dlpack import from_dlpack
 from .layers import (
     BatchNorm2d,
     Conv2d,
@@ -62,6 +61,7 @@ from .tensor import (
     Tensor,
     cuda_available,
     devices,
+    from_dlpack,
     from_numpy,
     full,
     get_num_threads,

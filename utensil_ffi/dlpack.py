@@ -1,4 +1,7 @@
-"""DLPack exchange: Tensor.__dlpack__ / __dlpack_device__ and from_dlpack().
+"""DLPack exchange: the capsules behind Tensor.__dlpack__ / __dlpack_device__ and from_dlpack().
+
+Below tensor.py (it never imports it): export works on any Tensor it is given, and import
+returns the C tensor for tensor.from_dlpack to wrap.
 
 Follows the DLPack 1.x Python specification. A consumer that passes ``max_version >= (1, 0)``
 gets a ``DLManagedTensorVersioned`` in a capsule named ``"dltensor_versioned"``; older consumers
@@ -16,12 +19,9 @@ import ctypes
 
 import numpy as np
 
-from . import _args
 from ._errors import ArgumentError, ArgumentTypeError, DeviceError, check_ptr, check_status
 from ._lib import ffi, lib
-from .tensor import Tensor
-
-__all__ = ["from_dlpack", "dlpack_device", "to_dlpack"]
+__all__ = ["dlpack_device", "to_dlpack", "consume"]
 
 _CPU, _CUDA, _CUDA_HOST = 1, 2, 3
 _FLOAT_CODE = 2
@@ -184,7 +184,7 @@ def to_dlpack(t, stream=None, max_version=None, dl_device=None, copy=None):
                 raise BufferError("__dlpack__: cannot export a tensor on %s to device %s%s"
                                   % (here, want, " without a copy" if copy is False else ""))
             # the consumer wants host memory: hand it a host copy
-            host = Tensor(t.numpy())
+            host = t.cpu()
             return to_dlpack(host, None, max_version, None, None) if not _versioned(max_version) \
                 else _export(host, None, True, copied=True)
     stream = _parse_stream(stream, here[0])
@@ -277,26 +277,11 @@ def _contiguous(dl, dims):
     return True
 
 
-def from_dlpack(obj, device=None, copy=None):
-    """A Tensor over the memory of any DLPack producer (numpy, PyTorch, CuPy, JAX...).
-
-    Without a copy (the default) the producer's memory must be float32 and C-contiguous, on the
-    CPU or on the CUDA device; the tensor then shares it, and keeps the producer alive until it
-    is freed. Anything else raises a clear error unless ``copy=True``, which converts (dtype,
-    layout) into a new tensor. ``device`` ("cpu"/"cuda"), when given, must match the producer's
-    device unless ``copy=True``.
-    """
-    if copy not in (None, True, False):
-        raise ArgumentTypeError("from_dlpack: copy must be None, True or False")
-    if not hasattr(obj, "__dlpack__"):
-        raise ArgumentTypeError("from_dlpack: %s does not implement __dlpack__"
-                                % type(obj).__name__)
-    if isinstance(obj, Tensor):  # a new handle on the same C tensor (or a copy)
-        if copy or (device is not None and _args.parse_device(device) != obj.ptr.dev):
-            return obj.clone().to(device) if device is not None else obj.clone()
-        return Tensor._borrow(obj.ptr)
+def consume(obj, want_dev, copy):
+    """Take the DLPack capsule of ``obj`` (not a Tensor) for tensor.from_dlpack: returns
+    ``("tensor", C tensor, its device)`` sharing the producer's memory, or ``("array", ndarray)``
+    when ``copy`` converts what cannot be shared; raises BufferError otherwise."""
     src_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else _CPU
-    want_dev = _args.parse_device(device) if device is not None else None
     kwargs = {"stream": 1} if src_type == _CUDA else {}
     try:
         capsule = obj.__dlpack__(max_version=_VERSION, **kwargs)
@@ -345,8 +330,7 @@ def from_dlpack(obj, device=None, copy=None):
         # not consumed: the capsule's destructor frees it
         if copy and dev_type in (_CPU, _CUDA_HOST) and not any("shape" in p for p in problems):
             del capsule, managed, dl
-            arr = np.from_dlpack(obj) if hasattr(np, "from_dlpack") else np.asarray(obj)
-            return Tensor(arr, device if device is not None else "cpu")
+            return ("array", np.from_dlpack(obj) if hasattr(np, "from_dlpack") else np.asarray(obj))
         raise BufferError("from_dlpack: cannot share this memory: %s%s" % (
             "; ".join(problems), "" if copy else " (pass copy=True to convert it into a new tensor)"))
     _set_name(capsule, _USED_V if versioned else _USED)
@@ -358,9 +342,4 @@ def from_dlpack(obj, device=None, copy=None):
     if p == ffi.NULL:
         _release_import(ffi.cast("void*", address))
         check_ptr(p, "from_dlpack")
-    t = Tensor._wrap(p)
-    if copy or (want_dev is not None and want_dev != src_dev):
-        out = t.to(device) if want_dev is not None and want_dev != src_dev else t.clone()
-        t.close()
-        return out
-    return t
+    return ("tensor", p, src_dev)

@@ -27,6 +27,8 @@ import itertools
 import threading
 import weakref
 
+import numpy as np
+
 from . import _args
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, ShapeError
 from ._errors import check, check_ptr
@@ -175,7 +177,7 @@ class Module:
         return _in_pass(self.forward, args)
 
     def parameters(self):
-        return []
+        return [p for _, p in self.named_parameters()]
 
     def zero_grad(self, set_to_none=False):
         """Zero each parameter's grad in place, or with ``set_to_none=True`` drop it (the next
@@ -211,6 +213,157 @@ class Module:
     def __copy__(self):
         """``copy.copy(layer)`` is ``copy.deepcopy(layer)``: copies never share C memory."""
         return copy.deepcopy(self)
+
+    # -- names and state dicts, with PyTorch's keys ---------------------------------------------
+    # A module's own tensors come first ("weight", "bias", then buffers such as "running_mean"),
+    # then each child's under "<child name>." (Sequential's children are named "0", "1", ...;
+    # a user module's are its public attributes that hold a Module, in the order they were set).
+
+    def _own_parameters(self):
+        """[(name, Parameter)] that belong to this module itself, not to a child."""
+        return []
+
+    def _own_buffers(self):
+        """[(name, Tensor)] of non-trainable state (BatchNorm's running statistics)."""
+        return []
+
+    def named_children(self):
+        """(name, module) for each direct sub-module."""
+        for k, v in list(vars(self).items()):
+            if not k.startswith("_") and isinstance(v, Module):
+                yield k, v
+
+    def children(self):
+        return [m for _, m in self.named_children()]
+
+    def named_modules(self, prefix=""):
+        """(dotted name, module) for this module ("" or ``prefix``) and every descendant, each
+        module once (a module that appears twice keeps its first name), as in PyTorch."""
+        seen = set()
+
+        def walk(m, name):
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            yield name, m
+            for k, c in m.named_children():
+                yield from walk(c, name + "." + k if name else k)
+
+        yield from walk(self, prefix)
+
+    def modules(self):
+        return [m for _, m in self.named_modules()]
+
+    def _named_tensors(self, own, prefix, recurse):
+        seen = set()
+        mods = self.named_modules(prefix) if recurse else [(prefix, self)]
+        for name, m in mods:
+            for k, t in own(m):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield (name + "." + k if name else k), t
+
+    def named_parameters(self, prefix="", recurse=True):
+        """(dotted name, Parameter) in the order of ``parameters()``: ``"weight"``, ``"0.bias"``,
+        ``"encoder.3.weight"``. A Parameter shared by two layers is listed once."""
+        return self._named_tensors(lambda m: m._own_parameters(), prefix, recurse)
+
+    def named_buffers(self, prefix="", recurse=True):
+        """(dotted name, Tensor) of the running statistics (``"1.running_mean"``...)."""
+        return self._named_tensors(lambda m: m._own_buffers(), prefix, recurse)
+
+    def buffers(self):
+        return [b for _, b in self.named_buffers()]
+
+    def _state_items(self, prefix):
+        """(key, tensor or value, shape in the state dict) for state_dict and load_state_dict."""
+        for k, t in self._own_parameters() + self._own_buffers():
+            yield prefix + k, t, self._state_shape(k, t.shape)
+        for k, v in self._extra_state():
+            yield prefix + k, v, None
+        for k, c in self.named_children():
+            yield from c._state_items(prefix + k + ".")
+
+    def _state_shape(self, name, shape):
+        """The shape a tensor has in the state dict (PyTorch's; see DWConv2d)."""
+        return shape
+
+    def _extra_state(self):
+        """[(name, value)] of state that is not a tensor (BatchNorm's num_batches_tracked)."""
+        return []
+
+    def _set_extra_state(self, name, value):
+        raise NotImplementedError
+
+    def state_dict(self):
+        """{key: numpy array} of every parameter and buffer, with the keys and shapes PyTorch's
+        ``state_dict()`` gives the same network: ``"0.weight"``, ``"1.running_var"``,
+        ``"1.num_batches_tracked"``... Values are float32 copies (``num_batches_tracked``: a 0-d
+        int64), on the host whatever the device. DWConv2d's weight is saved as PyTorch's
+        depthwise ``[C, 1, kh, kw]``. ``{k: torch.from_numpy(v)}`` loads into the PyTorch twin
+        with ``load_state_dict(strict=True)``."""
+        out = {}
+        for key, t, shape in self._state_items(""):
+            if shape is None:
+                out[key] = np.array(t, dtype=np.int64)
+            else:
+                out[key] = np.array(t.numpy(), dtype=np.float32, copy=True).reshape(shape)
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy the values of ``state_dict`` into the module's tensors, in place on their device.
+
+        Values may be numpy arrays, Tensors or anything ``np.asarray`` reads (PyTorch tensors).
+        A tensor's value may have its shape in the state dict or the module's own (DWConv2d:
+        ``[C, 1, kh, kw]`` or ``[C, kh, kw]``). Everything is checked before anything changes:
+        with ``strict`` (the default), a missing or unexpected key raises ArgumentError (a
+        ValueError) naming them all; ``num_batches_tracked`` may be missing, as PyTorch allows
+        for old checkpoints. A value of the wrong shape raises ShapeError, strict or not.
+        Returns ``(missing_keys, unexpected_keys)``.
+        """
+        if not isinstance(state_dict, dict):
+            raise ArgumentTypeError("load_state_dict: expected a dict, got %s"
+                                    % type(state_dict).__name__)
+        items = list(self._state_items(""))
+        expected = {k for k, _, _ in items}
+        missing = [k for k, t, shape in items if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        required = [k for k, t, shape in items if k not in state_dict and shape is not None]
+        if strict and (required or unexpected):
+            raise ArgumentError("load_state_dict: the state does not fit %s: missing keys %s, "
+                                "unexpected keys %s" % (type(self).__name__, required or "none",
+                                                        unexpected or "none"))
+        todo, bad = [], []
+        for k, t, shape in items:
+            if k not in state_dict:
+                continue
+            v = state_dict[k]
+            if shape is None:
+                a = np.asarray(v)
+                if a.shape not in ((), (1,)) or a.dtype.kind not in "iu":
+                    raise ArgumentError("load_state_dict: %s must be an integer, got %r" % (k, v))
+                todo.append((k, None, _args.to_int(int(a.reshape(())), k, 0, 2**63 - 1)))
+                continue
+            a = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
+            if a.shape not in (tuple(shape), t.shape):
+                bad.append("%s: %s in the state, %s in the module" % (k, a.shape, tuple(shape)))
+                continue
+            todo.append((k, t, _args.to_float_array(a.reshape(t.shape), k)))
+        if bad:
+            raise ShapeError("load_state_dict: %s" % "; ".join(bad))
+        owners = {k: m for k, m in self._extra_state_owners("")}
+        for k, t, a in todo:
+            if t is None:
+                owners[k]._set_extra_state(k.rsplit(".", 1)[-1], a)
+            else:
+                t.copy_from(a)
+        return missing, unexpected
+
+    def _extra_state_owners(self, prefix):
+        for k, _ in self._extra_state():
+            yield prefix + k, self
+        for k, c in self.named_children():
+            yield from c._extra_state_owners(prefix + k + ".")
 
 
 def _zero_grads(params, set_to_none):
@@ -505,6 +658,11 @@ class _CLayer(Module):
         self._struct
         return [p for p in (self._weight, self._bias) if p is not None]
 
+    def _own_parameters(self):
+        self._struct
+        return [(k, p) for k, p in (("weight", self._weight), ("bias", self._bias))
+                if p is not None]
+
     def _tensors(self):
         """Every C tensor the layer owns (moved by to())."""
         out = []
@@ -700,6 +858,10 @@ class DWConv2d(_CLayer):
         return "%d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
             self.channels, self.kernel_size, self.stride, self.padding, self._bias is not None)
 
+    def _state_shape(self, name, shape):
+        # PyTorch's depthwise convolution is a Conv2d with groups=C: weight [C, 1, kh, kw]
+        return (shape[0], 1) + tuple(shape[1:]) if name == "weight" else shape
+
 
 class Linear(_CLayer):
     """x: [N, in_features] -> [N, out_features], y = x W^T + b.
@@ -799,6 +961,27 @@ class BatchNorm2d(_CLayer):
 
     def _describe(self):
         return "%d, eps=%g, momentum=%g" % (self.num_features, self.eps, self.momentum)
+
+    # PyTorch's BatchNorm2d counts training forwards in num_batches_tracked; only its
+    # momentum=None mode reads it, which this layer does not have, but the count keeps the state
+    # dict's keys PyTorch's.
+    num_batches_tracked = 0
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.training:
+            self.num_batches_tracked += 1
+        return y
+
+    def _own_buffers(self):
+        self._struct
+        return [("running_mean", self._running_mean), ("running_var", self._running_var)]
+
+    def _extra_state(self):
+        return [("num_batches_tracked", self.num_batches_tracked)]
+
+    def _set_extra_state(self, name, value):
+        self.num_batches_tracked = value
 
 
 def _kept(x, like):
@@ -939,6 +1122,10 @@ class Sequential(Module):
 
     def __iter__(self):
         return iter(self.layers)
+
+    def named_children(self):
+        for i, l in enumerate(self.layers):
+            yield str(i), l
 
     def _chain(self, x, steps):
         cur = x

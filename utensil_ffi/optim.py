@@ -56,8 +56,13 @@ class Optimizer:
         self._closed = False
         self.t = 0  # steps taken
 
-    # The state tensors each parameter has (SGD: velocity if momentum; Adam: m, v).
-    _slot_count = 0
+    # The names of the state tensors each parameter has, PyTorch's (SGD: momentum_buffer if
+    # momentum; Adam: exp_avg, exp_avg_sq).
+    _slot_names = ()
+
+    @property
+    def _slot_count(self):
+        return len(self._slot_names)
 
     def _check_open(self):
         if self._closed:
@@ -74,69 +79,130 @@ class Optimizer:
                 check("%s state to %s" % (type(self).__name__, p.device))
         return st
 
-    def state_dict(self):
-        """The optimizer's state as numpy copies: ``{"step": int, "state": [[array, ...], ...]}``.
+    # -- state dicts, in PyTorch's layout -------------------------------------------------------
+    def _group(self):
+        """The hyperparameters of the one parameter group, with PyTorch's names and defaults for
+        the features utensil does not have (so PyTorch's optimizer loads the dict)."""
+        return {"lr": float(self.lr)}
 
-        ``state[i]`` holds parameter i's state arrays (SGD: [velocity] with momentum, else [];
-        Adam: [m, v]), each of the parameter's shape; state not created yet is zeros, which is
-        what the optimizer starts from. Hyperparameters (lr, ...) are not included.
+    def _set_group(self, group, name):
+        """Check a saved group's hyperparameters; return a function that applies them."""
+        lr = _args.to_float32(group.get("lr", self.lr), "%s: lr" % name, lo=0.0)
+
+        def apply():
+            self.lr = lr
+        return apply
+
+    def _slots_for(self, group):
+        """The state tensors' names under the hyperparameters of ``group`` (checked)."""
+        return self._slot_names
+
+    def _param_state(self, i):
+        """Per-parameter state that is not a tensor (Adam: "step")."""
+        return {}
+
+    def _check_param_state(self, i, entry, name):
+        return None
+
+    def state_dict(self):
+        """The state in PyTorch's layout, as numpy copies::
+
+            {"state": {0: {"momentum_buffer": array}, ...},              # SGD with momentum
+             "state": {0: {"step": array(3.), "exp_avg": array, "exp_avg_sq": array}, ...}, # Adam
+             "param_groups": [{"lr": 0.01, ..., "params": [0, 1, ...]}]}
+
+        ``state`` has an entry for each parameter (its index in ``params``) that has state, so
+        none before the first step; each array has the parameter's shape and is float32 (Adam's
+        ``step``: a 0-d float32, as PyTorch stores it). ``param_groups`` holds the one group's
+        hyperparameters under PyTorch's names. ``torch.from_numpy`` on each array gives a dict
+        the PyTorch optimizer of the same kind loads. The count ``t`` is not saved.
         """
         self._check_open()
-        n = self._slot_count
-        state = []
-        for i, p in enumerate(self.params):
-            st = self._state[i]
-            if n == 0:
-                state.append([])
-            elif st is None:
-                state.append([np.zeros(p.shape, np.float32) for _ in range(n)])
-            else:
-                state.append([np.array(t.numpy(), dtype=np.float32, copy=True) for t in st])
-        return {"step": int(self.t), "state": state}
+        state = {}
+        for i, st in enumerate(self._state):
+            if st is None:
+                continue
+            entry = self._param_state(i)
+            for k, t in zip(self._slot_names, st):
+                entry[k] = np.array(t.numpy(), dtype=np.float32, copy=True)
+            state[i] = entry
+        group = self._group()
+        group["params"] = list(range(len(self.params)))
+        return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict):
-        """Restore what state_dict() returned (for the same parameters, in the same order).
+        """Restore a state_dict() (this class's or PyTorch's optimizer of the same kind), for
+        the same parameters in the same order; the hyperparameters come from the dict.
 
         Everything is checked before anything changes: ArgumentError (ArgumentTypeError) for a
-        malformed dict, ShapeError for a count or shape that does not match the parameters.
+        malformed dict or a PyTorch feature utensil does not have (weight decay, Nesterov,
+        AMSGrad...), ShapeError for a count or shape that does not match the parameters.
+        A parameter without an entry in ``state`` starts afresh, as in PyTorch.
         """
         self._check_open()
         name = "%s.load_state_dict" % type(self).__name__
         if not isinstance(state_dict, dict):
             raise ArgumentTypeError("%s: expected a dict, got %s" % (name, type(state_dict).__name__))
-        missing = [k for k in ("step", "state") if k not in state_dict]
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
         if missing:
-            raise ArgumentError("%s: the dict has no %s" % (name, " or ".join(repr(k) for k in missing)))
-        step = _args.to_int(state_dict["step"], "%s: step" % name, 0)
-        state = state_dict["state"]
-        if not isinstance(state, (list, tuple)):
-            raise ArgumentTypeError("%s: 'state' must be a list (one entry per parameter), got %s"
+            raise ArgumentError("%s: the dict has no %s (PyTorch's layout: {'state': {...}, "
+                                "'param_groups': [...]})"
+                                % (name, " or ".join(repr(k) for k in missing)))
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(groups, (list, tuple)) or len(groups) != 1 \
+                or not isinstance(groups[0], dict):
+            raise ArgumentError("%s: 'param_groups' must be a list of one group (a dict); "
+                                "utensil optimizers have one parameter group" % name)
+        if not isinstance(state, dict):
+            raise ArgumentTypeError("%s: 'state' must be a dict {parameter id: {...}}, got %s"
                                     % (name, type(state).__name__))
-        if len(state) != len(self.params):
-            raise ShapeError("%s: 'state' has %d entries, the optimizer has %d parameters"
-                             % (name, len(state), len(self.params)))
-        n = self._slot_count
-        arrays = []
-        for i, (entry, p) in enumerate(zip(state, self.params)):
-            if not isinstance(entry, (list, tuple)):
-                raise ArgumentTypeError("%s: state[%d] must be a list of arrays, got %s"
-                                        % (name, i, type(entry).__name__))
-            if len(entry) != n:
-                raise ShapeError("%s: state[%d] has %d arrays, %s keeps %d per parameter"
-                                 % (name, i, len(entry), type(self).__name__, n))
+        ids = groups[0].get("params")
+        if not isinstance(ids, (list, tuple)):
+            raise ArgumentError("%s: the group has no 'params' list" % name)
+        if len(ids) != len(self.params):
+            raise ShapeError("%s: the group has %d parameters, the optimizer has %d parameters"
+                             % (name, len(ids), len(self.params)))
+        index = {k: i for i, k in enumerate(ids)}
+        apply_group = self._set_group(groups[0], name)
+        slots = self._slots_for(groups[0])
+        rows = [None] * len(self.params)
+        extras = [None] * len(self.params)
+        for k, entry in state.items():
+            if k not in index:
+                raise ArgumentError("%s: 'state' has an entry for %r, which is not in the "
+                                    "group's params" % (name, k))
+            i = index[k]
+            if not isinstance(entry, dict):
+                raise ArgumentTypeError("%s: state[%r] must be a dict, got %s"
+                                        % (name, k, type(entry).__name__))
+            p = self.params[i]
             row = []
-            for j, a in enumerate(entry):
-                a = _args.to_float_array(a, "%s: state[%d][%d]" % (name, i, j))
+            for slot in slots:
+                if slot not in entry:
+                    raise ArgumentError("%s: state[%r] has no %r" % (name, k, slot))
+                if entry[slot] is None:  # PyTorch's SGD keeps None before momentum starts
+                    row = None
+                    break
+                a = _args.to_float_array(entry[slot], "%s: state[%r][%r]" % (name, k, slot))
                 if a.shape != p.shape:
-                    raise ShapeError("%s: state[%d][%d] has shape %s, the parameter %s"
-                                     % (name, i, j, a.shape, p.shape))
+                    raise ShapeError("%s: state[%r][%r] has shape %s, the parameter %s"
+                                     % (name, k, slot, a.shape, p.shape))
                 row.append(a)
-            arrays.append(row)
-        for i, row in enumerate(arrays):
-            if row:
-                for t, a in zip(self._slot(i, n), row):
+            rows[i] = row if row else None
+            extras[i] = self._check_param_state(i, entry, "%s: state[%r]" % (name, k))
+        apply_group()
+        for i, row in enumerate(rows):
+            if row is None:
+                for t in self._state[i] or ():
+                    t.close()
+                self._state[i] = None
+            else:
+                for t, a in zip(self._slot(i, len(row)), row):
                     t.copy_from(a)
-        self.t = step
+        self._set_param_states(extras)
+
+    def _set_param_states(self, extras):
+        pass
 
     def zero_grad(self, set_to_none=False):
         """Zero each parameter's grad, or with ``set_to_none=True`` drop it (None: "no gradient
@@ -212,8 +278,26 @@ class SGD(Optimizer):
         self.momentum = _args.to_float32(momentum, "momentum", lo=0.0)
 
     @property
-    def _slot_count(self):
-        return 1 if self.momentum != 0.0 else 0
+    def _slot_names(self):
+        return ("momentum_buffer",) if self.momentum != 0.0 else ()
+
+    def _slots_for(self, group):
+        return ("momentum_buffer",) if group.get("momentum", self.momentum) != 0.0 else ()
+
+    def _group(self):
+        return {"lr": float(self.lr), "momentum": float(self.momentum), "dampening": 0,
+                "weight_decay": 0, "nesterov": False, "maximize": False}
+
+    def _set_group(self, group, name):
+        _unsupported(group, name, dampening=0, weight_decay=0, nesterov=False, maximize=False)
+        set_lr = super()._set_group(group, name)
+        momentum = _args.to_float32(group.get("momentum", self.momentum), "%s: momentum" % name,
+                                    lo=0.0)
+
+        def apply():
+            set_lr()
+            self.momentum = momentum
+        return apply
 
     def step(self):
         for i in self._stepping():
@@ -229,7 +313,7 @@ class SGD(Optimizer):
 class Adam(Optimizer):
     """Adam with bias correction (Kingma & Ba); m and v start at zero."""
 
-    _slot_count = 2
+    _slot_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(params, lr)
@@ -257,28 +341,53 @@ class Adam(Optimizer):
             _F.adam_step(p, p.grad, m, v, steps[i] + 1, self.lr, b1, b2, self.eps)
             steps[i] += 1
 
-    def state_dict(self):
-        """As Optimizer.state_dict, plus ``"param_steps"``: each parameter's update count (its
-        bias correction; below "step" for a parameter skipped while its grad was None)."""
-        sd = super().state_dict()
-        sd["param_steps"] = list(self._steps)
-        return sd
+    def _group(self):
+        return {"lr": float(self.lr), "betas": tuple(float(b) for b in self.betas),
+                "eps": float(self.eps), "weight_decay": 0, "amsgrad": False, "maximize": False}
 
-    def load_state_dict(self, state_dict):
-        """As Optimizer.load_state_dict; without ``"param_steps"`` every parameter's update
-        count is ``"step"``."""
-        steps = state_dict.get("param_steps") if isinstance(state_dict, dict) else None
-        if steps is not None:
-            name = "Adam.load_state_dict"
-            if not isinstance(steps, (list, tuple)) or len(steps) != len(self.params):
-                raise ArgumentError("%s: 'param_steps' must be a list of %d integers"
-                                    % (name, len(self.params)))
-            hi = _args.to_int(state_dict.get("step", 0), "%s: step" % name, 0)
-            steps = [_args.to_int(n, "%s: param_steps[%d]" % (name, i), 0, hi)
-                     for i, n in enumerate(steps)]
-        super().load_state_dict(state_dict)
-        self._steps = list(steps) if steps is not None else [self.t] * len(self.params)
+    def _set_group(self, group, name):
+        _unsupported(group, name, weight_decay=0, amsgrad=False, maximize=False)
+        set_lr = super()._set_group(group, name)
+        betas = group.get("betas", self.betas)
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise ArgumentError("%s: betas must be a pair, got %r" % (name, betas)) from None
+        betas = (_args.to_float32(b1, "%s: beta1" % name, lo=0.0, below=1.0),
+                 _args.to_float32(b2, "%s: beta2" % name, lo=0.0, below=1.0))
+        eps = _args.to_float32(group.get("eps", self.eps), "%s: eps" % name, lo=0.0)
+
+        def apply():
+            set_lr()
+            self.betas, self.eps = betas, eps
+        return apply
+
+    # Each parameter's update count is its "step" (its bias correction): below the optimizer's
+    # count for a parameter skipped while its grad was None.
+    def _param_state(self, i):
+        return {"step": np.array(self._steps[i], dtype=np.float32)}
+
+    def _check_param_state(self, i, entry, name):
+        if "step" not in entry:
+            raise ArgumentError("%s has no 'step'" % name)
+        a = np.asarray(entry["step"])
+        if a.size != 1 or a.dtype.kind not in "iuf" or not np.isfinite(a).all() \
+                or float(a.reshape(())) != int(a.reshape(())):
+            raise ArgumentError("%s: 'step' must be a whole number, got %r" % (name, entry["step"]))
+        return _args.to_int(int(a.reshape(())), "%s: step" % name, 0)
+
+    def _set_param_states(self, steps):
+        self._steps = [n or 0 for n in steps]
+        self.t = max(self._steps)
 
     def __repr__(self):
         return "Adam(lr=%g, betas=%r, eps=%g, %d params)" % (
             self.lr, self.betas, self.eps, len(self.params))
+
+
+def _unsupported(group, name, **defaults):
+    """ArgumentError for a PyTorch feature a saved group turns on that utensil does not have."""
+    for k, default in defaults.items():
+        if k in group and group[k] != default:
+            raise ArgumentError("%s: the group has %s=%r; utensil's optimizer has no %s (only "
+                                "%r)" % (name, k, group[k], k, default))

@@ -7,6 +7,7 @@ import weakref
 import numpy as np
 
 from . import _args
+from . import dlpack as _dlpack
 from ._errors import ArgumentTypeError, ClosedError, ShapeError, check_ptr, check_status
 from ._lib import ffi, lib
 
@@ -14,6 +15,7 @@ __all__ = [
     "Tensor",
     "tensor",
     "from_numpy",
+    "from_dlpack",
     "zeros",
     "ones",
     "full",
@@ -283,14 +285,10 @@ class Tensor:
         """A DLPack capsule sharing this tensor's memory (CPU host memory or CUDA device memory).
 
         Per the DLPack 1.x Python specification; the capsule keeps the memory alive."""
-        from . import dlpack
-
-        return dlpack.to_dlpack(self, stream, max_version, dl_device, copy)
+        return _dlpack.to_dlpack(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self):
-        from . import dlpack
-
-        return dlpack.dlpack_device(self)
+        return _dlpack.dlpack_device(self)
 
     def tolist(self):
         return self.numpy().tolist()
@@ -450,9 +448,13 @@ class Tensor:
         return self
 
     def __matmul__(self, other):
-        from .functional import matmul
-
-        return matmul(self, other)
+        """``self @ other``: [M, K] @ [K, N] -> [M, N] (``other`` may be an array-like)."""
+        b = other if isinstance(other, Tensor) else Tensor(other, self.device)
+        try:
+            return Tensor._wrap(check_ptr(lib.ut_matmul(self.ptr, b.ptr), "matmul"))
+        finally:
+            if b is not other:
+                b.close()
 
     # -- copy and pickle ------------------------------------------------------------------------
     # copy.copy is a deep copy too: a shallow copy would duplicate the C pointer without a
@@ -507,6 +509,37 @@ def _rebuild_tensor(data, device):
 
 
 # -- construction -------------------------------------------------------------------------------
+def from_dlpack(obj, device=None, copy=None):
+    """A Tensor over the memory of any DLPack producer (numpy, PyTorch, CuPy, JAX...).
+
+    Without a copy (the default) the producer's memory must be float32 and C-contiguous, on the
+    CPU or on the CUDA device; the tensor then shares it, and keeps the producer alive until it
+    is freed. Anything else raises a clear error unless ``copy=True``, which converts (dtype,
+    layout) into a new tensor. ``device`` ("cpu"/"cuda"), when given, must match the producer's
+    device unless ``copy=True``.
+    """
+    if copy not in (None, True, False):
+        raise ArgumentTypeError("from_dlpack: copy must be None, True or False")
+    if not hasattr(obj, "__dlpack__"):
+        raise ArgumentTypeError("from_dlpack: %s does not implement __dlpack__"
+                                % type(obj).__name__)
+    if isinstance(obj, Tensor):  # a new handle on the same C tensor (or a copy)
+        if copy or (device is not None and _args.parse_device(device) != obj.ptr.dev):
+            return obj.clone().to(device) if device is not None else obj.clone()
+        return Tensor._borrow(obj.ptr)
+    want_dev = _args.parse_device(device) if device is not None else None
+    got = _dlpack.consume(obj, want_dev, copy)
+    if got[0] == "array":
+        return Tensor(got[1], device if device is not None else "cpu")
+    _, p, src_dev = got
+    t = Tensor._wrap(p)
+    if copy or (want_dev is not None and want_dev != src_dev):
+        out = t.to(device) if want_dev is not None and want_dev != src_dev else t.clone()
+        t.close()
+        return out
+    return t
+
+
 def tensor(data, device="cpu"):
     """A new tensor holding a float32 copy of array-like ``data`` on ``device``."""
     return Tensor(data, device)

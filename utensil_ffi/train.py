@@ -4,19 +4,20 @@
     python -m utensil_ffi.train --data mnist.npz --epochs 5 --width 32
     python -m utensil_ffi.train --resume utensil_checkpoint.npz --epochs 30
 
-The network (utensil_ffi.mobilenet) is built only from utensil layers: a 3x3 stem convolution,
+The network (utensil_ffi.models.mobilenet) is built only from utensil layers: a 3x3 stem convolution,
 blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d -> ReLU6],
 global average pooling and a linear classifier, trained with softmax cross-entropy and Adam (or
 SGD with momentum).
 
 Each epoch prints the train loss, the test loss and accuracy and the training throughput, and
-saves a checkpoint (.npz: weights, BatchNorm running statistics, optimizer state, epoch, history
-and the run's settings), written atomically. ``--resume FILE`` continues a run from it: the
+saves a checkpoint (.npz: the model's and the optimizer's state_dict(), epoch, history and the
+run's settings), written atomically. ``--resume FILE`` continues a run from it: the
 batches of epoch e are shuffled by a Generator seeded with (seed, e), so on the CPU a resumed run
 ends with bitwise the same weights as an uninterrupted one.
 
-Optional packages (``pip install 'utensil[examples]'``): scikit-learn for the built-in digits,
-tqdm for the progress bar (a plain text line otherwise), matplotlib for ``--plot``.
+The ``examples`` extra (``pip install 'utensil[examples]'``) brings what this program uses beyond
+the library: scikit-learn for the built-in digits, tqdm for the progress bar (``--no-progress``
+runs without it), matplotlib for ``--plot``.
 """
 
 import argparse
@@ -29,19 +30,18 @@ import time
 import numpy as np
 
 from . import data as _data
-from . import mobilenet as _mn
+from . import models as _models
 from ._errors import ArgumentError, ShapeError, UtensilError
 from .functional import cross_entropy, cross_entropy_backward
 from .optim import SGD, Adam
 from .tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
 from .tensor import set_num_threads, zeros
 
-__all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "optimizer_state",
-           "load_optimizer_state", "CheckpointError", "PROG"]
+__all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "CheckpointError", "PROG"]
 
 PROG = "utensil-train"
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the model's and optimizer's state_dict() in PyTorch's layout
 DEFAULT_CHECKPOINT = "utensil_checkpoint.npz"
 
 # The settings that define a run. On --resume they come from the checkpoint; passing a different
@@ -69,44 +69,32 @@ class _UsageError(Exception):
 
 
 # -- command line ---------------------------------------------------------------------------------
-def _positive_int(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % s) from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("expected a positive integer, got %r" % s)
-    return v
+def _number(kind, what, ok):
+    """An argparse type: ``kind(s)`` (int or float), finite, for which ``ok(value)`` holds."""
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or not ok(v):
+            raise argparse.ArgumentTypeError("expected %s, got %r" % (what, s))
+        return v
+
+    parse.__name__ = what  # argparse names the type by it in some messages
+    return parse
 
 
-def _nonneg_int(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected an integer >= 0, got %r" % s) from None
-    if v < 0 or v >= 2**63:
-        raise argparse.ArgumentTypeError("expected an integer in [0, 2**63), got %r" % s)
-    return v
+_POSITIVE_INT = _number(int, "a positive integer", lambda v: v >= 1)
+_POSITIVE_FLOAT = _number(float, "a positive number", lambda v: v > 0)
+_SEED = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+_MOMENTUM = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
-def _positive_float(s):
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive number, got %r" % s) from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError("expected a positive number, got %r" % s)
-    return v
+_THREAD_COUNT = _number(int, "a positive integer or auto", lambda v: v >= 1)
 
 
-def _momentum(s):
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a number in [0, 1), got %r" % s) from None
-    if not (0.0 <= v < 1.0):
-        raise argparse.ArgumentTypeError("expected a number in [0, 1), got %r" % s)
-    return v
+def _threads(s):
+    return "auto" if s == "auto" else _THREAD_COUNT(s)
 
 
 def _writable_file_problem(path, create_dirs):
@@ -166,32 +154,34 @@ def build_parser():
                    help="how --data's 4-D images are laid out: nchw, nhwc, or auto (default): "
                    "NCHW, and an error when the last axis has 1 or 3 entries (then it could "
                    "be NHWC channels; say which with --layout)")
-    g.add_argument("--width", type=_positive_int, default=None, metavar="C",
+    g.add_argument("--width", type=_POSITIVE_INT, default=None, metavar="C",
                    help="channels of the stem; the blocks use 2C and 4C (default %d)"
                    % RUN_DEFAULTS["width"])
     g = p.add_argument_group("training")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to train (default: cuda if a GPU is present, else cpu)")
-    g.add_argument("--epochs", type=_positive_int, default=DEFAULT_EPOCHS, metavar="N",
+    g.add_argument("--epochs", type=_POSITIVE_INT, default=DEFAULT_EPOCHS, metavar="N",
                    help="train until this many epochs are done in all (also when resuming; "
                    "default %d)" % DEFAULT_EPOCHS)
-    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--batch-size", type=_POSITIVE_INT, default=None, metavar="N",
                    help="images per step (default %d)" % RUN_DEFAULTS["batch_size"])
     g.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                    help="adam, or sgd with momentum (default adam)")
-    g.add_argument("--lr", type=_positive_float, default=None,
+    g.add_argument("--lr", type=_POSITIVE_FLOAT, default=None,
                    help="learning rate (default %g for adam, %g for sgd)"
                    % (LR_DEFAULTS["adam"], LR_DEFAULTS["sgd"]))
-    g.add_argument("--momentum", type=_momentum, default=None,
+    g.add_argument("--momentum", type=_MOMENTUM, default=None,
                    help="SGD momentum (default %g)" % RUN_DEFAULTS["momentum"])
     g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=None,
                    help="cosine: the rate decays to 0 over --epochs, set per epoch; "
                    "constant: no decay (default cosine)")
-    g.add_argument("--seed", type=_nonneg_int, default=None,
+    g.add_argument("--seed", type=_SEED, default=None,
                    help="seeds the weight initialization and the shuffling (default 0)")
-    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                   help="CPU threads for utensil's ops (default: the library's default)")
-    g.add_argument("--eval-batch-size", type=_positive_int, default=500, metavar="N",
+    g.add_argument("--threads", type=_threads, default=None, metavar="N|auto",
+                   help="CPU threads for utensil's ops (default: the library's default); auto: "
+                   "1 when other processes keep every core busy, else the default. The "
+                   "choice is printed; results do not depend on it, only speed does")
+    g.add_argument("--eval-batch-size", type=_POSITIVE_INT, default=500, metavar="N",
                    help="images per evaluation step (default 500)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", metavar="PATH", default=None,
@@ -261,61 +251,19 @@ def _same_file(a, b):
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-# -- optimizer state ------------------------------------------------------------------------------
-def _slot_names(opt):
-    if isinstance(opt, Adam):
-        return ("m", "v")
-    if isinstance(opt, SGD):
-        return ("velocity",) if opt.momentum != 0.0 else ()
-    raise TypeError("no checkpoint support for %s" % type(opt).__name__)
-
-
-def optimizer_state(opt, names=None):
-    """{"<param key>/<slot>": numpy array} of an Adam's m, v or an SGD's velocity, plus
-    "step" (the optimizer's update count) as a 0-d array. State not created yet is saved as
-    zeros, which is what the optimizer would start from."""
-    keys = names or ["%d" % i for i in range(len(opt.params))]
-    slots = _slot_names(opt)
-    sd = opt.state_dict()
-    out = {}
-    for key, arrays in zip(keys, sd["state"]):
-        for s, a in zip(slots, arrays):
-            out["%s/%s" % (key, s)] = a
-    out["step"] = np.array(sd["step"], dtype=np.int64)
-    return out
-
-
-def load_optimizer_state(opt, state, names=None):
-    """Put what optimizer_state() returned back into ``opt`` (same parameters, same order)."""
-    keys = names or ["%d" % i for i in range(len(opt.params))]
-    slots = _slot_names(opt)
-    per_param = []
-    for key, p in zip(keys, opt.params):
-        arrays = []
-        for s in slots:
-            k = "%s/%s" % (key, s)
-            if k not in state:
-                raise CheckpointError("the checkpoint has no optimizer state %r" % k)
-            a = np.asarray(state[k])
-            if a.shape != p.shape:
-                raise CheckpointError("optimizer state %r has shape %s, the parameter %s"
-                                      % (k, a.shape, p.shape))
-            arrays.append(a)
-        per_param.append(arrays)
-    step = int(np.asarray(state.get("step", 0)))
-    try:
-        opt.load_state_dict({"step": step, "state": per_param})
-    except (ShapeError, ArgumentError) as e:
-        raise CheckpointError("the checkpoint's optimizer state does not fit: %s" % e) from None
-
-
 # -- checkpoints ----------------------------------------------------------------------------------
 def save_checkpoint(path, net, opt, meta):
-    """Write the checkpoint atomically (a temporary file in the same folder, then os.replace)."""
-    arrays = {"model/" + k: v for k, v in _mn.state_dict(net).items()}
-    names = [k for k, _ in _mn.named_parameters(net)]
-    arrays.update({"optim/" + k: v for k, v in optimizer_state(opt, names).items()})
-    meta = dict(meta, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
+    """Write the checkpoint atomically (a temporary file in the same folder, then os.replace).
+
+    The arrays: ``model/<key>`` for each entry of ``net.state_dict()``, ``optim/<i>/<name>`` for
+    each array of ``opt.state_dict()["state"]``; the optimizer's param_groups go into the JSON
+    metadata with ``meta``."""
+    arrays = {"model/" + k: v for k, v in net.state_dict().items()}
+    osd = opt.state_dict()
+    for i, entry in osd["state"].items():
+        arrays.update({"optim/%d/%s" % (i, k): v for k, v in entry.items()})
+    meta = dict(meta, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION,
+                optimizer_param_groups=osd["param_groups"])
     arrays["meta"] = np.array(json.dumps(meta))
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -333,7 +281,8 @@ def save_checkpoint(path, net, opt, meta):
 
 
 def load_checkpoint(path):
-    """(meta, model_state, optim_state) from a checkpoint file; CheckpointError if unusable."""
+    """(meta, model state_dict, optimizer state_dict) from a checkpoint file; CheckpointError if
+    unusable."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError("%s: no such checkpoint file" % path)
@@ -353,15 +302,19 @@ def load_checkpoint(path):
         raise CheckpointError("%s: checkpoint version %r, this program reads version %d"
                               % (path, meta.get("version"), CHECKPOINT_VERSION))
     model = {k[6:]: v for k, v in arrays.items() if k.startswith("model/")}
-    optim = {k[6:]: v for k, v in arrays.items() if k.startswith("optim/")}
     if not model:
         raise CheckpointError("%s: the checkpoint holds no model weights" % path)
-    step = optim.get("step")
-    if step is not None and (np.asarray(step).shape != () or np.asarray(step).dtype.kind not in "iu"
-                             or int(step) < 0):
-        raise CheckpointError("%s: the optimizer step count is %r, not an integer >= 0"
-                              % (path, step))
-    return meta, model, optim
+    state = {}
+    for k, v in arrays.items():
+        if k.startswith("optim/"):
+            i, _, name = k[6:].partition("/")
+            if not (i.isdigit() and name):
+                raise CheckpointError("%s: %r is not an optimizer state entry" % (path, k))
+            state.setdefault(int(i), {})[name] = v
+    groups = meta.get("optimizer_param_groups")
+    if not isinstance(groups, list):
+        raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
+    return meta, model, {"state": state, "param_groups": groups}
 
 
 def _check_meta(path, meta):
@@ -384,52 +337,39 @@ def _check_meta(path, meta):
 
 # -- progress -------------------------------------------------------------------------------------
 class _Progress:
-    """A per-epoch progress bar: tqdm when installed, else a text line on a terminal."""
+    """A per-epoch tqdm progress bar (nothing when disabled)."""
 
     def __init__(self, total, desc, enabled):
-        self.total, self.desc, self.done = total, desc, 0
-        self.t0 = time.perf_counter()
         self.bar = None
-        self.text = False
         self.last = 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.text = sys.stderr.isatty()
-            return
-        self.bar = tqdm(total=total, desc=desc, unit="img", leave=False, file=sys.stderr,
-                        dynamic_ncols=True, mininterval=0.2)
+        if enabled:
+            from tqdm import tqdm  # _check_progress_available ran first
+
+            self.bar = tqdm(total=total, desc=desc, unit="img", leave=False, file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.2)
 
     def wants_loss(self):
         """Whether a refresh is due (reading the loss syncs the device, so not every step)."""
-        if self.bar is None and not self.text:
-            return False
-        return time.perf_counter() - self.last >= 0.2
+        return self.bar is not None and time.perf_counter() - self.last >= 0.2
 
     def update(self, n, loss=None):
-        self.done += n
         if self.bar is not None:
             self.bar.update(n)
             if loss is not None:
                 self.bar.set_postfix(loss="%.4f" % loss, refresh=False)
                 self.last = time.perf_counter()
-        elif self.text and loss is not None:
-            self.last = time.perf_counter()
-            rate = self.done / max(self.last - self.t0, 1e-9)
-            width = 24
-            fill = int(width * self.done / max(self.total, 1))
-            sys.stderr.write("\r%s [%s%s] %d/%d  loss %.4f  %.0f img/s " % (
-                self.desc, "#" * fill, "." * (width - fill), self.done, self.total, loss, rate))
-            sys.stderr.flush()
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
-        elif self.text:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+
+
+def _check_progress_available():
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        raise _UsageError("the progress bar needs tqdm, which is not installed: run `%s` (or "
+                          "pass --no-progress)" % _data.EXTRA_HINT) from None
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -445,8 +385,10 @@ def _make_optimizer(run, net):
     return SGD(net.parameters(), lr=run["lr"], momentum=run["momentum"])
 
 
-def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress):
-    """One pass over (x, y) in the order batches(seed, epoch); returns (mean loss, images, s)."""
+def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None):
+    """One pass over (x, y) in the order batches(seed, epoch); returns (mean loss, images, s).
+
+    ``progress``: None, or an object with wants_loss() and update(images, mean loss or None)."""
     net.train()
     total = zeros((1,), device)
     seen = 0
@@ -466,7 +408,8 @@ def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress):
             seen += len(idx)
             for t in (xb, yb, logits, loss, grad):
                 t.close()
-            progress.update(len(idx), total.item() / seen if progress.wants_loss() else None)
+            if progress is not None:
+                progress.update(len(idx), total.item() / seen if progress.wants_loss() else None)
         mean_loss = total.item() / max(seen, 1)  # reading it waits for the device
         return mean_loss, seen, time.perf_counter() - t0
     finally:
@@ -532,25 +475,24 @@ def _check_plot_available():
                           "`pip install matplotlib`)" % _data.EXTRA_HINT) from None
 
 
-def _threads_for_a_busy_machine():
-    """One thread when other processes already keep every core busy; returns a note or "".
+def _auto_threads():
+    """--threads auto: one thread when other processes already keep every core busy, else the
+    library's default; returns the note printed with the model line.
 
     The per-op work of this network is small, so with several threads each op waits at a
     barrier for its slowest thread; on a machine whose cores are all taken, a descheduled thread
     stalls every op and training gets many times slower than on one thread. Results do not
     depend on the thread count (the CPU backend reduces in a fixed order), only speed does.
     """
-    n = get_num_threads()
     try:
         load = os.getloadavg()[0]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     except (OSError, AttributeError):
-        return ""
-    if n > 1 and cpus and load >= cpus:
+        return "--threads auto, the load is unknown: the library's default"
+    if cpus and load >= cpus:
         set_num_threads(1)
-        return " (1 thread: the machine is busy, load %.1f on %d CPUs; --threads N to choose)" % (
-            load, cpus)
-    return ""
+        return "--threads auto, the machine is busy, load %.1f on %d CPUs" % (load, cpus)
+    return "--threads auto, load %.1f on %d CPUs" % (load, cpus or 0)
 
 
 def _run(args, out):
@@ -574,11 +516,13 @@ def _run_with_threads(args, out):
                           "without CUDA or no GPU is present); use --device cpu")
     if args.plot:
         _check_plot_available()
+    if not (args.no_progress or args.quiet):
+        _check_progress_available()
     threads_note = ""
-    if args.threads is not None:
+    if args.threads == "auto":
+        threads_note = _auto_threads()
+    elif args.threads is not None:
         set_num_threads(args.threads)
-    elif device == "cpu":
-        threads_note = _threads_for_a_busy_machine()
 
     # settings, checkpoint
     resumed = None
@@ -607,18 +551,30 @@ def _run_with_threads(args, out):
 
     # model and optimizer
     _seed_library(run["seed"])
-    net = _mn.build_mobilenet(ds.in_channels, ds.num_classes, run["width"], device=device)
+    net = _models.mobilenet(ds.in_channels, ds.num_classes, run["width"], device=device)
     opt = _make_optimizer(run, net)
     history, start = [], 0
     try:
         if resumed is not None:
             meta, model_state, optim_state = resumed
             try:
-                _mn.load_state_dict(net, model_state)
-            except (KeyError, ValueError) as e:
+                net.load_state_dict(model_state)
+            except (ArgumentError, ShapeError) as e:
                 raise CheckpointError("%s: the weights do not fit the network: %s"
                                       % (args.resume, e)) from None
-            load_optimizer_state(opt, optim_state, [k for k, _ in _mn.named_parameters(net)])
+            # after an epoch every parameter has state (none for SGD without momentum); one
+            # missing would silently restart its moments
+            want = set(range(len(opt.params))) if int(resumed[0]["epoch"]) and (
+                run["optimizer"] == "adam" or run["momentum"] != 0.0) else set()
+            if set(optim_state["state"]) != want:
+                raise CheckpointError("%s: the optimizer state has entries for parameters %s, "
+                                      "expected %s" % (args.resume, sorted(optim_state["state"]),
+                                                       sorted(want)))
+            try:
+                opt.load_state_dict(optim_state)
+            except (ArgumentError, ShapeError) as e:
+                raise CheckpointError("%s: the optimizer state does not fit: %s"
+                                      % (args.resume, e)) from None
             history = list(meta.get("history", []))
             start = int(meta["epoch"])
         return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history,
@@ -631,9 +587,12 @@ def _run_with_threads(args, out):
 def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history, ckpt_path,
                 say, out, threads_note=""):
     say("%s" % ds.describe())
+    threads = get_num_threads()
     say("model: depthwise-separable CNN, width %d, %d parameters, on %s%s"
-        % (run["width"], _mn.count_parameters(net), device,
-           threads_note or (" (%d CPU threads)" % get_num_threads() if device == "cpu" else "")))
+        % (run["width"], _models.count_parameters(net), device,
+           " (%d CPU thread%s%s)" % (threads, "s" * (threads != 1),
+                                     ": " + threads_note if threads_note else "")
+           if device == "cpu" else ""))
     say("%s lr %g (%s), batch %d, seed %d%s" % (
         run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
         ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else ""))

@@ -1,0 +1,76 @@
+"""Network builders, as torchvision.models: each returns a Module built from utensil layers.
+
+    from utensil_ffi import models
+    net = models.mobilenet(in_channels=1, num_classes=10, width=16, device="cpu")
+
+``mobilenet`` is the depthwise-separable (MobileNet-style) classifier utensil-train trains.
+
+The network is one flat ``Sequential`` (so its layers have stable integer names)::
+
+    stem:   Conv2d 3x3 (stride 1, padding 1, no bias) -> BatchNorm2d -> ReLU6
+    block:  DWConv2d 3x3 (stride s, padding 1, no bias) -> BatchNorm2d -> ReLU6
+            -> Conv2d 1x1 (no bias) -> BatchNorm2d -> ReLU6             (one per entry of blocks)
+    head:   GlobalAvgPool2d -> Linear(channels, num_classes)
+
+``blocks`` lists ``(channel multiplier, stride)`` pairs: a block's output channel count is
+``multiplier * width``. Convolutions followed by BatchNorm carry no bias, as in MobileNet.
+
+``net.state_dict()`` has the keys (``"0.weight"``, ``"1.running_var"``...) and shapes of the
+same architecture written as a PyTorch ``nn.Sequential`` (bench/compare_mobilenet.py builds it).
+"""
+
+from .layers import (
+    BatchNorm2d,
+    Conv2d,
+    DWConv2d,
+    GlobalAvgPool2d,
+    Linear,
+    ReLU6,
+    Sequential,
+)
+
+__all__ = ["DEFAULT_BLOCKS", "mobilenet", "block_channels", "count_parameters"]
+
+# (channel multiplier, stride) per depthwise-separable block; one stride 2: 8x8 digits end at 4x4.
+DEFAULT_BLOCKS = ((2, 1), (2, 1), (4, 2), (4, 1))
+
+
+def block_channels(width, blocks=DEFAULT_BLOCKS):
+    """[(in_channels, out_channels, stride)] for each block of a network of this width."""
+    out = []
+    c = width
+    for mult, stride in blocks:
+        o = int(mult) * width
+        out.append((c, o, int(stride)))
+        c = o
+    return out
+
+
+def mobilenet(in_channels=1, num_classes=10, width=16, blocks=DEFAULT_BLOCKS,
+              device="cpu", bn_momentum=0.1, bn_eps=1e-5):
+    """The classifier as a flat Sequential; weights come from the library RNG (see ut.seed)."""
+    if int(width) < 1:
+        raise ValueError("width must be >= 1, got %r" % (width,))
+    if not blocks:
+        raise ValueError("the network needs at least one block")
+    width = int(width)
+
+    def bn(c):
+        return BatchNorm2d(c, eps=bn_eps, momentum=bn_momentum, device=device)
+
+    layers = [Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False, device=device),
+              bn(width), ReLU6()]
+    c = width
+    for cin, cout, stride in block_channels(width, blocks):
+        layers += [
+            DWConv2d(cin, 3, stride=stride, padding=1, bias=False, device=device), bn(cin), ReLU6(),
+            Conv2d(cin, cout, 1, bias=False, device=device), bn(cout), ReLU6(),
+        ]
+        c = cout
+    layers += [GlobalAvgPool2d(), Linear(c, num_classes, device=device)]
+    return Sequential(*layers)
+
+
+def count_parameters(net):
+    """The number of trainable values (each Parameter's size, summed)."""
+    return sum(p.size for p in net.parameters())
