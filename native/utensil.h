@@ -957,6 +957,17 @@ static ut_tensor* ut__drop(ut_tensor* t) {
   ut_free(t);
   return NULL;
 }
+/* The end of every layer backward: on failure (rc < 0) free dx and return NULL; else mark
+   dx and the gradients the backend accumulated into (dW, db where dWp, dbp were taken) as
+   written and return dx. */
+static ut_tensor* ut__backward_done(int rc, const ut__backend* be, ut_tensor* dx, ut_tensor* dW,
+                                    const float* dWp, ut_tensor* db, const float* dbp) {
+  if (rc < 0) return ut__drop(dx);
+  if (dWp) ut__wrote(dW, be);
+  if (dbp) ut__wrote(db, be);
+  ut__wrote(dx, be);
+  return dx;
+}
 /* Run one backend call that wrote `out`: on failure free out and return NULL. */
 static ut_tensor* ut__finish(ut_tensor* out, const ut__backend* be, int rc) {
   if (rc < 0) return ut__drop(out);
@@ -1359,11 +1370,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   }
   if (own_col) ut_free(col);
   ut_free(dcol);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_conv2d_cache_free(ut_conv2d_cache* c) {
@@ -1442,11 +1449,7 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   int rc = be->dw_bwd_dw(gop, xp, dWp, &g);
   if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, g.c, (ut__i64)g.ho * g.wo, 1.f);
   if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, ut__out(dx, be), &g);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_dwconv2d_cache_free(ut_dwconv2d_cache* c) {
@@ -1557,11 +1560,7 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
   int rc = be->gemm(&dw);
   if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
   if (rc >= 0) rc = be->gemm(&dxa);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_linear_cache_free(ut_linear_cache* c) {
@@ -1671,11 +1670,7 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
   int rc = be->layernorm_bwd(gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, rows, l->dim);
-  if (rc < 0) return ut__drop(dx);
-  if (dWp) ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_layernorm_cache_free(ut_layernorm_cache* c) {
@@ -1822,11 +1817,7 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   if (!dx) return NULL;
   int rc = be->bn_bwd(gop, xp, mp, rp, wp, ut__out(dx, be), dWp, dbp, N, C, inner,
                       cache->training);
-  if (rc < 0) return ut__drop(dx);
-  if (dWp) ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c) {
