@@ -58,8 +58,6 @@
      ISA VARIANTS        the kernels compiled per instruction set, picked at run time
 */
 
-#ifndef UT__DW_PASS /* (the ISA variants, at the end, are compiled by a pass of their own) */
-
 #ifndef UTENSIL_H
 #define UTENSIL_H
 
@@ -2062,8 +2060,9 @@ long long ut_field_offset(const char* type_name, const char* field_name) {
    run and carry the runs in double.
 
    Hot kernels (GEMM micro-kernel, depthwise planes) are compiled three times on x86-64 —
-   baseline, AVX2+FMA and AVX-512 — and picked at run time, so a build without -march=native
-   still uses the machine's vector units. UT_CPU_NO_DISPATCH turns that off.
+   baseline, AVX2+FMA and AVX-512 — and picked at run time through ut__cpu_isa() (ISA
+   VARIANTS, the last section), so a build without -march=native still uses the machine's
+   vector units. UT_CPU_NO_DISPATCH turns that off.
    ============================================================================================ */
 /* ---- thread pool ---------------------------------------------------------------------------
    The CPU backend's parallel loops run on the library's own pthreads, not OpenMP: libgomp's
@@ -2273,36 +2272,9 @@ static inline ut__i64 ut__cpu_next_task(atomic_llong* next) { return atomic_fetc
 #define UT__CPU_INL static inline
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(UT_CPU_NO_DISPATCH)
-#define UT__CPU_X86 1
-#define UT__TGT_V3 __attribute__((target("avx2,fma,bmi,bmi2,f16c")))
-#if defined(__clang__)
-#define UT__TGT_V4 \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c")))
-#else
-#define UT__TGT_V4                                                                      \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c," \
-                        "prefer-vector-width=512")))
-#endif
-#endif
-
 #define UT__CPU_SERIAL_BELOW 32768 /* elements (or MACs) below which a call runs serially */
 #define UT__CPU_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define UT__CPU_MAX(a, b) ((a) > (b) ? (a) : (b))
-
-/* -1: pick from the CPU; 0, 3, 4: force baseline / AVX2 / AVX-512 kernels (tests). */
-static int ut__cpu_force_level = -1;
-
-static int ut__cpu_level(void) {
-  if (ut__cpu_force_level >= 0) return ut__cpu_force_level;
-#ifdef UT__CPU_X86
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    return 4;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 3;
-#endif
-  return 0;
-}
 
 /* Threads for a call touching about `work` elements (1 below the serial threshold). */
 static int ut__cpu_nt(double work) {
@@ -2662,10 +2634,10 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
 }
 
 /* ---- depthwise engines ----------------------------------------------------------------------
-   Two engines, both without a padded copy of the plane, written over vectors of UT__DW_V
-   floats and compiled once per width by including this file again with UT__DW_PASS defined
-   (the section at its end): 16 for AVX-512, 8 for AVX2, 4 for the baseline. Plane sizes in
-   the call's context (vectors per row, lane masks) are laid out for the width that runs.
+   Two engines, both without a padded copy of the plane, written over vectors of V floats
+   (ut__vec) and built once per width in ISA VARIANTS (the last section): 16 for AVX-512, 8 for
+   AVX2, 4 for the baseline. Plane sizes in the call's context (vectors per row, lane masks)
+   are laid out for the width that runs (ut__cpu_isa()->dw_lanes).
 
    Row engine (any geometry). Output row oy of a correlation with stride s reads the input rows
    iy = oy*s - py + ky. Each input row is turned once into s phase rows (zero padded at the
@@ -2713,114 +2685,32 @@ typedef struct ut__dwctx {
 #define UT__DW_UNROLL
 #endif
 
-/* One pass per width: UT__DW_V lanes, UT__DW_ATTR target, UT__DW_FN(name) -> name_vN. */
-#define UT__DW_PASS 1
-#ifdef UT__CPU_X86
-#define UT__DW_V 16
-#define UT__DW_ATTR UT__TGT_V4
-#define UT__DW_FN(name) name##_v4
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#define UT__DW_V 8
-#define UT__DW_ATTR UT__TGT_V3
-#define UT__DW_FN(name) name##_v3
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#endif
-#if defined(__AVX512F__)
-#define UT__DW_V0 16
-#elif defined(__AVX__)
-#define UT__DW_V0 8
-#else
-#define UT__DW_V0 4
-#endif
-#define UT__DW_V UT__DW_V0
-#define UT__DW_ATTR
-#define UT__DW_FN(name) name##_v0
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#undef UT__DW_PASS
-
-/* Adjoint of a strided correlation for one plane, as a gather per input row: dx[iy, ix] =
-   sum over taps (ky, kx) and output pixels (oy, ox) with oy*s-p+ky = iy, ox*s-p+kx = ix of
-   wk[ky,kx] * src_tap[oy, ox], where src_tap = src + (ky*kw+kx)*tap_stride ([ho, wo]).
-   tmp holds s rows of ceil(w/s) (unused when s == 1): contributions land in phase rows
-   (ix mod s) contiguously and are interleaved into dx at the end of each row. */
-UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_stride,
-                                    const float* restrict wk, float* restrict dx, int h, int w,
-                                    int kh, int kw, int s, int p, int ho, int wo,
-                                    float* restrict tmp) {
-  int qn = (w + s - 1) / s;
-  for (int iy = 0; iy < h; iy++) {
-    float* dxr = dx + (ut__i64)iy * w;
-    float* acc = s == 1 ? dxr : tmp;
-    for (int i = 0; i < s * qn; i++) acc[i] = 0.0f;
-    for (int ky = 0; ky < kh; ky++) {
-      int t = iy + p - ky;
-      if (t < 0 || t % s != 0) continue;
-      int oy = t / s;
-      if (oy >= ho) continue;
-      for (int kx = 0; kx < kw; kx++) {
-        float wv = wk[ky * kw + kx];
-        const float* restrict gr = src + (ky * kw + kx) * tap_stride + (ut__i64)oy * wo;
-        int lo = ut__cpu_lo(kx, s, p, wo), hi = ut__cpu_hi(kx, s, p, w, wo);
-        int d = kx - p; /* ix = ox*s + d = (ox + qd)*s + rd */
-        int qd = d >= 0 ? d / s : -((-d + s - 1) / s);
-        int rd = d - qd * s;
-        float* ar = acc + rd * qn;
-        for (int ox = lo; ox < hi; ox++) ar[ox + qd] += wv * gr[ox];
-      }
-    }
-    if (s > 1) {
-      if (s == 2) {
-        int q2 = w / 2;
-        for (int q = 0; q < q2; q++) {
-          dxr[2 * q] = tmp[q];
-          dxr[2 * q + 1] = tmp[qn + q];
-        }
-        if (w & 1) dxr[w - 1] = tmp[q2];
-      } else {
-        for (int r = 0; r < s; r++)
-          for (int q = 0; q * s + r < w; q++) dxr[q * s + r] = tmp[r * qn + q];
-      }
-    }
-  }
-}
-
-/* ISA variants of the transposed-convolution gather; UT__CPU_PICK picks any variant. */
-#define UT__CPU_TCONV_PARAMS                                                                  \
-  (const float* src, ut__i64 tap_stride, const float* wk, float* dx, int h, int w, int kh,     \
-   int kw, int s, int p, int ho, int wo, float* tmp)
-#define UT__CPU_TCONV_ARGS (src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp)
-
-typedef void(*ut__cpu_dwf_fn)(const ut__dwctx* C, ut__i64 q0, ut__i64 q1, float* buf);
-typedef void(*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float* buf);
-typedef void(*ut__cpu_tconv_fn) UT__CPU_TCONV_PARAMS;
-
-#define UT__CPU_VARIANT(ATTR, NAME, BODY, PARAMS, ARGS) \
-  ATTR UT__CPU_OPT static void NAME PARAMS { BODY ARGS; }
-UT__CPU_VARIANT(, ut__cpu_tconv_v0, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS, UT__CPU_TCONV_ARGS)
-#ifdef UT__CPU_X86
-UT__CPU_VARIANT(UT__TGT_V3, ut__cpu_tconv_v3, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
-                UT__CPU_TCONV_ARGS)
-UT__CPU_VARIANT(UT__TGT_V4, ut__cpu_tconv_v4, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
-                UT__CPU_TCONV_ARGS)
-#define UT__CPU_PICK(NAME)                   \
-  (ut__cpu_level() >= 4   ? NAME##_v4        \
-   : ut__cpu_level() >= 3 ? NAME##_v3        \
-                          : NAME##_v0)
-/* lanes of the depthwise engines UT__CPU_PICK picks */
-#define UT__CPU_DW_LANES() (ut__cpu_level() >= 4 ? 16 : ut__cpu_level() >= 3 ? 8 : UT__DW_V0)
-#else
-#define UT__CPU_PICK(NAME) NAME##_v0
-#define UT__CPU_DW_LANES() UT__DW_V0
-#endif
+/* ---- the kernels of one instruction set ------------------------------------------------
+   The hot kernels (depthwise engines, the transposed-convolution gather, the GEMM micro-kernel
+   and dot-product engine) are built once per instruction set in ISA VARIANTS, the last
+   section, each into a table like this one; ut__cpu_isa() returns the table for this CPU. */
+typedef void (*ut__cpu_dwf_fn)(const ut__dwctx* C, ut__i64 q0, ut__i64 q1, float* buf);
+typedef void (*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float* buf);
+typedef void (*ut__cpu_tconv_fn)(const float* src, ut__i64 tap_stride, const float* wk,
+                                 float* dx, int h, int w, int kh, int kw, int s, int p, int ho,
+                                 int wo, float* tmp);
+typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
+                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
+typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
+                                 int kc, float* acc);
+typedef struct ut__cpu_isa_kernels {
+  const char* name;         /* "avx512", "avx2" or "base" */
+  int dw_lanes;             /* the depthwise engines' vector width (plane layouts follow it) */
+  ut__cpu_dwf_fn dw_forward; /* forward over planes [q0, q1) (and the stride-1 dx) */
+  ut__cpu_dwf_fn dw_dx;      /* input gradient, stride >= 2, over planes [q0, q1) */
+  ut__cpu_dwdw_fn dw_dw;     /* filter gradient of one channel */
+  ut__cpu_tconv_fn tconv;    /* col2im's gather, one plane */
+  ut__cpu_gemm_kern gemm;    /* MR x NR micro-kernel */
+  int gemm_mr, gemm_nr;
+  ut__cpu_dot_kern dot;      /* dot-product engine: dot_vl lanes, dot_rm x dot_rn tiles */
+  int dot_vl, dot_rm, dot_rn;
+} ut__cpu_isa_kernels;
+static const ut__cpu_isa_kernels* ut__cpu_isa(void);
 
 /* ---- im2col / col2im ----------------------------------------------------------------------- */
 
@@ -2912,7 +2802,7 @@ static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
   for (ut__i64 t = 0; t < taps; t++) buf[t] = 1.0f;
   const float* ones = buf;
   float* tmp0 = buf + taps;
-  ut__cpu_tconv_fn fn = UT__CPU_PICK(ut__cpu_tconv);
+  ut__cpu_tconv_fn fn = ut__cpu_isa()->tconv;
   ut__cpu_col2im_ctx c = {col, dx, g, ones, tmp0, tmpn, fn};
   ut__parallel_run(nt, ut__cpu_col2im_part, &c);
   free(buf);
@@ -2925,7 +2815,7 @@ static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
    engine's tables. Returns the floats each thread needs (0 on overflow). *tab: malloc'd tables
    (free it), NULL when unused. */
 static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
-  const int V = UT__CPU_DW_LANES();
+  const int V = ut__cpu_isa()->dw_lanes;
   int kh = C->kh, kw = C->kw, s = C->s;
   *tab = NULL;
   /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
@@ -3037,7 +2927,7 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
                                    "than a depthwise convolution may use",
                                    what, C->s, C->wo);
   }
-  ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
+  ut__cpu_dwf_fn fn = gather_dx ? ut__cpu_isa()->dw_dx : ut__cpu_isa()->dw_forward;
   ut__cpu_dw_planes_ctx c = {C, fn, bufs, per};
   ut__parallel_run(nt, ut__cpu_dw_planes_part, &c);
   free(raw);
@@ -3176,7 +3066,7 @@ static void ut__cpu_dw_bwd_dw_part(void* vc, int tid, int nt) {
 
 /* Parallel over channels; each channel loops over the batch in order (deterministic). */
 static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
-  const int V = UT__CPU_DW_LANES();
+  const int V = ut__cpu_isa()->dw_lanes;
   int c = g->c;
   ut__i64 taps = (ut__i64)g->kh * g->kw;
   if (c <= 0 || g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
@@ -3215,7 +3105,7 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
     free(tab);
     return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dw: out of memory");
   }
-  ut__cpu_dwdw_fn fn = UT__CPU_PICK(ut__cpu_dwdw);
+  ut__cpu_dwdw_fn fn = ut__cpu_isa()->dw_dw;
   ut__cpu_dw_bwd_dw_ctx cx = {&C, fn, bufs, per, dw, V};
   ut__parallel_run(nt, ut__cpu_dw_bwd_dw_part, &cx);
   free(raw);
@@ -3232,142 +3122,6 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
 #define UT__CPU_KC 256
 #define UT__CPU_MC 192
 #define UT__CPU_NC 1024
-
-typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
-                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
-
-/* C tile (mr x nr valid of MR x NR) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
-#if defined(__GNUC__)
-typedef float ut__cpu_v4f __attribute__((vector_size(16)));
-typedef float ut__cpu_v8f __attribute__((vector_size(32)));
-typedef float ut__cpu_v16f __attribute__((vector_size(64)));
-#define UT__CPU_GEMM_KERNEL(NAME, ATTR, VT, VL, MR)                                           \
-  ATTR UT__CPU_OPT static void NAME(int kc, const float* restrict ap,                         \
-                                    const float* restrict bp, float* restrict c, ut__i64 ldc,  \
-                                    int mr, int nr, float alpha, float beta) {                 \
-    VT acc0[MR], acc1[MR];                                                                    \
-    const VT zero = {0};                                                                      \
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = zero;                                    \
-    for (int k = 0; k < kc; k++) {                                                            \
-      VT b0, b1;                                                                              \
-      memcpy(&b0, bp, sizeof b0);                                                             \
-      memcpy(&b1, bp + VL, sizeof b1);                                                        \
-      for (int r = 0; r < MR; r++) {                                                          \
-        float av = ap[r];                                                                     \
-        acc0[r] += b0 * av;                                                                   \
-        acc1[r] += b1 * av;                                                                   \
-      }                                                                                       \
-      ap += MR;                                                                               \
-      bp += 2 * VL;                                                                           \
-    }                                                                                         \
-    if (mr == MR && nr == 2 * VL) {                                                           \
-      for (int r = 0; r < MR; r++) {                                                          \
-        float* cr = c + (ut__i64)r * ldc;                                                     \
-        VT o0 = acc0[r] * alpha, o1 = acc1[r] * alpha;                                        \
-        if (beta != 0.0f) {                                                                   \
-          VT c0, c1;                                                                          \
-          memcpy(&c0, cr, sizeof c0);                                                         \
-          memcpy(&c1, cr + VL, sizeof c1);                                                    \
-          o0 += c0 * beta;                                                                    \
-          o1 += c1 * beta;                                                                    \
-        }                                                                                     \
-        memcpy(cr, &o0, sizeof o0);                                                           \
-        memcpy(cr + VL, &o1, sizeof o1);                                                      \
-      }                                                                                       \
-    } else {                                                                                  \
-      float buf[MR * 2 * VL];                                                                 \
-      for (int r = 0; r < MR; r++) {                                                          \
-        memcpy(buf + r * 2 * VL, &acc0[r], sizeof acc0[r]);                                   \
-        memcpy(buf + r * 2 * VL + VL, &acc1[r], sizeof acc1[r]);                              \
-      }                                                                                       \
-      for (int r = 0; r < mr; r++) {                                                          \
-        float* cr = c + (ut__i64)r * ldc;                                                     \
-        for (int j = 0; j < nr; j++) {                                                        \
-          float v = alpha * buf[r * 2 * VL + j];                                              \
-          cr[j] = beta != 0.0f ? v + beta * cr[j] : v;                                        \
-        }                                                                                     \
-      }                                                                                       \
-    }                                                                                         \
-  }
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k0, , ut__cpu_v4f, 4, 6)
-#define UT__CPU_K0_MR 6
-#define UT__CPU_K0_NR 8
-#ifdef UT__CPU_X86
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k3, UT__TGT_V3, ut__cpu_v8f, 8, 6)
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k4, UT__TGT_V4, ut__cpu_v16f, 16, 8)
-#endif
-
-/* Dot-product engine for C = sum_b A_b B_b^T with both operands k-contiguous (the weight
-   gradient: no transposing pack). For an mc x nc block at A[i0, k0] / B[j0, k0], adds the
-   products over kc into VL-lane accumulators acc[tile][RM x RN] (reduced later, in a fixed
-   order, by ut__cpu_dot_finish). Edge tiles repeat the last row / column and drop it. */
-typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
-                                 int kc, float* acc);
-#define UT__CPU_DOT_KERNEL(NAME, ATTR, VT, VL, RM, RN)                                         \
-  ATTR UT__CPU_OPT static void NAME(const float* a, int lda, const float* b, int ldb, int mc,  \
-                                    int nc, int kc, float* acc) {                               \
-    int ntj = (nc + RN - 1) / RN, kv = kc / VL * VL, rem = kc - kv;                          \
-    for (int ti = 0; ti * RM < mc; ti++) {                                                    \
-      const float* ar[RM];                                                                    \
-      for (int r = 0; r < RM; r++)                                                            \
-        ar[r] = a + (ut__i64)UT__CPU_MIN(ti * RM + r, mc - 1) * lda;                          \
-      for (int tj = 0; tj < ntj; tj++) {                                                      \
-        const float* br[RN];                                                                  \
-        for (int q = 0; q < RN; q++)                                                          \
-          br[q] = b + (ut__i64)UT__CPU_MIN(tj * RN + q, nc - 1) * ldb;                        \
-        float* ap = acc + ((ut__i64)ti * ntj + tj) * (RM * RN * VL);                          \
-        VT s[RM][RN];                                                                         \
-        for (int r = 0; r < RM; r++)                                                          \
-          for (int q = 0; q < RN; q++) memcpy(&s[r][q], ap + (r * RN + q) * VL, sizeof(VT));  \
-        for (int kk = 0; kk < kv; kk += VL) {                                                 \
-          VT av[RM], bv[RN];                                                                  \
-          for (int r = 0; r < RM; r++) memcpy(&av[r], ar[r] + kk, sizeof(VT));                \
-          for (int q = 0; q < RN; q++) memcpy(&bv[q], br[q] + kk, sizeof(VT));                \
-          for (int r = 0; r < RM; r++)                                                        \
-            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
-        }                                                                                     \
-        if (rem) {                                                                            \
-          VT av[RM], bv[RN];                                                                  \
-          for (int r = 0; r < RM; r++) {                                                      \
-            float t[VL] = {0};                                                                \
-            memcpy(t, ar[r] + kv, (size_t)rem * sizeof(float));                               \
-            memcpy(&av[r], t, sizeof(VT));                                                    \
-          }                                                                                   \
-          for (int q = 0; q < RN; q++) {                                                      \
-            float t[VL] = {0};                                                                \
-            memcpy(t, br[q] + kv, (size_t)rem * sizeof(float));                               \
-            memcpy(&bv[q], t, sizeof(VT));                                                    \
-          }                                                                                   \
-          for (int r = 0; r < RM; r++)                                                        \
-            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
-        }                                                                                     \
-        for (int r = 0; r < RM; r++)                                                          \
-          for (int q = 0; q < RN; q++) memcpy(ap + (r * RN + q) * VL, &s[r][q], sizeof(VT));  \
-      }                                                                                       \
-    }                                                                                         \
-  }
-#define UT__CPU_HAVE_DOT 1
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k0, , ut__cpu_v4f, 4, 2, 4)
-#ifdef UT__CPU_X86
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k3, UT__TGT_V3, ut__cpu_v8f, 8, 2, 4)
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k4, UT__TGT_V4, ut__cpu_v16f, 16, 4, 4)
-#endif
-#else /* no vector extensions: plain loops */
-#define UT__CPU_K0_MR 4
-#define UT__CPU_K0_NR 8
-static void ut__cpu_gemm_k0(int kc, const float* ap, const float* bp, float* c, ut__i64 ldc,
-                            int mr, int nr, float alpha, float beta) {
-  float acc[4 * 8] = {0};
-  for (int k = 0; k < kc; k++, ap += 4, bp += 8)
-    for (int r = 0; r < 4; r++)
-      for (int j = 0; j < 8; j++) acc[r * 8 + j] += ap[r] * bp[j];
-  for (int r = 0; r < mr; r++)
-    for (int j = 0; j < nr; j++) {
-      float v = alpha * acc[r * 8 + j];
-      c[r * ldc + j] = beta != 0.0f ? v + beta * c[r * ldc + j] : v;
-    }
-}
-#endif
 
 /* op(A)[i0 .. i0+mc, k0 .. k0+kc] -> MR-row micro-panels, k-major inside each. */
 UT__CPU_OPT static void ut__cpu_pack_a(const float* a, int lda, bool ta, int i0, int mc, int k0,
@@ -3486,7 +3240,6 @@ static void ut__cpu_gemm_sum_part(void* vc, int tid, int nt) {
   for (int i = (int)lo; i < hi; i++) ut__cpu_gemm_sum_parts(c->g, c->part, c->pstride, c->nck, i);
 }
 
-#ifdef UT__CPU_HAVE_DOT
 #define UT__CPU_DOT_MC 64
 #define UT__CPU_DOT_NC 64
 #define UT__CPU_DOT_KC 512 /* a multiple of every VL */
@@ -3559,19 +3312,9 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
    (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
 static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
-  ut__cpu_dot_kern kern = ut__cpu_dot_k0;
-  int VL = 4, RM = 2, RN = 4;
-#ifdef UT__CPU_X86
-  int lv = ut__cpu_level();
-  if (lv >= 4) {
-    kern = ut__cpu_dot_k4;
-    VL = 16;
-    RM = 4;
-  } else if (lv >= 3) {
-    kern = ut__cpu_dot_k3;
-    VL = 8;
-  }
-#endif
+  const ut__cpu_isa_kernels* isa = ut__cpu_isa();
+  ut__cpu_dot_kern kern = isa->dot;
+  int VL = isa->dot_vl, RM = isa->dot_rm, RN = isa->dot_rn;
   int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
   while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
   int per = (g->batch + nck - 1) / nck;
@@ -3598,7 +3341,6 @@ static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   free(raw);
   return UT_OK;
 }
-#endif
 
 typedef struct {
   const ut__gemm_args* g;
@@ -3661,26 +3403,13 @@ static int ut__cpu_gemm(const ut__gemm_args* g) {
                            g->beta);
     return UT_OK;
   }
-#ifdef UT__CPU_HAVE_DOT
   /* where packing would cost about as much as the products: a short side, a long k */
   if (g->sum_batch && !g->trans_a && g->trans_b && k >= 256 &&
       (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
     return ut__cpu_gemm_dot(g);
-#endif
-  ut__cpu_gemm_kern kern = ut__cpu_gemm_k0;
-  int MR = UT__CPU_K0_MR, NR = UT__CPU_K0_NR;
-#ifdef UT__CPU_X86
-  int lv = ut__cpu_level();
-  if (lv >= 4) {
-    kern = ut__cpu_gemm_k4;
-    MR = 8;
-    NR = 32;
-  } else if (lv >= 3) {
-    kern = ut__cpu_gemm_k3;
-    MR = 6;
-    NR = 16;
-  }
-#endif
+  const ut__cpu_isa_kernels* isa = ut__cpu_isa();
+  ut__cpu_gemm_kern kern = isa->gemm;
+  int MR = isa->gemm_mr, NR = isa->gemm_nr;
   int mr_up = (m + MR - 1) / MR * MR, nr_up = (n + NR - 1) / NR * NR;
   int MC = UT__CPU_MIN(mr_up, UT__CPU_MC / MR * MR);
   int NC = UT__CPU_MIN(nr_up, UT__CPU_NC / NR * NR);
@@ -4369,88 +4098,242 @@ static const ut__backend ut__cpu_backend = {
     .adam = ut__cpu_adam,
 };
 
-#endif /* UTENSIL_IMPLEMENTATION_DONE */
-#endif /* UT_IMPLEMENTATION */
-
-#else /* UT__DW_PASS */
 /* ============================================================================================
-   ISA VARIANTS. The CPU backend compiles its depthwise engines once per vector width by
-   including this header again with UT__DW_PASS defined; such a pass emits only these engines
-   (see "depthwise engines" in the CPU backend).
+   ISA VARIANTS. Each hot kernel is an always-inline body (UT__CPU_INL) that takes its vector
+   width V (and register blocking) as constant parameters, plus one thin wrapper per
+   instruction set that calls it with that ISA's constants under a target attribute:
+       NAME_avx512   AVX-512 (F, VL, BW, DQ), V = 16
+       NAME_avx2     AVX2 + FMA, V = 8
+       NAME_base     the build's own flags: V = 16 with -mavx512f, 8 with -mavx, else 4
+   so GCC and Clang compile every body once per ISA, fully inlined and vectorized for it, and
+   a build without -march=native still uses the machine's vector units. Each ISA's wrappers
+   are collected in one ut__cpu_isa_kernels table; ut__cpu_isa() is the one run-time dispatch
+   point (cpuid through __builtin_cpu_supports). Off x86-64, on compilers without target
+   attributes, and with UT_CPU_NO_DISPATCH, only the base table exists.
    ============================================================================================ */
-#define UT__DW_N(name) UT__DW_N2(name, UT__DW_V)
-#define UT__DW_N2(name, v) UT__DW_N3(name, v)
-#define UT__DW_N3(name, v) name##_w##v
-#define ut__dw_row UT__DW_N(ut__dw_row)
-#define ut__dwf_rows_k UT__DW_N(ut__dwf_rows_k)
-#define ut__dwf_rows_gen UT__DW_N(ut__dwf_rows_gen)
-#define ut__dwf_flat_k UT__DW_N(ut__dwf_flat_k)
-#define ut__dw_flat_src UT__DW_N(ut__dw_flat_src)
-#define ut__dwf_range_body UT__DW_N(ut__dwf_range_body)
-#define ut__dwdx_range_body UT__DW_N(ut__dwdx_range_body)
-#define ut__dwdw_rows_k UT__DW_N(ut__dwdw_rows_k)
-#define ut__dwdw_rows_gen UT__DW_N(ut__dwdw_rows_gen)
-#define ut__dwdw_flat_k UT__DW_N(ut__dwdw_flat_k)
-#define ut__dwdw_chan_body UT__DW_N(ut__dwdw_chan_body)
-#define ut__dv_acc_dp UT__DW_N(ut__dv_acc_dp)
-#define ut__dv_st_limp UT__DW_N(ut__dv_st_limp)
-#define ut__dv UT__DW_N(ut__dv)
-#define ut__dvu UT__DW_N(ut__dvu)
-#define ut__dvi UT__DW_N(ut__dvi)
-#define ut__dviu UT__DW_N(ut__dviu)
-#define ut__dv8u UT__DW_N(ut__dv8u)
-#define ut__dvdu UT__DW_N(ut__dvdu)
-#if UT__DW_V == 16
-#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
-#define UT__DW_IDX_LO {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}
-#define UT__DW_IDX_HI {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}
-#elif UT__DW_V == 8
-#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14}
-#define UT__DW_IDX_LO {0, 8, 1, 9, 2, 10, 3, 11}
-#define UT__DW_IDX_HI {4, 12, 5, 13, 6, 14, 7, 15}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(UT_CPU_NO_DISPATCH)
+#define UT__CPU_X86 1
+#define UT__TGT_AVX2 __attribute__((target("avx2,fma,bmi,bmi2,f16c")))
+#if defined(__clang__)
+#define UT__TGT_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c")))
 #else
-#define UT__DW_IDX_EVEN {0, 2, 4, 6}
-#define UT__DW_IDX_LO {0, 4, 1, 5}
-#define UT__DW_IDX_HI {2, 6, 3, 7}
+#define UT__TGT_AVX512                                                                      \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c," \
+                        "prefer-vector-width=512")))
+#endif
 #endif
 
-/* Vectors of UT__DW_V floats: GCC/clang vector extensions of the ISA's own width (wider ones
-   are lowered through the stack), used through macros so that no vector crosses a function
-   call; plain arrays otherwise. */
+/* -1: pick from the CPU; 0, 3, 4: force baseline / AVX2 / AVX-512 kernels (tests). */
+static int ut__cpu_force_level = -1;
+
+static int ut__cpu_level(void) {
+  if (ut__cpu_force_level >= 0) return ut__cpu_force_level;
+#ifdef UT__CPU_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return 4;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 3;
+#endif
+  return 0;
+}
+
+/* ---- vectors of V floats ----------------------------------------------------------------------
+   A ut__vec holds one vector of V = 16, 8 or 4 floats (one zmm, ymm or xmm register). V is a
+   constant in every variant (a literal in its wrapper), so each helper below folds to the one
+   operation of that width: no vector wider than the ISA's is ever formed (GCC would lower it
+   through the stack). Each width has its own member of a struct, not of a union: GCC
+   optimizes an always-inline body once on its own, V unknown, before inlining it, and
+   overlapping members of different sizes would then keep the instantiations copying vectors
+   through the stack; separate members become separate registers, and those of the other
+   widths vanish. The members are 16-byte aligned so that a by-value ut__vec has one calling
+   convention across GCC versions (no -Wpsabi note; the helpers are always inlined anyway).
+   Plain arrays and loops where the compiler has no vector extensions. */
 #if defined(__GNUC__)
-typedef float ut__dv __attribute__((vector_size(4 * UT__DW_V)));
-typedef float ut__dvu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
-typedef int32_t ut__dvi __attribute__((vector_size(4 * UT__DW_V)));
-typedef int32_t ut__dviu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
-typedef float ut__dv8u __attribute__((vector_size(2 * UT__DW_V), aligned(4), may_alias));
-typedef double ut__dvdu __attribute__((vector_size(4 * UT__DW_V), aligned(8), may_alias));
-#define ut__dv_ld(p) (*(const ut__dvu*)(const void*)(p))
-#define ut__dv_st(p, v) (*(ut__dvu*)(void*)(p) = (v))
-#define ut__dv_dup(s) ((ut__dv){0} + (float)(s))
-#define ut__dv_fma(acc, w, v) ((acc) + (w) * (v))
-#define ut__dv_fmav(acc, a, b) ((acc) + (a) * (b))
-#define ut__dv_and(v, m) ((ut__dv)((ut__dvi)(v) & *(const ut__dviu*)(const void*)(m)))
+typedef float ut__v4f __attribute__((vector_size(16)));
+typedef float ut__v8f __attribute__((vector_size(32), aligned(16)));
+typedef float ut__v16f __attribute__((vector_size(64), aligned(16)));
+typedef int32_t ut__v4i __attribute__((vector_size(16)));
+typedef int32_t ut__v8i __attribute__((vector_size(32), aligned(16)));
+typedef int32_t ut__v16i __attribute__((vector_size(64), aligned(16)));
+/* unaligned, aliasing views of memory, for loads and stores */
+typedef float ut__v4fu __attribute__((vector_size(16), aligned(4), may_alias));
+typedef float ut__v8fu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float ut__v16fu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t ut__v4iu __attribute__((vector_size(16), aligned(4), may_alias));
+typedef int32_t ut__v8iu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t ut__v16iu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float ut__v2fu __attribute__((vector_size(8), aligned(4), may_alias));
+typedef double ut__v2du __attribute__((vector_size(16), aligned(8), may_alias));
+typedef double ut__v4du __attribute__((vector_size(32), aligned(8), may_alias));
+typedef double ut__v8du __attribute__((vector_size(64), aligned(8), may_alias));
+typedef struct ut__vec {
+  ut__v16f z; /* V = 16 */
+  ut__v8f y;  /* V = 8 */
+  ut__v4f x;  /* V = 4 */
+} ut__vec;
+
+UT__CPU_INL ut__vec ut__v_ld(const float* p, const int V) {
+  ut__vec r;
+  if (V == 16) r.z = *(const ut__v16fu*)(const void*)p;
+  else if (V == 8) r.y = *(const ut__v8fu*)(const void*)p;
+  else r.x = *(const ut__v4fu*)(const void*)p;
+  return r;
+}
+UT__CPU_INL void ut__v_st(float* p, ut__vec v, const int V) {
+  if (V == 16) *(ut__v16fu*)(void*)p = v.z;
+  else if (V == 8) *(ut__v8fu*)(void*)p = v.y;
+  else *(ut__v4fu*)(void*)p = v.x;
+}
+UT__CPU_INL ut__vec ut__v_dup(float s, const int V) {
+  ut__vec r;
+  if (V == 16) r.z = (ut__v16f){0} + s;
+  else if (V == 8) r.y = (ut__v8f){0} + s;
+  else r.x = (ut__v4f){0} + s;
+  return r;
+}
+/* acc + w v (one FMA: the CPU backend compiles with fp-contract=fast) */
+UT__CPU_INL ut__vec ut__v_fma(ut__vec acc, float w, ut__vec v, const int V) {
+  if (V == 16) acc.z = acc.z + w * v.z;
+  else if (V == 8) acc.y = acc.y + w * v.y;
+  else acc.x = acc.x + w * v.x;
+  return acc;
+}
+/* acc + a b, lane by lane */
+UT__CPU_INL ut__vec ut__v_fmav(ut__vec acc, ut__vec a, ut__vec b, const int V) {
+  if (V == 16) acc.z = acc.z + a.z * b.z;
+  else if (V == 8) acc.y = acc.y + a.y * b.y;
+  else acc.x = acc.x + a.x * b.x;
+  return acc;
+}
+UT__CPU_INL ut__vec ut__v_add(ut__vec a, ut__vec b, const int V) {
+  if (V == 16) a.z += b.z;
+  else if (V == 8) a.y += b.y;
+  else a.x += b.x;
+  return a;
+}
+UT__CPU_INL ut__vec ut__v_scale(ut__vec a, float s, const int V) {
+  if (V == 16) a.z = a.z * s;
+  else if (V == 8) a.y = a.y * s;
+  else a.x = a.x * s;
+  return a;
+}
+/* v with the lanes cleared where the int32 mask m[0..V) is 0 (masks are 0 or ~0) */
+UT__CPU_INL ut__vec ut__v_and(ut__vec v, const int32_t* m, const int V) {
+  if (V == 16) v.z = (ut__v16f)((ut__v16i)v.z & *(const ut__v16iu*)(const void*)m);
+  else if (V == 8) v.y = (ut__v8f)((ut__v8i)v.y & *(const ut__v8iu*)(const void*)m);
+  else v.x = (ut__v4f)((ut__v4i)v.x & *(const ut__v4iu*)(const void*)m);
+  return v;
+}
 /* d[0..V) += (double)v, lane by lane */
-UT__CPU_INL void ut__dv_acc_dp(double* d, const float* v) {
-  *(ut__dvdu*)(void*)d += __builtin_convertvector(*(const ut__dv8u*)(const void*)v, ut__dvdu);
-  *(ut__dvdu*)(void*)(d + UT__DW_V / 2) +=
-      __builtin_convertvector(*(const ut__dv8u*)(const void*)(v + UT__DW_V / 2), ut__dvdu);
+UT__CPU_INL void ut__v_acc_d(double* d, ut__vec v, const int V) {
+  float t[16];
+  ut__v_st(t, v, V);
+  if (V == 16) {
+    *(ut__v8du*)(void*)d += __builtin_convertvector(*(const ut__v8fu*)(const void*)t, ut__v8du);
+    *(ut__v8du*)(void*)(d + 8) +=
+        __builtin_convertvector(*(const ut__v8fu*)(const void*)(t + 8), ut__v8du);
+  } else if (V == 8) {
+    *(ut__v4du*)(void*)d += __builtin_convertvector(*(const ut__v4fu*)(const void*)t, ut__v4du);
+    *(ut__v4du*)(void*)(d + 4) +=
+        __builtin_convertvector(*(const ut__v4fu*)(const void*)(t + 4), ut__v4du);
+  } else {
+    *(ut__v2du*)(void*)d += __builtin_convertvector(*(const ut__v2fu*)(const void*)t, ut__v2du);
+    *(ut__v2du*)(void*)(d + 2) +=
+        __builtin_convertvector(*(const ut__v2fu*)(const void*)(t + 2), ut__v2du);
+  }
 }
+/* the even lanes of x0 then of x1 (a stride-2 row's phase 0) */
+UT__CPU_INL ut__vec ut__v_even(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                  28, 30);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 2, 4, 6, 8, 10, 12, 14);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 2, 4, 6);
 #else
-typedef struct { float f[UT__DW_V]; } ut__dv;
-static inline ut__dv ut__dv_ld(const float* p) { ut__dv v; memcpy(&v, p, sizeof v); return v; }
-static inline void ut__dv_st(float* p, ut__dv v) { memcpy(p, &v, sizeof v); }
-static inline ut__dv ut__dv_dup(float s) { ut__dv v; for (int i = 0; i < UT__DW_V; i++) v.f[i] = s; return v; }
-static inline ut__dv ut__dv_fma(ut__dv acc, float w, ut__dv v) {
-  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += w * v.f[i];
+  if (V == 16)
+    r.z = __builtin_shuffle(x0.z, x1.z,
+                            (ut__v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 2, 4, 6, 8, 10, 12, 14});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 2, 4, 6});
+#endif
+  return r;
+}
+/* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
+UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                  23);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 8, 1, 9, 2, 10, 3, 11);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 4, 1, 5);
+#else
+  if (V == 16)
+    r.z = __builtin_shuffle(x0.z, x1.z,
+                            (ut__v16i){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 8, 1, 9, 2, 10, 3, 11});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 4, 1, 5});
+#endif
+  return r;
+}
+UT__CPU_INL ut__vec ut__v_zip_hi(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                                  30, 15, 31);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 4, 12, 5, 13, 6, 14, 7, 15);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 2, 6, 3, 7);
+#else
+  if (V == 16)
+    r.z = __builtin_shuffle(
+        x0.z, x1.z, (ut__v16i){8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){4, 12, 5, 13, 6, 14, 7, 15});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){2, 6, 3, 7});
+#endif
+  return r;
+}
+#else /* no vector extensions */
+typedef struct ut__vec {
+  float f[16];
+} ut__vec;
+static inline ut__vec ut__v_ld(const float* p, const int V) {
+  ut__vec r;
+  memcpy(r.f, p, (size_t)V * sizeof(float));
+  return r;
+}
+static inline void ut__v_st(float* p, ut__vec v, const int V) {
+  memcpy(p, v.f, (size_t)V * sizeof(float));
+}
+static inline ut__vec ut__v_dup(float s, const int V) {
+  ut__vec r;
+  for (int i = 0; i < V; i++) r.f[i] = s;
+  return r;
+}
+static inline ut__vec ut__v_fma(ut__vec acc, float w, ut__vec v, const int V) {
+  for (int i = 0; i < V; i++) acc.f[i] += w * v.f[i];
   return acc;
 }
-static inline ut__dv ut__dv_fmav(ut__dv acc, ut__dv a, ut__dv b) {
-  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += a.f[i] * b.f[i];
+static inline ut__vec ut__v_fmav(ut__vec acc, ut__vec a, ut__vec b, const int V) {
+  for (int i = 0; i < V; i++) acc.f[i] += a.f[i] * b.f[i];
   return acc;
 }
-static inline ut__dv ut__dv_and(ut__dv v, const int32_t* m) {
-  for (int i = 0; i < UT__DW_V; i++) {
+static inline ut__vec ut__v_add(ut__vec a, ut__vec b, const int V) {
+  for (int i = 0; i < V; i++) a.f[i] += b.f[i];
+  return a;
+}
+static inline ut__vec ut__v_scale(ut__vec a, float s, const int V) {
+  for (int i = 0; i < V; i++) a.f[i] = a.f[i] * s;
+  return a;
+}
+static inline ut__vec ut__v_and(ut__vec v, const int32_t* m, const int V) {
+  for (int i = 0; i < V; i++) {
     int32_t b;
     memcpy(&b, &v.f[i], 4);
     b &= m[i];
@@ -4458,41 +4341,28 @@ static inline ut__dv ut__dv_and(ut__dv v, const int32_t* m) {
   }
   return v;
 }
-static inline void ut__dv_acc_dp(double* d, const float* v) {
-  for (int i = 0; i < UT__DW_V; i++) d[i] += (double)v[i];
+static inline void ut__v_acc_d(double* d, ut__vec v, const int V) {
+  for (int i = 0; i < V; i++) d[i] += (double)v.f[i];
 }
 #endif
-#define ut__dv_acc_d(d, v)                 \
-  do {                                     \
-    float ut__t_[UT__DW_V];                \
-    ut__dv_st(ut__t_, (v));                \
-    ut__dv_acc_dp((d), ut__t_);            \
-  } while (0)
 
-/* Store V outputs at p, cut at lim (see above). */
-UT__CPU_INL void ut__dv_st_limp(float* p, const float* t, const float* lim) {
-  if (p + UT__DW_V <= lim) {
-    memcpy(p, t, UT__DW_V * sizeof(float));
+/* Store the V lanes of v at p, cut at lim: whole when they end before lim (see "depthwise
+   engines" for why the lanes past a row may be stored), else only those before lim. */
+UT__CPU_INL void ut__v_st_lim(float* p, ut__vec v, const float* lim, const int V) {
+  if (p + V <= lim) {
+    ut__v_st(p, v, V);
   } else if (p < lim) {
-    for (ut__i64 i = 0; i < lim - p; i++) p[i] = t[i];
+    float t[16];
+    ut__v_st(t, v, V);
+    for (ut__i64 i = 0; i < lim - p && i < V; i++) p[i] = t[i]; /* (lim - p < V) */
   }
 }
-#define ut__dv_st_lim(p, v, lim)             \
-  do {                                       \
-    float* ut__p_ = (p);                     \
-    if (ut__p_ + UT__DW_V <= (lim)) {        \
-      ut__dv_st(ut__p_, (v));                \
-    } else {                                 \
-      float ut__t_[UT__DW_V];                \
-      ut__dv_st(ut__t_, (v));                \
-      ut__dv_st_limp(ut__p_, ut__t_, (lim)); \
-    }                                        \
-  } while (0)
 
+/* ---- depthwise engines (see "depthwise engines" in the CPU backend) -------------------------- */
 /* Input row iy as phase rows, from the ring (slot iy % nslots) or the zero slot. */
 UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int w, int s, int px,
                                     int Wq, int PS, int SL, int nslots, float* restrict slots,
-                                    int* restrict tags) {
+                                    int* restrict tags, const int V) {
   if (iy < 0 || iy >= h) return slots;
   int k = iy % nslots;
   float* dst = slots + (ut__i64)(k + 1) * SL;
@@ -4508,17 +4378,10 @@ UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int
       if (hi > lo) memcpy(d + lo, xr + lo + off, (size_t)(hi - lo) * sizeof(float));
     } else if (s == 2) {
       int c = lo;
-#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
-      for (; c + UT__DW_V <= hi && 2 * c + off + 2 * UT__DW_V <= w; c += UT__DW_V) {
-        ut__dv x0 = ut__dv_ld(xr + 2 * c + off), x1 = ut__dv_ld(xr + 2 * c + off + UT__DW_V);
-#if defined(__clang__)
-        ut__dv ev = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                            26, 28, 30);
-#else
-        const ut__dvi ie = UT__DW_IDX_EVEN;
-        ut__dv ev = __builtin_shuffle(x0, x1, ie);
-#endif
-        ut__dv_st(d + c, ev);
+#if defined(__GNUC__)
+      for (; c + V <= hi && 2 * c + off + 2 * V <= w; c += V) {
+        ut__vec x0 = ut__v_ld(xr + 2 * c + off, V), x1 = ut__v_ld(xr + 2 * c + off + V, V);
+        ut__v_st(d + c, ut__v_even(x0, x1, V), V);
       }
 #endif
       for (; c < hi; c++) d[c] = xr[2 * c + off];
@@ -4536,7 +4399,8 @@ UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int
    that the spill of a row's last vector into the next row is overwritten by that row's first. */
 UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
                                 const float* restrict wk, float b, float* restrict yp,
-                                const float* ylim, float* restrict buf, const int K, const int S) {
+                                const float* ylim, float* restrict buf, const int K, const int S,
+                                const int V) {
   int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
   int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
   const int NR = S == 1 ? 2 : 1; /* output rows per step */
@@ -4551,50 +4415,50 @@ UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
     const float* rp[6];
     UT__DW_UNROLL
     for (int r = 0; r < NI; r++)
-      rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
+      rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
     float* yr0 = yp + (ut__i64)oy * wo;
     float* yr1 = yr0 + wo;
     bool two = NR == 2 && oy + 1 < ho;
     for (int v = nv - 1; v >= 0; v--) {
-      ut__dv a0 = ut__dv_dup(b), a1 = ut__dv_dup(b);
+      ut__vec a0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V);
       if (NR == 2) {
-        ut__dv c0 = ut__dv_dup(0.0f), c1 = ut__dv_dup(0.0f);
+        ut__vec c0 = ut__v_dup(0.0f, V), c1 = ut__v_dup(0.0f, V);
         UT__DW_UNROLL
         for (int r = 0; r < NI; r++)
           UT__DW_UNROLL
           for (int kx = 0; kx < K; kx++) {
-            ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
+            ut__vec xv = ut__v_ld(rp[r] + kx + v * V, V);
             if (r < K) {
               if (r & 1)
-                c0 = ut__dv_fma(c0, wr[r * K + kx], xv);
+                c0 = ut__v_fma(c0, wr[r * K + kx], xv, V);
               else
-                a0 = ut__dv_fma(a0, wr[r * K + kx], xv);
+                a0 = ut__v_fma(a0, wr[r * K + kx], xv, V);
             }
             if (r >= 1) {
               if (r & 1)
-                a1 = ut__dv_fma(a1, wr[(r - 1) * K + kx], xv);
+                a1 = ut__v_fma(a1, wr[(r - 1) * K + kx], xv, V);
               else
-                c1 = ut__dv_fma(c1, wr[(r - 1) * K + kx], xv);
+                c1 = ut__v_fma(c1, wr[(r - 1) * K + kx], xv, V);
             }
           }
-        a0 += c0;
-        a1 += c1;
+        a0 = ut__v_add(a0, c0, V);
+        a1 = ut__v_add(a1, c1, V);
       } else {
-        ut__dv c0 = ut__dv_dup(0.0f);
+        ut__vec c0 = ut__v_dup(0.0f, V);
         UT__DW_UNROLL
         for (int ky = 0; ky < K; ky++)
           UT__DW_UNROLL
           for (int kx = 0; kx < K; kx++) {
-            ut__dv xv = ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V);
+            ut__vec xv = ut__v_ld(rp[ky] + (kx % S) * PS + kx / S + v * V, V);
             if (ky & 1)
-              c0 = ut__dv_fma(c0, wr[ky * K + kx], xv);
+              c0 = ut__v_fma(c0, wr[ky * K + kx], xv, V);
             else
-              a0 = ut__dv_fma(a0, wr[ky * K + kx], xv);
+              a0 = ut__v_fma(a0, wr[ky * K + kx], xv, V);
           }
-        a0 += c0;
+        a0 = ut__v_add(a0, c0, V);
       }
-      ut__dv_st_lim(yr0 + v * UT__DW_V, a0, ylim);
-      if (two) ut__dv_st_lim(yr1 + v * UT__DW_V, a1, ylim);
+      ut__v_st_lim(yr0 + v * V, a0, ylim, V);
+      if (two) ut__v_st_lim(yr1 + v * V, a1, ylim, V);
     }
   }
 }
@@ -4603,26 +4467,26 @@ UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
    time. */
 UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
                                   const float* restrict wk, float b, float* restrict yp,
-                                  float* restrict buf) {
+                                  float* restrict buf, const int V) {
   int h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
       ho = C->ho, wo = C->wo;
   int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
   float* slots = buf;
   float* ye = buf + (ut__i64)(kh + 1) * SL;
-  int* tags = (int*)(void*)(ye + (ut__i64)nv * UT__DW_V);
+  int* tags = (int*)(void*)(ye + (ut__i64)nv * V);
   for (int k = 0; k < kh; k++) tags[k] = -1;
   for (int oy = 0; oy < ho; oy++) {
-    for (int v = 0; v < nv; v++) ut__dv_st(ye + v * UT__DW_V, ut__dv_dup(b));
+    for (int v = 0; v < nv; v++) ut__v_st(ye + v * V, ut__v_dup(b, V), V);
     for (int ky = 0; ky < kh; ky++) {
       int iy = oy * s - py + ky;
       if (iy < 0 || iy >= h) continue;
-      const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
+      const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags, V);
       for (int kx = 0; kx < kw; kx++) {
         float wv = wk[ky * kw + kx];
         const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
         for (int v = 0; v < nv; v++)
-          ut__dv_st(ye + v * UT__DW_V,
-                    ut__dv_fma(ut__dv_ld(ye + v * UT__DW_V), wv, ut__dv_ld(src + v * UT__DW_V)));
+          ut__v_st(ye + v * V,
+                    ut__v_fma(ut__v_ld(ye + v * V, V), wv, ut__v_ld(src + v * V, V), V), V);
       }
     }
     memcpy(yp + (ut__i64)oy * wo, ye, (size_t)wo * sizeof(float));
@@ -4632,27 +4496,27 @@ UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
 /* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
 UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
                                 const float* restrict wk, float b, float* restrict yp,
-                                const float* ylim, const int TAPS) {
+                                const float* ylim, const int TAPS, const int V) {
   int nvec = C->nvec;
   const int* d = C->d;
   const int32_t* M = C->M;
   for (int j = 0; j < nvec; j++) {
-    ut__dv acc = ut__dv_dup(b);
-    const float* sj = src + j * UT__DW_V;
-    const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
+    ut__vec acc = ut__v_dup(b, V);
+    const float* sj = src + j * V;
+    const int32_t* Mj = M + (ut__i64)j * TAPS * V;
     UT__DW_UNROLL
     for (int t = 0; t < TAPS; t++)
-      acc = ut__dv_fma(acc, wk[t], ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
-    ut__dv_st_lim(yp + j * UT__DW_V, acc, ylim);
+      acc = ut__v_fma(acc, wk[t], ut__v_and(ut__v_ld(sj + d[t], V), Mj + t * V, V), V);
+    ut__v_st_lim(yp + j * V, acc, ylim, V);
   }
 }
 
 /* The plane q of a tensor of `planes` planes of hw floats, or a copy of it with a margin when
    the flat engine's loads would leave the tensor. */
 UT__CPU_INL const float* ut__dw_flat_src(const ut__dwctx* C, const float* base, ut__i64 q,
-                                         ut__i64 hw, float* restrict pbuf) {
+                                         ut__i64 hw, float* restrict pbuf, const int V) {
   const float* p = base + q * hw;
-  if (q * hw + C->dmin >= 0 && q * hw + (ut__i64)C->nvec * UT__DW_V + C->dmax <= C->planes * hw)
+  if (q * hw + C->dmin >= 0 && q * hw + (ut__i64)C->nvec * V + C->dmax <= C->planes * hw)
     return p;
   memcpy(pbuf + C->marg, p, (size_t)hw * sizeof(float));
   return pbuf + C->marg;
@@ -4660,7 +4524,7 @@ UT__CPU_INL const float* ut__dw_flat_src(const ut__dwctx* C, const float* base, 
 
 /* Forward over planes [q0, q1) (also the stride-1 input gradient). */
 UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
-                                    float* restrict buf) {
+                                    float* restrict buf, const int V) {
   int c = C->c, kh = C->kh, kw = C->kw, s = C->s;
   ut__i64 hw = (ut__i64)C->h * C->w, ohw = (ut__i64)C->ho * C->wo, taps = (ut__i64)kh * kw;
   const float* ylim = C->y + q1 * ohw;
@@ -4670,26 +4534,26 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
     float b = C->bias ? C->bias[ch] : 0.0f;
     float* yp = C->y + q * ohw;
     if (C->flat) {
-      const float* src = ut__dw_flat_src(C, C->x, q, hw, buf);
+      const float* src = ut__dw_flat_src(C, C->x, q, hw, buf, V);
       if (taps == 9)
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 9);
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 9, V);
       else if (taps == 25)
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 25);
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 25, V);
       else
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, (int)taps);
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, (int)taps, V);
       continue;
     }
     const float* xp = C->x + q * hw;
     if (kh == 3 && kw == 3 && s == 1)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1);
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
     else if (kh == 3 && kw == 3 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2);
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2, V);
     else if (kh == 5 && kw == 5 && s == 1)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1);
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
     else if (kh == 5 && kw == 5 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2);
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2, V);
     else
-      ut__dwf_rows_gen(C, xp, wk, b, yp, buf);
+      ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
   }
 }
 
@@ -4699,16 +4563,16 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
    left) in a ring; each phase is a contiguous stream. The taps of each (row class, phase) are
    listed once per call; stride 2 interleaves the two phases in registers. */
 UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
-                                     float* restrict buf) {
+                                     float* restrict buf, const int V) {
   int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, p = C->py, ho = C->ho,
       wo = C->wo;
   ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
-  int L = (kw - 1) / s, nq = (w + s - 1) / s, nvq = (nq + UT__DW_V - 1) / UT__DW_V;
-  int GP = (int)UT__DW_R16(L + UT__CPU_MAX(nvq * UT__DW_V, wo) + (s - 1 + p) / s + 1);
+  int L = (kw - 1) / s, nq = (w + s - 1) / s, nvq = (nq + V - 1) / V;
+  int GP = (int)UT__DW_R16(L + UT__CPU_MAX(nvq * V, wo) + (s - 1 + p) / s + 1);
   int NS = (kh + s - 1) / s + 1;
   float* ring = buf;
   float* E = ring + (ut__i64)NS * GP;
-  const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * UT__DW_V);
+  const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * V);
   float* tw = (float*)(void*)(tp + taps);
   int* tags = (int*)(void*)(tw + taps);
   /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
@@ -4756,33 +4620,25 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
           tw[nt] = wk[e3[3 * i + 1]];
           nt++;
         }
-        float* Eb = E + (ut__i64)bb * nvq * UT__DW_V;
+        float* Eb = E + (ut__i64)bb * nvq * V;
         for (int v = 0; v < nvq; v++) {
-          ut__dv acc = ut__dv_dup(0.0f);
-          for (int i = 0; i < nt; i++) acc = ut__dv_fma(acc, tw[i], ut__dv_ld(tp[i] + v * UT__DW_V));
-          ut__dv_st(Eb + v * UT__DW_V, acc);
+          ut__vec acc = ut__v_dup(0.0f, V);
+          for (int i = 0; i < nt; i++) acc = ut__v_fma(acc, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+          ut__v_st(Eb + v * V, acc, V);
         }
       }
       float* dr = dxp + (ut__i64)iy * w;
       if (s == 2) {
         const float* e0 = E;
-        const float* e1 = E + (ut__i64)nvq * UT__DW_V;
-#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
+        const float* e1 = E + (ut__i64)nvq * V;
+#if defined(__GNUC__)
         /* whole vectors; the spill past the row lands in rows written later (or is cut) */
         for (int v = 0; v < nvq; v++) {
-          ut__dv x0 = ut__dv_ld(e0 + v * UT__DW_V), x1 = ut__dv_ld(e1 + v * UT__DW_V);
-#if defined(__clang__)
-          ut__dv lo = __builtin_shufflevector(x0, x1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                              6, 22, 7, 23);
-          ut__dv hi = __builtin_shufflevector(x0, x1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
-                                              29, 14, 30, 15, 31);
-#else
-          const ut__dvi il = UT__DW_IDX_LO, ih = UT__DW_IDX_HI;
-          ut__dv lo = __builtin_shuffle(x0, x1, il), hi = __builtin_shuffle(x0, x1, ih);
-#endif
-          float* d0 = dr + 2 * v * UT__DW_V;
-          if (2 * v * UT__DW_V < w) ut__dv_st_lim(d0, lo, dlim);
-          if (2 * v * UT__DW_V + UT__DW_V < w) ut__dv_st_lim(d0 + UT__DW_V, hi, dlim);
+          ut__vec x0 = ut__v_ld(e0 + v * V, V), x1 = ut__v_ld(e1 + v * V, V);
+          ut__vec lo = ut__v_zip_lo(x0, x1, V), hi = ut__v_zip_hi(x0, x1, V);
+          float* d0 = dr + 2 * v * V;
+          if (2 * v * V < w) ut__v_st_lim(d0, lo, dlim, V);
+          if (2 * v * V + V < w) ut__v_st_lim(d0 + V, hi, dlim, V);
         }
 #else
         int w2 = w / 2;
@@ -4794,7 +4650,7 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
 #endif
       } else {
         for (int bb = 0; bb < s; bb++) {
-          const float* eb = E + (ut__i64)bb * nvq * UT__DW_V;
+          const float* eb = E + (ut__i64)bb * nvq * V;
           for (int i = 0; i * s + bb < w; i++) dr[i * s + bb] = eb[i];
         }
       }
@@ -4806,7 +4662,7 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
    lanes of each tap's float accumulator are added into doubles (acc: taps x 16) every ~128
    vectors and at the end of each plane, in a fixed order. */
 UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict dacc,
-                                 float* restrict buf, const int K, const int S) {
+                                 float* restrict buf, const int K, const int S, const int V) {
   int c = C->c, h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
   int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
   ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
@@ -4814,8 +4670,8 @@ UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict da
   const int NI = (NR - 1) * S + K;
   float* slots = buf;
   float* gt0 = buf + (ut__i64)(NI + 1) * SL;
-  float* gt1 = gt0 + (ut__i64)nv * UT__DW_V + UT__DW_V;
-  int* tags = (int*)(void*)(gt1 + (ut__i64)nv * UT__DW_V + UT__DW_V);
+  float* gt1 = gt0 + (ut__i64)nv * V + V;
+  int* tags = (int*)(void*)(gt1 + (ut__i64)nv * V + V);
   int flush_rows = UT__CPU_MAX(1, 128 / nv);
   flush_rows += flush_rows & 1;
   for (int n = 0; n < C->planes / c; n++) {
@@ -4825,14 +4681,14 @@ UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict da
     for (int k = 0; k < NI; k++) tags[k] = -1;
     for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
       int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
-      ut__dv A[25];
+      ut__vec A[25];
       UT__DW_UNROLL
-      for (int t = 0; t < K * K; t++) A[t] = ut__dv_dup(0.0f);
+      for (int t = 0; t < K * K; t++) A[t] = ut__v_dup(0.0f, V);
       for (int oy = oy0; oy < oy1; oy += NR) {
         const float* rp[6];
         UT__DW_UNROLL
         for (int r = 0; r < NI; r++)
-          rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
+          rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
         memcpy(gt0, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
         if (NR == 2) {
           if (oy + 1 < ho) {
@@ -4842,45 +4698,45 @@ UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict da
             rp[NI - 1] = slots; /* the zero slot: 0 * x could be NaN */
           }
           for (int v = 0; v < nv; v++) {
-            ut__dv g0 = ut__dv_ld(gt0 + v * UT__DW_V), g1 = ut__dv_ld(gt1 + v * UT__DW_V);
+            ut__vec g0 = ut__v_ld(gt0 + v * V, V), g1 = ut__v_ld(gt1 + v * V, V);
             UT__DW_UNROLL
             for (int r = 0; r < NI; r++)
               UT__DW_UNROLL
               for (int kx = 0; kx < K; kx++) {
-                ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
-                if (r < K) A[r * K + kx] = ut__dv_fmav(A[r * K + kx], g0, xv);
-                if (r >= 1) A[(r - 1) * K + kx] = ut__dv_fmav(A[(r - 1) * K + kx], g1, xv);
+                ut__vec xv = ut__v_ld(rp[r] + kx + v * V, V);
+                if (r < K) A[r * K + kx] = ut__v_fmav(A[r * K + kx], g0, xv, V);
+                if (r >= 1) A[(r - 1) * K + kx] = ut__v_fmav(A[(r - 1) * K + kx], g1, xv, V);
               }
           }
         } else {
           for (int v = 0; v < nv; v++) {
-            ut__dv g = ut__dv_ld(gt0 + v * UT__DW_V);
+            ut__vec g = ut__v_ld(gt0 + v * V, V);
             UT__DW_UNROLL
             for (int ky = 0; ky < K; ky++)
               UT__DW_UNROLL
               for (int kx = 0; kx < K; kx++)
-                A[ky * K + kx] = ut__dv_fmav(
-                    A[ky * K + kx], g, ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V));
+                A[ky * K + kx] = ut__v_fmav(
+                    A[ky * K + kx], g, ut__v_ld(rp[ky] + (kx % S) * PS + kx / S + v * V, V), V);
           }
         }
       }
       UT__DW_UNROLL
-      for (int t = 0; t < K * K; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
+      for (int t = 0; t < K * K; t++) ut__v_acc_d(dacc + t * V, A[t], V);
     }
   }
 }
 
 /* Filter gradient, row engine, any geometry (float lanes per tap in memory). */
 UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict dacc,
-                                   float* restrict buf) {
+                                   float* restrict buf, const int V) {
   int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
       ho = C->ho, wo = C->wo;
   int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
   ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
   float* slots = buf;
   float* gt = buf + (ut__i64)(kh + 1) * SL;
-  float* A = gt + (ut__i64)nv * UT__DW_V + UT__DW_V;
-  int* tags = (int*)(void*)(A + taps * UT__DW_V);
+  float* A = gt + (ut__i64)nv * V + V;
+  int* tags = (int*)(void*)(A + taps * V);
   int flush_rows = UT__CPU_MAX(1, 128 / nv);
   for (int n = 0; n < C->planes / c; n++) {
     ut__i64 q = (ut__i64)n * c + ch;
@@ -4889,24 +4745,24 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
     for (int k = 0; k < kh; k++) tags[k] = -1;
     for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
       int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
-      for (ut__i64 t = 0; t < taps; t++) ut__dv_st(A + t * UT__DW_V, ut__dv_dup(0.0f));
+      for (ut__i64 t = 0; t < taps; t++) ut__v_st(A + t * V, ut__v_dup(0.0f, V), V);
       for (int oy = oy0; oy < oy1; oy++) {
         memcpy(gt, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
         for (int ky = 0; ky < kh; ky++) {
           int iy = oy * s - py + ky;
           if (iy < 0 || iy >= h) continue;
-          const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
+          const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags, V);
           for (int kx = 0; kx < kw; kx++) {
             const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
-            float* a = A + (ut__i64)(ky * kw + kx) * UT__DW_V;
-            ut__dv av = ut__dv_ld(a);
+            float* a = A + (ut__i64)(ky * kw + kx) * V;
+            ut__vec av = ut__v_ld(a, V);
             for (int v = 0; v < nv; v++)
-              av = ut__dv_fmav(av, ut__dv_ld(gt + v * UT__DW_V), ut__dv_ld(src + v * UT__DW_V));
-            ut__dv_st(a, av);
+              av = ut__v_fmav(av, ut__v_ld(gt + v * V, V), ut__v_ld(src + v * V, V), V);
+            ut__v_st(a, av, V);
           }
         }
       }
-      for (ut__i64 t = 0; t < taps; t++) ut__dv_acc_d(dacc + t * UT__DW_V, ut__dv_ld(A + t * UT__DW_V));
+      for (ut__i64 t = 0; t < taps; t++) ut__v_acc_d(dacc + t * V, ut__v_ld(A + t * V, V), V);
     }
   }
 }
@@ -4914,106 +4770,335 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
 /* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
    output-valid mask, x lanes outside the plane by the tap masks. */
 UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
-                                 float* restrict buf, const int TAPS) {
+                                 float* restrict buf, const int TAPS, const int V) {
   int c = C->c, nvec = C->nvec;
   ut__i64 hw = (ut__i64)C->h * C->w;
   const int* d = C->d;
   const int32_t* M = C->M;
-  const int32_t* Mo = M + (ut__i64)nvec * TAPS * UT__DW_V;
+  const int32_t* Mo = M + (ut__i64)nvec * TAPS * V;
   float* xbuf = buf;
-  float* gbuf = buf + UT__DW_R16(2 * C->marg + (ut__i64)nvec * UT__DW_V + UT__DW_V);
-  ut__dv A[25];
+  float* gbuf = buf + UT__DW_R16(2 * C->marg + (ut__i64)nvec * V + V);
+  ut__vec A[25];
   int nb = C->planes / c;
   int flush = UT__CPU_MAX(1, 128 / nvec);
   for (int n0 = 0; n0 < nb; n0 += flush) {
     UT__DW_UNROLL
-    for (int t = 0; t < TAPS; t++) A[t] = ut__dv_dup(0.0f);
+    for (int t = 0; t < TAPS; t++) A[t] = ut__v_dup(0.0f, V);
     for (int n = n0; n < UT__CPU_MIN(nb, n0 + flush); n++) {
       ut__i64 q = (ut__i64)n * c + ch;
-      const float* xs = ut__dw_flat_src(C, C->x, q, hw, xbuf);
-      const float* gs = ut__dw_flat_src(C, C->go, q, hw, gbuf);
+      const float* xs = ut__dw_flat_src(C, C->x, q, hw, xbuf, V);
+      const float* gs = ut__dw_flat_src(C, C->go, q, hw, gbuf, V);
       for (int j = 0; j < nvec; j++) {
-        ut__dv g = ut__dv_and(ut__dv_ld(gs + j * UT__DW_V), Mo + j * UT__DW_V);
-        const float* sj = xs + j * UT__DW_V;
-        const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
+        ut__vec g = ut__v_and(ut__v_ld(gs + j * V, V), Mo + j * V, V);
+        const float* sj = xs + j * V;
+        const int32_t* Mj = M + (ut__i64)j * TAPS * V;
         UT__DW_UNROLL
         for (int t = 0; t < TAPS; t++)
-          A[t] = ut__dv_fmav(A[t], g, ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
+          A[t] = ut__v_fmav(A[t], g, ut__v_and(ut__v_ld(sj + d[t], V), Mj + t * V, V), V);
       }
     }
     UT__DW_UNROLL
-    for (int t = 0; t < TAPS; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
+    for (int t = 0; t < TAPS; t++) ut__v_acc_d(dacc + t * V, A[t], V);
   }
 }
 
 UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict dacc,
-                                    float* restrict buf) {
+                                    float* restrict buf, const int V) {
   int kh = C->kh, kw = C->kw, s = C->s;
   if (C->flat) {
     if (kh * kw == 9)
-      ut__dwdw_flat_k(C, ch, dacc, buf, 9);
+      ut__dwdw_flat_k(C, ch, dacc, buf, 9, V);
     else if (kh * kw == 25)
-      ut__dwdw_flat_k(C, ch, dacc, buf, 25);
+      ut__dwdw_flat_k(C, ch, dacc, buf, 25, V);
     else
-      ut__dwdw_rows_gen(C, ch, dacc, buf); /* (flat is only chosen for 9 and 25 taps) */
+      ut__dwdw_rows_gen(C, ch, dacc, buf, V); /* (flat is only chosen for 9 and 25 taps) */
     return;
   }
   if (kh == 3 && kw == 3 && s == 1)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1);
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1, V);
   else if (kh == 3 && kw == 3 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2);
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2, V);
   else if (kh == 5 && kw == 5 && s == 1)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1);
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1, V);
   else if (kh == 5 && kw == 5 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2);
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2, V);
   else
-    ut__dwdw_rows_gen(C, ch, dacc, buf);
+    ut__dwdw_rows_gen(C, ch, dacc, buf, V);
 }
 
-/* the drivers of this width, compiled for its ISA */
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwf)(const ut__dwctx* C, ut__i64 q0,
-                                                           ut__i64 q1, float* buf) {
-  ut__dwf_range_body(C, q0, q1, buf);
+/* ---- transposed-convolution gather (col2im) -------------------------------------------------- */
+/* Adjoint of a strided correlation for one plane, as a gather per input row: dx[iy, ix] =
+   sum over taps (ky, kx) and output pixels (oy, ox) with oy*s-p+ky = iy, ox*s-p+kx = ix of
+   wk[ky,kx] * src_tap[oy, ox], where src_tap = src + (ky*kw+kx)*tap_stride ([ho, wo]).
+   tmp holds s rows of ceil(w/s) (unused when s == 1): contributions land in phase rows
+   (ix mod s) contiguously and are interleaved into dx at the end of each row. */
+UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_stride,
+                                    const float* restrict wk, float* restrict dx, int h, int w,
+                                    int kh, int kw, int s, int p, int ho, int wo,
+                                    float* restrict tmp) {
+  int qn = (w + s - 1) / s;
+  for (int iy = 0; iy < h; iy++) {
+    float* dxr = dx + (ut__i64)iy * w;
+    float* acc = s == 1 ? dxr : tmp;
+    for (int i = 0; i < s * qn; i++) acc[i] = 0.0f;
+    for (int ky = 0; ky < kh; ky++) {
+      int t = iy + p - ky;
+      if (t < 0 || t % s != 0) continue;
+      int oy = t / s;
+      if (oy >= ho) continue;
+      for (int kx = 0; kx < kw; kx++) {
+        float wv = wk[ky * kw + kx];
+        const float* restrict gr = src + (ky * kw + kx) * tap_stride + (ut__i64)oy * wo;
+        int lo = ut__cpu_lo(kx, s, p, wo), hi = ut__cpu_hi(kx, s, p, w, wo);
+        int d = kx - p; /* ix = ox*s + d = (ox + qd)*s + rd */
+        int qd = d >= 0 ? d / s : -((-d + s - 1) / s);
+        int rd = d - qd * s;
+        float* ar = acc + rd * qn;
+        for (int ox = lo; ox < hi; ox++) ar[ox + qd] += wv * gr[ox];
+      }
+    }
+    if (s > 1) {
+      if (s == 2) {
+        int q2 = w / 2;
+        for (int q = 0; q < q2; q++) {
+          dxr[2 * q] = tmp[q];
+          dxr[2 * q + 1] = tmp[qn + q];
+        }
+        if (w & 1) dxr[w - 1] = tmp[q2];
+      } else {
+        for (int r = 0; r < s; r++)
+          for (int q = 0; q * s + r < w; q++) dxr[q * s + r] = tmp[r * qn + q];
+      }
+    }
+  }
 }
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdx)(const ut__dwctx* C, ut__i64 q0,
-                                                            ut__i64 q1, float* buf) {
-  ut__dwdx_range_body(C, q0, q1, buf);
+
+/* ---- GEMM micro-kernel and dot-product engine -------------------------------------------------
+   C tile (mr x nr valid of MR x 2V) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
+UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, const float* restrict bp,
+                                     float* restrict c, ut__i64 ldc, int mr, int nr, float alpha,
+                                     float beta, const int V, const int MR) {
+  ut__vec acc0[8], acc1[8];
+  UT__DW_UNROLL
+  for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = ut__v_dup(0.0f, V);
+  for (int k = 0; k < kc; k++) {
+    ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      float av = ap[r];
+      acc0[r] = ut__v_fma(acc0[r], av, b0, V);
+      acc1[r] = ut__v_fma(acc1[r], av, b1, V);
+    }
+    ap += MR;
+    bp += 2 * V;
+  }
+  if (mr == MR && nr == 2 * V) {
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      float* cr = c + (ut__i64)r * ldc;
+      ut__vec o0 = ut__v_scale(acc0[r], alpha, V), o1 = ut__v_scale(acc1[r], alpha, V);
+      if (beta != 0.0f) {
+        o0 = ut__v_fma(o0, beta, ut__v_ld(cr, V), V);
+        o1 = ut__v_fma(o1, beta, ut__v_ld(cr + V, V), V);
+      }
+      ut__v_st(cr, o0, V);
+      ut__v_st(cr + V, o1, V);
+    }
+  } else {
+    float buf[8 * 2 * 16];
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      ut__v_st(buf + r * 2 * V, acc0[r], V);
+      ut__v_st(buf + r * 2 * V + V, acc1[r], V);
+    }
+    for (int r = 0; r < mr; r++) {
+      float* cr = c + (ut__i64)r * ldc;
+      for (int j = 0; j < nr; j++) {
+        float v = alpha * buf[r * 2 * V + j];
+        cr[j] = beta != 0.0f ? v + beta * cr[j] : v;
+      }
+    }
+  }
 }
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdw)(const ut__dwctx* C, int ch,
-                                                            double* dacc, float* buf) {
-  ut__dwdw_chan_body(C, ch, dacc, buf);
+
+/* Dot-product engine for C = sum_b A_b B_b^T with both operands k-contiguous (the weight
+   gradient: no transposing pack). For an mc x nc block at A[i0, k0] / B[j0, k0], adds the
+   products over kc into VL-lane accumulators acc[tile][RM x RN] (reduced later, in a fixed
+   order, by ut__cpu_dot_finish). Edge tiles repeat the last row / column and drop it. */
+UT__CPU_INL void ut__gemm_dot_body(const float* a, int lda, const float* b, int ldb, int mc,
+                                   int nc, int kc, float* acc, const int V, const int RM,
+                                   const int RN) {
+  int ntj = (nc + RN - 1) / RN, kv = kc / V * V, rem = kc - kv;
+  for (int ti = 0; ti * RM < mc; ti++) {
+    const float* ar[4];
+    UT__DW_UNROLL
+    for (int r = 0; r < RM; r++) ar[r] = a + (ut__i64)UT__CPU_MIN(ti * RM + r, mc - 1) * lda;
+    for (int tj = 0; tj < ntj; tj++) {
+      const float* br[4];
+      UT__DW_UNROLL
+      for (int q = 0; q < RN; q++) br[q] = b + (ut__i64)UT__CPU_MIN(tj * RN + q, nc - 1) * ldb;
+      float* ap = acc + ((ut__i64)ti * ntj + tj) * (RM * RN * V);
+      ut__vec s[4][4];
+      UT__DW_UNROLL
+      for (int r = 0; r < RM; r++)
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) s[r][q] = ut__v_ld(ap + (r * RN + q) * V, V);
+      for (int kk = 0; kk < kv; kk += V) {
+        ut__vec av[4], bv[4];
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++) av[r] = ut__v_ld(ar[r] + kk, V);
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) bv[q] = ut__v_ld(br[q] + kk, V);
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++)
+          UT__DW_UNROLL
+          for (int q = 0; q < RN; q++) s[r][q] = ut__v_fmav(s[r][q], av[r], bv[q], V);
+      }
+      if (rem) {
+        ut__vec av[4], bv[4];
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++) {
+          float t[16] = {0};
+          memcpy(t, ar[r] + kv, (size_t)rem * sizeof(float));
+          av[r] = ut__v_ld(t, V);
+        }
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) {
+          float t[16] = {0};
+          memcpy(t, br[q] + kv, (size_t)rem * sizeof(float));
+          bv[q] = ut__v_ld(t, V);
+        }
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++)
+          UT__DW_UNROLL
+          for (int q = 0; q < RN; q++) s[r][q] = ut__v_fmav(s[r][q], av[r], bv[q], V);
+      }
+      UT__DW_UNROLL
+      for (int r = 0; r < RM; r++)
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) ut__v_st(ap + (r * RN + q) * V, s[r][q], V);
+    }
+  }
 }
-#undef ut__dw_row
-#undef ut__dwf_rows_k
-#undef ut__dwf_rows_gen
-#undef ut__dwf_flat_k
-#undef ut__dw_flat_src
-#undef ut__dwf_range_body
-#undef ut__dwdx_range_body
-#undef ut__dwdw_rows_k
-#undef ut__dwdw_rows_gen
-#undef ut__dwdw_flat_k
-#undef ut__dwdw_chan_body
-#undef ut__dv_acc_dp
-#undef ut__dv_st_limp
-#undef ut__dv
-#undef ut__dvu
-#undef ut__dvi
-#undef ut__dviu
-#undef ut__dv8u
-#undef ut__dvdu
-#undef ut__dv_ld
-#undef ut__dv_st
-#undef ut__dv_dup
-#undef ut__dv_fma
-#undef ut__dv_fmav
-#undef ut__dv_and
-#undef ut__dv_acc_d
-#undef ut__dv_st_lim
-#undef UT__DW_IDX_EVEN
-#undef UT__DW_IDX_LO
-#undef UT__DW_IDX_HI
-#undef UT__DW_N
-#undef UT__DW_N2
-#undef UT__DW_N3
-#endif /* UT__DW_PASS */
+
+/* ---- the wrappers, one set per ISA ---------------------------------------------------------- */
+#if defined(__AVX512F__)
+#define UT__CPU_BASE_LANES 16
+#elif defined(__AVX__)
+#define UT__CPU_BASE_LANES 8
+#else
+#define UT__CPU_BASE_LANES 4
+#endif
+
+#ifdef UT__CPU_X86
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_forward_planes_avx512(const ut__dwctx* C,
+                                                                   ut__i64 q0, ut__i64 q1,
+                                                                   float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_dx_planes_avx512(const ut__dwctx* C, ut__i64 q0,
+                                                              ut__i64 q1, float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_dw_channel_avx512(const ut__dwctx* C, int ch,
+                                                               double* dacc, float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__tconv_plane_avx512(
+    const float* src, ut__i64 tap_stride, const float* wk, float* dx, int h, int w, int kh,
+    int kw, int s, int p, int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(int kc, const float* ap,
+                                                            const float* bp, float* c,
+                                                            ut__i64 ldc, int mr, int nr,
+                                                            float alpha, float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 16, 8);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int lda,
+                                                          const float* b, int ldb, int mc,
+                                                          int nc, int kc, float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 16, 4, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_avx512 = {
+    "avx512", 16, ut__dw_forward_planes_avx512, ut__dw_dx_planes_avx512,
+    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 8, 32,
+    ut__gemm_dot_avx512, 16, 4, 4};
+
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_forward_planes_avx2(const ut__dwctx* C, ut__i64 q0,
+                                                               ut__i64 q1, float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_dx_planes_avx2(const ut__dwctx* C, ut__i64 q0,
+                                                          ut__i64 q1, float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_dw_channel_avx2(const ut__dwctx* C, int ch,
+                                                           double* dacc, float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__tconv_plane_avx2(const float* src, ut__i64 tap_stride,
+                                                         const float* wk, float* dx, int h,
+                                                         int w, int kh, int kw, int s, int p,
+                                                         int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_micro_avx2(int kc, const float* ap,
+                                                        const float* bp, float* c, ut__i64 ldc,
+                                                        int mr, int nr, float alpha,
+                                                        float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 8, 6);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, const float* b,
+                                                      int ldb, int mc, int nc, int kc,
+                                                      float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 8, 2, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_avx2 = {
+    "avx2", 8, ut__dw_forward_planes_avx2, ut__dw_dx_planes_avx2, ut__dw_dw_channel_avx2,
+    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, ut__gemm_dot_avx2, 8, 2, 4};
+#endif
+
+UT__CPU_OPT static void ut__dw_forward_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                                   float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__dw_dx_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                              float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__dw_dw_channel_base(const ut__dwctx* C, int ch, double* dacc,
+                                               float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__tconv_plane_base(const float* src, ut__i64 tap_stride,
+                                             const float* wk, float* dx, int h, int w, int kh,
+                                             int kw, int s, int p, int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+/* (4 lanes whatever the flags: the base GEMM's blocking is fixed) */
+UT__CPU_OPT static void ut__gemm_micro_base(int kc, const float* ap, const float* bp, float* c,
+                                            ut__i64 ldc, int mr, int nr, float alpha,
+                                            float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 4, 6);
+}
+UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* b, int ldb,
+                                          int mc, int nc, int kc, float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 4, 2, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_base = {
+    "base", UT__CPU_BASE_LANES, ut__dw_forward_planes_base, ut__dw_dx_planes_base,
+    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, ut__gemm_dot_base,
+    4, 2, 4};
+
+static const ut__cpu_isa_kernels* ut__cpu_isa(void) {
+#ifdef UT__CPU_X86
+  int level = ut__cpu_level();
+  if (level >= 4) return &ut__cpu_isa_avx512;
+  if (level >= 3) return &ut__cpu_isa_avx2;
+#endif
+  return &ut__cpu_isa_base;
+}
+
+#endif /* UTENSIL_IMPLEMENTATION_DONE */
+#endif /* UT_IMPLEMENTATION */
