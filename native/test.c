@@ -492,10 +492,13 @@ static void test_matmul(ut_dev dev) {
   }
 }
 
-/* odd sizes (past any blocking), against a float64 reference; 1 thread and the default agree */
-static void test_matmul_large(ut_dev dev) {
-  enum { M = 37, K = 53, N = 29 };
-  ut_seed(7);
+/* a [M, K] . b [K, N] for random a, b against a float64 reference (tolerance from the sum of
+   |products|), with the default thread count and with one thread (bit-identical on the CPU,
+   which promises results independent of the thread count) and, with via_transpose, as
+   (b^T a^T)^T through ut_transpose */
+static void matmul_random_case(ut_dev dev, int M, int K, int N, unsigned long long seed,
+                               bool via_transpose) {
+  ut_seed(seed);
   ut_tensor* a = ut_randn(2, S(M, K), 0.f, 1.f, dev);
   ut_tensor* b = ut_randn(2, S(K, N), 0.f, 1.f, dev);
   require(a && b);
@@ -505,10 +508,18 @@ static void test_matmul_large(ut_dev dev) {
   ut_tensor* c1 = ut_matmul(a, b);
   ut_set_num_threads(old);
   require(c && c1);
-  ut_sync_cpu(a);
-  ut_sync_cpu(b);
-  ut_sync_cpu(c);
-  ut_sync_cpu(c1);
+  ut_tensor *at = NULL, *bt = NULL, *ct = NULL, *ctt = NULL;
+  if (via_transpose) {
+    at = ut_transpose(a, 0, 1);
+    bt = ut_transpose(b, 1, 0);
+    require(at && bt);
+    ct = ut_matmul(bt, at);
+    ctt = ct ? ut_transpose(ct, 0, 1) : NULL;
+    require(ct && ctt);
+    ut_sync_cpu(ctt);
+  }
+  ut_tensor* all[] = {a, b, c, c1};
+  for (int i = 0; i < 4; i++) ut_sync_cpu(all[i]);
   assert_shape(c, 2, M, N);
   int bad = 0;
   for (int i = 0; i < M; i++)
@@ -520,10 +531,16 @@ static void test_matmul_large(ut_dev dev) {
       }
       double tol = 1e-5 * (mag + 1);
       if (fabs(c->data[i * N + j] - s) > tol || fabs(c1->data[i * N + j] - s) > tol) bad++;
+      if (ctt && fabs(ctt->data[i * N + j] - s) > tol) bad++;
     }
   assert(bad == 0);
-  ut_free_all(a, b, c, c1);
+  if (strcmp(ut_backend_name(dev), "cpu") == 0)
+    assert(memcmp(c->data, c1->data, sizeof(float) * M * N) == 0);
+  ut_free_all(a, b, c, c1, at, bt, ct, ctt);
 }
+
+/* odd sizes, past any blocking */
+static void test_matmul_large(ut_dev dev) { matmul_random_case(dev, 37, 53, 29, 7, false); }
 
 static void test_bias_add(ut_dev dev) {
   {
@@ -1722,41 +1739,7 @@ static void test_large_elementwise(ut_dev dev) {
 }
 
 static void test_large_matmul_transpose(ut_dev dev) {
-  enum { M = 130, K = 257, N = 70 };
-  ut_seed(22);
-  ut_tensor* a = ut_randn(2, S(M, K), 0.f, 1.f, dev);
-  ut_tensor* b = ut_randn(2, S(K, N), 0.f, 1.f, dev);
-  require(a && b);
-  ut_tensor* c = ut_matmul(a, b);
-  int old = ut_get_num_threads();
-  ut_set_num_threads(1);
-  ut_tensor* c1 = ut_matmul(a, b);
-  ut_set_num_threads(old);
-  // (a b)^T = b^T a^T through ut_transpose
-  ut_tensor* at = ut_transpose(a, 0, 1);
-  ut_tensor* bt = ut_transpose(b, 1, 0);
-  require(c && c1 && at && bt);
-  ut_tensor* ct = ut_matmul(bt, at);
-  ut_tensor* ctt = ct ? ut_transpose(ct, 0, 1) : NULL;
-  require(ct && ctt);
-  ut_tensor* all[] = {a, b, c, c1, ctt};
-  for (int i = 0; i < 5; i++) ut_sync_cpu(all[i]);
-  double* ref = malloc(sizeof(double) * M * N);
-  require(ref);
-  for (int i = 0; i < M; i++)
-    for (int j = 0; j < N; j++) {
-      double s = 0;
-      for (int k = 0; k < K; k++) s += (double)a->data[i * K + k] * b->data[k * N + j];
-      ref[i * N + j] = s;
-    }
-  assert(bad_vs(c, ref, 1e-4) == 0);
-  assert(bad_vs(c1, ref, 1e-4) == 0);
-  assert(bad_vs(ctt, ref, 1e-4) == 0);
-  // the CPU backend promises results independent of the thread count
-  if (strcmp(ut_backend_name(dev), "cpu") == 0)
-    assert(memcmp(c->data, c1->data, sizeof(float) * M * N) == 0);
-  free(ref);
-  ut_free_all(a, b, c, c1, at, bt, ct, ctt);
+  matmul_random_case(dev, 130, 257, 70, 22, true);
 }
 
 static void test_large_conv(ut_dev dev) {

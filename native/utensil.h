@@ -46,650 +46,17 @@
      thread alone (same result). fork() is safe: the child starts new workers at its first
      parallel op. Build the library with -Wl,-z,nodelete (build.sh does): its workers may be
      parked in its code when the process exits.
+
+   CONTENTS (in this order; each section starts with a banner comment)
+     PUBLIC API          types and every op with its shape comment; UT_CDEF_BEGIN..END is
+                         also read by the Python bindings
+     BACKEND INTERFACE   the table of functions a backend provides (read by native/cuda/ too)
+     IMPLEMENTATION      errors and library state, backend selection, tensors and the
+                         host/device mirror, the op entry points (validate, allocate, call the
+                         backend), struct layout for the bindings
+     CPU BACKEND         its thread pool, its kernels, its table
+     ISA VARIANTS        the kernels compiled per instruction set, picked at run time
 */
-
-/* The CPU backend compiles its depthwise engines once per vector width by including this header
-   again with UT__DW_PASS defined; such a pass emits only those engines (see CPU BACKEND). */
-#ifdef UT__DW_PASS
-#define UT__DW_N(name) UT__DW_N2(name, UT__DW_V)
-#define UT__DW_N2(name, v) UT__DW_N3(name, v)
-#define UT__DW_N3(name, v) name##_w##v
-#define ut__dw_row UT__DW_N(ut__dw_row)
-#define ut__dwf_rows_k UT__DW_N(ut__dwf_rows_k)
-#define ut__dwf_rows_gen UT__DW_N(ut__dwf_rows_gen)
-#define ut__dwf_flat_k UT__DW_N(ut__dwf_flat_k)
-#define ut__dw_flat_src UT__DW_N(ut__dw_flat_src)
-#define ut__dwf_range_body UT__DW_N(ut__dwf_range_body)
-#define ut__dwdx_range_body UT__DW_N(ut__dwdx_range_body)
-#define ut__dwdw_rows_k UT__DW_N(ut__dwdw_rows_k)
-#define ut__dwdw_rows_gen UT__DW_N(ut__dwdw_rows_gen)
-#define ut__dwdw_flat_k UT__DW_N(ut__dwdw_flat_k)
-#define ut__dwdw_chan_body UT__DW_N(ut__dwdw_chan_body)
-#define ut__dv_acc_dp UT__DW_N(ut__dv_acc_dp)
-#define ut__dv_st_limp UT__DW_N(ut__dv_st_limp)
-#define ut__dv UT__DW_N(ut__dv)
-#define ut__dvu UT__DW_N(ut__dvu)
-#define ut__dvi UT__DW_N(ut__dvi)
-#define ut__dviu UT__DW_N(ut__dviu)
-#define ut__dv8u UT__DW_N(ut__dv8u)
-#define ut__dvdu UT__DW_N(ut__dvdu)
-#if UT__DW_V == 16
-#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
-#define UT__DW_IDX_LO {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}
-#define UT__DW_IDX_HI {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}
-#elif UT__DW_V == 8
-#define UT__DW_IDX_EVEN {0, 2, 4, 6, 8, 10, 12, 14}
-#define UT__DW_IDX_LO {0, 8, 1, 9, 2, 10, 3, 11}
-#define UT__DW_IDX_HI {4, 12, 5, 13, 6, 14, 7, 15}
-#else
-#define UT__DW_IDX_EVEN {0, 2, 4, 6}
-#define UT__DW_IDX_LO {0, 4, 1, 5}
-#define UT__DW_IDX_HI {2, 6, 3, 7}
-#endif
-
-/* Vectors of UT__DW_V floats: GCC/clang vector extensions of the ISA's own width (wider ones
-   are lowered through the stack), used through macros so that no vector crosses a function
-   call; plain arrays otherwise. */
-#if defined(__GNUC__)
-typedef float ut__dv __attribute__((vector_size(4 * UT__DW_V)));
-typedef float ut__dvu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
-typedef int32_t ut__dvi __attribute__((vector_size(4 * UT__DW_V)));
-typedef int32_t ut__dviu __attribute__((vector_size(4 * UT__DW_V), aligned(4), may_alias));
-typedef float ut__dv8u __attribute__((vector_size(2 * UT__DW_V), aligned(4), may_alias));
-typedef double ut__dvdu __attribute__((vector_size(4 * UT__DW_V), aligned(8), may_alias));
-#define ut__dv_ld(p) (*(const ut__dvu*)(const void*)(p))
-#define ut__dv_st(p, v) (*(ut__dvu*)(void*)(p) = (v))
-#define ut__dv_dup(s) ((ut__dv){0} + (float)(s))
-#define ut__dv_fma(acc, w, v) ((acc) + (w) * (v))
-#define ut__dv_fmav(acc, a, b) ((acc) + (a) * (b))
-#define ut__dv_and(v, m) ((ut__dv)((ut__dvi)(v) & *(const ut__dviu*)(const void*)(m)))
-/* d[0..V) += (double)v, lane by lane */
-UT__CPU_INL void ut__dv_acc_dp(double* d, const float* v) {
-  *(ut__dvdu*)(void*)d += __builtin_convertvector(*(const ut__dv8u*)(const void*)v, ut__dvdu);
-  *(ut__dvdu*)(void*)(d + UT__DW_V / 2) +=
-      __builtin_convertvector(*(const ut__dv8u*)(const void*)(v + UT__DW_V / 2), ut__dvdu);
-}
-#else
-typedef struct { float f[UT__DW_V]; } ut__dv;
-static inline ut__dv ut__dv_ld(const float* p) { ut__dv v; memcpy(&v, p, sizeof v); return v; }
-static inline void ut__dv_st(float* p, ut__dv v) { memcpy(p, &v, sizeof v); }
-static inline ut__dv ut__dv_dup(float s) { ut__dv v; for (int i = 0; i < UT__DW_V; i++) v.f[i] = s; return v; }
-static inline ut__dv ut__dv_fma(ut__dv acc, float w, ut__dv v) {
-  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += w * v.f[i];
-  return acc;
-}
-static inline ut__dv ut__dv_fmav(ut__dv acc, ut__dv a, ut__dv b) {
-  for (int i = 0; i < UT__DW_V; i++) acc.f[i] += a.f[i] * b.f[i];
-  return acc;
-}
-static inline ut__dv ut__dv_and(ut__dv v, const int32_t* m) {
-  for (int i = 0; i < UT__DW_V; i++) {
-    int32_t b;
-    memcpy(&b, &v.f[i], 4);
-    b &= m[i];
-    memcpy(&v.f[i], &b, 4);
-  }
-  return v;
-}
-static inline void ut__dv_acc_dp(double* d, const float* v) {
-  for (int i = 0; i < UT__DW_V; i++) d[i] += (double)v[i];
-}
-#endif
-#define ut__dv_acc_d(d, v)                 \
-  do {                                     \
-    float ut__t_[UT__DW_V];                \
-    ut__dv_st(ut__t_, (v));                \
-    ut__dv_acc_dp((d), ut__t_);            \
-  } while (0)
-
-/* Store V outputs at p, cut at lim (see above). */
-UT__CPU_INL void ut__dv_st_limp(float* p, const float* t, const float* lim) {
-  if (p + UT__DW_V <= lim) {
-    memcpy(p, t, UT__DW_V * sizeof(float));
-  } else if (p < lim) {
-    for (ut__i64 i = 0; i < lim - p; i++) p[i] = t[i];
-  }
-}
-#define ut__dv_st_lim(p, v, lim)             \
-  do {                                       \
-    float* ut__p_ = (p);                     \
-    if (ut__p_ + UT__DW_V <= (lim)) {        \
-      ut__dv_st(ut__p_, (v));                \
-    } else {                                 \
-      float ut__t_[UT__DW_V];                \
-      ut__dv_st(ut__t_, (v));                \
-      ut__dv_st_limp(ut__p_, ut__t_, (lim)); \
-    }                                        \
-  } while (0)
-
-/* Input row iy as phase rows, from the ring (slot iy % nslots) or the zero slot. */
-UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int w, int s, int px,
-                                    int Wq, int PS, int SL, int nslots, float* restrict slots,
-                                    int* restrict tags) {
-  if (iy < 0 || iy >= h) return slots;
-  int k = iy % nslots;
-  float* dst = slots + (ut__i64)(k + 1) * SL;
-  if (tags[k] == iy) return dst;
-  tags[k] = iy;
-  const float* xr = xp + (ut__i64)iy * w;
-  for (int b = 0; b < s; b++) {
-    float* d = dst + (ut__i64)b * PS;
-    int lo = ut__cpu_lo(b, s, px, Wq), hi = UT__CPU_MAX(ut__cpu_hi(b, s, px, w, Wq), lo);
-    int off = b - px;
-    for (int c = 0; c < lo; c++) d[c] = 0.0f;
-    if (s == 1) {
-      if (hi > lo) memcpy(d + lo, xr + lo + off, (size_t)(hi - lo) * sizeof(float));
-    } else if (s == 2) {
-      int c = lo;
-#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
-      for (; c + UT__DW_V <= hi && 2 * c + off + 2 * UT__DW_V <= w; c += UT__DW_V) {
-        ut__dv x0 = ut__dv_ld(xr + 2 * c + off), x1 = ut__dv_ld(xr + 2 * c + off + UT__DW_V);
-#if defined(__clang__)
-        ut__dv ev = __builtin_shufflevector(x0, x1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                            26, 28, 30);
-#else
-        const ut__dvi ie = UT__DW_IDX_EVEN;
-        ut__dv ev = __builtin_shuffle(x0, x1, ie);
-#endif
-        ut__dv_st(d + c, ev);
-      }
-#endif
-      for (; c < hi; c++) d[c] = xr[2 * c + off];
-    } else {
-      for (int c = lo; c < hi; c++) d[c] = xr[c * s + off];
-    }
-    for (int c = hi; c < Wq; c++) d[c] = 0.0f;
-  }
-  return dst;
-}
-
-/* Row engine, one plane, K x K filter at stride S (constants when inlined with literals). At
-   stride 1 two output rows are computed together: each of their K+1 input rows is loaded once
-   per tap column and feeds both (the ring holds K+1 rows). Vectors are stored last to first, so
-   that the spill of a row's last vector into the next row is overwritten by that row's first. */
-UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
-                                const float* restrict wk, float b, float* restrict yp,
-                                const float* ylim, float* restrict buf, const int K, const int S) {
-  int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
-  const int NR = S == 1 ? 2 : 1; /* output rows per step */
-  const int NI = (NR - 1) * S + K; /* input rows per step */
-  float* slots = buf;
-  int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
-  for (int k = 0; k < NI; k++) tags[k] = -1;
-  float wr[25];
-  UT__DW_UNROLL
-  for (int t = 0; t < K * K; t++) wr[t] = wk[t];
-  for (int oy = 0; oy < ho; oy += NR) {
-    const float* rp[6];
-    UT__DW_UNROLL
-    for (int r = 0; r < NI; r++)
-      rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
-    float* yr0 = yp + (ut__i64)oy * wo;
-    float* yr1 = yr0 + wo;
-    bool two = NR == 2 && oy + 1 < ho;
-    for (int v = nv - 1; v >= 0; v--) {
-      ut__dv a0 = ut__dv_dup(b), a1 = ut__dv_dup(b);
-      if (NR == 2) {
-        ut__dv c0 = ut__dv_dup(0.0f), c1 = ut__dv_dup(0.0f);
-        UT__DW_UNROLL
-        for (int r = 0; r < NI; r++)
-          UT__DW_UNROLL
-          for (int kx = 0; kx < K; kx++) {
-            ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
-            if (r < K) {
-              if (r & 1)
-                c0 = ut__dv_fma(c0, wr[r * K + kx], xv);
-              else
-                a0 = ut__dv_fma(a0, wr[r * K + kx], xv);
-            }
-            if (r >= 1) {
-              if (r & 1)
-                a1 = ut__dv_fma(a1, wr[(r - 1) * K + kx], xv);
-              else
-                c1 = ut__dv_fma(c1, wr[(r - 1) * K + kx], xv);
-            }
-          }
-        a0 += c0;
-        a1 += c1;
-      } else {
-        ut__dv c0 = ut__dv_dup(0.0f);
-        UT__DW_UNROLL
-        for (int ky = 0; ky < K; ky++)
-          UT__DW_UNROLL
-          for (int kx = 0; kx < K; kx++) {
-            ut__dv xv = ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V);
-            if (ky & 1)
-              c0 = ut__dv_fma(c0, wr[ky * K + kx], xv);
-            else
-              a0 = ut__dv_fma(a0, wr[ky * K + kx], xv);
-          }
-        a0 += c0;
-      }
-      ut__dv_st_lim(yr0 + v * UT__DW_V, a0, ylim);
-      if (two) ut__dv_st_lim(yr1 + v * UT__DW_V, a1, ylim);
-    }
-  }
-}
-
-/* Row engine, any geometry: the output row is accumulated in a buffer, one input row at a
-   time. */
-UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
-                                  const float* restrict wk, float b, float* restrict yp,
-                                  float* restrict buf) {
-  int h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
-      ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
-  float* slots = buf;
-  float* ye = buf + (ut__i64)(kh + 1) * SL;
-  int* tags = (int*)(void*)(ye + (ut__i64)nv * UT__DW_V);
-  for (int k = 0; k < kh; k++) tags[k] = -1;
-  for (int oy = 0; oy < ho; oy++) {
-    for (int v = 0; v < nv; v++) ut__dv_st(ye + v * UT__DW_V, ut__dv_dup(b));
-    for (int ky = 0; ky < kh; ky++) {
-      int iy = oy * s - py + ky;
-      if (iy < 0 || iy >= h) continue;
-      const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
-      for (int kx = 0; kx < kw; kx++) {
-        float wv = wk[ky * kw + kx];
-        const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
-        for (int v = 0; v < nv; v++)
-          ut__dv_st(ye + v * UT__DW_V,
-                    ut__dv_fma(ut__dv_ld(ye + v * UT__DW_V), wv, ut__dv_ld(src + v * UT__DW_V)));
-      }
-    }
-    memcpy(yp + (ut__i64)oy * wo, ye, (size_t)wo * sizeof(float));
-  }
-}
-
-/* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
-UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
-                                const float* restrict wk, float b, float* restrict yp,
-                                const float* ylim, const int TAPS) {
-  int nvec = C->nvec;
-  const int* d = C->d;
-  const int32_t* M = C->M;
-  for (int j = 0; j < nvec; j++) {
-    ut__dv acc = ut__dv_dup(b);
-    const float* sj = src + j * UT__DW_V;
-    const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
-    UT__DW_UNROLL
-    for (int t = 0; t < TAPS; t++)
-      acc = ut__dv_fma(acc, wk[t], ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
-    ut__dv_st_lim(yp + j * UT__DW_V, acc, ylim);
-  }
-}
-
-/* The plane q of a tensor of `planes` planes of hw floats, or a copy of it with a margin when
-   the flat engine's loads would leave the tensor. */
-UT__CPU_INL const float* ut__dw_flat_src(const ut__dwctx* C, const float* base, ut__i64 q,
-                                         ut__i64 hw, float* restrict pbuf) {
-  const float* p = base + q * hw;
-  if (q * hw + C->dmin >= 0 && q * hw + (ut__i64)C->nvec * UT__DW_V + C->dmax <= C->planes * hw)
-    return p;
-  memcpy(pbuf + C->marg, p, (size_t)hw * sizeof(float));
-  return pbuf + C->marg;
-}
-
-/* Forward over planes [q0, q1) (also the stride-1 input gradient). */
-UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
-                                    float* restrict buf) {
-  int c = C->c, kh = C->kh, kw = C->kw, s = C->s;
-  ut__i64 hw = (ut__i64)C->h * C->w, ohw = (ut__i64)C->ho * C->wo, taps = (ut__i64)kh * kw;
-  const float* ylim = C->y + q1 * ohw;
-  for (ut__i64 q = q0; q < q1; q++) {
-    int ch = (int)(q % c);
-    const float* wk = C->wt + ch * taps;
-    float b = C->bias ? C->bias[ch] : 0.0f;
-    float* yp = C->y + q * ohw;
-    if (C->flat) {
-      const float* src = ut__dw_flat_src(C, C->x, q, hw, buf);
-      if (taps == 9)
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 9);
-      else if (taps == 25)
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 25);
-      else
-        ut__dwf_flat_k(C, src, wk, b, yp, ylim, (int)taps);
-      continue;
-    }
-    const float* xp = C->x + q * hw;
-    if (kh == 3 && kw == 3 && s == 1)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1);
-    else if (kh == 3 && kw == 3 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2);
-    else if (kh == 5 && kw == 5 && s == 1)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1);
-    else if (kh == 5 && kw == 5 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2);
-    else
-      ut__dwf_rows_gen(C, xp, wk, b, yp, buf);
-  }
-}
-
-/* Input gradient for stride s >= 2 over planes [q0, q1), as a gather per dx row and column
-   phase b (ix = s*qx + b): dx[iy][s*qx+b] = sum over ky = iy+p (mod s), kx = b+p (mod s) of
-   wk[ky][kx] * go[(iy+p-ky)/s][qx + (b+p-kx)/s]. go rows are kept zero padded (L floats on the
-   left) in a ring; each phase is a contiguous stream. The taps of each (row class, phase) are
-   listed once per call; stride 2 interleaves the two phases in registers. */
-UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
-                                     float* restrict buf) {
-  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, p = C->py, ho = C->ho,
-      wo = C->wo;
-  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
-  int L = (kw - 1) / s, nq = (w + s - 1) / s, nvq = (nq + UT__DW_V - 1) / UT__DW_V;
-  int GP = (int)UT__DW_R16(L + UT__CPU_MAX(nvq * UT__DW_V, wo) + (s - 1 + p) / s + 1);
-  int NS = (kh + s - 1) / s + 1;
-  float* ring = buf;
-  float* E = ring + (ut__i64)NS * GP;
-  const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * UT__DW_V);
-  float* tw = (float*)(void*)(tp + taps);
-  int* tags = (int*)(void*)(tw + taps);
-  /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
-  int* tcnt = tags + NS;           /* [s*s] */
-  int* tab = tcnt + (ut__i64)s * s; /* [s*s][taps][3] */
-  for (int a = 0; a < s; a++)
-    for (int bb = 0; bb < s; bb++) {
-      int* cnt = tcnt + a * s + bb;
-      int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
-      *cnt = 0;
-      for (int ky = a; ky < kh; ky += s)
-        for (int kx = 0; kx < kw; kx++) {
-          int u = bb + p - kx;
-          if (((u % s) + s) % s != 0) continue;
-          e3[*cnt * 3 + 0] = (ky - a) / s;
-          e3[*cnt * 3 + 1] = ky * kw + kx;
-          e3[*cnt * 3 + 2] = u >= 0 ? u / s : -((-u) / s);
-          (*cnt)++;
-        }
-    }
-  const float* dlim = C->y + q1 * hw;
-  for (ut__i64 q = q0; q < q1; q++) {
-    int ch = (int)(q % c);
-    const float* wk = C->wt + ch * taps;
-    const float* gp = C->x + q * ohw;
-    float* dxp = C->y + q * hw;
-    for (int k = 0; k < NS; k++) tags[k] = -1;
-    for (int iy = 0; iy < h; iy++) {
-      int a = (iy + p) % s, oyb = (iy + p - a) / s;
-      for (int bb = 0; bb < s; bb++) {
-        int nt = 0, cnt = tcnt[a * s + bb];
-        const int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
-        for (int i = 0; i < cnt; i++) {
-          int oy = oyb - e3[3 * i];
-          if (oy < 0 || oy >= ho) continue;
-          int k = oy % NS;
-          float* row = ring + (ut__i64)k * GP;
-          if (tags[k] != oy) {
-            tags[k] = oy;
-            for (int j = 0; j < L; j++) row[j] = 0.0f;
-            memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
-            for (int j = L + wo; j < GP; j++) row[j] = 0.0f;
-          }
-          tp[nt] = row + L + e3[3 * i + 2];
-          tw[nt] = wk[e3[3 * i + 1]];
-          nt++;
-        }
-        float* Eb = E + (ut__i64)bb * nvq * UT__DW_V;
-        for (int v = 0; v < nvq; v++) {
-          ut__dv acc = ut__dv_dup(0.0f);
-          for (int i = 0; i < nt; i++) acc = ut__dv_fma(acc, tw[i], ut__dv_ld(tp[i] + v * UT__DW_V));
-          ut__dv_st(Eb + v * UT__DW_V, acc);
-        }
-      }
-      float* dr = dxp + (ut__i64)iy * w;
-      if (s == 2) {
-        const float* e0 = E;
-        const float* e1 = E + (ut__i64)nvq * UT__DW_V;
-#if defined(__GNUC__) && (!defined(__clang__) || UT__DW_V == 16)
-        /* whole vectors; the spill past the row lands in rows written later (or is cut) */
-        for (int v = 0; v < nvq; v++) {
-          ut__dv x0 = ut__dv_ld(e0 + v * UT__DW_V), x1 = ut__dv_ld(e1 + v * UT__DW_V);
-#if defined(__clang__)
-          ut__dv lo = __builtin_shufflevector(x0, x1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                              6, 22, 7, 23);
-          ut__dv hi = __builtin_shufflevector(x0, x1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
-                                              29, 14, 30, 15, 31);
-#else
-          const ut__dvi il = UT__DW_IDX_LO, ih = UT__DW_IDX_HI;
-          ut__dv lo = __builtin_shuffle(x0, x1, il), hi = __builtin_shuffle(x0, x1, ih);
-#endif
-          float* d0 = dr + 2 * v * UT__DW_V;
-          if (2 * v * UT__DW_V < w) ut__dv_st_lim(d0, lo, dlim);
-          if (2 * v * UT__DW_V + UT__DW_V < w) ut__dv_st_lim(d0 + UT__DW_V, hi, dlim);
-        }
-#else
-        int w2 = w / 2;
-        for (int i = 0; i < w2; i++) {
-          dr[2 * i] = e0[i];
-          dr[2 * i + 1] = e1[i];
-        }
-        if (w & 1) dr[w - 1] = e0[w2];
-#endif
-      } else {
-        for (int bb = 0; bb < s; bb++) {
-          const float* eb = E + (ut__i64)bb * nvq * UT__DW_V;
-          for (int i = 0; i * s + bb < w; i++) dr[i * s + bb] = eb[i];
-        }
-      }
-    }
-  }
-}
-
-/* Filter gradient of one channel over the batch, row engine: K x K filter, stride S. The 16
-   lanes of each tap's float accumulator are added into doubles (acc: taps x 16) every ~128
-   vectors and at the end of each plane, in a fixed order. */
-UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict dacc,
-                                 float* restrict buf, const int K, const int S) {
-  int c = C->c, h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
-  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
-  const int NR = S == 1 ? 2 : 1; /* go rows per step (as in ut__dwf_rows_k) */
-  const int NI = (NR - 1) * S + K;
-  float* slots = buf;
-  float* gt0 = buf + (ut__i64)(NI + 1) * SL;
-  float* gt1 = gt0 + (ut__i64)nv * UT__DW_V + UT__DW_V;
-  int* tags = (int*)(void*)(gt1 + (ut__i64)nv * UT__DW_V + UT__DW_V);
-  int flush_rows = UT__CPU_MAX(1, 128 / nv);
-  flush_rows += flush_rows & 1;
-  for (int n = 0; n < C->planes / c; n++) {
-    ut__i64 q = (ut__i64)n * c + ch;
-    const float* xp = C->x + q * hw;
-    const float* gp = C->go + q * ohw;
-    for (int k = 0; k < NI; k++) tags[k] = -1;
-    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
-      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
-      ut__dv A[25];
-      UT__DW_UNROLL
-      for (int t = 0; t < K * K; t++) A[t] = ut__dv_dup(0.0f);
-      for (int oy = oy0; oy < oy1; oy += NR) {
-        const float* rp[6];
-        UT__DW_UNROLL
-        for (int r = 0; r < NI; r++)
-          rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags);
-        memcpy(gt0, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
-        if (NR == 2) {
-          if (oy + 1 < ho) {
-            memcpy(gt1, gp + (ut__i64)(oy + 1) * wo, (size_t)wo * sizeof(float));
-          } else {
-            for (int i = 0; i < wo; i++) gt1[i] = 0.0f;
-            rp[NI - 1] = slots; /* the zero slot: 0 * x could be NaN */
-          }
-          for (int v = 0; v < nv; v++) {
-            ut__dv g0 = ut__dv_ld(gt0 + v * UT__DW_V), g1 = ut__dv_ld(gt1 + v * UT__DW_V);
-            UT__DW_UNROLL
-            for (int r = 0; r < NI; r++)
-              UT__DW_UNROLL
-              for (int kx = 0; kx < K; kx++) {
-                ut__dv xv = ut__dv_ld(rp[r] + kx + v * UT__DW_V);
-                if (r < K) A[r * K + kx] = ut__dv_fmav(A[r * K + kx], g0, xv);
-                if (r >= 1) A[(r - 1) * K + kx] = ut__dv_fmav(A[(r - 1) * K + kx], g1, xv);
-              }
-          }
-        } else {
-          for (int v = 0; v < nv; v++) {
-            ut__dv g = ut__dv_ld(gt0 + v * UT__DW_V);
-            UT__DW_UNROLL
-            for (int ky = 0; ky < K; ky++)
-              UT__DW_UNROLL
-              for (int kx = 0; kx < K; kx++)
-                A[ky * K + kx] = ut__dv_fmav(
-                    A[ky * K + kx], g, ut__dv_ld(rp[ky] + (kx % S) * PS + kx / S + v * UT__DW_V));
-          }
-        }
-      }
-      UT__DW_UNROLL
-      for (int t = 0; t < K * K; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
-    }
-  }
-}
-
-/* Filter gradient, row engine, any geometry (float lanes per tap in memory). */
-UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict dacc,
-                                   float* restrict buf) {
-  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
-      ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
-  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
-  float* slots = buf;
-  float* gt = buf + (ut__i64)(kh + 1) * SL;
-  float* A = gt + (ut__i64)nv * UT__DW_V + UT__DW_V;
-  int* tags = (int*)(void*)(A + taps * UT__DW_V);
-  int flush_rows = UT__CPU_MAX(1, 128 / nv);
-  for (int n = 0; n < C->planes / c; n++) {
-    ut__i64 q = (ut__i64)n * c + ch;
-    const float* xp = C->x + q * hw;
-    const float* gp = C->go + q * ohw;
-    for (int k = 0; k < kh; k++) tags[k] = -1;
-    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
-      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
-      for (ut__i64 t = 0; t < taps; t++) ut__dv_st(A + t * UT__DW_V, ut__dv_dup(0.0f));
-      for (int oy = oy0; oy < oy1; oy++) {
-        memcpy(gt, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
-        for (int ky = 0; ky < kh; ky++) {
-          int iy = oy * s - py + ky;
-          if (iy < 0 || iy >= h) continue;
-          const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags);
-          for (int kx = 0; kx < kw; kx++) {
-            const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
-            float* a = A + (ut__i64)(ky * kw + kx) * UT__DW_V;
-            ut__dv av = ut__dv_ld(a);
-            for (int v = 0; v < nv; v++)
-              av = ut__dv_fmav(av, ut__dv_ld(gt + v * UT__DW_V), ut__dv_ld(src + v * UT__DW_V));
-            ut__dv_st(a, av);
-          }
-        }
-      }
-      for (ut__i64 t = 0; t < taps; t++) ut__dv_acc_d(dacc + t * UT__DW_V, ut__dv_ld(A + t * UT__DW_V));
-    }
-  }
-}
-
-/* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
-   output-valid mask, x lanes outside the plane by the tap masks. */
-UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
-                                 float* restrict buf, const int TAPS) {
-  int c = C->c, nvec = C->nvec;
-  ut__i64 hw = (ut__i64)C->h * C->w;
-  const int* d = C->d;
-  const int32_t* M = C->M;
-  const int32_t* Mo = M + (ut__i64)nvec * TAPS * UT__DW_V;
-  float* xbuf = buf;
-  float* gbuf = buf + UT__DW_R16(2 * C->marg + (ut__i64)nvec * UT__DW_V + UT__DW_V);
-  ut__dv A[25];
-  int nb = C->planes / c;
-  int flush = UT__CPU_MAX(1, 128 / nvec);
-  for (int n0 = 0; n0 < nb; n0 += flush) {
-    UT__DW_UNROLL
-    for (int t = 0; t < TAPS; t++) A[t] = ut__dv_dup(0.0f);
-    for (int n = n0; n < UT__CPU_MIN(nb, n0 + flush); n++) {
-      ut__i64 q = (ut__i64)n * c + ch;
-      const float* xs = ut__dw_flat_src(C, C->x, q, hw, xbuf);
-      const float* gs = ut__dw_flat_src(C, C->go, q, hw, gbuf);
-      for (int j = 0; j < nvec; j++) {
-        ut__dv g = ut__dv_and(ut__dv_ld(gs + j * UT__DW_V), Mo + j * UT__DW_V);
-        const float* sj = xs + j * UT__DW_V;
-        const int32_t* Mj = M + (ut__i64)j * TAPS * UT__DW_V;
-        UT__DW_UNROLL
-        for (int t = 0; t < TAPS; t++)
-          A[t] = ut__dv_fmav(A[t], g, ut__dv_and(ut__dv_ld(sj + d[t]), Mj + t * UT__DW_V));
-      }
-    }
-    UT__DW_UNROLL
-    for (int t = 0; t < TAPS; t++) ut__dv_acc_d(dacc + t * UT__DW_V, A[t]);
-  }
-}
-
-UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict dacc,
-                                    float* restrict buf) {
-  int kh = C->kh, kw = C->kw, s = C->s;
-  if (C->flat) {
-    if (kh * kw == 9)
-      ut__dwdw_flat_k(C, ch, dacc, buf, 9);
-    else if (kh * kw == 25)
-      ut__dwdw_flat_k(C, ch, dacc, buf, 25);
-    else
-      ut__dwdw_rows_gen(C, ch, dacc, buf); /* (flat is only chosen for 9 and 25 taps) */
-    return;
-  }
-  if (kh == 3 && kw == 3 && s == 1)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1);
-  else if (kh == 3 && kw == 3 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2);
-  else if (kh == 5 && kw == 5 && s == 1)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1);
-  else if (kh == 5 && kw == 5 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2);
-  else
-    ut__dwdw_rows_gen(C, ch, dacc, buf);
-}
-
-/* the drivers of this width, compiled for its ISA */
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwf)(const ut__dwctx* C, ut__i64 q0,
-                                                           ut__i64 q1, float* buf) {
-  ut__dwf_range_body(C, q0, q1, buf);
-}
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdx)(const ut__dwctx* C, ut__i64 q0,
-                                                            ut__i64 q1, float* buf) {
-  ut__dwdx_range_body(C, q0, q1, buf);
-}
-UT__DW_ATTR UT__CPU_OPT static void UT__DW_FN(ut__cpu_dwdw)(const ut__dwctx* C, int ch,
-                                                            double* dacc, float* buf) {
-  ut__dwdw_chan_body(C, ch, dacc, buf);
-}
-#undef ut__dw_row
-#undef ut__dwf_rows_k
-#undef ut__dwf_rows_gen
-#undef ut__dwf_flat_k
-#undef ut__dw_flat_src
-#undef ut__dwf_range_body
-#undef ut__dwdx_range_body
-#undef ut__dwdw_rows_k
-#undef ut__dwdw_rows_gen
-#undef ut__dwdw_flat_k
-#undef ut__dwdw_chan_body
-#undef ut__dv_acc_dp
-#undef ut__dv_st_limp
-#undef ut__dv
-#undef ut__dvu
-#undef ut__dvi
-#undef ut__dviu
-#undef ut__dv8u
-#undef ut__dvdu
-#undef ut__dv_ld
-#undef ut__dv_st
-#undef ut__dv_dup
-#undef ut__dv_fma
-#undef ut__dv_fmav
-#undef ut__dv_and
-#undef ut__dv_acc_d
-#undef ut__dv_st_lim
-#undef UT__DW_IDX_EVEN
-#undef UT__DW_IDX_LO
-#undef UT__DW_IDX_HI
-#undef UT__DW_N
-#undef UT__DW_N2
-#undef UT__DW_N3
-#else /* !UT__DW_PASS: the header proper */
 
 #ifndef UTENSIL_H
 #define UTENSIL_H
@@ -1089,7 +456,7 @@ typedef struct ut__backend {
 int ut__set_error(int status, const char* fmt, ...);
 
 /* The CUDA backend when built in and a GPU is present, else NULL. Defined in
-   native/cuda/backend.cu; the implementation adds a weak stand-in (see "CUDA BACKEND" there),
+   native/cuda/backend.cu; the implementation adds a weak stand-in ("backend selection"),
    marked weak here, before any call to it. */
 #if defined(UT_IMPLEMENTATION) && !defined(UT_NO_CUDA) && defined(__GNUC__) && \
     (defined(__ELF__) || defined(__APPLE__))
@@ -1249,6 +616,1495 @@ static void ut__fill_randn(float* out, ut__i64 n, float mean, float std) {
   pthread_mutex_unlock(&ut__rng_lock);
 }
 
+/* ---- backend selection ---------------------------------------------------------------- */
+static const ut__backend ut__cpu_backend; /* the CPU backend's table, at its end */
+
+/* CUDA BACKEND. ut__cuda_backend() is defined by native/cuda/backend.cu when its objects are
+   linked in. So that a plain `cc app.c` links and runs on the CPU without them, the
+   implementation defines a stand-in that returns NULL ("no CUDA backend built in"): on GCC and
+   Clang (ELF, Mach-O) a weak definition (the declaration above carries the attribute), which
+   the linker drops in favour of backend.cu's strong one when both are linked, so the GPU comes
+   with the objects and no define. A weak definition rather than a weak reference tested for
+   NULL, so that every caller stays a plain call. Other compilers have no portable weak
+   symbols: there a CPU-only build defines UT_NO_CUDA, the explicit opt-out that works
+   everywhere (a strong stand-in, so linking backend.cu's objects as well fails to link). */
+#if defined(UT_NO_CUDA) || defined(UT__CUDA_WEAK_STANDIN)
+const ut__backend* ut__cuda_backend(void) { return NULL; }
+#endif
+
+static const ut__backend* ut__backend_for(ut_dev dev) {
+  if (dev == UT_CUDA) {
+    const ut__backend* gpu = ut__cuda_backend();
+    if (gpu) return gpu;
+  }
+  return &ut__cpu_backend;
+}
+static bool ut__is_device_backend(const ut__backend* be) { return be->mem_alloc != NULL; }
+
+bool ut_cuda_available(void) { return ut__cuda_backend() != NULL; }
+const char* ut_backend_name(ut_dev dev) {
+  if (dev != UT_CPU && dev != UT_CUDA) return "invalid";
+  return ut__backend_for(dev)->name;
+}
+int ut_cuda_synchronize(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->synchronize() : UT_OK;
+}
+int ut_cuda_stream_wait(void* waiting, void* signalling) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->stream_wait(waiting, signalling) : UT_OK;
+}
+int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
+  UT__CHECK(free_bytes && total_bytes, UT_ERR_ARG, "ut_cuda_mem_info: NULL argument");
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cuda_mem_info: no CUDA device is available");
+  return gpu->mem_info(free_bytes, total_bytes);
+}
+
+/* ---- shapes and tensors ------------------------------------------------------------------- */
+static int ut__shape_make(ut_shape* s, int ndim, const int* shape, const char* who) {
+  memset(s, 0, sizeof *s);
+  UT__CHECK(shape || ndim == 0, UT_ERR_ARG, "%s: shape is NULL", who);
+  UT__CHECK(ndim >= 1 && ndim <= UT_MAX_DIMS, UT_ERR_SHAPE,
+            "%s: ndim must be in [1, %d], got %d", who, UT_MAX_DIMS, ndim);
+  long long n = 1;
+  for (int i = 0; i < ndim; i++) {
+    UT__CHECK(shape[i] >= 1, UT_ERR_SHAPE, "%s: dimension %d must be positive, got %d", who, i,
+              shape[i]);
+    n *= shape[i];
+    UT__CHECK(n <= INT_MAX, UT_ERR_SHAPE, "%s: more than %d elements", who, INT_MAX);
+  }
+  s->ndim = ndim;
+  for (int i = 0; i < ndim; i++) s->shape[i] = shape[i];
+  s->nelem = (int)n;
+  return UT_OK;
+}
+
+ut_shape ut_shape_new(int ndim, const int* shape) {
+  ut_shape s;
+  ut__shape_make(&s, ndim, shape, "ut_shape_new");
+  return s;
+}
+
+static bool ut__dev_valid(ut_dev dev) { return dev == UT_CPU || dev == UT_CUDA; }
+
+/* A tensor with uninitialized contents. Its host copy is allocated but not touched, so large
+   GPU-resident intermediates cost no host memory until someone reads them. */
+static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* who) {
+  UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
+  ut_shape s;
+  if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
+  size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
+  ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
+  float* data = (float*)aligned_alloc(64, bytes);
+  if (!t || !data) {
+    free(t);
+    free(data);
+    ut__set_error(UT_ERR_MEMORY, "%s: out of host memory allocating %zu bytes", who, bytes);
+    return NULL;
+  }
+  t->shape = s;
+  t->data = data;
+  t->dev = dev;
+  t->rc = 1;
+  const ut__backend* be = ut__backend_for(dev);
+  if (ut__is_device_backend(be)) {
+    t->gpu_buf = be->mem_alloc(bytes);
+    if (!t->gpu_buf) {
+      free(data);
+      free(t);
+      return NULL; /* the backend set the error */
+    }
+  }
+  atomic_fetch_add(&ut__live, 1);
+  return t;
+}
+static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
+  return ut__new(t->shape.ndim, t->shape.shape, t->dev, who);
+}
+/* A tensor whose host copy the caller just filled: the host owns the values. */
+static void ut__host_wrote(ut_tensor* t) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
+  t->dirty_cpu = false;
+  t->dirty_gpu = t->gpu_buf != NULL;
+}
+
+ut_tensor* ut_alloc(int ndim, const int* shape, ut_dev dev) {
+  ut_tensor* t = ut__new(ndim, shape, dev, "ut_alloc");
+  if (!t) return NULL;
+  memset(t->data, 0, (size_t)t->shape.nelem * sizeof(float));
+  ut__host_wrote(t);
+  return t;
+}
+
+ut_tensor* ut_from_data(int ndim, const int* shape, const float* data, ut_dev dev) {
+  UT__CHECK_NULL(data, UT_ERR_ARG, "ut_from_data: data is NULL");
+  ut_tensor* t = ut__new(ndim, shape, dev, "ut_from_data");
+  if (!t) return NULL;
+  memcpy(t->data, data, (size_t)t->shape.nelem * sizeof(float));
+  ut__host_wrote(t);
+  return t;
+}
+
+ut_tensor* ut_randn(int ndim, const int* shape, float mean, float std, ut_dev dev) {
+  UT__CHECK_NULL(isfinite(mean) && isfinite(std) && std >= 0, UT_ERR_ARG,
+                 "ut_randn: mean and std must be finite and std >= 0");
+  ut_tensor* t = ut__new(ndim, shape, dev, "ut_randn");
+  if (!t) return NULL;
+  ut__fill_randn(t->data, t->shape.nelem, mean, std);
+  ut__host_wrote(t);
+  return t;
+}
+
+ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*release)(void* ctx),
+                   void* ctx) {
+  const char* who = "ut_wrap";
+  UT__CHECK_NULL(ptr, UT_ERR_ARG, "%s: ptr is NULL", who);
+  UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
+  const ut__backend* be = ut__backend_for(dev);
+  UT__CHECK_NULL(dev == UT_CPU || ut__is_device_backend(be), UT_ERR_DEVICE,
+                 "%s: device memory needs a CUDA device, and none is available", who);
+  ut_shape s;
+  if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
+  ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
+  float* host = NULL;
+  if (t && dev == UT_CUDA) {
+    size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
+    host = (float*)aligned_alloc(64, bytes);
+  }
+  if (!t || (dev == UT_CUDA && !host)) {
+    free(t);
+    ut__set_error(UT_ERR_MEMORY, "%s: out of host memory", who);
+    return NULL;
+  }
+  t->shape = s;
+  t->dev = dev;
+  t->rc = 1;
+  t->borrowed = true;
+  t->release = release;
+  t->release_ctx = ctx;
+  if (dev == UT_CUDA) {
+    t->data = host;
+    t->gpu_buf = ptr;
+    t->dirty_cpu = true; /* the device memory holds the values */
+  } else {
+    t->data = (float*)ptr;
+  }
+  atomic_fetch_add(&ut__live, 1);
+  return t;
+}
+
+/* rc stays a plain int (the bindings declare the struct), updated with atomic builtins so two
+   threads may retain and free one tensor at once. */
+ut_tensor* ut_retain(ut_tensor* t) {
+  if (t) __atomic_fetch_add(&t->rc, 1, __ATOMIC_RELAXED);
+  return t;
+}
+
+void ut_free(ut_tensor* t) {
+  if (!t || __atomic_sub_fetch(&t->rc, 1, __ATOMIC_ACQ_REL) > 0) return;
+  bool own_gpu = !(t->borrowed && t->dev == UT_CUDA), own_host = !(t->borrowed && t->dev == UT_CPU);
+  if (t->gpu_buf && own_gpu) {
+    const ut__backend* gpu = ut__cuda_backend();
+    if (gpu) gpu->mem_free(t->gpu_buf);
+  }
+  if (own_host) free(t->data);
+  if (t->release) t->release(t->release_ctx);
+  free(t);
+  atomic_fetch_sub(&ut__live, 1);
+}
+
+void ut_free_n(ut_tensor** ts, int n) {
+  if (!ts) return;
+  for (int i = 0; i < n; i++) ut_free(ts[i]);
+}
+
+static int ut__check_tensor(const ut_tensor* t, const char* who, const char* name) {
+  UT__CHECK(t, UT_ERR_ARG, "%s: %s is NULL", who, name);
+  UT__CHECK(t->rc >= 1 && t->data && t->shape.ndim >= 1 && t->shape.ndim <= UT_MAX_DIMS &&
+                ut__dev_valid(t->dev),
+            UT_ERR_ARG, "%s: %s is not a live tensor", who, name);
+  /* a struct whose shape was overwritten would send the kernels past its buffer */
+  long long n = 1;
+  for (int i = 0; i < t->shape.ndim && n <= INT_MAX; i++)
+    n *= t->shape.shape[i] >= 1 ? t->shape.shape[i] : (long long)INT_MAX + 1;
+  UT__CHECK(n == t->shape.nelem, UT_ERR_ARG,
+            "%s: %s is not a live tensor (its shape does not match its %d elements)", who, name,
+            t->shape.nelem);
+  return UT_OK;
+}
+/* Two arguments an op reads and writes in an order that needs them apart. */
+static int ut__check_distinct(const ut_tensor* a, const ut_tensor* b, const char* who,
+                              const char* an, const char* bn) {
+  UT__CHECK(!a || !b || (a != b && a->data != b->data && (!a->gpu_buf || a->gpu_buf != b->gpu_buf)),
+            UT_ERR_ARG, "%s: %s and %s must be different tensors", who, an, bn);
+  return UT_OK;
+}
+static int ut__check_same_dev(const ut_tensor* a, const ut_tensor* b, const char* who,
+                              const char* name) {
+  UT__CHECK(a->dev == b->dev, UT_ERR_ARG, "%s: %s is on %s but the op runs on %s", who, name,
+            b->dev == UT_CPU ? "cpu" : "cuda", a->dev == UT_CPU ? "cpu" : "cuda");
+  return UT_OK;
+}
+/* t is a live tensor on ref's device (ref NULL: any) with `nelem` elements (-1: any). */
+static int ut__check_arg(const ut_tensor* t, const ut_tensor* ref, long long nelem, const char* who,
+                         const char* name) {
+  UT__TRY(ut__check_tensor(t, who, name));
+  if (ref) UT__TRY(ut__check_same_dev(ref, t, who, name));
+  UT__CHECK(nelem < 0 || t->shape.nelem == nelem, UT_ERR_SHAPE,
+            "%s: %s must have %lld elements, got %d", who, name, nelem, t->shape.nelem);
+  return UT_OK;
+}
+static bool ut__same_shape(const ut_tensor* a, const ut_tensor* b) {
+  if (a->shape.ndim != b->shape.ndim) return false;
+  for (int i = 0; i < a->shape.ndim; i++)
+    if (a->shape.shape[i] != b->shape.shape[i]) return false;
+  return true;
+}
+/* A shape as messages print it, "[2, 3, 4]": `ut__shape_text(t).s` lives to the end of the
+   statement that formats the message. The bindings raise these messages as they are, so they
+   name the shape the caller passed rather than only the rule it broke. */
+typedef struct ut__shape_str {
+  char s[UT_MAX_DIMS * 13 + 3];
+} ut__shape_str;
+static ut__shape_str ut__shape_text(const ut_tensor* t) {
+  ut__shape_str r = {"["};
+  size_t n = 1;
+  for (int i = 0; i < t->shape.ndim && i < UT_MAX_DIMS; i++)
+    n += (size_t)snprintf(r.s + n, sizeof r.s - n, i ? ", %d" : "%d", t->shape.shape[i]);
+  snprintf(r.s + n, sizeof r.s - n, "]");
+  return r;
+}
+
+/* ---- the host/device mirror --------------------------------------------------------------- */
+static int ut__download(ut_tensor* t) {
+  if (t->gpu_buf && t->dirty_cpu) {
+    const ut__backend* gpu = ut__cuda_backend();
+    UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_cpu: the tensor's GPU copy is unreachable");
+    UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
+    atomic_fetch_add(&ut__downloads, 1);
+    t->dirty_cpu = false;
+  }
+  return UT_OK;
+}
+int ut_sync_cpu(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_sync_cpu", "t"));
+  UT__TRY(ut__download(t));
+  ut__host_wrote(t); /* the caller may now write through data */
+  return UT_OK;
+}
+int ut_sync_cpu_readonly(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_sync_cpu_readonly", "t"));
+  return ut__download(t);
+}
+int ut_sync_gpu(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_sync_gpu", "t"));
+  if (t->gpu_buf && t->dirty_gpu) {
+    const ut__backend* gpu = ut__cuda_backend();
+    UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_gpu: no CUDA device is available");
+    UT__TRY(gpu->upload(t->gpu_buf, t->data, (size_t)t->shape.nelem * sizeof(float)));
+    atomic_fetch_add(&ut__uploads, 1);
+    t->dirty_gpu = false;
+  }
+  return UT_OK;
+}
+int ut_to_device(ut_tensor* t, ut_dev dev) {
+  UT__TRY(ut__check_tensor(t, "ut_to_device", "t"));
+  UT__CHECK(ut__dev_valid(dev), UT_ERR_ARG, "ut_to_device: invalid device %d", (int)dev);
+  if (t->dev == dev) return UT_OK;
+  UT__CHECK(!t->borrowed, UT_ERR_ARG,
+            "ut_to_device: a tensor over borrowed memory (ut_wrap) cannot change device; copy it");
+  const ut__backend* be = ut__backend_for(dev);
+  if (ut__is_device_backend(be)) {
+    size_t bytes = ((size_t)t->shape.nelem * sizeof(float) + 63) & ~(size_t)63;
+    void* buf = be->mem_alloc(bytes);
+    if (!buf) return ut__err_status;
+    t->gpu_buf = buf;
+    t->dirty_gpu = true;
+    t->dirty_cpu = false;
+    UT__TRY(ut_sync_gpu(t));
+  } else if (t->gpu_buf) {
+    UT__TRY(ut__download(t));
+    ut__cuda_backend()->mem_free(t->gpu_buf);
+    t->gpu_buf = NULL;
+    t->dirty_cpu = t->dirty_gpu = false;
+  }
+  t->dev = dev;
+  return UT_OK;
+}
+
+/* Op plumbing: an op picks the backend of its first tensor's device, reads its inputs through
+   ut__in (current on that side), and marks each tensor it wrote with ut__wrote. */
+static const float* ut__in(ut_tensor* t, const ut__backend* be) {
+  if (ut__is_device_backend(be)) {
+    if (ut_sync_gpu(t) < 0) return NULL;
+    return (const float*)t->gpu_buf;
+  }
+  if (ut__download(t) < 0) return NULL;
+  return t->data;
+}
+/* A tensor the op reads and then writes (accumulators, in-place updates). */
+static float* ut__inout(ut_tensor* t, const ut__backend* be) { return (float*)ut__in(t, be); }
+/* A fresh output: nothing to read. */
+static float* ut__out(ut_tensor* t, const ut__backend* be) {
+  return ut__is_device_backend(be) ? (float*)t->gpu_buf : t->data;
+}
+static void ut__wrote(ut_tensor* t, const ut__backend* be) {
+  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
+  if (ut__is_device_backend(be)) {
+    t->dirty_cpu = true;
+    t->dirty_gpu = false;
+  } else {
+    t->dirty_cpu = false;
+    t->dirty_gpu = t->gpu_buf != NULL;
+  }
+}
+/* Release a tensor and return NULL: for `return ut__drop(out);` on a failure path. */
+static ut_tensor* ut__drop(ut_tensor* t) {
+  ut_free(t);
+  return NULL;
+}
+/* The end of every layer backward: on failure (rc < 0) free dx and return NULL; else mark
+   dx and the gradients the backend accumulated into (dW, db where dWp, dbp were taken) as
+   written and return dx. */
+static ut_tensor* ut__backward_done(int rc, const ut__backend* be, ut_tensor* dx, ut_tensor* dW,
+                                    const float* dWp, ut_tensor* db, const float* dbp) {
+  if (rc < 0) return ut__drop(dx);
+  if (dWp) ut__wrote(dW, be);
+  if (dbp) ut__wrote(db, be);
+  ut__wrote(dx, be);
+  return dx;
+}
+/* Run one backend call that wrote `out`: on failure free out and return NULL. */
+static ut_tensor* ut__finish(ut_tensor* out, const ut__backend* be, int rc) {
+  if (rc < 0) return ut__drop(out);
+  ut__wrote(out, be);
+  return out;
+}
+
+/* ---- whole-tensor utilities --------------------------------------------------------------- */
+ut_tensor* ut_copy(ut_tensor* t) {
+  if (ut__check_tensor(t, "ut_copy", "t") < 0) return NULL;
+  const ut__backend* be = ut__backend_for(t->dev);
+  const float* src = ut__in(t, be);
+  if (!src) return NULL;
+  ut_tensor* out = ut__new_like(t, "ut_copy");
+  if (!out) return NULL;
+  return ut__finish(out, be, be->copy(ut__out(out, be), src, t->shape.nelem));
+}
+
+int ut_copy_into(ut_tensor* dst, ut_tensor* src) {
+  UT__TRY(ut__check_tensor(dst, "ut_copy_into", "dst"));
+  UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_copy_into", "src"));
+  if (dst == src) return UT_OK;
+  const ut__backend* be = ut__backend_for(dst->dev);
+  const float* s = ut__in(src, be);
+  if (!s) return ut__err_status;
+  UT__TRY(be->copy(ut__out(dst, be), s, dst->shape.nelem));
+  ut__wrote(dst, be);
+  return UT_OK;
+}
+
+ut_tensor* ut_reshape(ut_tensor* t, int ndim, const int* shape) {
+  if (ut__check_tensor(t, "ut_reshape", "t") < 0) return NULL;
+  ut_shape s;
+  if (ut__shape_make(&s, ndim, shape, "ut_reshape") < 0) return NULL;
+  UT__CHECK_NULL(s.nelem == t->shape.nelem, UT_ERR_SHAPE,
+                 "ut_reshape: the new shape has %d elements, the tensor %d", s.nelem,
+                 t->shape.nelem);
+  ut_tensor* out = ut_copy(t);
+  if (out) out->shape = s;
+  return out;
+}
+
+int ut_fill(ut_tensor* t, float value) {
+  UT__TRY(ut__check_tensor(t, "ut_fill", "t"));
+  const ut__backend* be = ut__backend_for(t->dev);
+  UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
+  ut__wrote(t, be);
+  return UT_OK;
+}
+
+ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
+  if (ut__check_tensor(t, "ut_transpose", "t") < 0) return NULL;
+  int nd = t->shape.ndim;
+  UT__CHECK_NULL(d0 >= 0 && d0 < nd && d1 >= 0 && d1 < nd, UT_ERR_ARG,
+                 "ut_transpose: dims (%d, %d) out of range for a %d-D tensor", d0, d1, nd);
+  if (d0 == d1) return ut_copy(t);
+  if (d0 > d1) {
+    int tmp = d0;
+    d0 = d1;
+    d1 = tmp;
+  }
+  const int* sh = t->shape.shape;
+  int outer = 1, mid = 1, inner = 1;
+  for (int i = 0; i < d0; i++) outer *= sh[i];
+  for (int i = d0 + 1; i < d1; i++) mid *= sh[i];
+  for (int i = d1 + 1; i < nd; i++) inner *= sh[i];
+  int oshape[UT_MAX_DIMS];
+  memcpy(oshape, sh, sizeof(int) * (size_t)nd);
+  oshape[d0] = sh[d1];
+  oshape[d1] = sh[d0];
+  const ut__backend* be = ut__backend_for(t->dev);
+  const float* src = ut__in(t, be);
+  if (!src) return NULL;
+  ut_tensor* out = ut__new(nd, oshape, t->dev, "ut_transpose");
+  if (!out) return NULL;
+  return ut__finish(out, be,
+                    be->transpose(src, ut__out(out, be), outer, sh[d0], mid, sh[d1], inner));
+}
+
+/* ---- elementwise -------------------------------------------------------------------------- */
+static ut_tensor* ut__relu_fwd(ut_tensor* x, float cap, const char* who) {
+  if (ut__check_tensor(x, who, "x") < 0) return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  if (!xp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  if (!y) return NULL;
+  return ut__finish(y, be, be->relu_fwd(xp, ut__out(y, be), x->shape.nelem, cap));
+}
+ut_tensor* ut_relu(ut_tensor* x) { return ut__relu_fwd(x, 0.f, "ut_relu"); }
+ut_tensor* ut_relu6(ut_tensor* x) { return ut__relu_fwd(x, 6.f, "ut_relu6"); }
+
+static ut_tensor* ut__relu_bwd(ut_tensor* go, ut_tensor* x, float cap, const char* who) {
+  if (ut__check_tensor(go, who, "grad_out") < 0 || ut__check_arg(x, go, -1, who, "fwd_input") < 0)
+    return NULL;
+  UT__CHECK_NULL(ut__same_shape(go, x), UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s but fwd_input has shape %s (they must match)", who,
+                 ut__shape_text(go).s, ut__shape_text(x).s);
+  const ut__backend* be = ut__backend_for(go->dev);
+  const float* gp = ut__in(go, be);
+  const float* xp = gp ? ut__in(x, be) : NULL;
+  if (!xp) return NULL;
+  ut_tensor* gi = ut__new_like(go, who);
+  if (!gi) return NULL;
+  return ut__finish(gi, be, be->relu_bwd(gp, xp, ut__out(gi, be), go->shape.nelem, cap));
+}
+ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
+  return ut__relu_bwd(grad_out, fwd_input, 0.f, "ut_relu_backward");
+}
+ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
+  return ut__relu_bwd(grad_out, fwd_input, 6.f, "ut_relu6_backward");
+}
+
+int ut_add_into(ut_tensor* dst, ut_tensor* src) {
+  UT__TRY(ut__check_tensor(dst, "ut_add_into", "dst"));
+  UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_add_into", "src"));
+  const ut__backend* be = ut__backend_for(dst->dev);
+  const float* s = ut__in(src, be);
+  float* d = s ? ut__inout(dst, be) : NULL;
+  if (!d) return ut__err_status;
+  UT__TRY(be->axpy(d, s, dst->shape.nelem, 1.f));
+  ut__wrote(dst, be);
+  return UT_OK;
+}
+
+int ut_scale(ut_tensor* t, float alpha) {
+  UT__TRY(ut__check_tensor(t, "ut_scale", "t"));
+  const ut__backend* be = ut__backend_for(t->dev);
+  float* p = ut__inout(t, be);
+  if (!p) return ut__err_status;
+  UT__TRY(be->scale(p, t->shape.nelem, alpha));
+  ut__wrote(t, be);
+  return UT_OK;
+}
+
+/* ---- dense -------------------------------------------------------------------------------- */
+ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
+  const char* who = "ut_matmul";
+  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0) return NULL;
+  UT__CHECK_NULL(a->shape.ndim == 2 && b->shape.ndim == 2 && b->shape.shape[0] == a->shape.shape[1],
+                 UT_ERR_SHAPE, "%s: cannot multiply a %s by b %s (a must be [M, K], b [K, N])",
+                 who, ut__shape_text(a).s, ut__shape_text(b).s);
+  int M = a->shape.shape[0], K = a->shape.shape[1], N = b->shape.shape[1];
+  const ut__backend* be = ut__backend_for(a->dev);
+  const float* ap = ut__in(a, be);
+  const float* bp = ap ? ut__in(b, be) : NULL;
+  if (!bp) return NULL;
+  ut_tensor* c = ut__new(2, (int[]){M, N}, a->dev, who);
+  if (!c) return NULL;
+  ut__gemm_args g = {.m = M, .n = N, .k = K, .batch = 1, .alpha = 1.f, .beta = 0.f,
+                     .a = ap, .lda = K, .b = bp, .ldb = N, .c = ut__out(c, be), .ldc = N};
+  return ut__finish(c, be, be->gemm(&g));
+}
+
+int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
+  const char* who = "ut_bias_add";
+  UT__TRY(ut__check_tensor(x, who, "x"));
+  UT__CHECK(x->shape.ndim >= 2, UT_ERR_SHAPE, "%s: x must be [N, C, ...], got shape %s", who,
+            ut__shape_text(x).s);
+  int C = x->shape.shape[1];
+  UT__TRY(ut__check_arg(bias, x, C, who, "bias"));
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* bp = ut__in(bias, be);
+  float* xp = bp ? ut__inout(x, be) : NULL;
+  if (!xp) return ut__err_status;
+  UT__TRY(be->bias_add(xp, bp, x->shape.shape[0], C,
+                       (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * C)));
+  ut__wrote(x, be);
+  return UT_OK;
+}
+
+/* ---- convolutions ------------------------------------------------------------------------- */
+/* The CPU backend's exact convolution (real input only, for non-finite weights or grad_out; see
+   ut__cpu_conv_exact): the conv2d entry points call it where the im2col GEMM would multiply the
+   columns' padding zeros. */
+typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
+static bool ut__cpu_all_finite(const float* x, ut__i64 n);
+static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
+                               const float* bias, float* dst, int out_c, bool depthwise,
+                               const ut__conv_geom* g);
+/* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
+static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
+                             int kw, int stride, int pad, const char* who) {
+  UT__CHECK(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
+            ut__shape_text(x).s);
+  UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
+            who, x->shape.shape[1], c);
+  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
+            kw);
+  UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
+  UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
+  long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
+  UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
+            "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel", who, H, W, pad, kh,
+            kw);
+  long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
+  /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
+     int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
+     padded extent plus the stride. Otherwise stride <= the padded extent. */
+  long long s = ho == 1 && wo == 1 ? 1 : stride;
+  UT__CHECK(Hp + s <= INT_MAX && Wp + s <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the padded input %lldx%lld (padding %d) with stride %d is too large: padded "
+            "height and width plus the stride must stay below 2^31",
+            who, Hp, Wp, pad, stride);
+  long long n = x->shape.shape[0]; /* each factor < 2^31: every product of two fits */
+  UT__CHECK(ho * wo <= INT_MAX && n * out_c <= INT_MAX && ho * wo * (n * out_c) <= INT_MAX,
+            UT_ERR_SHAPE,
+            "%s: the output [%lld, %d, %lld, %lld] would have more than %d elements", who, n, out_c,
+            ho, wo, INT_MAX);
+  *g = (ut__conv_geom){.n = (int)n, .c = c, .h = (int)H, .w = (int)W, .kh = kh, .kw = kw,
+                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo};
+  return UT_OK;
+}
+
+/* A layer's weight and optional bias: live, on one device, with the expected element counts. */
+static int ut__check_params(const ut_tensor* w, const ut_tensor* b, long long wn, long long bn,
+                            const char* who) {
+  UT__TRY(ut__check_arg(w, NULL, wn, who, "the layer's weight"));
+  if (b) UT__TRY(ut__check_arg(b, w, bn, who, "the layer's bias"));
+  return UT_OK;
+}
+static int ut__check_kernel_args(int kh, int kw, int stride, int pad, const char* who) {
+  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
+            kw);
+  UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
+  UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
+  /* every input's padded extent (>= max(kernel, 2*padding + 1)) plus the stride must fit int */
+  UT__CHECK(2LL * pad + 2 <= INT_MAX && kh < INT_MAX && kw < INT_MAX, UT_ERR_ARG,
+            "%s: padding %d with a %dx%d kernel fits no input: 2*padding + 2 and the kernel size "
+            "must stay below 2^31",
+            who, pad, kh, kw);
+  return UT_OK;
+}
+static long long ut__prod(long long a, long long b, long long c, long long d) {
+  long long p = a * b;
+  if (p > INT_MAX) return (long long)INT_MAX + 1;
+  p *= c;
+  if (p > INT_MAX) return (long long)INT_MAX + 1;
+  p *= d;
+  return p;
+}
+
+ut_conv2d ut_conv2d_alloc(int in_c, int out_c, int kh, int kw, int stride, int pad, bool bias,
+                          ut_dev dev) {
+  ut_conv2d l = {.in_c = in_c, .out_c = out_c, .kh = kh, .kw = kw, .stride = stride, .pad = pad};
+  if (ut__check_kernel_args(kh, kw, stride, pad, "ut_conv2d_alloc") < 0) return l;
+  if (in_c < 1 || out_c < 1) {
+    ut__set_error(UT_ERR_ARG, "ut_conv2d_alloc: channel counts must be positive, got %d -> %d",
+                  in_c, out_c);
+    return l;
+  }
+  float std = sqrtf(2.f / (float)((double)in_c * kh * kw));
+  ut_tensor* w = ut_randn(4, (int[]){out_c, in_c, kh, kw}, 0.f, std, dev);
+  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){out_c}, dev) : NULL;
+  if (!w || (bias && !b)) {
+    ut_free_all(w, b);
+    return l;
+  }
+  l.weight = w;
+  l.bias = b;
+  return l;
+}
+
+static int ut__check_conv2d(const ut_conv2d* l, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__TRY(ut__check_kernel_args(l->kh, l->kw, l->stride, l->pad, who));
+  UT__CHECK(l->in_c >= 1 && l->out_c >= 1, UT_ERR_ARG, "%s: invalid channel counts", who);
+  return ut__check_params(l->weight, l->bias, ut__prod(l->out_c, l->in_c, l->kh, l->kw), l->out_c,
+                          who);
+}
+/* What every convolution's backward checks: the cached input gives the geometry, grad_out has
+   the forward output's shape, dW the weight's element count and db (when used) out_c. */
+static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool has_bias,
+                                   const ut_tensor* input, int in_c, int out_c, int kh, int kw,
+                                   int stride, int pad, const ut_tensor* grad_out,
+                                   const ut_tensor* dW, const ut_tensor* db, const char* who) {
+  UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
+  UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
+  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, who));
+  UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
+  UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
+  if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
+  UT__TRY(ut__check_distinct(dW, w, who, "dW", "the layer's weight"));
+  UT__TRY(ut__check_distinct(dW, grad_out, who, "dW", "grad_out"));
+  UT__TRY(ut__check_distinct(dW, input, who, "dW", "cache->input"));
+  if (db && has_bias) UT__TRY(ut__check_distinct(dW, db, who, "dW", "db"));
+  const int* gs = grad_out->shape.shape;
+  UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
+                gs[3] == g->wo,
+            UT_ERR_SHAPE, "%s: grad_out has shape %s, the forward output had [%d, %d, %d, %d]", who,
+            ut__shape_text(grad_out).s, g->n, out_c, g->ho, g->wo);
+  return UT_OK;
+}
+
+static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
+  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
+         g->wo == g->w;
+}
+/* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
+static int ut__check_col(const ut__conv_geom* g, const char* who) {
+  if (ut__conv_is_pointwise(g)) return UT_OK;
+  long long K = (long long)g->c * g->kh * g->kw, P = (long long)g->ho * g->wo;
+  UT__CHECK(K <= INT_MAX && K * P <= INT_MAX && K * P * g->n <= INT_MAX, UT_ERR_SHAPE,
+            "%s: the im2col buffer [%d, %lld, %lld] would have more than %d elements", who, g->n,
+            K, P, INT_MAX);
+  return UT_OK;
+}
+
+ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
+  const char* who = "ut_conv2d_forward";
+  ut__conv_geom g;
+  if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
+      ut__check_col(&g, who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
+  if (!wp || (l->bias && !bp)) return NULL;
+
+  ut_tensor* col;
+  if (ut__conv_is_pointwise(&g)) {
+    col = ut_retain(x); /* a 1x1 window's columns are the input itself */
+  } else {
+    col = ut__new(3, (int[]){g.n, K, P}, x->dev, who);
+    if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
+  }
+  ut_tensor* out = ut__new(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, who);
+  if (!out) return ut__drop(col);
+  float* op = ut__out(out, be);
+  ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
+                      .a = wp, .lda = K, .stride_a = 0,
+                      .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
+                      .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
+  int rc = be->gemm(&mm);
+  if (rc >= 0 && bp) rc = be->bias_add(op, bp, g.n, l->out_c, P);
+  /* the columns' padding zeros times a non-finite weight: redo with real input only */
+  if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
+      !ut__cpu_all_finite(wp, l->weight->shape.nelem))
+    ut__cpu_conv_exact(UT__CONV_Y, xp, NULL, wp, bp, op, l->out_c, false, &g);
+  if (rc < 0) {
+    ut_free(col);
+    return ut__drop(out);
+  }
+  ut__wrote(out, be);
+  if (cache) {
+    cache->input = ut_retain(x);
+    cache->col = col;
+  } else {
+    ut_free(col);
+  }
+  return out;
+}
+
+ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_conv2d_backward";
+  ut__conv_geom g;
+  if (ut__check_conv2d(l, who) < 0 ||
+      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
+                              l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
+                              db, who) < 0 ||
+      ut__check_col(&g, who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(grad_out->dev);
+  int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
+  bool pointwise = ut__conv_is_pointwise(&g);
+
+  ut_tensor* col = cache->col;
+  bool own_col = false;
+  if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev) {
+    /* the cache lost its columns: rebuild them from the input */
+    own_col = true;
+    if (pointwise) {
+      col = ut_retain(cache->input);
+    } else {
+      const float* xp = ut__in(cache->input, be);
+      col = xp ? ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who) : NULL;
+      if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
+    }
+  }
+  ut_tensor *dx = NULL, *dcol = NULL;
+  const float* gop = ut__in(grad_out, be);
+  const float* colp = gop ? ut__in(col, be) : NULL;
+  const float* wp = colp ? ut__in(l->weight, be) : NULL;
+  float* dWp = wp ? ut__inout(dW, be) : NULL;
+  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
+  int rc = (!dWp || (db && l->bias && !dbp)) ? ut__err_status : UT_OK;
+  if (rc >= 0) {
+    dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
+    if (!pointwise && dx) dcol = ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who);
+    if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
+  }
+  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
+  if (rc >= 0) {
+    /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
+    ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .m = l->out_c, .n = K, .k = P,
+                        .batch = g.n, .alpha = 1.f, .beta = 1.f,
+                        .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
+                        .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
+                        .c = dWp, .ldc = K};
+    /* a non-finite grad_out times the columns' padding zeros: sum real input only */
+    const float* xp = g.pad > 0 && !ut__is_device_backend(be) &&
+                              !ut__cpu_all_finite(gop, grad_out->shape.nelem)
+                          ? ut__in(cache->input, be)
+                          : NULL;
+    if (xp)
+      ut__cpu_conv_exact(UT__CONV_DW, xp, gop, NULL, NULL, dWp, l->out_c, false, &g);
+    else
+      rc = be->gemm(&mm);
+  }
+  if (rc >= 0) {
+    /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
+    float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
+    ut__gemm_args mm = {.trans_a = true, .m = K, .n = P, .k = l->out_c, .batch = g.n,
+                        .alpha = 1.f, .beta = 0.f,
+                        .a = wp, .lda = K, .stride_a = 0,
+                        .b = gop, .ldb = P, .stride_b = (ut__i64)l->out_c * P,
+                        .c = dst, .ldc = P, .stride_c = (ut__i64)K * P};
+    rc = be->gemm(&mm);
+    if (rc >= 0 && !pointwise) rc = be->col2im(dst, ut__out(dx, be), &g);
+  }
+  if (own_col) ut_free(col);
+  ut_free(dcol);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+void ut_conv2d_cache_free(ut_conv2d_cache* c) {
+  if (!c) return;
+  ut_free_all(c->input, c->col);
+  c->input = c->col = NULL;
+}
+void ut_conv2d_free(ut_conv2d* l) {
+  if (!l) return;
+  ut_free_all(l->weight, l->bias);
+  l->weight = l->bias = NULL;
+}
+
+/* ---- depthwise convolution ---------------------------------------------------------------- */
+ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool bias, ut_dev dev) {
+  ut_dwconv2d l = {.c = c, .kh = kh, .kw = kw, .stride = stride, .pad = pad};
+  if (ut__check_kernel_args(kh, kw, stride, pad, "ut_dwconv2d_alloc") < 0) return l;
+  if (c < 1) {
+    ut__set_error(UT_ERR_ARG, "ut_dwconv2d_alloc: channel count must be positive, got %d", c);
+    return l;
+  }
+  float std = sqrtf(2.f / (float)((double)kh * kw));
+  ut_tensor* w = ut_randn(3, (int[]){c, kh, kw}, 0.f, std, dev);
+  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){c}, dev) : NULL;
+  if (!w || (bias && !b)) {
+    ut_free_all(w, b);
+    return l;
+  }
+  l.weight = w;
+  l.bias = b;
+  return l;
+}
+
+static int ut__check_dwconv2d(const ut_dwconv2d* l, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__TRY(ut__check_kernel_args(l->kh, l->kw, l->stride, l->pad, who));
+  UT__CHECK(l->c >= 1, UT_ERR_ARG, "%s: invalid channel count %d", who, l->c);
+  return ut__check_params(l->weight, l->bias, ut__prod(l->c, l->kh, l->kw, 1), l->c, who);
+}
+
+ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
+  const char* who = "ut_dwconv2d_forward";
+  ut__conv_geom g;
+  if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__conv_geometry(&g, x, l->c, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
+  if (!wp || (l->bias && !bp)) return NULL;
+  ut_tensor* out = ut__new(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, who);
+  if (!out) return NULL;
+  out = ut__finish(out, be, be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
+  if (out && cache) cache->input = ut_retain(x);
+  return out;
+}
+
+ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_tensor* grad_out,
+                                ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_dwconv2d_backward";
+  ut__conv_geom g;
+  if (ut__check_dwconv2d(l, who) < 0 ||
+      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL, l->c,
+                              l->c, l->kh, l->kw, l->stride, l->pad, grad_out, dW, db, who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(grad_out->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(cache->input, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  float* dWp = wp ? ut__inout(dW, be) : NULL;
+  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
+  if (!dWp || (db && l->bias && !dbp)) return NULL;
+  ut_tensor* dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
+  if (!dx) return NULL;
+  int rc = be->dw_bwd_dw(gop, xp, dWp, &g);
+  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, g.c, (ut__i64)g.ho * g.wo, 1.f);
+  if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, ut__out(dx, be), &g);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+void ut_dwconv2d_cache_free(ut_dwconv2d_cache* c) {
+  if (!c) return;
+  ut_free(c->input);
+  c->input = NULL;
+}
+void ut_dwconv2d_free(ut_dwconv2d* l) {
+  if (!l) return;
+  ut_free_all(l->weight, l->bias);
+  l->weight = l->bias = NULL;
+}
+
+/* ---- linear ------------------------------------------------------------------------------- */
+ut_linear ut_linear_alloc(int in_f, int out_f, bool bias, ut_dev dev) {
+  ut_linear l = {.in_f = in_f, .out_f = out_f};
+  if (in_f < 1 || out_f < 1) {
+    ut__set_error(UT_ERR_ARG, "ut_linear_alloc: feature counts must be positive, got %d -> %d",
+                  in_f, out_f);
+    return l;
+  }
+  /* PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) has std 1/sqrt(3 in) */
+  ut_tensor* w = ut_randn(2, (int[]){out_f, in_f}, 0.f, 1.f / sqrtf(3.f * (float)in_f), dev);
+  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){out_f}, dev) : NULL;
+  if (!w || (bias && !b)) {
+    ut_free_all(w, b);
+    return l;
+  }
+  l.weight = w;
+  l.bias = b;
+  return l;
+}
+
+static int ut__check_linear(const ut_linear* l, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__CHECK(l->in_f >= 1 && l->out_f >= 1, UT_ERR_ARG, "%s: invalid feature counts", who);
+  return ut__check_params(l->weight, l->bias, ut__prod(l->in_f, l->out_f, 1, 1), l->out_f, who);
+}
+static int ut__check_rows(const ut_tensor* x, int cols, const char* who, const char* name) {
+  UT__CHECK(x->shape.ndim == 2 && x->shape.shape[1] == cols, UT_ERR_SHAPE,
+            "%s: %s must be [N, %d], got shape %s", who, name, cols, ut__shape_text(x).s);
+  return UT_OK;
+}
+
+ut_tensor* ut_linear_forward(ut_linear* l, ut_tensor* x, ut_linear_cache* cache) {
+  const char* who = "ut_linear_forward";
+  if (ut__check_linear(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__check_rows(x, l->in_f, who, "x") < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  int N = x->shape.shape[0];
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
+  if (!wp || (l->bias && !bp)) return NULL;
+  ut_tensor* y = ut__new(2, (int[]){N, l->out_f}, x->dev, who);
+  if (!y) return NULL;
+  float* yp = ut__out(y, be);
+  ut__gemm_args mm = {.trans_b = true, .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
+                      .alpha = 1.f, .beta = 0.f, .a = xp, .lda = l->in_f, .b = wp,
+                      .ldb = l->in_f, .c = yp, .ldc = l->out_f};
+  int rc = be->gemm(&mm);
+  if (rc >= 0 && bp) rc = be->bias_add(yp, bp, N, l->out_f, 1);
+  y = ut__finish(y, be, rc);
+  if (y && cache) cache->input = ut_retain(x);
+  return y;
+}
+
+ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_linear_backward";
+  if (ut__check_linear(l, who) < 0) return NULL;
+  UT__CHECK_NULL(cache && cache->input, UT_ERR_ARG,
+                 "%s: the cache is empty (run forward with a cache first)", who);
+  ut_tensor* x = cache->input;
+  if (ut__check_arg(x, l->weight, -1, who, "cache->input") < 0 ||
+      ut__check_rows(x, l->in_f, who, "cache->input") < 0 ||
+      ut__check_arg(grad_out, l->weight, -1, who, "grad_out") < 0 ||
+      ut__check_rows(grad_out, l->out_f, who, "grad_out") < 0 ||
+      ut__check_arg(dW, l->weight, l->weight->shape.nelem, who, "dW") < 0 ||
+      (db && l->bias && ut__check_arg(db, l->weight, l->out_f, who, "db") < 0))
+    return NULL;
+  int N = x->shape.shape[0];
+  UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s, the forward output had [%d, %d]", who,
+                 ut__shape_text(grad_out).s, N, l->out_f);
+  if (ut__check_distinct(dW, l->weight, who, "dW", "the layer's weight") < 0 ||
+      ut__check_distinct(dW, grad_out, who, "dW", "grad_out") < 0 ||
+      ut__check_distinct(dW, x, who, "dW", "cache->input") < 0 ||
+      (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
+    return NULL;
+  const ut__backend* be = ut__backend_for(grad_out->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(x, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  float* dWp = wp ? ut__inout(dW, be) : NULL;
+  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
+  if (!dWp || (db && l->bias && !dbp)) return NULL;
+  ut_tensor* dx = ut__new(2, (int[]){N, l->in_f}, grad_out->dev, who);
+  if (!dx) return NULL;
+  /* dW += grad_out^T [out, N] . x [N, in];  dx = grad_out [N, out] . W [out, in] */
+  ut__gemm_args dw = {.trans_a = true, .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
+                      .alpha = 1.f, .beta = 1.f, .a = gop, .lda = l->out_f, .b = xp,
+                      .ldb = l->in_f, .c = dWp, .ldc = l->in_f};
+  ut__gemm_args dxa = {.m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
+                       .beta = 0.f, .a = gop, .lda = l->out_f, .b = wp, .ldb = l->in_f,
+                       .c = ut__out(dx, be), .ldc = l->in_f};
+  int rc = be->gemm(&dw);
+  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
+  if (rc >= 0) rc = be->gemm(&dxa);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+void ut_linear_cache_free(ut_linear_cache* c) {
+  if (!c) return;
+  ut_free(c->input);
+  c->input = NULL;
+}
+void ut_linear_free(ut_linear* l) {
+  if (!l) return;
+  ut_free_all(l->weight, l->bias);
+  l->weight = l->bias = NULL;
+}
+
+/* ---- layer norm --------------------------------------------------------------------------- */
+static int ut__check_eps(float eps, const char* who) {
+  UT__CHECK(isfinite(eps) && eps > 0.f, UT_ERR_ARG, "%s: eps must be finite and > 0", who);
+  return UT_OK;
+}
+
+ut_layernorm ut_layernorm_alloc(int dim, float eps, ut_dev dev) {
+  ut_layernorm l = {.dim = dim, .eps = eps};
+  if (dim < 1) {
+    ut__set_error(UT_ERR_ARG, "ut_layernorm_alloc: dim must be positive, got %d", dim);
+    return l;
+  }
+  if (ut__check_eps(eps, "ut_layernorm_alloc") < 0) return l;
+  ut_tensor* w = ut_alloc(1, (int[]){dim}, dev);
+  ut_tensor* b = w ? ut_alloc(1, (int[]){dim}, dev) : NULL;
+  if (!w || !b || ut_fill(w, 1.f) < 0) {
+    ut_free_all(w, b);
+    return l;
+  }
+  l.weight = w;
+  l.bias = b;
+  return l;
+}
+
+static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__CHECK(l->dim >= 1, UT_ERR_ARG, "%s: invalid dim %d", who, l->dim);
+  UT__TRY(ut__check_eps(l->eps, who));
+  UT__CHECK(l->bias, UT_ERR_ARG, "%s: the layer's bias is NULL", who);
+  UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
+  UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
+  UT__CHECK(x->shape.shape[x->shape.ndim - 1] == l->dim, UT_ERR_SHAPE,
+            "%s: x must be [..., %d], got shape %s", who, l->dim, ut__shape_text(x).s);
+  return UT_OK;
+}
+
+ut_tensor* ut_layernorm_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cache* cache) {
+  const char* who = "ut_layernorm_forward";
+  if (ut__check_layernorm(l, x, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  int rows = x->shape.nelem / l->dim;
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  if (!bp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  ut_tensor* mean = y ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
+  ut_tensor* rstd = mean ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
+  int rc = rstd ? be->layernorm_fwd(xp, wp, bp, ut__out(y, be), ut__out(mean, be),
+                                    ut__out(rstd, be), rows, l->dim, l->eps)
+                : ut__err_status;
+  if (rc < 0 || !cache) {
+    ut_free_all(mean, rstd);
+    if (rc < 0) return ut__drop(y);
+    ut__wrote(y, be);
+    return y;
+  }
+  ut__wrote(y, be);
+  ut__wrote(mean, be);
+  ut__wrote(rstd, be);
+  cache->input = ut_retain(x);
+  cache->mean = mean;
+  cache->rstd = rstd;
+  return y;
+}
+
+ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_tensor* grad_out,
+                                 ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_layernorm_backward";
+  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
+                 "%s: the cache is empty (run forward with a cache first)", who);
+  ut_tensor* x = cache->input;
+  if (ut__check_layernorm(l, x, who) < 0 ||
+      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0)
+    return NULL;
+  int rows = x->shape.nelem / l->dim;
+  if (ut__check_arg(cache->mean, x, rows, who, "cache->mean") < 0 ||
+      ut__check_arg(cache->rstd, x, rows, who, "cache->rstd") < 0 ||
+      (dW && ut__check_arg(dW, x, l->dim, who, "dW") < 0) ||
+      (db && ut__check_arg(db, x, l->dim, who, "db") < 0))
+    return NULL;
+  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s, the forward output had %s", who,
+                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(x, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
+  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
+  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
+  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
+  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut_tensor* dx = ut__new_like(x, who);
+  if (!dx) return NULL;
+  int rc = be->layernorm_bwd(gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, rows, l->dim);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+void ut_layernorm_cache_free(ut_layernorm_cache* c) {
+  if (!c) return;
+  ut_free_all(c->input, c->mean, c->rstd);
+  c->input = c->mean = c->rstd = NULL;
+}
+void ut_layernorm_free(ut_layernorm* l) {
+  if (!l) return;
+  ut_free_all(l->weight, l->bias);
+  l->weight = l->bias = NULL;
+}
+
+/* ---- batch norm --------------------------------------------------------------------------- */
+ut_batchnorm2d ut_batchnorm2d_alloc(int c, float eps, float momentum, ut_dev dev) {
+  ut_batchnorm2d l = {.c = c, .eps = eps, .momentum = momentum, .training = true};
+  if (c < 1) {
+    ut__set_error(UT_ERR_ARG, "ut_batchnorm2d_alloc: channel count must be positive, got %d", c);
+    return l;
+  }
+  if (ut__check_eps(eps, "ut_batchnorm2d_alloc") < 0) return l;
+  if (!(momentum >= 0.f && momentum <= 1.f)) {
+    ut__set_error(UT_ERR_ARG, "ut_batchnorm2d_alloc: momentum must be in [0, 1]");
+    return l;
+  }
+  ut_tensor* t[4] = {0};
+  for (int i = 0; i < 4; i++) {
+    t[i] = ut_alloc(1, (int[]){c}, dev);
+    if (!t[i]) {
+      ut_free_n(t, 4);
+      return l;
+    }
+  }
+  if (ut_fill(t[0], 1.f) < 0 || ut_fill(t[3], 1.f) < 0) {
+    ut_free_n(t, 4);
+    return l;
+  }
+  l.weight = t[0];
+  l.bias = t[1];
+  l.running_mean = t[2];
+  l.running_var = t[3];
+  return l;
+}
+
+static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__CHECK(l->c >= 1, UT_ERR_ARG, "%s: invalid channel count %d", who, l->c);
+  UT__TRY(ut__check_eps(l->eps, who));
+  UT__CHECK(l->momentum >= 0.f && l->momentum <= 1.f, UT_ERR_ARG,
+            "%s: momentum must be in [0, 1]", who);
+  UT__CHECK(l->bias && l->running_mean && l->running_var, UT_ERR_ARG,
+            "%s: the layer's tensors are not allocated", who);
+  UT__TRY(ut__check_params(l->weight, l->bias, l->c, l->c, who));
+  UT__TRY(ut__check_arg(l->running_mean, l->weight, l->c, who, "running_mean"));
+  UT__TRY(ut__check_arg(l->running_var, l->weight, l->c, who, "running_var"));
+  UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
+  UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
+            "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
+  return UT_OK;
+}
+
+ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
+  const char* who = "ut_batchnorm2d_forward";
+  if (ut__check_batchnorm2d(l, x, who) < 0) return NULL;
+  int N = x->shape.shape[0], C = l->c;
+  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
+  UT__CHECK_NULL(!l->training || count > 1, UT_ERR_SHAPE,
+                 "%s: training needs more than one value per channel, got shape %s (N*H*W = 1)",
+                 who, ut__shape_text(x).s);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  if (!bp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  ut_tensor* mean = y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  ut_tensor* var = mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  ut_tensor* rstd = var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  int rc = rstd ? UT_OK : ut__err_status;
+  if (rc >= 0 && l->training) {
+    float* rm = ut__inout(l->running_mean, be);
+    float* rv = rm ? ut__inout(l->running_var, be) : NULL;
+    rc = rv ? be->bn_stats(xp, ut__out(mean, be), ut__out(var, be), N, C, inner) : ut__err_status;
+    if (rc >= 0)
+      rc = be->bn_update_running(rm, rv, ut__out(mean, be), ut__out(var, be), C, l->momentum,
+                                 (float)((double)count / (double)(count - 1)));
+    if (rc >= 0) {
+      ut__wrote(l->running_mean, be);
+      ut__wrote(l->running_var, be);
+    }
+  } else if (rc >= 0) {
+    const float* rm = ut__in(l->running_mean, be);
+    const float* rv = rm ? ut__in(l->running_var, be) : NULL;
+    rc = rv ? be->copy(ut__out(mean, be), rm, C) : ut__err_status;
+    if (rc >= 0) rc = be->copy(ut__out(var, be), rv, C);
+  }
+  if (rc >= 0)
+    rc = be->bn_apply(xp, ut__out(y, be), ut__out(mean, be), ut__out(var, be), wp, bp,
+                      ut__out(rstd, be), N, C, inner, l->eps);
+  ut_free(var);
+  if (rc < 0 || !cache) {
+    ut_free_all(mean, rstd);
+    if (rc < 0) return ut__drop(y);
+    ut__wrote(y, be);
+    return y;
+  }
+  ut__wrote(y, be);
+  ut__wrote(mean, be);
+  ut__wrote(rstd, be);
+  cache->input = ut_retain(x);
+  cache->mean = mean;
+  cache->rstd = rstd;
+  cache->training = l->training;
+  return y;
+}
+
+ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
+                                   ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_batchnorm2d_backward";
+  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
+                 "%s: the cache is empty (run forward with a cache first)", who);
+  ut_tensor* x = cache->input;
+  if (ut__check_batchnorm2d(l, x, who) < 0 ||
+      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
+      ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
+      ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
+      (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
+      (db && ut__check_arg(db, x, l->c, who, "db") < 0))
+    return NULL;
+  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s, the forward output had %s", who,
+                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
+  int N = x->shape.shape[0], C = l->c;
+  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(x, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
+  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
+  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
+  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
+  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut_tensor* dx = ut__new_like(x, who);
+  if (!dx) return NULL;
+  int rc = be->bn_bwd(gop, xp, mp, rp, wp, ut__out(dx, be), dWp, dbp, N, C, inner,
+                      cache->training);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c) {
+  if (!c) return;
+  ut_free_all(c->input, c->mean, c->rstd);
+  c->input = c->mean = c->rstd = NULL;
+}
+void ut_batchnorm2d_free(ut_batchnorm2d* l) {
+  if (!l) return;
+  ut_free_all(l->weight, l->bias, l->running_mean, l->running_var);
+  l->weight = l->bias = l->running_mean = l->running_var = NULL;
+}
+
+/* ---- pooling ------------------------------------------------------------------------------ */
+ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
+  const char* who = "ut_global_avgpool2d_forward";
+  if (ut__check_tensor(x, who, "x") < 0) return NULL;
+  UT__CHECK_NULL(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
+                 ut__shape_text(x).s);
+  int N = x->shape.shape[0], C = x->shape.shape[1];
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  if (!xp) return NULL;
+  ut_tensor* y = ut__new(2, (int[]){N, C}, x->dev, who);
+  if (!y) return NULL;
+  return ut__finish(y, be, be->row_mean(xp, ut__out(y, be), N * C,
+                                        (ut__i64)x->shape.shape[2] * x->shape.shape[3]));
+}
+
+ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
+  const char* who = "ut_global_avgpool2d_backward";
+  if (ut__check_tensor(grad_out, who, "grad_out") < 0) return NULL;
+  UT__CHECK_NULL(grad_out->shape.ndim == 2, UT_ERR_SHAPE,
+                 "%s: grad_out must be [N, C], got shape %s", who, ut__shape_text(grad_out).s);
+  UT__CHECK_NULL(h >= 1 && w >= 1, UT_ERR_SHAPE, "%s: h and w must be positive, got %d x %d", who,
+                 h, w);
+  int N = grad_out->shape.shape[0], C = grad_out->shape.shape[1];
+  const ut__backend* be = ut__backend_for(grad_out->dev);
+  const float* gp = ut__in(grad_out, be);
+  if (!gp) return NULL;
+  ut_tensor* dx = ut__new(4, (int[]){N, C, h, w}, grad_out->dev, who);
+  if (!dx) return NULL;
+  return ut__finish(dx, be, be->row_mean_bwd(gp, ut__out(dx, be), N * C, (ut__i64)h * w));
+}
+
+/* ---- losses ------------------------------------------------------------------------------- */
+static int ut__check_pair(ut_tensor* pred, ut_tensor* target, const char* who) {
+  UT__TRY(ut__check_tensor(pred, who, "pred"));
+  UT__TRY(ut__check_arg(target, pred, -1, who, "target"));
+  UT__CHECK(ut__same_shape(pred, target), UT_ERR_SHAPE,
+            "%s: pred has shape %s but target has shape %s (they must match)", who,
+            ut__shape_text(pred).s, ut__shape_text(target).s);
+  return UT_OK;
+}
+
+ut_tensor* ut_mse_loss(ut_tensor* pred, ut_tensor* target) {
+  const char* who = "ut_mse_loss";
+  if (ut__check_pair(pred, target, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(pred->dev);
+  const float* p = ut__in(pred, be);
+  const float* t = p ? ut__in(target, be) : NULL;
+  if (!t) return NULL;
+  ut_tensor* out = ut__new(1, (int[]){1}, pred->dev, who);
+  if (!out) return NULL;
+  return ut__finish(out, be, be->mse_fwd(p, t, ut__out(out, be), pred->shape.nelem));
+}
+
+ut_tensor* ut_mse_loss_backward(ut_tensor* pred, ut_tensor* target) {
+  const char* who = "ut_mse_loss_backward";
+  if (ut__check_pair(pred, target, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(pred->dev);
+  const float* p = ut__in(pred, be);
+  const float* t = p ? ut__in(target, be) : NULL;
+  if (!t) return NULL;
+  ut_tensor* g = ut__new_like(pred, who);
+  if (!g) return NULL;
+  return ut__finish(g, be, be->mse_bwd(p, t, ut__out(g, be), pred->shape.nelem));
+}
+
+static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
+  UT__TRY(ut__check_tensor(logits, who, "logits"));
+  UT__CHECK(logits->shape.ndim == 2, UT_ERR_SHAPE, "%s: logits must be [N, K], got shape %s", who,
+            ut__shape_text(logits).s);
+  int N = logits->shape.shape[0], K = logits->shape.shape[1];
+  UT__TRY(ut__check_arg(labels, logits, -1, who, "labels"));
+  UT__CHECK(labels->shape.ndim == 1 && labels->shape.shape[0] == N, UT_ERR_SHAPE,
+            "%s: labels must be [N] = [%d] (one class index per row of logits), got shape %s", who,
+            N, ut__shape_text(labels).s);
+  if (!labels->dirty_cpu) { /* the host copy is current: check the labels without a transfer */
+    for (int i = 0; i < N; i++) {
+      float v = labels->data[i];
+      UT__CHECK(v >= 0.f && (double)v < (double)K && v == floorf(v), UT_ERR_ARG,
+                "%s: labels[%d] = %.9g is not a class index in [0, %d)", who, i, (double)v, K);
+    }
+  }
+  return UT_OK;
+}
+
+ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
+  const char* who = "ut_cross_entropy_loss";
+  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(logits->dev);
+  const float* lp = ut__in(logits, be);
+  const float* yp = lp ? ut__in(labels, be) : NULL;
+  if (!yp) return NULL;
+  ut_tensor* out = ut__new(1, (int[]){1}, logits->dev, who);
+  if (!out) return NULL;
+  return ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
+                                        logits->shape.shape[1]));
+}
+
+ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
+  const char* who = "ut_cross_entropy_backward";
+  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(logits->dev);
+  const float* lp = ut__in(logits, be);
+  const float* yp = lp ? ut__in(labels, be) : NULL;
+  if (!yp) return NULL;
+  ut_tensor* g = ut__new_like(logits, who);
+  if (!g) return NULL;
+  return ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
+                                      logits->shape.shape[1]));
+}
+
+/* ---- optimizers --------------------------------------------------------------------------- */
+int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr, float momentum) {
+  const char* who = "ut_sgd_step";
+  UT__TRY(ut__check_tensor(param, who, "param"));
+  UT__TRY(ut__check_arg(grad, param, param->shape.nelem, who, "grad"));
+  if (velocity) UT__TRY(ut__check_arg(velocity, param, param->shape.nelem, who, "velocity"));
+  UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
+  UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
+  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
+            "%s: momentum must be finite and >= 0", who);
+  const ut__backend* be = ut__backend_for(param->dev);
+  const float* g = ut__in(grad, be);
+  float* p = g ? ut__inout(param, be) : NULL;
+  float* v = (p && velocity) ? ut__inout(velocity, be) : NULL;
+  if (!p || (velocity && !v)) return ut__err_status;
+  UT__TRY(be->sgd(p, g, v, param->shape.nelem, lr, momentum));
+  ut__wrote(param, be);
+  if (v) ut__wrote(velocity, be);
+  return UT_OK;
+}
+
+int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
+                 float beta1, float beta2, float eps) {
+  const char* who = "ut_adam_step";
+  UT__TRY(ut__check_tensor(param, who, "param"));
+  int n = param->shape.nelem;
+  UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
+  UT__TRY(ut__check_arg(m, param, n, who, "m"));
+  UT__TRY(ut__check_arg(v, param, n, who, "v"));
+  const ut_tensor* four[4] = {param, grad, m, v};
+  const char* names[4] = {"param", "grad", "m", "v"};
+  for (int i = 0; i < 4; i++)
+    for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
+  UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
+  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,
+            "%s: betas must be in [0, 1)", who);
+  UT__CHECK(isfinite(eps) && eps >= 0.f, UT_ERR_ARG, "%s: eps must be finite and >= 0", who);
+  const ut__backend* be = ut__backend_for(param->dev);
+  const float* g = ut__in(grad, be);
+  float* p = g ? ut__inout(param, be) : NULL;
+  float* mp = p ? ut__inout(m, be) : NULL;
+  float* vp = mp ? ut__inout(v, be) : NULL;
+  if (!vp) return ut__err_status;
+  float bc1 = (float)(1.0 - pow((double)beta1, step)), bc2 = (float)(1.0 - pow((double)beta2, step));
+  UT__TRY(be->adam(p, g, mp, vp, n, lr, beta1, beta2, eps, bc1, bc2));
+  ut__wrote(param, be);
+  ut__wrote(m, be);
+  ut__wrote(v, be);
+  return UT_OK;
+}
+
+/* ---- struct layout, for the bindings' checks ---------------------------------------------- */
+typedef struct ut__layout_entry {
+  const char* type;
+  const char* field; /* NULL: the type's size */
+  size_t value;
+} ut__layout_entry;
+
+#define UT__SIZE(T) {#T, NULL, sizeof(T)}
+#define UT__FIELD(T, f) {#T, #f, offsetof(T, f)}
+static const ut__layout_entry ut__layout[] = {
+    UT__SIZE(ut_shape), UT__FIELD(ut_shape, ndim), UT__FIELD(ut_shape, shape),
+    UT__FIELD(ut_shape, nelem),
+    UT__SIZE(ut_tensor), UT__FIELD(ut_tensor, shape), UT__FIELD(ut_tensor, data),
+    UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
+    UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
+    UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
+    UT__FIELD(ut_tensor, version),
+    UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
+    UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
+    UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),
+    UT__SIZE(ut_conv2d_cache), UT__FIELD(ut_conv2d_cache, input), UT__FIELD(ut_conv2d_cache, col),
+    UT__SIZE(ut_dwconv2d), UT__FIELD(ut_dwconv2d, weight), UT__FIELD(ut_dwconv2d, bias),
+    UT__FIELD(ut_dwconv2d, c), UT__FIELD(ut_dwconv2d, kh), UT__FIELD(ut_dwconv2d, kw),
+    UT__FIELD(ut_dwconv2d, stride), UT__FIELD(ut_dwconv2d, pad),
+    UT__SIZE(ut_dwconv2d_cache), UT__FIELD(ut_dwconv2d_cache, input),
+    UT__SIZE(ut_linear), UT__FIELD(ut_linear, weight), UT__FIELD(ut_linear, bias),
+    UT__FIELD(ut_linear, in_f), UT__FIELD(ut_linear, out_f),
+    UT__SIZE(ut_linear_cache), UT__FIELD(ut_linear_cache, input),
+    UT__SIZE(ut_layernorm), UT__FIELD(ut_layernorm, weight), UT__FIELD(ut_layernorm, bias),
+    UT__FIELD(ut_layernorm, dim), UT__FIELD(ut_layernorm, eps),
+    UT__SIZE(ut_layernorm_cache), UT__FIELD(ut_layernorm_cache, input),
+    UT__FIELD(ut_layernorm_cache, mean), UT__FIELD(ut_layernorm_cache, rstd),
+    UT__SIZE(ut_batchnorm2d), UT__FIELD(ut_batchnorm2d, weight), UT__FIELD(ut_batchnorm2d, bias),
+    UT__FIELD(ut_batchnorm2d, running_mean), UT__FIELD(ut_batchnorm2d, running_var),
+    UT__FIELD(ut_batchnorm2d, c), UT__FIELD(ut_batchnorm2d, eps),
+    UT__FIELD(ut_batchnorm2d, momentum), UT__FIELD(ut_batchnorm2d, training),
+    UT__SIZE(ut_batchnorm2d_cache), UT__FIELD(ut_batchnorm2d_cache, input),
+    UT__FIELD(ut_batchnorm2d_cache, mean), UT__FIELD(ut_batchnorm2d_cache, rstd),
+    UT__FIELD(ut_batchnorm2d_cache, training),
+    UT__SIZE(ut_dev), UT__SIZE(ut_status),
+};
+
+static long long ut__layout_find(const char* type, const char* field) {
+  if (!type) return -1;
+  for (size_t i = 0; i < sizeof ut__layout / sizeof ut__layout[0]; i++) {
+    const ut__layout_entry* e = &ut__layout[i];
+    if (strcmp(e->type, type) != 0) continue;
+    if ((field == NULL) != (e->field == NULL)) continue;
+    if (field && strcmp(e->field, field) != 0) continue;
+    return (long long)e->value;
+  }
+  return -1;
+}
+long long ut_type_size(const char* type_name) { return ut__layout_find(type_name, NULL); }
+long long ut_field_offset(const char* type_name, const char* field_name) {
+  if (!field_name) return -1;
+  return ut__layout_find(type_name, field_name);
+}
+
+/* ============================================================================================
+   CPU BACKEND (after the core, which reaches it only through its table).
+
+   Every function here is a ut__backend entry over host buffers; arguments were validated by
+   the core. Work is split over ut_get_num_threads() threads by the library's thread pool
+   (ut__parallel_run): each parallel loop is a part function over a context struct, its
+   range cut per tid by ut__cpu_part; calls below ~32K elements run serially so small ops
+   stay cheap.
+
+   Determinism: every reduction is computed by one thread in a fixed order (partitioned by
+   output element: channel, column, row or fixed-size block), so results do not depend on the
+   thread count or on scheduling. Reductions over many elements sum 16 float lanes per short
+   run and carry the runs in double.
+
+   Hot kernels (GEMM micro-kernel, depthwise planes) are compiled three times on x86-64 —
+   baseline, AVX2+FMA and AVX-512 — and picked at run time through ut__cpu_isa() (ISA
+   VARIANTS, the last section), so a build without -march=native still uses the machine's
+   vector units. UT_CPU_NO_DISPATCH turns that off.
+   ============================================================================================ */
 /* ---- thread pool ---------------------------------------------------------------------------
    The CPU backend's parallel loops run on the library's own pthreads, not OpenMP: libgomp's
    workers were still running when the library was unloaded at interpreter exit (a crash), and
@@ -1443,29 +2299,6 @@ static inline void ut__cpu_part(ut__i64 n, int tid, int nt, ut__i64* lo, ut__i64
 /* The next task of a dynamic schedule (one at a time, whoever asks first). */
 static inline ut__i64 ut__cpu_next_task(atomic_llong* next) { return atomic_fetch_add(next, 1); }
 
-/* ---- backends ----------------------------------------------------------------------------- */
-/* ============================================================================================
-   CPU BACKEND (the implementation section, after the core).
-
-   Every function here is a ut__backend entry over host buffers; arguments were validated by
-   the core. Work is split over ut_get_num_threads() threads by the library's thread pool
-   (ut__parallel_run): each parallel loop is a part function over a context struct, its
-   range cut per tid by ut__cpu_part; calls below ~32K elements run serially so small ops
-   stay cheap.
-
-   Determinism: every reduction is computed by one thread in a fixed order (partitioned by
-   output element: channel, column, row or fixed-size block), so results do not depend on the
-   thread count or on scheduling. Reductions over many elements sum 16 float lanes per short
-   run and carry the runs in double.
-
-   Hot kernels (GEMM micro-kernel, depthwise planes) are compiled three times on x86-64 —
-   baseline, AVX2+FMA and AVX-512 — and picked at run time, so a build without -march=native
-   still uses the machine's vector units. UT_CPU_NO_DISPATCH turns that off.
-   ============================================================================================ */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* UT__CPU_OPT: full vectorization and FMA contraction for the loops that need them (-O2 in
    GCC 12 only vectorizes loops with known trip counts, and -std=c11 turns contraction off). */
@@ -1480,36 +2313,9 @@ static inline ut__i64 ut__cpu_next_task(atomic_llong* next) { return atomic_fetc
 #define UT__CPU_INL static inline
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(UT_CPU_NO_DISPATCH)
-#define UT__CPU_X86 1
-#define UT__TGT_V3 __attribute__((target("avx2,fma,bmi,bmi2,f16c")))
-#if defined(__clang__)
-#define UT__TGT_V4 \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c")))
-#else
-#define UT__TGT_V4                                                                      \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c," \
-                        "prefer-vector-width=512")))
-#endif
-#endif
-
 #define UT__CPU_SERIAL_BELOW 32768 /* elements (or MACs) below which a call runs serially */
 #define UT__CPU_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define UT__CPU_MAX(a, b) ((a) > (b) ? (a) : (b))
-
-/* -1: pick from the CPU; 0, 3, 4: force baseline / AVX2 / AVX-512 kernels (tests). */
-static int ut__cpu_force_level = -1;
-
-static int ut__cpu_level(void) {
-  if (ut__cpu_force_level >= 0) return ut__cpu_force_level;
-#ifdef UT__CPU_X86
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    return 4;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 3;
-#endif
-  return 0;
-}
 
 /* Threads for a call touching about `work` elements (1 below the serial threshold). */
 static int ut__cpu_nt(double work) {
@@ -1869,10 +2675,10 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
 }
 
 /* ---- depthwise engines ----------------------------------------------------------------------
-   Two engines, both without a padded copy of the plane, written over vectors of UT__DW_V
-   floats and compiled once per width by including this file again with UT__DW_PASS defined
-   (the section at its end): 16 for AVX-512, 8 for AVX2, 4 for the baseline. Plane sizes in
-   the call's context (vectors per row, lane masks) are laid out for the width that runs.
+   Two engines, both without a padded copy of the plane, written over vectors of V floats
+   (ut__vec) and built once per width in ISA VARIANTS (the last section): 16 for AVX-512, 8 for
+   AVX2, 4 for the baseline. Plane sizes in the call's context (vectors per row, lane masks)
+   are laid out for the width that runs (ut__cpu_isa()->dw_lanes).
 
    Row engine (any geometry). Output row oy of a correlation with stride s reads the input rows
    iy = oy*s - py + ky. Each input row is turned once into s phase rows (zero padded at the
@@ -1920,114 +2726,32 @@ typedef struct ut__dwctx {
 #define UT__DW_UNROLL
 #endif
 
-/* One pass per width: UT__DW_V lanes, UT__DW_ATTR target, UT__DW_FN(name) -> name_vN. */
-#define UT__DW_PASS 1
-#ifdef UT__CPU_X86
-#define UT__DW_V 16
-#define UT__DW_ATTR UT__TGT_V4
-#define UT__DW_FN(name) name##_v4
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#define UT__DW_V 8
-#define UT__DW_ATTR UT__TGT_V3
-#define UT__DW_FN(name) name##_v3
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#endif
-#if defined(__AVX512F__)
-#define UT__DW_V0 16
-#elif defined(__AVX__)
-#define UT__DW_V0 8
-#else
-#define UT__DW_V0 4
-#endif
-#define UT__DW_V UT__DW_V0
-#define UT__DW_ATTR
-#define UT__DW_FN(name) name##_v0
-#include "utensil.h" /* again, for one vector width */
-#undef UT__DW_V
-#undef UT__DW_ATTR
-#undef UT__DW_FN
-#undef UT__DW_PASS
-
-/* Adjoint of a strided correlation for one plane, as a gather per input row: dx[iy, ix] =
-   sum over taps (ky, kx) and output pixels (oy, ox) with oy*s-p+ky = iy, ox*s-p+kx = ix of
-   wk[ky,kx] * src_tap[oy, ox], where src_tap = src + (ky*kw+kx)*tap_stride ([ho, wo]).
-   tmp holds s rows of ceil(w/s) (unused when s == 1): contributions land in phase rows
-   (ix mod s) contiguously and are interleaved into dx at the end of each row. */
-UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_stride,
-                                    const float* restrict wk, float* restrict dx, int h, int w,
-                                    int kh, int kw, int s, int p, int ho, int wo,
-                                    float* restrict tmp) {
-  int qn = (w + s - 1) / s;
-  for (int iy = 0; iy < h; iy++) {
-    float* dxr = dx + (ut__i64)iy * w;
-    float* acc = s == 1 ? dxr : tmp;
-    for (int i = 0; i < s * qn; i++) acc[i] = 0.0f;
-    for (int ky = 0; ky < kh; ky++) {
-      int t = iy + p - ky;
-      if (t < 0 || t % s != 0) continue;
-      int oy = t / s;
-      if (oy >= ho) continue;
-      for (int kx = 0; kx < kw; kx++) {
-        float wv = wk[ky * kw + kx];
-        const float* restrict gr = src + (ky * kw + kx) * tap_stride + (ut__i64)oy * wo;
-        int lo = ut__cpu_lo(kx, s, p, wo), hi = ut__cpu_hi(kx, s, p, w, wo);
-        int d = kx - p; /* ix = ox*s + d = (ox + qd)*s + rd */
-        int qd = d >= 0 ? d / s : -((-d + s - 1) / s);
-        int rd = d - qd * s;
-        float* ar = acc + rd * qn;
-        for (int ox = lo; ox < hi; ox++) ar[ox + qd] += wv * gr[ox];
-      }
-    }
-    if (s > 1) {
-      if (s == 2) {
-        int q2 = w / 2;
-        for (int q = 0; q < q2; q++) {
-          dxr[2 * q] = tmp[q];
-          dxr[2 * q + 1] = tmp[qn + q];
-        }
-        if (w & 1) dxr[w - 1] = tmp[q2];
-      } else {
-        for (int r = 0; r < s; r++)
-          for (int q = 0; q * s + r < w; q++) dxr[q * s + r] = tmp[r * qn + q];
-      }
-    }
-  }
-}
-
-/* ISA variants of the transposed-convolution gather; UT__CPU_PICK picks any variant. */
-#define UT__CPU_TCONV_PARAMS                                                                  \
-  (const float* src, ut__i64 tap_stride, const float* wk, float* dx, int h, int w, int kh,     \
-   int kw, int s, int p, int ho, int wo, float* tmp)
-#define UT__CPU_TCONV_ARGS (src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp)
-
-typedef void(*ut__cpu_dwf_fn)(const ut__dwctx* C, ut__i64 q0, ut__i64 q1, float* buf);
-typedef void(*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float* buf);
-typedef void(*ut__cpu_tconv_fn) UT__CPU_TCONV_PARAMS;
-
-#define UT__CPU_VARIANT(ATTR, NAME, BODY, PARAMS, ARGS) \
-  ATTR UT__CPU_OPT static void NAME PARAMS { BODY ARGS; }
-UT__CPU_VARIANT(, ut__cpu_tconv_v0, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS, UT__CPU_TCONV_ARGS)
-#ifdef UT__CPU_X86
-UT__CPU_VARIANT(UT__TGT_V3, ut__cpu_tconv_v3, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
-                UT__CPU_TCONV_ARGS)
-UT__CPU_VARIANT(UT__TGT_V4, ut__cpu_tconv_v4, ut__cpu_tconv_body, UT__CPU_TCONV_PARAMS,
-                UT__CPU_TCONV_ARGS)
-#define UT__CPU_PICK(NAME)                   \
-  (ut__cpu_level() >= 4   ? NAME##_v4        \
-   : ut__cpu_level() >= 3 ? NAME##_v3        \
-                          : NAME##_v0)
-/* lanes of the depthwise engines UT__CPU_PICK picks */
-#define UT__CPU_DW_LANES() (ut__cpu_level() >= 4 ? 16 : ut__cpu_level() >= 3 ? 8 : UT__DW_V0)
-#else
-#define UT__CPU_PICK(NAME) NAME##_v0
-#define UT__CPU_DW_LANES() UT__DW_V0
-#endif
+/* ---- the kernels of one instruction set ------------------------------------------------
+   The hot kernels (depthwise engines, the transposed-convolution gather, the GEMM micro-kernel
+   and dot-product engine) are built once per instruction set in ISA VARIANTS, the last
+   section, each into a table like this one; ut__cpu_isa() returns the table for this CPU. */
+typedef void (*ut__cpu_dwf_fn)(const ut__dwctx* C, ut__i64 q0, ut__i64 q1, float* buf);
+typedef void (*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float* buf);
+typedef void (*ut__cpu_tconv_fn)(const float* src, ut__i64 tap_stride, const float* wk,
+                                 float* dx, int h, int w, int kh, int kw, int s, int p, int ho,
+                                 int wo, float* tmp);
+typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
+                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
+typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
+                                 int kc, float* acc);
+typedef struct ut__cpu_isa_kernels {
+  const char* name;         /* "avx512", "avx2" or "base" */
+  int dw_lanes;             /* the depthwise engines' vector width (plane layouts follow it) */
+  ut__cpu_dwf_fn dw_forward; /* forward over planes [q0, q1) (and the stride-1 dx) */
+  ut__cpu_dwf_fn dw_dx;      /* input gradient, stride >= 2, over planes [q0, q1) */
+  ut__cpu_dwdw_fn dw_dw;     /* filter gradient of one channel */
+  ut__cpu_tconv_fn tconv;    /* col2im's gather, one plane */
+  ut__cpu_gemm_kern gemm;    /* MR x NR micro-kernel */
+  int gemm_mr, gemm_nr;
+  ut__cpu_dot_kern dot;      /* dot-product engine: dot_vl lanes, dot_rm x dot_rn tiles */
+  int dot_vl, dot_rm, dot_rn;
+} ut__cpu_isa_kernels;
+static const ut__cpu_isa_kernels* ut__cpu_isa(void);
 
 /* ---- im2col / col2im ----------------------------------------------------------------------- */
 
@@ -2119,7 +2843,7 @@ static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
   for (ut__i64 t = 0; t < taps; t++) buf[t] = 1.0f;
   const float* ones = buf;
   float* tmp0 = buf + taps;
-  ut__cpu_tconv_fn fn = UT__CPU_PICK(ut__cpu_tconv);
+  ut__cpu_tconv_fn fn = ut__cpu_isa()->tconv;
   ut__cpu_col2im_ctx c = {col, dx, g, ones, tmp0, tmpn, fn};
   ut__parallel_run(nt, ut__cpu_col2im_part, &c);
   free(buf);
@@ -2132,7 +2856,7 @@ static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
    engine's tables. Returns the floats each thread needs (0 on overflow). *tab: malloc'd tables
    (free it), NULL when unused. */
 static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
-  const int V = UT__CPU_DW_LANES();
+  const int V = ut__cpu_isa()->dw_lanes;
   int kh = C->kh, kw = C->kw, s = C->s;
   *tab = NULL;
   /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
@@ -2244,7 +2968,7 @@ static int ut__cpu_dw_planes(ut__dwctx* C, bool gather_dx, double work, const ch
                                    "than a depthwise convolution may use",
                                    what, C->s, C->wo);
   }
-  ut__cpu_dwf_fn fn = gather_dx ? UT__CPU_PICK(ut__cpu_dwdx) : UT__CPU_PICK(ut__cpu_dwf);
+  ut__cpu_dwf_fn fn = gather_dx ? ut__cpu_isa()->dw_dx : ut__cpu_isa()->dw_forward;
   ut__cpu_dw_planes_ctx c = {C, fn, bufs, per};
   ut__parallel_run(nt, ut__cpu_dw_planes_part, &c);
   free(raw);
@@ -2262,7 +2986,6 @@ static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
    padding zeros, which a non-finite weight or grad_out turns into NaN where PyTorch keeps the
    value finite. groups == c: depthwise ([c, kh, kw] weights), groups == 1: dense. The three
    directions: y = conv(x, w) + b (dst = y), dx = conv^T(go, w) (dst = dx), dW += go (x) x. */
-typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
 static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
                                const float* bias, float* dst, int out_c, bool depthwise,
                                const ut__conv_geom* g) {
@@ -2436,7 +3159,7 @@ static void ut__cpu_dw_bwd_dw_part(void* vc, int tid, int nt) {
 
 /* Parallel over channels; each channel loops over the batch in order (deterministic). */
 static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
-  const int V = UT__CPU_DW_LANES();
+  const int V = ut__cpu_isa()->dw_lanes;
   int c = g->c;
   ut__i64 taps = (ut__i64)g->kh * g->kw;
   if (c <= 0 || g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
@@ -2475,7 +3198,7 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
     free(tab);
     return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dw: out of memory");
   }
-  ut__cpu_dwdw_fn fn = UT__CPU_PICK(ut__cpu_dwdw);
+  ut__cpu_dwdw_fn fn = ut__cpu_isa()->dw_dw;
   ut__cpu_dw_bwd_dw_ctx cx = {&C, fn, bufs, per, dw, V};
   ut__parallel_run(nt, ut__cpu_dw_bwd_dw_part, &cx);
   free(raw);
@@ -2492,142 +3215,6 @@ static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const u
 #define UT__CPU_KC 256
 #define UT__CPU_MC 192
 #define UT__CPU_NC 1024
-
-typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
-                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
-
-/* C tile (mr x nr valid of MR x NR) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
-#if defined(__GNUC__)
-typedef float ut__cpu_v4f __attribute__((vector_size(16)));
-typedef float ut__cpu_v8f __attribute__((vector_size(32)));
-typedef float ut__cpu_v16f __attribute__((vector_size(64)));
-#define UT__CPU_GEMM_KERNEL(NAME, ATTR, VT, VL, MR)                                           \
-  ATTR UT__CPU_OPT static void NAME(int kc, const float* restrict ap,                         \
-                                    const float* restrict bp, float* restrict c, ut__i64 ldc,  \
-                                    int mr, int nr, float alpha, float beta) {                 \
-    VT acc0[MR], acc1[MR];                                                                    \
-    const VT zero = {0};                                                                      \
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = zero;                                    \
-    for (int k = 0; k < kc; k++) {                                                            \
-      VT b0, b1;                                                                              \
-      memcpy(&b0, bp, sizeof b0);                                                             \
-      memcpy(&b1, bp + VL, sizeof b1);                                                        \
-      for (int r = 0; r < MR; r++) {                                                          \
-        float av = ap[r];                                                                     \
-        acc0[r] += b0 * av;                                                                   \
-        acc1[r] += b1 * av;                                                                   \
-      }                                                                                       \
-      ap += MR;                                                                               \
-      bp += 2 * VL;                                                                           \
-    }                                                                                         \
-    if (mr == MR && nr == 2 * VL) {                                                           \
-      for (int r = 0; r < MR; r++) {                                                          \
-        float* cr = c + (ut__i64)r * ldc;                                                     \
-        VT o0 = acc0[r] * alpha, o1 = acc1[r] * alpha;                                        \
-        if (beta != 0.0f) {                                                                   \
-          VT c0, c1;                                                                          \
-          memcpy(&c0, cr, sizeof c0);                                                         \
-          memcpy(&c1, cr + VL, sizeof c1);                                                    \
-          o0 += c0 * beta;                                                                    \
-          o1 += c1 * beta;                                                                    \
-        }                                                                                     \
-        memcpy(cr, &o0, sizeof o0);                                                           \
-        memcpy(cr + VL, &o1, sizeof o1);                                                      \
-      }                                                                                       \
-    } else {                                                                                  \
-      float buf[MR * 2 * VL];                                                                 \
-      for (int r = 0; r < MR; r++) {                                                          \
-        memcpy(buf + r * 2 * VL, &acc0[r], sizeof acc0[r]);                                   \
-        memcpy(buf + r * 2 * VL + VL, &acc1[r], sizeof acc1[r]);                              \
-      }                                                                                       \
-      for (int r = 0; r < mr; r++) {                                                          \
-        float* cr = c + (ut__i64)r * ldc;                                                     \
-        for (int j = 0; j < nr; j++) {                                                        \
-          float v = alpha * buf[r * 2 * VL + j];                                              \
-          cr[j] = beta != 0.0f ? v + beta * cr[j] : v;                                        \
-        }                                                                                     \
-      }                                                                                       \
-    }                                                                                         \
-  }
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k0, , ut__cpu_v4f, 4, 6)
-#define UT__CPU_K0_MR 6
-#define UT__CPU_K0_NR 8
-#ifdef UT__CPU_X86
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k3, UT__TGT_V3, ut__cpu_v8f, 8, 6)
-UT__CPU_GEMM_KERNEL(ut__cpu_gemm_k4, UT__TGT_V4, ut__cpu_v16f, 16, 8)
-#endif
-
-/* Dot-product engine for C = sum_b A_b B_b^T with both operands k-contiguous (the weight
-   gradient: no transposing pack). For an mc x nc block at A[i0, k0] / B[j0, k0], adds the
-   products over kc into VL-lane accumulators acc[tile][RM x RN] (reduced later, in a fixed
-   order, by ut__cpu_dot_finish). Edge tiles repeat the last row / column and drop it. */
-typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
-                                 int kc, float* acc);
-#define UT__CPU_DOT_KERNEL(NAME, ATTR, VT, VL, RM, RN)                                         \
-  ATTR UT__CPU_OPT static void NAME(const float* a, int lda, const float* b, int ldb, int mc,  \
-                                    int nc, int kc, float* acc) {                               \
-    int ntj = (nc + RN - 1) / RN, kv = kc / VL * VL, rem = kc - kv;                          \
-    for (int ti = 0; ti * RM < mc; ti++) {                                                    \
-      const float* ar[RM];                                                                    \
-      for (int r = 0; r < RM; r++)                                                            \
-        ar[r] = a + (ut__i64)UT__CPU_MIN(ti * RM + r, mc - 1) * lda;                          \
-      for (int tj = 0; tj < ntj; tj++) {                                                      \
-        const float* br[RN];                                                                  \
-        for (int q = 0; q < RN; q++)                                                          \
-          br[q] = b + (ut__i64)UT__CPU_MIN(tj * RN + q, nc - 1) * ldb;                        \
-        float* ap = acc + ((ut__i64)ti * ntj + tj) * (RM * RN * VL);                          \
-        VT s[RM][RN];                                                                         \
-        for (int r = 0; r < RM; r++)                                                          \
-          for (int q = 0; q < RN; q++) memcpy(&s[r][q], ap + (r * RN + q) * VL, sizeof(VT));  \
-        for (int kk = 0; kk < kv; kk += VL) {                                                 \
-          VT av[RM], bv[RN];                                                                  \
-          for (int r = 0; r < RM; r++) memcpy(&av[r], ar[r] + kk, sizeof(VT));                \
-          for (int q = 0; q < RN; q++) memcpy(&bv[q], br[q] + kk, sizeof(VT));                \
-          for (int r = 0; r < RM; r++)                                                        \
-            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
-        }                                                                                     \
-        if (rem) {                                                                            \
-          VT av[RM], bv[RN];                                                                  \
-          for (int r = 0; r < RM; r++) {                                                      \
-            float t[VL] = {0};                                                                \
-            memcpy(t, ar[r] + kv, (size_t)rem * sizeof(float));                               \
-            memcpy(&av[r], t, sizeof(VT));                                                    \
-          }                                                                                   \
-          for (int q = 0; q < RN; q++) {                                                      \
-            float t[VL] = {0};                                                                \
-            memcpy(t, br[q] + kv, (size_t)rem * sizeof(float));                               \
-            memcpy(&bv[q], t, sizeof(VT));                                                    \
-          }                                                                                   \
-          for (int r = 0; r < RM; r++)                                                        \
-            for (int q = 0; q < RN; q++) s[r][q] += av[r] * bv[q];                            \
-        }                                                                                     \
-        for (int r = 0; r < RM; r++)                                                          \
-          for (int q = 0; q < RN; q++) memcpy(ap + (r * RN + q) * VL, &s[r][q], sizeof(VT));  \
-      }                                                                                       \
-    }                                                                                         \
-  }
-#define UT__CPU_HAVE_DOT 1
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k0, , ut__cpu_v4f, 4, 2, 4)
-#ifdef UT__CPU_X86
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k3, UT__TGT_V3, ut__cpu_v8f, 8, 2, 4)
-UT__CPU_DOT_KERNEL(ut__cpu_dot_k4, UT__TGT_V4, ut__cpu_v16f, 16, 4, 4)
-#endif
-#else /* no vector extensions: plain loops */
-#define UT__CPU_K0_MR 4
-#define UT__CPU_K0_NR 8
-static void ut__cpu_gemm_k0(int kc, const float* ap, const float* bp, float* c, ut__i64 ldc,
-                            int mr, int nr, float alpha, float beta) {
-  float acc[4 * 8] = {0};
-  for (int k = 0; k < kc; k++, ap += 4, bp += 8)
-    for (int r = 0; r < 4; r++)
-      for (int j = 0; j < 8; j++) acc[r * 8 + j] += ap[r] * bp[j];
-  for (int r = 0; r < mr; r++)
-    for (int j = 0; j < nr; j++) {
-      float v = alpha * acc[r * 8 + j];
-      c[r * ldc + j] = beta != 0.0f ? v + beta * c[r * ldc + j] : v;
-    }
-}
-#endif
 
 /* op(A)[i0 .. i0+mc, k0 .. k0+kc] -> MR-row micro-panels, k-major inside each. */
 UT__CPU_OPT static void ut__cpu_pack_a(const float* a, int lda, bool ta, int i0, int mc, int k0,
@@ -2746,7 +3333,6 @@ static void ut__cpu_gemm_sum_part(void* vc, int tid, int nt) {
   for (int i = (int)lo; i < hi; i++) ut__cpu_gemm_sum_parts(c->g, c->part, c->pstride, c->nck, i);
 }
 
-#ifdef UT__CPU_HAVE_DOT
 #define UT__CPU_DOT_MC 64
 #define UT__CPU_DOT_NC 64
 #define UT__CPU_DOT_KC 512 /* a multiple of every VL */
@@ -2819,19 +3405,9 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
    (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
 static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
-  ut__cpu_dot_kern kern = ut__cpu_dot_k0;
-  int VL = 4, RM = 2, RN = 4;
-#ifdef UT__CPU_X86
-  int lv = ut__cpu_level();
-  if (lv >= 4) {
-    kern = ut__cpu_dot_k4;
-    VL = 16;
-    RM = 4;
-  } else if (lv >= 3) {
-    kern = ut__cpu_dot_k3;
-    VL = 8;
-  }
-#endif
+  const ut__cpu_isa_kernels* isa = ut__cpu_isa();
+  ut__cpu_dot_kern kern = isa->dot;
+  int VL = isa->dot_vl, RM = isa->dot_rm, RN = isa->dot_rn;
   int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
   while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
   int per = (g->batch + nck - 1) / nck;
@@ -2858,7 +3434,6 @@ static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   free(raw);
   return UT_OK;
 }
-#endif
 
 typedef struct {
   const ut__gemm_args* g;
@@ -2921,26 +3496,13 @@ static int ut__cpu_gemm(const ut__gemm_args* g) {
                            g->beta);
     return UT_OK;
   }
-#ifdef UT__CPU_HAVE_DOT
   /* where packing would cost about as much as the products: a short side, a long k */
   if (g->sum_batch && !g->trans_a && g->trans_b && k >= 256 &&
       (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
     return ut__cpu_gemm_dot(g);
-#endif
-  ut__cpu_gemm_kern kern = ut__cpu_gemm_k0;
-  int MR = UT__CPU_K0_MR, NR = UT__CPU_K0_NR;
-#ifdef UT__CPU_X86
-  int lv = ut__cpu_level();
-  if (lv >= 4) {
-    kern = ut__cpu_gemm_k4;
-    MR = 8;
-    NR = 32;
-  } else if (lv >= 3) {
-    kern = ut__cpu_gemm_k3;
-    MR = 6;
-    NR = 16;
-  }
-#endif
+  const ut__cpu_isa_kernels* isa = ut__cpu_isa();
+  ut__cpu_gemm_kern kern = isa->gemm;
+  int MR = isa->gemm_mr, NR = isa->gemm_nr;
   int mr_up = (m + MR - 1) / MR * MR, nr_up = (n + NR - 1) / NR * NR;
   int MC = UT__CPU_MIN(mr_up, UT__CPU_MC / MR * MR);
   int NC = UT__CPU_MIN(nr_up, UT__CPU_NC / NR * NR);
@@ -3629,1474 +4191,1007 @@ static const ut__backend ut__cpu_backend = {
     .adam = ut__cpu_adam,
 };
 
-/* CUDA BACKEND. ut__cuda_backend() is defined by native/cuda/backend.cu when its objects are
-   linked in. So that a plain `cc app.c` links and runs on the CPU without them, the
-   implementation defines a stand-in that returns NULL ("no CUDA backend built in"): on GCC and
-   Clang (ELF, Mach-O) a weak definition (the declaration above carries the attribute), which
-   the linker drops in favour of backend.cu's strong one when both are linked, so the GPU comes
-   with the objects and no define. A weak definition rather than a weak reference tested for
-   NULL, so that every caller stays a plain call. Other compilers have no portable weak
-   symbols: there a CPU-only build defines UT_NO_CUDA, the explicit opt-out that works
-   everywhere (a strong stand-in, so linking backend.cu's objects as well fails to link). */
-#if defined(UT_NO_CUDA) || defined(UT__CUDA_WEAK_STANDIN)
-const ut__backend* ut__cuda_backend(void) { return NULL; }
+/* ============================================================================================
+   ISA VARIANTS. Each hot kernel is an always-inline body (UT__CPU_INL) that takes its vector
+   width V (and register blocking) as constant parameters, plus one thin wrapper per
+   instruction set that calls it with that ISA's constants under a target attribute:
+       NAME_avx512   AVX-512 (F, VL, BW, DQ), V = 16
+       NAME_avx2     AVX2 + FMA, V = 8
+       NAME_base     the build's own flags: V = 16 with -mavx512f, 8 with -mavx, else 4
+   so GCC and Clang compile every body once per ISA, fully inlined and vectorized for it, and
+   a build without -march=native still uses the machine's vector units. Each ISA's wrappers
+   are collected in one ut__cpu_isa_kernels table; ut__cpu_isa() is the one run-time dispatch
+   point (cpuid through __builtin_cpu_supports). Off x86-64, on compilers without target
+   attributes, and with UT_CPU_NO_DISPATCH, only the base table exists.
+   ============================================================================================ */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(UT_CPU_NO_DISPATCH)
+#define UT__CPU_X86 1
+#define UT__TGT_AVX2 __attribute__((target("avx2,fma,bmi,bmi2,f16c")))
+#if defined(__clang__)
+#define UT__TGT_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c")))
+#else
+#define UT__TGT_AVX512                                                                      \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi,bmi2,f16c," \
+                        "prefer-vector-width=512")))
+#endif
 #endif
 
-static const ut__backend* ut__backend_for(ut_dev dev) {
-  if (dev == UT_CUDA) {
-    const ut__backend* gpu = ut__cuda_backend();
-    if (gpu) return gpu;
-  }
-  return &ut__cpu_backend;
-}
-static bool ut__is_device_backend(const ut__backend* be) { return be->mem_alloc != NULL; }
+/* -1: pick from the CPU; 0, 3, 4: force baseline / AVX2 / AVX-512 kernels (tests). */
+static int ut__cpu_force_level = -1;
 
-bool ut_cuda_available(void) { return ut__cuda_backend() != NULL; }
-const char* ut_backend_name(ut_dev dev) {
-  if (dev != UT_CPU && dev != UT_CUDA) return "invalid";
-  return ut__backend_for(dev)->name;
-}
-int ut_cuda_synchronize(void) {
-  const ut__backend* gpu = ut__cuda_backend();
-  return gpu ? gpu->synchronize() : UT_OK;
-}
-int ut_cuda_stream_wait(void* waiting, void* signalling) {
-  const ut__backend* gpu = ut__cuda_backend();
-  return gpu ? gpu->stream_wait(waiting, signalling) : UT_OK;
-}
-int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
-  UT__CHECK(free_bytes && total_bytes, UT_ERR_ARG, "ut_cuda_mem_info: NULL argument");
-  const ut__backend* gpu = ut__cuda_backend();
-  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cuda_mem_info: no CUDA device is available");
-  return gpu->mem_info(free_bytes, total_bytes);
+static int ut__cpu_level(void) {
+  if (ut__cpu_force_level >= 0) return ut__cpu_force_level;
+#ifdef UT__CPU_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return 4;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 3;
+#endif
+  return 0;
 }
 
-/* ---- shapes and tensors ------------------------------------------------------------------- */
-static int ut__shape_make(ut_shape* s, int ndim, const int* shape, const char* who) {
-  memset(s, 0, sizeof *s);
-  UT__CHECK(shape || ndim == 0, UT_ERR_ARG, "%s: shape is NULL", who);
-  UT__CHECK(ndim >= 1 && ndim <= UT_MAX_DIMS, UT_ERR_SHAPE,
-            "%s: ndim must be in [1, %d], got %d", who, UT_MAX_DIMS, ndim);
-  long long n = 1;
-  for (int i = 0; i < ndim; i++) {
-    UT__CHECK(shape[i] >= 1, UT_ERR_SHAPE, "%s: dimension %d must be positive, got %d", who, i,
-              shape[i]);
-    n *= shape[i];
-    UT__CHECK(n <= INT_MAX, UT_ERR_SHAPE, "%s: more than %d elements", who, INT_MAX);
-  }
-  s->ndim = ndim;
-  for (int i = 0; i < ndim; i++) s->shape[i] = shape[i];
-  s->nelem = (int)n;
-  return UT_OK;
-}
+/* ---- vectors of V floats ----------------------------------------------------------------------
+   A ut__vec holds one vector of V = 16, 8 or 4 floats (one zmm, ymm or xmm register). V is a
+   constant in every variant (a literal in its wrapper), so each helper below folds to the one
+   operation of that width: no vector wider than the ISA's is ever formed (GCC would lower it
+   through the stack). Each width has its own member of a struct, not of a union: GCC
+   optimizes an always-inline body once on its own, V unknown, before inlining it, and
+   overlapping members of different sizes would then keep the instantiations copying vectors
+   through the stack; separate members become separate registers, and those of the other
+   widths vanish. The members are 16-byte aligned so that a by-value ut__vec has one calling
+   convention across GCC versions (no -Wpsabi note; the helpers are always inlined anyway).
+   Plain arrays and loops where the compiler has no vector extensions. */
+#if defined(__GNUC__)
+typedef float ut__v4f __attribute__((vector_size(16)));
+typedef float ut__v8f __attribute__((vector_size(32), aligned(16)));
+typedef float ut__v16f __attribute__((vector_size(64), aligned(16)));
+typedef int32_t ut__v4i __attribute__((vector_size(16)));
+typedef int32_t ut__v8i __attribute__((vector_size(32), aligned(16)));
+typedef int32_t ut__v16i __attribute__((vector_size(64), aligned(16)));
+/* unaligned, aliasing views of memory, for loads and stores */
+typedef float ut__v4fu __attribute__((vector_size(16), aligned(4), may_alias));
+typedef float ut__v8fu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float ut__v16fu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t ut__v4iu __attribute__((vector_size(16), aligned(4), may_alias));
+typedef int32_t ut__v8iu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t ut__v16iu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float ut__v2fu __attribute__((vector_size(8), aligned(4), may_alias));
+typedef double ut__v2du __attribute__((vector_size(16), aligned(8), may_alias));
+typedef double ut__v4du __attribute__((vector_size(32), aligned(8), may_alias));
+typedef double ut__v8du __attribute__((vector_size(64), aligned(8), may_alias));
+typedef struct ut__vec {
+  ut__v16f z; /* V = 16 */
+  ut__v8f y;  /* V = 8 */
+  ut__v4f x;  /* V = 4 */
+} ut__vec;
 
-ut_shape ut_shape_new(int ndim, const int* shape) {
-  ut_shape s;
-  ut__shape_make(&s, ndim, shape, "ut_shape_new");
-  return s;
-}
-
-static bool ut__dev_valid(ut_dev dev) { return dev == UT_CPU || dev == UT_CUDA; }
-
-/* A tensor with uninitialized contents. Its host copy is allocated but not touched, so large
-   GPU-resident intermediates cost no host memory until someone reads them. */
-static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* who) {
-  UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
-  ut_shape s;
-  if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
-  size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
-  ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
-  float* data = (float*)aligned_alloc(64, bytes);
-  if (!t || !data) {
-    free(t);
-    free(data);
-    ut__set_error(UT_ERR_MEMORY, "%s: out of host memory allocating %zu bytes", who, bytes);
-    return NULL;
-  }
-  t->shape = s;
-  t->data = data;
-  t->dev = dev;
-  t->rc = 1;
-  const ut__backend* be = ut__backend_for(dev);
-  if (ut__is_device_backend(be)) {
-    t->gpu_buf = be->mem_alloc(bytes);
-    if (!t->gpu_buf) {
-      free(data);
-      free(t);
-      return NULL; /* the backend set the error */
-    }
-  }
-  atomic_fetch_add(&ut__live, 1);
-  return t;
-}
-static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
-  return ut__new(t->shape.ndim, t->shape.shape, t->dev, who);
-}
-/* A tensor whose host copy the caller just filled: the host owns the values. */
-static void ut__host_wrote(ut_tensor* t) {
-  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
-  t->dirty_cpu = false;
-  t->dirty_gpu = t->gpu_buf != NULL;
-}
-
-ut_tensor* ut_alloc(int ndim, const int* shape, ut_dev dev) {
-  ut_tensor* t = ut__new(ndim, shape, dev, "ut_alloc");
-  if (!t) return NULL;
-  memset(t->data, 0, (size_t)t->shape.nelem * sizeof(float));
-  ut__host_wrote(t);
-  return t;
-}
-
-ut_tensor* ut_from_data(int ndim, const int* shape, const float* data, ut_dev dev) {
-  UT__CHECK_NULL(data, UT_ERR_ARG, "ut_from_data: data is NULL");
-  ut_tensor* t = ut__new(ndim, shape, dev, "ut_from_data");
-  if (!t) return NULL;
-  memcpy(t->data, data, (size_t)t->shape.nelem * sizeof(float));
-  ut__host_wrote(t);
-  return t;
-}
-
-ut_tensor* ut_randn(int ndim, const int* shape, float mean, float std, ut_dev dev) {
-  UT__CHECK_NULL(isfinite(mean) && isfinite(std) && std >= 0, UT_ERR_ARG,
-                 "ut_randn: mean and std must be finite and std >= 0");
-  ut_tensor* t = ut__new(ndim, shape, dev, "ut_randn");
-  if (!t) return NULL;
-  ut__fill_randn(t->data, t->shape.nelem, mean, std);
-  ut__host_wrote(t);
-  return t;
-}
-
-ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*release)(void* ctx),
-                   void* ctx) {
-  const char* who = "ut_wrap";
-  UT__CHECK_NULL(ptr, UT_ERR_ARG, "%s: ptr is NULL", who);
-  UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
-  const ut__backend* be = ut__backend_for(dev);
-  UT__CHECK_NULL(dev == UT_CPU || ut__is_device_backend(be), UT_ERR_DEVICE,
-                 "%s: device memory needs a CUDA device, and none is available", who);
-  ut_shape s;
-  if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
-  ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
-  float* host = NULL;
-  if (t && dev == UT_CUDA) {
-    size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
-    host = (float*)aligned_alloc(64, bytes);
-  }
-  if (!t || (dev == UT_CUDA && !host)) {
-    free(t);
-    ut__set_error(UT_ERR_MEMORY, "%s: out of host memory", who);
-    return NULL;
-  }
-  t->shape = s;
-  t->dev = dev;
-  t->rc = 1;
-  t->borrowed = true;
-  t->release = release;
-  t->release_ctx = ctx;
-  if (dev == UT_CUDA) {
-    t->data = host;
-    t->gpu_buf = ptr;
-    t->dirty_cpu = true; /* the device memory holds the values */
-  } else {
-    t->data = (float*)ptr;
-  }
-  atomic_fetch_add(&ut__live, 1);
-  return t;
-}
-
-/* rc stays a plain int (the bindings declare the struct), updated with atomic builtins so two
-   threads may retain and free one tensor at once. */
-ut_tensor* ut_retain(ut_tensor* t) {
-  if (t) __atomic_fetch_add(&t->rc, 1, __ATOMIC_RELAXED);
-  return t;
-}
-
-void ut_free(ut_tensor* t) {
-  if (!t || __atomic_sub_fetch(&t->rc, 1, __ATOMIC_ACQ_REL) > 0) return;
-  bool own_gpu = !(t->borrowed && t->dev == UT_CUDA), own_host = !(t->borrowed && t->dev == UT_CPU);
-  if (t->gpu_buf && own_gpu) {
-    const ut__backend* gpu = ut__cuda_backend();
-    if (gpu) gpu->mem_free(t->gpu_buf);
-  }
-  if (own_host) free(t->data);
-  if (t->release) t->release(t->release_ctx);
-  free(t);
-  atomic_fetch_sub(&ut__live, 1);
-}
-
-void ut_free_n(ut_tensor** ts, int n) {
-  if (!ts) return;
-  for (int i = 0; i < n; i++) ut_free(ts[i]);
-}
-
-static int ut__check_tensor(const ut_tensor* t, const char* who, const char* name) {
-  UT__CHECK(t, UT_ERR_ARG, "%s: %s is NULL", who, name);
-  UT__CHECK(t->rc >= 1 && t->data && t->shape.ndim >= 1 && t->shape.ndim <= UT_MAX_DIMS &&
-                ut__dev_valid(t->dev),
-            UT_ERR_ARG, "%s: %s is not a live tensor", who, name);
-  /* a struct whose shape was overwritten would send the kernels past its buffer */
-  long long n = 1;
-  for (int i = 0; i < t->shape.ndim && n <= INT_MAX; i++)
-    n *= t->shape.shape[i] >= 1 ? t->shape.shape[i] : (long long)INT_MAX + 1;
-  UT__CHECK(n == t->shape.nelem, UT_ERR_ARG,
-            "%s: %s is not a live tensor (its shape does not match its %d elements)", who, name,
-            t->shape.nelem);
-  return UT_OK;
-}
-/* Two arguments an op reads and writes in an order that needs them apart. */
-static int ut__check_distinct(const ut_tensor* a, const ut_tensor* b, const char* who,
-                              const char* an, const char* bn) {
-  UT__CHECK(!a || !b || (a != b && a->data != b->data && (!a->gpu_buf || a->gpu_buf != b->gpu_buf)),
-            UT_ERR_ARG, "%s: %s and %s must be different tensors", who, an, bn);
-  return UT_OK;
-}
-static int ut__check_same_dev(const ut_tensor* a, const ut_tensor* b, const char* who,
-                              const char* name) {
-  UT__CHECK(a->dev == b->dev, UT_ERR_ARG, "%s: %s is on %s but the op runs on %s", who, name,
-            b->dev == UT_CPU ? "cpu" : "cuda", a->dev == UT_CPU ? "cpu" : "cuda");
-  return UT_OK;
-}
-/* t is a live tensor on ref's device (ref NULL: any) with `nelem` elements (-1: any). */
-static int ut__check_arg(const ut_tensor* t, const ut_tensor* ref, long long nelem, const char* who,
-                         const char* name) {
-  UT__TRY(ut__check_tensor(t, who, name));
-  if (ref) UT__TRY(ut__check_same_dev(ref, t, who, name));
-  UT__CHECK(nelem < 0 || t->shape.nelem == nelem, UT_ERR_SHAPE,
-            "%s: %s must have %lld elements, got %d", who, name, nelem, t->shape.nelem);
-  return UT_OK;
-}
-static bool ut__same_shape(const ut_tensor* a, const ut_tensor* b) {
-  if (a->shape.ndim != b->shape.ndim) return false;
-  for (int i = 0; i < a->shape.ndim; i++)
-    if (a->shape.shape[i] != b->shape.shape[i]) return false;
-  return true;
-}
-/* A shape as messages print it, "[2, 3, 4]": `ut__shape_text(t).s` lives to the end of the
-   statement that formats the message. The bindings raise these messages as they are, so they
-   name the shape the caller passed rather than only the rule it broke. */
-typedef struct ut__shape_str {
-  char s[UT_MAX_DIMS * 13 + 3];
-} ut__shape_str;
-static ut__shape_str ut__shape_text(const ut_tensor* t) {
-  ut__shape_str r = {"["};
-  size_t n = 1;
-  for (int i = 0; i < t->shape.ndim && i < UT_MAX_DIMS; i++)
-    n += (size_t)snprintf(r.s + n, sizeof r.s - n, i ? ", %d" : "%d", t->shape.shape[i]);
-  snprintf(r.s + n, sizeof r.s - n, "]");
+UT__CPU_INL ut__vec ut__v_ld(const float* p, const int V) {
+  ut__vec r;
+  if (V == 16) r.z = *(const ut__v16fu*)(const void*)p;
+  else if (V == 8) r.y = *(const ut__v8fu*)(const void*)p;
+  else r.x = *(const ut__v4fu*)(const void*)p;
   return r;
 }
-
-/* ---- the host/device mirror --------------------------------------------------------------- */
-static int ut__download(ut_tensor* t) {
-  if (t->gpu_buf && t->dirty_cpu) {
-    const ut__backend* gpu = ut__cuda_backend();
-    UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_cpu: the tensor's GPU copy is unreachable");
-    UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
-    atomic_fetch_add(&ut__downloads, 1);
-    t->dirty_cpu = false;
-  }
-  return UT_OK;
+UT__CPU_INL void ut__v_st(float* p, ut__vec v, const int V) {
+  if (V == 16) *(ut__v16fu*)(void*)p = v.z;
+  else if (V == 8) *(ut__v8fu*)(void*)p = v.y;
+  else *(ut__v4fu*)(void*)p = v.x;
 }
-int ut_sync_cpu(ut_tensor* t) {
-  UT__TRY(ut__check_tensor(t, "ut_sync_cpu", "t"));
-  UT__TRY(ut__download(t));
-  ut__host_wrote(t); /* the caller may now write through data */
-  return UT_OK;
+UT__CPU_INL ut__vec ut__v_dup(float s, const int V) {
+  ut__vec r;
+  if (V == 16) r.z = (ut__v16f){0} + s;
+  else if (V == 8) r.y = (ut__v8f){0} + s;
+  else r.x = (ut__v4f){0} + s;
+  return r;
 }
-int ut_sync_cpu_readonly(ut_tensor* t) {
-  UT__TRY(ut__check_tensor(t, "ut_sync_cpu_readonly", "t"));
-  return ut__download(t);
+/* acc + w v (one FMA: the CPU backend compiles with fp-contract=fast) */
+UT__CPU_INL ut__vec ut__v_fma(ut__vec acc, float w, ut__vec v, const int V) {
+  if (V == 16) acc.z = acc.z + w * v.z;
+  else if (V == 8) acc.y = acc.y + w * v.y;
+  else acc.x = acc.x + w * v.x;
+  return acc;
 }
-int ut_sync_gpu(ut_tensor* t) {
-  UT__TRY(ut__check_tensor(t, "ut_sync_gpu", "t"));
-  if (t->gpu_buf && t->dirty_gpu) {
-    const ut__backend* gpu = ut__cuda_backend();
-    UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_gpu: no CUDA device is available");
-    UT__TRY(gpu->upload(t->gpu_buf, t->data, (size_t)t->shape.nelem * sizeof(float)));
-    atomic_fetch_add(&ut__uploads, 1);
-    t->dirty_gpu = false;
-  }
-  return UT_OK;
+/* acc + a b, lane by lane */
+UT__CPU_INL ut__vec ut__v_fmav(ut__vec acc, ut__vec a, ut__vec b, const int V) {
+  if (V == 16) acc.z = acc.z + a.z * b.z;
+  else if (V == 8) acc.y = acc.y + a.y * b.y;
+  else acc.x = acc.x + a.x * b.x;
+  return acc;
 }
-int ut_to_device(ut_tensor* t, ut_dev dev) {
-  UT__TRY(ut__check_tensor(t, "ut_to_device", "t"));
-  UT__CHECK(ut__dev_valid(dev), UT_ERR_ARG, "ut_to_device: invalid device %d", (int)dev);
-  if (t->dev == dev) return UT_OK;
-  UT__CHECK(!t->borrowed, UT_ERR_ARG,
-            "ut_to_device: a tensor over borrowed memory (ut_wrap) cannot change device; copy it");
-  const ut__backend* be = ut__backend_for(dev);
-  if (ut__is_device_backend(be)) {
-    size_t bytes = ((size_t)t->shape.nelem * sizeof(float) + 63) & ~(size_t)63;
-    void* buf = be->mem_alloc(bytes);
-    if (!buf) return ut__err_status;
-    t->gpu_buf = buf;
-    t->dirty_gpu = true;
-    t->dirty_cpu = false;
-    UT__TRY(ut_sync_gpu(t));
-  } else if (t->gpu_buf) {
-    UT__TRY(ut__download(t));
-    ut__cuda_backend()->mem_free(t->gpu_buf);
-    t->gpu_buf = NULL;
-    t->dirty_cpu = t->dirty_gpu = false;
-  }
-  t->dev = dev;
-  return UT_OK;
+UT__CPU_INL ut__vec ut__v_add(ut__vec a, ut__vec b, const int V) {
+  if (V == 16) a.z += b.z;
+  else if (V == 8) a.y += b.y;
+  else a.x += b.x;
+  return a;
 }
-
-/* Op plumbing: an op picks the backend of its first tensor's device, reads its inputs through
-   ut__in (current on that side), and marks each tensor it wrote with ut__wrote. */
-static const float* ut__in(ut_tensor* t, const ut__backend* be) {
-  if (ut__is_device_backend(be)) {
-    if (ut_sync_gpu(t) < 0) return NULL;
-    return (const float*)t->gpu_buf;
-  }
-  if (ut__download(t) < 0) return NULL;
-  return t->data;
+UT__CPU_INL ut__vec ut__v_scale(ut__vec a, float s, const int V) {
+  if (V == 16) a.z = a.z * s;
+  else if (V == 8) a.y = a.y * s;
+  else a.x = a.x * s;
+  return a;
 }
-/* A tensor the op reads and then writes (accumulators, in-place updates). */
-static float* ut__inout(ut_tensor* t, const ut__backend* be) { return (float*)ut__in(t, be); }
-/* A fresh output: nothing to read. */
-static float* ut__out(ut_tensor* t, const ut__backend* be) {
-  return ut__is_device_backend(be) ? (float*)t->gpu_buf : t->data;
+/* v with the lanes cleared where the int32 mask m[0..V) is 0 (masks are 0 or ~0) */
+UT__CPU_INL ut__vec ut__v_and(ut__vec v, const int32_t* m, const int V) {
+  if (V == 16) v.z = (ut__v16f)((ut__v16i)v.z & *(const ut__v16iu*)(const void*)m);
+  else if (V == 8) v.y = (ut__v8f)((ut__v8i)v.y & *(const ut__v8iu*)(const void*)m);
+  else v.x = (ut__v4f)((ut__v4i)v.x & *(const ut__v4iu*)(const void*)m);
+  return v;
 }
-static void ut__wrote(ut_tensor* t, const ut__backend* be) {
-  __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
-  if (ut__is_device_backend(be)) {
-    t->dirty_cpu = true;
-    t->dirty_gpu = false;
+/* d[0..V) += (double)v, lane by lane */
+UT__CPU_INL void ut__v_acc_d(double* d, ut__vec v, const int V) {
+  float t[16];
+  ut__v_st(t, v, V);
+  if (V == 16) {
+    *(ut__v8du*)(void*)d += __builtin_convertvector(*(const ut__v8fu*)(const void*)t, ut__v8du);
+    *(ut__v8du*)(void*)(d + 8) +=
+        __builtin_convertvector(*(const ut__v8fu*)(const void*)(t + 8), ut__v8du);
+  } else if (V == 8) {
+    *(ut__v4du*)(void*)d += __builtin_convertvector(*(const ut__v4fu*)(const void*)t, ut__v4du);
+    *(ut__v4du*)(void*)(d + 4) +=
+        __builtin_convertvector(*(const ut__v4fu*)(const void*)(t + 4), ut__v4du);
   } else {
-    t->dirty_cpu = false;
-    t->dirty_gpu = t->gpu_buf != NULL;
+    *(ut__v2du*)(void*)d += __builtin_convertvector(*(const ut__v2fu*)(const void*)t, ut__v2du);
+    *(ut__v2du*)(void*)(d + 2) +=
+        __builtin_convertvector(*(const ut__v2fu*)(const void*)(t + 2), ut__v2du);
   }
 }
-/* Release a tensor and return NULL: for `return ut__drop(out);` on a failure path. */
-static ut_tensor* ut__drop(ut_tensor* t) {
-  ut_free(t);
-  return NULL;
+/* the even lanes of x0 then of x1 (a stride-2 row's phase 0) */
+UT__CPU_INL ut__vec ut__v_even(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                  28, 30);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 2, 4, 6, 8, 10, 12, 14);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 2, 4, 6);
+#else
+  if (V == 16)
+    r.z = __builtin_shuffle(x0.z, x1.z,
+                            (ut__v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 2, 4, 6, 8, 10, 12, 14});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 2, 4, 6});
+#endif
+  return r;
 }
-/* Run one backend call that wrote `out`: on failure free out and return NULL. */
-static ut_tensor* ut__finish(ut_tensor* out, const ut__backend* be, int rc) {
-  if (rc < 0) return ut__drop(out);
-  ut__wrote(out, be);
-  return out;
+/* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
+UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                  23);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 8, 1, 9, 2, 10, 3, 11);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 4, 1, 5);
+#else
+  if (V == 16)
+    r.z = __builtin_shuffle(x0.z, x1.z,
+                            (ut__v16i){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 8, 1, 9, 2, 10, 3, 11});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 4, 1, 5});
+#endif
+  return r;
 }
-
-/* ---- whole-tensor utilities --------------------------------------------------------------- */
-ut_tensor* ut_copy(ut_tensor* t) {
-  if (ut__check_tensor(t, "ut_copy", "t") < 0) return NULL;
-  const ut__backend* be = ut__backend_for(t->dev);
-  const float* src = ut__in(t, be);
-  if (!src) return NULL;
-  ut_tensor* out = ut__new_like(t, "ut_copy");
-  if (!out) return NULL;
-  return ut__finish(out, be, be->copy(ut__out(out, be), src, t->shape.nelem));
+UT__CPU_INL ut__vec ut__v_zip_hi(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+#if defined(__clang__)
+  if (V == 16)
+    r.z = __builtin_shufflevector(x0.z, x1.z, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                                  30, 15, 31);
+  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 4, 12, 5, 13, 6, 14, 7, 15);
+  else r.x = __builtin_shufflevector(x0.x, x1.x, 2, 6, 3, 7);
+#else
+  if (V == 16)
+    r.z = __builtin_shuffle(
+        x0.z, x1.z, (ut__v16i){8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31});
+  else if (V == 8)
+    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){4, 12, 5, 13, 6, 14, 7, 15});
+  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){2, 6, 3, 7});
+#endif
+  return r;
 }
-
-int ut_copy_into(ut_tensor* dst, ut_tensor* src) {
-  UT__TRY(ut__check_tensor(dst, "ut_copy_into", "dst"));
-  UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_copy_into", "src"));
-  if (dst == src) return UT_OK;
-  const ut__backend* be = ut__backend_for(dst->dev);
-  const float* s = ut__in(src, be);
-  if (!s) return ut__err_status;
-  UT__TRY(be->copy(ut__out(dst, be), s, dst->shape.nelem));
-  ut__wrote(dst, be);
-  return UT_OK;
+#else /* no vector extensions */
+typedef struct ut__vec {
+  float f[16];
+} ut__vec;
+static inline ut__vec ut__v_ld(const float* p, const int V) {
+  ut__vec r;
+  memcpy(r.f, p, (size_t)V * sizeof(float));
+  return r;
 }
-
-ut_tensor* ut_reshape(ut_tensor* t, int ndim, const int* shape) {
-  if (ut__check_tensor(t, "ut_reshape", "t") < 0) return NULL;
-  ut_shape s;
-  if (ut__shape_make(&s, ndim, shape, "ut_reshape") < 0) return NULL;
-  UT__CHECK_NULL(s.nelem == t->shape.nelem, UT_ERR_SHAPE,
-                 "ut_reshape: the new shape has %d elements, the tensor %d", s.nelem,
-                 t->shape.nelem);
-  ut_tensor* out = ut_copy(t);
-  if (out) out->shape = s;
-  return out;
+static inline void ut__v_st(float* p, ut__vec v, const int V) {
+  memcpy(p, v.f, (size_t)V * sizeof(float));
 }
-
-int ut_fill(ut_tensor* t, float value) {
-  UT__TRY(ut__check_tensor(t, "ut_fill", "t"));
-  const ut__backend* be = ut__backend_for(t->dev);
-  UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
-  ut__wrote(t, be);
-  return UT_OK;
+static inline ut__vec ut__v_dup(float s, const int V) {
+  ut__vec r;
+  for (int i = 0; i < V; i++) r.f[i] = s;
+  return r;
 }
-
-ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
-  if (ut__check_tensor(t, "ut_transpose", "t") < 0) return NULL;
-  int nd = t->shape.ndim;
-  UT__CHECK_NULL(d0 >= 0 && d0 < nd && d1 >= 0 && d1 < nd, UT_ERR_ARG,
-                 "ut_transpose: dims (%d, %d) out of range for a %d-D tensor", d0, d1, nd);
-  if (d0 == d1) return ut_copy(t);
-  if (d0 > d1) {
-    int tmp = d0;
-    d0 = d1;
-    d1 = tmp;
+static inline ut__vec ut__v_fma(ut__vec acc, float w, ut__vec v, const int V) {
+  for (int i = 0; i < V; i++) acc.f[i] += w * v.f[i];
+  return acc;
+}
+static inline ut__vec ut__v_fmav(ut__vec acc, ut__vec a, ut__vec b, const int V) {
+  for (int i = 0; i < V; i++) acc.f[i] += a.f[i] * b.f[i];
+  return acc;
+}
+static inline ut__vec ut__v_add(ut__vec a, ut__vec b, const int V) {
+  for (int i = 0; i < V; i++) a.f[i] += b.f[i];
+  return a;
+}
+static inline ut__vec ut__v_scale(ut__vec a, float s, const int V) {
+  for (int i = 0; i < V; i++) a.f[i] = a.f[i] * s;
+  return a;
+}
+static inline ut__vec ut__v_and(ut__vec v, const int32_t* m, const int V) {
+  for (int i = 0; i < V; i++) {
+    int32_t b;
+    memcpy(&b, &v.f[i], 4);
+    b &= m[i];
+    memcpy(&v.f[i], &b, 4);
   }
-  const int* sh = t->shape.shape;
-  int outer = 1, mid = 1, inner = 1;
-  for (int i = 0; i < d0; i++) outer *= sh[i];
-  for (int i = d0 + 1; i < d1; i++) mid *= sh[i];
-  for (int i = d1 + 1; i < nd; i++) inner *= sh[i];
-  int oshape[UT_MAX_DIMS];
-  memcpy(oshape, sh, sizeof(int) * (size_t)nd);
-  oshape[d0] = sh[d1];
-  oshape[d1] = sh[d0];
-  const ut__backend* be = ut__backend_for(t->dev);
-  const float* src = ut__in(t, be);
-  if (!src) return NULL;
-  ut_tensor* out = ut__new(nd, oshape, t->dev, "ut_transpose");
-  if (!out) return NULL;
-  return ut__finish(out, be,
-                    be->transpose(src, ut__out(out, be), outer, sh[d0], mid, sh[d1], inner));
+  return v;
 }
+static inline void ut__v_acc_d(double* d, ut__vec v, const int V) {
+  for (int i = 0; i < V; i++) d[i] += (double)v.f[i];
+}
+#endif
 
-/* ---- elementwise -------------------------------------------------------------------------- */
-static ut_tensor* ut__relu_fwd(ut_tensor* x, float cap, const char* who) {
-  if (ut__check_tensor(x, who, "x") < 0) return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  if (!xp) return NULL;
-  ut_tensor* y = ut__new_like(x, who);
-  if (!y) return NULL;
-  return ut__finish(y, be, be->relu_fwd(xp, ut__out(y, be), x->shape.nelem, cap));
-}
-ut_tensor* ut_relu(ut_tensor* x) { return ut__relu_fwd(x, 0.f, "ut_relu"); }
-ut_tensor* ut_relu6(ut_tensor* x) { return ut__relu_fwd(x, 6.f, "ut_relu6"); }
-
-static ut_tensor* ut__relu_bwd(ut_tensor* go, ut_tensor* x, float cap, const char* who) {
-  if (ut__check_tensor(go, who, "grad_out") < 0 || ut__check_arg(x, go, -1, who, "fwd_input") < 0)
-    return NULL;
-  UT__CHECK_NULL(ut__same_shape(go, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s but fwd_input has shape %s (they must match)", who,
-                 ut__shape_text(go).s, ut__shape_text(x).s);
-  const ut__backend* be = ut__backend_for(go->dev);
-  const float* gp = ut__in(go, be);
-  const float* xp = gp ? ut__in(x, be) : NULL;
-  if (!xp) return NULL;
-  ut_tensor* gi = ut__new_like(go, who);
-  if (!gi) return NULL;
-  return ut__finish(gi, be, be->relu_bwd(gp, xp, ut__out(gi, be), go->shape.nelem, cap));
-}
-ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
-  return ut__relu_bwd(grad_out, fwd_input, 0.f, "ut_relu_backward");
-}
-ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
-  return ut__relu_bwd(grad_out, fwd_input, 6.f, "ut_relu6_backward");
-}
-
-int ut_add_into(ut_tensor* dst, ut_tensor* src) {
-  UT__TRY(ut__check_tensor(dst, "ut_add_into", "dst"));
-  UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_add_into", "src"));
-  const ut__backend* be = ut__backend_for(dst->dev);
-  const float* s = ut__in(src, be);
-  float* d = s ? ut__inout(dst, be) : NULL;
-  if (!d) return ut__err_status;
-  UT__TRY(be->axpy(d, s, dst->shape.nelem, 1.f));
-  ut__wrote(dst, be);
-  return UT_OK;
-}
-
-int ut_scale(ut_tensor* t, float alpha) {
-  UT__TRY(ut__check_tensor(t, "ut_scale", "t"));
-  const ut__backend* be = ut__backend_for(t->dev);
-  float* p = ut__inout(t, be);
-  if (!p) return ut__err_status;
-  UT__TRY(be->scale(p, t->shape.nelem, alpha));
-  ut__wrote(t, be);
-  return UT_OK;
-}
-
-/* ---- dense -------------------------------------------------------------------------------- */
-ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
-  const char* who = "ut_matmul";
-  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0) return NULL;
-  UT__CHECK_NULL(a->shape.ndim == 2 && b->shape.ndim == 2 && b->shape.shape[0] == a->shape.shape[1],
-                 UT_ERR_SHAPE, "%s: cannot multiply a %s by b %s (a must be [M, K], b [K, N])",
-                 who, ut__shape_text(a).s, ut__shape_text(b).s);
-  int M = a->shape.shape[0], K = a->shape.shape[1], N = b->shape.shape[1];
-  const ut__backend* be = ut__backend_for(a->dev);
-  const float* ap = ut__in(a, be);
-  const float* bp = ap ? ut__in(b, be) : NULL;
-  if (!bp) return NULL;
-  ut_tensor* c = ut__new(2, (int[]){M, N}, a->dev, who);
-  if (!c) return NULL;
-  ut__gemm_args g = {.m = M, .n = N, .k = K, .batch = 1, .alpha = 1.f, .beta = 0.f,
-                     .a = ap, .lda = K, .b = bp, .ldb = N, .c = ut__out(c, be), .ldc = N};
-  return ut__finish(c, be, be->gemm(&g));
-}
-
-int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
-  const char* who = "ut_bias_add";
-  UT__TRY(ut__check_tensor(x, who, "x"));
-  UT__CHECK(x->shape.ndim >= 2, UT_ERR_SHAPE, "%s: x must be [N, C, ...], got shape %s", who,
-            ut__shape_text(x).s);
-  int C = x->shape.shape[1];
-  UT__TRY(ut__check_arg(bias, x, C, who, "bias"));
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* bp = ut__in(bias, be);
-  float* xp = bp ? ut__inout(x, be) : NULL;
-  if (!xp) return ut__err_status;
-  UT__TRY(be->bias_add(xp, bp, x->shape.shape[0], C,
-                       (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * C)));
-  ut__wrote(x, be);
-  return UT_OK;
-}
-
-/* ---- convolutions ------------------------------------------------------------------------- */
-/* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
-static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
-                             int kw, int stride, int pad, const char* who) {
-  UT__CHECK(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
-            ut__shape_text(x).s);
-  UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
-            who, x->shape.shape[1], c);
-  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
-            kw);
-  UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
-  UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
-  long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
-  UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
-            "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel", who, H, W, pad, kh,
-            kw);
-  long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
-  /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
-     int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
-     padded extent plus the stride. Otherwise stride <= the padded extent. */
-  long long s = ho == 1 && wo == 1 ? 1 : stride;
-  UT__CHECK(Hp + s <= INT_MAX && Wp + s <= INT_MAX, UT_ERR_SHAPE,
-            "%s: the padded input %lldx%lld (padding %d) with stride %d is too large: padded "
-            "height and width plus the stride must stay below 2^31",
-            who, Hp, Wp, pad, stride);
-  long long n = x->shape.shape[0]; /* each factor < 2^31: every product of two fits */
-  UT__CHECK(ho * wo <= INT_MAX && n * out_c <= INT_MAX && ho * wo * (n * out_c) <= INT_MAX,
-            UT_ERR_SHAPE,
-            "%s: the output [%lld, %d, %lld, %lld] would have more than %d elements", who, n, out_c,
-            ho, wo, INT_MAX);
-  *g = (ut__conv_geom){.n = (int)n, .c = c, .h = (int)H, .w = (int)W, .kh = kh, .kw = kw,
-                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo};
-  return UT_OK;
-}
-
-/* A layer's weight and optional bias: live, on one device, with the expected element counts. */
-static int ut__check_params(const ut_tensor* w, const ut_tensor* b, long long wn, long long bn,
-                            const char* who) {
-  UT__TRY(ut__check_arg(w, NULL, wn, who, "the layer's weight"));
-  if (b) UT__TRY(ut__check_arg(b, w, bn, who, "the layer's bias"));
-  return UT_OK;
-}
-static int ut__check_kernel_args(int kh, int kw, int stride, int pad, const char* who) {
-  UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
-            kw);
-  UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
-  UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
-  /* every input's padded extent (>= max(kernel, 2*padding + 1)) plus the stride must fit int */
-  UT__CHECK(2LL * pad + 2 <= INT_MAX && kh < INT_MAX && kw < INT_MAX, UT_ERR_ARG,
-            "%s: padding %d with a %dx%d kernel fits no input: 2*padding + 2 and the kernel size "
-            "must stay below 2^31",
-            who, pad, kh, kw);
-  return UT_OK;
-}
-static long long ut__prod(long long a, long long b, long long c, long long d) {
-  long long p = a * b;
-  if (p > INT_MAX) return (long long)INT_MAX + 1;
-  p *= c;
-  if (p > INT_MAX) return (long long)INT_MAX + 1;
-  p *= d;
-  return p;
-}
-
-ut_conv2d ut_conv2d_alloc(int in_c, int out_c, int kh, int kw, int stride, int pad, bool bias,
-                          ut_dev dev) {
-  ut_conv2d l = {.in_c = in_c, .out_c = out_c, .kh = kh, .kw = kw, .stride = stride, .pad = pad};
-  if (ut__check_kernel_args(kh, kw, stride, pad, "ut_conv2d_alloc") < 0) return l;
-  if (in_c < 1 || out_c < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_conv2d_alloc: channel counts must be positive, got %d -> %d",
-                  in_c, out_c);
-    return l;
+/* Store the V lanes of v at p, cut at lim: whole when they end before lim (see "depthwise
+   engines" for why the lanes past a row may be stored), else only those before lim. */
+UT__CPU_INL void ut__v_st_lim(float* p, ut__vec v, const float* lim, const int V) {
+  if (p + V <= lim) {
+    ut__v_st(p, v, V);
+  } else if (p < lim) {
+    float t[16];
+    ut__v_st(t, v, V);
+    for (ut__i64 i = 0; i < lim - p && i < V; i++) p[i] = t[i]; /* (lim - p < V) */
   }
-  float std = sqrtf(2.f / (float)((double)in_c * kh * kw));
-  ut_tensor* w = ut_randn(4, (int[]){out_c, in_c, kh, kw}, 0.f, std, dev);
-  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){out_c}, dev) : NULL;
-  if (!w || (bias && !b)) {
-    ut_free_all(w, b);
-    return l;
-  }
-  l.weight = w;
-  l.bias = b;
-  return l;
 }
 
-static int ut__check_conv2d(const ut_conv2d* l, const char* who) {
-  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
-  UT__TRY(ut__check_kernel_args(l->kh, l->kw, l->stride, l->pad, who));
-  UT__CHECK(l->in_c >= 1 && l->out_c >= 1, UT_ERR_ARG, "%s: invalid channel counts", who);
-  return ut__check_params(l->weight, l->bias, ut__prod(l->out_c, l->in_c, l->kh, l->kw), l->out_c,
-                          who);
-}
-/* What every convolution's backward checks: the cached input gives the geometry, grad_out has
-   the forward output's shape, dW the weight's element count and db (when used) out_c. */
-static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool has_bias,
-                                   const ut_tensor* input, int in_c, int out_c, int kh, int kw,
-                                   int stride, int pad, const ut_tensor* grad_out,
-                                   const ut_tensor* dW, const ut_tensor* db, const char* who) {
-  UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
-  UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
-  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, who));
-  UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
-  UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
-  if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
-  UT__TRY(ut__check_distinct(dW, w, who, "dW", "the layer's weight"));
-  UT__TRY(ut__check_distinct(dW, grad_out, who, "dW", "grad_out"));
-  UT__TRY(ut__check_distinct(dW, input, who, "dW", "cache->input"));
-  if (db && has_bias) UT__TRY(ut__check_distinct(dW, db, who, "dW", "db"));
-  const int* gs = grad_out->shape.shape;
-  UT__CHECK(grad_out->shape.ndim == 4 && gs[0] == g->n && gs[1] == out_c && gs[2] == g->ho &&
-                gs[3] == g->wo,
-            UT_ERR_SHAPE, "%s: grad_out has shape %s, the forward output had [%d, %d, %d, %d]", who,
-            ut__shape_text(grad_out).s, g->n, out_c, g->ho, g->wo);
-  return UT_OK;
-}
-
-static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
-  return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
-         g->wo == g->w;
-}
-/* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
-static int ut__check_col(const ut__conv_geom* g, const char* who) {
-  if (ut__conv_is_pointwise(g)) return UT_OK;
-  long long K = (long long)g->c * g->kh * g->kw, P = (long long)g->ho * g->wo;
-  UT__CHECK(K <= INT_MAX && K * P <= INT_MAX && K * P * g->n <= INT_MAX, UT_ERR_SHAPE,
-            "%s: the im2col buffer [%d, %lld, %lld] would have more than %d elements", who, g->n,
-            K, P, INT_MAX);
-  return UT_OK;
-}
-
-ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
-  const char* who = "ut_conv2d_forward";
-  ut__conv_geom g;
-  if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
-      ut__check_col(&g, who) < 0)
-    return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
-
-  ut_tensor* col;
-  if (ut__conv_is_pointwise(&g)) {
-    col = ut_retain(x); /* a 1x1 window's columns are the input itself */
-  } else {
-    col = ut__new(3, (int[]){g.n, K, P}, x->dev, who);
-    if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
-  }
-  ut_tensor* out = ut__new(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, who);
-  if (!out) return ut__drop(col);
-  float* op = ut__out(out, be);
-  ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
-                      .a = wp, .lda = K, .stride_a = 0,
-                      .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
-                      .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
-  int rc = be->gemm(&mm);
-  if (rc >= 0 && bp) rc = be->bias_add(op, bp, g.n, l->out_c, P);
-  /* the columns' padding zeros times a non-finite weight: redo with real input only */
-  if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
-      !ut__cpu_all_finite(wp, l->weight->shape.nelem))
-    ut__cpu_conv_exact(UT__CONV_Y, xp, NULL, wp, bp, op, l->out_c, false, &g);
-  if (rc < 0) {
-    ut_free(col);
-    return ut__drop(out);
-  }
-  ut__wrote(out, be);
-  if (cache) {
-    cache->input = ut_retain(x);
-    cache->col = col;
-  } else {
-    ut_free(col);
-  }
-  return out;
-}
-
-ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
-                              ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_conv2d_backward";
-  ut__conv_geom g;
-  if (ut__check_conv2d(l, who) < 0 ||
-      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
-                              l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
-                              db, who) < 0 ||
-      ut__check_col(&g, who) < 0)
-    return NULL;
-  const ut__backend* be = ut__backend_for(grad_out->dev);
-  int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
-  bool pointwise = ut__conv_is_pointwise(&g);
-
-  ut_tensor* col = cache->col;
-  bool own_col = false;
-  if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev) {
-    /* the cache lost its columns: rebuild them from the input */
-    own_col = true;
-    if (pointwise) {
-      col = ut_retain(cache->input);
+/* ---- depthwise engines (see "depthwise engines" in the CPU backend) -------------------------- */
+/* Input row iy as phase rows, from the ring (slot iy % nslots) or the zero slot. */
+UT__CPU_INL const float* ut__dw_row(const float* restrict xp, int iy, int h, int w, int s, int px,
+                                    int Wq, int PS, int SL, int nslots, float* restrict slots,
+                                    int* restrict tags, const int V) {
+  if (iy < 0 || iy >= h) return slots;
+  int k = iy % nslots;
+  float* dst = slots + (ut__i64)(k + 1) * SL;
+  if (tags[k] == iy) return dst;
+  tags[k] = iy;
+  const float* xr = xp + (ut__i64)iy * w;
+  for (int b = 0; b < s; b++) {
+    float* d = dst + (ut__i64)b * PS;
+    int lo = ut__cpu_lo(b, s, px, Wq), hi = UT__CPU_MAX(ut__cpu_hi(b, s, px, w, Wq), lo);
+    int off = b - px;
+    for (int c = 0; c < lo; c++) d[c] = 0.0f;
+    if (s == 1) {
+      if (hi > lo) memcpy(d + lo, xr + lo + off, (size_t)(hi - lo) * sizeof(float));
+    } else if (s == 2) {
+      int c = lo;
+#if defined(__GNUC__)
+      for (; c + V <= hi && 2 * c + off + 2 * V <= w; c += V) {
+        ut__vec x0 = ut__v_ld(xr + 2 * c + off, V), x1 = ut__v_ld(xr + 2 * c + off + V, V);
+        ut__v_st(d + c, ut__v_even(x0, x1, V), V);
+      }
+#endif
+      for (; c < hi; c++) d[c] = xr[2 * c + off];
     } else {
-      const float* xp = ut__in(cache->input, be);
-      col = xp ? ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who) : NULL;
-      if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
+      for (int c = lo; c < hi; c++) d[c] = xr[c * s + off];
+    }
+    for (int c = hi; c < Wq; c++) d[c] = 0.0f;
+  }
+  return dst;
+}
+
+/* Row engine, one plane, K x K filter at stride S (constants when inlined with literals). At
+   stride 1 two output rows are computed together: each of their K+1 input rows is loaded once
+   per tap column and feeds both (the ring holds K+1 rows). Vectors are stored last to first, so
+   that the spill of a row's last vector into the next row is overwritten by that row's first. */
+UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
+                                const float* restrict wk, float b, float* restrict yp,
+                                const float* ylim, float* restrict buf, const int K, const int S,
+                                const int V) {
+  int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  const int NR = S == 1 ? 2 : 1; /* output rows per step */
+  const int NI = (NR - 1) * S + K; /* input rows per step */
+  float* slots = buf;
+  int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
+  for (int k = 0; k < NI; k++) tags[k] = -1;
+  float wr[25];
+  UT__DW_UNROLL
+  for (int t = 0; t < K * K; t++) wr[t] = wk[t];
+  for (int oy = 0; oy < ho; oy += NR) {
+    const float* rp[6];
+    UT__DW_UNROLL
+    for (int r = 0; r < NI; r++)
+      rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
+    float* yr0 = yp + (ut__i64)oy * wo;
+    float* yr1 = yr0 + wo;
+    bool two = NR == 2 && oy + 1 < ho;
+    for (int v = nv - 1; v >= 0; v--) {
+      ut__vec a0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V);
+      if (NR == 2) {
+        ut__vec c0 = ut__v_dup(0.0f, V), c1 = ut__v_dup(0.0f, V);
+        UT__DW_UNROLL
+        for (int r = 0; r < NI; r++)
+          UT__DW_UNROLL
+          for (int kx = 0; kx < K; kx++) {
+            ut__vec xv = ut__v_ld(rp[r] + kx + v * V, V);
+            if (r < K) {
+              if (r & 1)
+                c0 = ut__v_fma(c0, wr[r * K + kx], xv, V);
+              else
+                a0 = ut__v_fma(a0, wr[r * K + kx], xv, V);
+            }
+            if (r >= 1) {
+              if (r & 1)
+                a1 = ut__v_fma(a1, wr[(r - 1) * K + kx], xv, V);
+              else
+                c1 = ut__v_fma(c1, wr[(r - 1) * K + kx], xv, V);
+            }
+          }
+        a0 = ut__v_add(a0, c0, V);
+        a1 = ut__v_add(a1, c1, V);
+      } else {
+        ut__vec c0 = ut__v_dup(0.0f, V);
+        UT__DW_UNROLL
+        for (int ky = 0; ky < K; ky++)
+          UT__DW_UNROLL
+          for (int kx = 0; kx < K; kx++) {
+            ut__vec xv = ut__v_ld(rp[ky] + (kx % S) * PS + kx / S + v * V, V);
+            if (ky & 1)
+              c0 = ut__v_fma(c0, wr[ky * K + kx], xv, V);
+            else
+              a0 = ut__v_fma(a0, wr[ky * K + kx], xv, V);
+          }
+        a0 = ut__v_add(a0, c0, V);
+      }
+      ut__v_st_lim(yr0 + v * V, a0, ylim, V);
+      if (two) ut__v_st_lim(yr1 + v * V, a1, ylim, V);
     }
   }
-  ut_tensor *dx = NULL, *dcol = NULL;
-  const float* gop = ut__in(grad_out, be);
-  const float* colp = gop ? ut__in(col, be) : NULL;
-  const float* wp = colp ? ut__in(l->weight, be) : NULL;
-  float* dWp = wp ? ut__inout(dW, be) : NULL;
-  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
-  int rc = (!dWp || (db && l->bias && !dbp)) ? ut__err_status : UT_OK;
-  if (rc >= 0) {
-    dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
-    if (!pointwise && dx) dcol = ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who);
-    if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
+}
+
+/* Row engine, any geometry: the output row is accumulated in a buffer, one input row at a
+   time. */
+UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
+                                  const float* restrict wk, float b, float* restrict yp,
+                                  float* restrict buf, const int V) {
+  int h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
+      ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  float* slots = buf;
+  float* ye = buf + (ut__i64)(kh + 1) * SL;
+  int* tags = (int*)(void*)(ye + (ut__i64)nv * V);
+  for (int k = 0; k < kh; k++) tags[k] = -1;
+  for (int oy = 0; oy < ho; oy++) {
+    for (int v = 0; v < nv; v++) ut__v_st(ye + v * V, ut__v_dup(b, V), V);
+    for (int ky = 0; ky < kh; ky++) {
+      int iy = oy * s - py + ky;
+      if (iy < 0 || iy >= h) continue;
+      const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags, V);
+      for (int kx = 0; kx < kw; kx++) {
+        float wv = wk[ky * kw + kx];
+        const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
+        for (int v = 0; v < nv; v++)
+          ut__v_st(ye + v * V,
+                    ut__v_fma(ut__v_ld(ye + v * V, V), wv, ut__v_ld(src + v * V, V), V), V);
+      }
+    }
+    memcpy(yp + (ut__i64)oy * wo, ye, (size_t)wo * sizeof(float));
   }
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
-  if (rc >= 0) {
-    /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
-    ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .m = l->out_c, .n = K, .k = P,
-                        .batch = g.n, .alpha = 1.f, .beta = 1.f,
-                        .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
-                        .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
-                        .c = dWp, .ldc = K};
-    /* a non-finite grad_out times the columns' padding zeros: sum real input only */
-    const float* xp = g.pad > 0 && !ut__is_device_backend(be) &&
-                              !ut__cpu_all_finite(gop, grad_out->shape.nelem)
-                          ? ut__in(cache->input, be)
-                          : NULL;
-    if (xp)
-      ut__cpu_conv_exact(UT__CONV_DW, xp, gop, NULL, NULL, dWp, l->out_c, false, &g);
+}
+
+/* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
+UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
+                                const float* restrict wk, float b, float* restrict yp,
+                                const float* ylim, const int TAPS, const int V) {
+  int nvec = C->nvec;
+  const int* d = C->d;
+  const int32_t* M = C->M;
+  for (int j = 0; j < nvec; j++) {
+    ut__vec acc = ut__v_dup(b, V);
+    const float* sj = src + j * V;
+    const int32_t* Mj = M + (ut__i64)j * TAPS * V;
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++)
+      acc = ut__v_fma(acc, wk[t], ut__v_and(ut__v_ld(sj + d[t], V), Mj + t * V, V), V);
+    ut__v_st_lim(yp + j * V, acc, ylim, V);
+  }
+}
+
+/* The plane q of a tensor of `planes` planes of hw floats, or a copy of it with a margin when
+   the flat engine's loads would leave the tensor. */
+UT__CPU_INL const float* ut__dw_flat_src(const ut__dwctx* C, const float* base, ut__i64 q,
+                                         ut__i64 hw, float* restrict pbuf, const int V) {
+  const float* p = base + q * hw;
+  if (q * hw + C->dmin >= 0 && q * hw + (ut__i64)C->nvec * V + C->dmax <= C->planes * hw)
+    return p;
+  memcpy(pbuf + C->marg, p, (size_t)hw * sizeof(float));
+  return pbuf + C->marg;
+}
+
+/* Forward over planes [q0, q1) (also the stride-1 input gradient). */
+UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                    float* restrict buf, const int V) {
+  int c = C->c, kh = C->kh, kw = C->kw, s = C->s;
+  ut__i64 hw = (ut__i64)C->h * C->w, ohw = (ut__i64)C->ho * C->wo, taps = (ut__i64)kh * kw;
+  const float* ylim = C->y + q1 * ohw;
+  for (ut__i64 q = q0; q < q1; q++) {
+    int ch = (int)(q % c);
+    const float* wk = C->wt + ch * taps;
+    float b = C->bias ? C->bias[ch] : 0.0f;
+    float* yp = C->y + q * ohw;
+    if (C->flat) {
+      const float* src = ut__dw_flat_src(C, C->x, q, hw, buf, V);
+      if (taps == 9)
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 9, V);
+      else if (taps == 25)
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, 25, V);
+      else
+        ut__dwf_flat_k(C, src, wk, b, yp, ylim, (int)taps, V);
+      continue;
+    }
+    const float* xp = C->x + q * hw;
+    if (kh == 3 && kw == 3 && s == 1)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
+    else if (kh == 3 && kw == 3 && s == 2)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2, V);
+    else if (kh == 5 && kw == 5 && s == 1)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
+    else if (kh == 5 && kw == 5 && s == 2)
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2, V);
     else
-      rc = be->gemm(&mm);
+      ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
   }
-  if (rc >= 0) {
-    /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
-    float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
-    ut__gemm_args mm = {.trans_a = true, .m = K, .n = P, .k = l->out_c, .batch = g.n,
-                        .alpha = 1.f, .beta = 0.f,
-                        .a = wp, .lda = K, .stride_a = 0,
-                        .b = gop, .ldb = P, .stride_b = (ut__i64)l->out_c * P,
-                        .c = dst, .ldc = P, .stride_c = (ut__i64)K * P};
-    rc = be->gemm(&mm);
-    if (rc >= 0 && !pointwise) rc = be->col2im(dst, ut__out(dx, be), &g);
-  }
-  if (own_col) ut_free(col);
-  ut_free(dcol);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
 }
 
-void ut_conv2d_cache_free(ut_conv2d_cache* c) {
-  if (!c) return;
-  ut_free_all(c->input, c->col);
-  c->input = c->col = NULL;
-}
-void ut_conv2d_free(ut_conv2d* l) {
-  if (!l) return;
-  ut_free_all(l->weight, l->bias);
-  l->weight = l->bias = NULL;
-}
-
-/* ---- depthwise convolution ---------------------------------------------------------------- */
-ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool bias, ut_dev dev) {
-  ut_dwconv2d l = {.c = c, .kh = kh, .kw = kw, .stride = stride, .pad = pad};
-  if (ut__check_kernel_args(kh, kw, stride, pad, "ut_dwconv2d_alloc") < 0) return l;
-  if (c < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_dwconv2d_alloc: channel count must be positive, got %d", c);
-    return l;
-  }
-  float std = sqrtf(2.f / (float)((double)kh * kw));
-  ut_tensor* w = ut_randn(3, (int[]){c, kh, kw}, 0.f, std, dev);
-  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){c}, dev) : NULL;
-  if (!w || (bias && !b)) {
-    ut_free_all(w, b);
-    return l;
-  }
-  l.weight = w;
-  l.bias = b;
-  return l;
-}
-
-static int ut__check_dwconv2d(const ut_dwconv2d* l, const char* who) {
-  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
-  UT__TRY(ut__check_kernel_args(l->kh, l->kw, l->stride, l->pad, who));
-  UT__CHECK(l->c >= 1, UT_ERR_ARG, "%s: invalid channel count %d", who, l->c);
-  return ut__check_params(l->weight, l->bias, ut__prod(l->c, l->kh, l->kw, 1), l->c, who);
-}
-
-ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
-  const char* who = "ut_dwconv2d_forward";
-  ut__conv_geom g;
-  if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->c, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
-    return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
-  ut_tensor* out = ut__new(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, who);
-  if (!out) return NULL;
-  out = ut__finish(out, be, be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
-  if (out && cache) cache->input = ut_retain(x);
-  return out;
-}
-
-ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_tensor* grad_out,
-                                ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_dwconv2d_backward";
-  ut__conv_geom g;
-  if (ut__check_dwconv2d(l, who) < 0 ||
-      ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL, l->c,
-                              l->c, l->kh, l->kw, l->stride, l->pad, grad_out, dW, db, who) < 0)
-    return NULL;
-  const ut__backend* be = ut__backend_for(grad_out->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(cache->input, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  float* dWp = wp ? ut__inout(dW, be) : NULL;
-  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
-  if (!dWp || (db && l->bias && !dbp)) return NULL;
-  ut_tensor* dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
-  if (!dx) return NULL;
-  int rc = be->dw_bwd_dw(gop, xp, dWp, &g);
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, g.c, (ut__i64)g.ho * g.wo, 1.f);
-  if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, ut__out(dx, be), &g);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
-}
-
-void ut_dwconv2d_cache_free(ut_dwconv2d_cache* c) {
-  if (!c) return;
-  ut_free(c->input);
-  c->input = NULL;
-}
-void ut_dwconv2d_free(ut_dwconv2d* l) {
-  if (!l) return;
-  ut_free_all(l->weight, l->bias);
-  l->weight = l->bias = NULL;
-}
-
-/* ---- linear ------------------------------------------------------------------------------- */
-ut_linear ut_linear_alloc(int in_f, int out_f, bool bias, ut_dev dev) {
-  ut_linear l = {.in_f = in_f, .out_f = out_f};
-  if (in_f < 1 || out_f < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_linear_alloc: feature counts must be positive, got %d -> %d",
-                  in_f, out_f);
-    return l;
-  }
-  /* PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) has std 1/sqrt(3 in) */
-  ut_tensor* w = ut_randn(2, (int[]){out_f, in_f}, 0.f, 1.f / sqrtf(3.f * (float)in_f), dev);
-  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){out_f}, dev) : NULL;
-  if (!w || (bias && !b)) {
-    ut_free_all(w, b);
-    return l;
-  }
-  l.weight = w;
-  l.bias = b;
-  return l;
-}
-
-static int ut__check_linear(const ut_linear* l, const char* who) {
-  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
-  UT__CHECK(l->in_f >= 1 && l->out_f >= 1, UT_ERR_ARG, "%s: invalid feature counts", who);
-  return ut__check_params(l->weight, l->bias, ut__prod(l->in_f, l->out_f, 1, 1), l->out_f, who);
-}
-static int ut__check_rows(const ut_tensor* x, int cols, const char* who, const char* name) {
-  UT__CHECK(x->shape.ndim == 2 && x->shape.shape[1] == cols, UT_ERR_SHAPE,
-            "%s: %s must be [N, %d], got shape %s", who, name, cols, ut__shape_text(x).s);
-  return UT_OK;
-}
-
-ut_tensor* ut_linear_forward(ut_linear* l, ut_tensor* x, ut_linear_cache* cache) {
-  const char* who = "ut_linear_forward";
-  if (ut__check_linear(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__check_rows(x, l->in_f, who, "x") < 0)
-    return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  int N = x->shape.shape[0];
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
-  ut_tensor* y = ut__new(2, (int[]){N, l->out_f}, x->dev, who);
-  if (!y) return NULL;
-  float* yp = ut__out(y, be);
-  ut__gemm_args mm = {.trans_b = true, .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
-                      .alpha = 1.f, .beta = 0.f, .a = xp, .lda = l->in_f, .b = wp,
-                      .ldb = l->in_f, .c = yp, .ldc = l->out_f};
-  int rc = be->gemm(&mm);
-  if (rc >= 0 && bp) rc = be->bias_add(yp, bp, N, l->out_f, 1);
-  y = ut__finish(y, be, rc);
-  if (y && cache) cache->input = ut_retain(x);
-  return y;
-}
-
-ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* grad_out,
-                              ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_linear_backward";
-  if (ut__check_linear(l, who) < 0) return NULL;
-  UT__CHECK_NULL(cache && cache->input, UT_ERR_ARG,
-                 "%s: the cache is empty (run forward with a cache first)", who);
-  ut_tensor* x = cache->input;
-  if (ut__check_arg(x, l->weight, -1, who, "cache->input") < 0 ||
-      ut__check_rows(x, l->in_f, who, "cache->input") < 0 ||
-      ut__check_arg(grad_out, l->weight, -1, who, "grad_out") < 0 ||
-      ut__check_rows(grad_out, l->out_f, who, "grad_out") < 0 ||
-      ut__check_arg(dW, l->weight, l->weight->shape.nelem, who, "dW") < 0 ||
-      (db && l->bias && ut__check_arg(db, l->weight, l->out_f, who, "db") < 0))
-    return NULL;
-  int N = x->shape.shape[0];
-  UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had [%d, %d]", who,
-                 ut__shape_text(grad_out).s, N, l->out_f);
-  if (ut__check_distinct(dW, l->weight, who, "dW", "the layer's weight") < 0 ||
-      ut__check_distinct(dW, grad_out, who, "dW", "grad_out") < 0 ||
-      ut__check_distinct(dW, x, who, "dW", "cache->input") < 0 ||
-      (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
-    return NULL;
-  const ut__backend* be = ut__backend_for(grad_out->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  float* dWp = wp ? ut__inout(dW, be) : NULL;
-  float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
-  if (!dWp || (db && l->bias && !dbp)) return NULL;
-  ut_tensor* dx = ut__new(2, (int[]){N, l->in_f}, grad_out->dev, who);
-  if (!dx) return NULL;
-  /* dW += grad_out^T [out, N] . x [N, in];  dx = grad_out [N, out] . W [out, in] */
-  ut__gemm_args dw = {.trans_a = true, .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
-                      .alpha = 1.f, .beta = 1.f, .a = gop, .lda = l->out_f, .b = xp,
-                      .ldb = l->in_f, .c = dWp, .ldc = l->in_f};
-  ut__gemm_args dxa = {.m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
-                       .beta = 0.f, .a = gop, .lda = l->out_f, .b = wp, .ldb = l->in_f,
-                       .c = ut__out(dx, be), .ldc = l->in_f};
-  int rc = be->gemm(&dw);
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
-  if (rc >= 0) rc = be->gemm(&dxa);
-  if (rc < 0) return ut__drop(dx);
-  ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
-}
-
-void ut_linear_cache_free(ut_linear_cache* c) {
-  if (!c) return;
-  ut_free(c->input);
-  c->input = NULL;
-}
-void ut_linear_free(ut_linear* l) {
-  if (!l) return;
-  ut_free_all(l->weight, l->bias);
-  l->weight = l->bias = NULL;
-}
-
-/* ---- layer norm --------------------------------------------------------------------------- */
-static int ut__check_eps(float eps, const char* who) {
-  UT__CHECK(isfinite(eps) && eps > 0.f, UT_ERR_ARG, "%s: eps must be finite and > 0", who);
-  return UT_OK;
-}
-
-ut_layernorm ut_layernorm_alloc(int dim, float eps, ut_dev dev) {
-  ut_layernorm l = {.dim = dim, .eps = eps};
-  if (dim < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_layernorm_alloc: dim must be positive, got %d", dim);
-    return l;
-  }
-  if (ut__check_eps(eps, "ut_layernorm_alloc") < 0) return l;
-  ut_tensor* w = ut_alloc(1, (int[]){dim}, dev);
-  ut_tensor* b = w ? ut_alloc(1, (int[]){dim}, dev) : NULL;
-  if (!w || !b || ut_fill(w, 1.f) < 0) {
-    ut_free_all(w, b);
-    return l;
-  }
-  l.weight = w;
-  l.bias = b;
-  return l;
-}
-
-static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const char* who) {
-  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
-  UT__CHECK(l->dim >= 1, UT_ERR_ARG, "%s: invalid dim %d", who, l->dim);
-  UT__TRY(ut__check_eps(l->eps, who));
-  UT__CHECK(l->bias, UT_ERR_ARG, "%s: the layer's bias is NULL", who);
-  UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
-  UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
-  UT__CHECK(x->shape.shape[x->shape.ndim - 1] == l->dim, UT_ERR_SHAPE,
-            "%s: x must be [..., %d], got shape %s", who, l->dim, ut__shape_text(x).s);
-  return UT_OK;
-}
-
-ut_tensor* ut_layernorm_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cache* cache) {
-  const char* who = "ut_layernorm_forward";
-  if (ut__check_layernorm(l, x, who) < 0) return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  int rows = x->shape.nelem / l->dim;
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  if (!bp) return NULL;
-  ut_tensor* y = ut__new_like(x, who);
-  ut_tensor* mean = y ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
-  ut_tensor* rstd = mean ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
-  int rc = rstd ? be->layernorm_fwd(xp, wp, bp, ut__out(y, be), ut__out(mean, be),
-                                    ut__out(rstd, be), rows, l->dim, l->eps)
-                : ut__err_status;
-  if (rc < 0 || !cache) {
-    ut_free_all(mean, rstd);
-    if (rc < 0) return ut__drop(y);
-    ut__wrote(y, be);
-    return y;
-  }
-  ut__wrote(y, be);
-  ut__wrote(mean, be);
-  ut__wrote(rstd, be);
-  cache->input = ut_retain(x);
-  cache->mean = mean;
-  cache->rstd = rstd;
-  return y;
-}
-
-ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_tensor* grad_out,
-                                 ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_layernorm_backward";
-  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
-                 "%s: the cache is empty (run forward with a cache first)", who);
-  ut_tensor* x = cache->input;
-  if (ut__check_layernorm(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0)
-    return NULL;
-  int rows = x->shape.nelem / l->dim;
-  if (ut__check_arg(cache->mean, x, rows, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, rows, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->dim, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->dim, who, "db") < 0))
-    return NULL;
-  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had %s", who,
-                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
-  ut_tensor* dx = ut__new_like(x, who);
-  if (!dx) return NULL;
-  int rc = be->layernorm_bwd(gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, rows, l->dim);
-  if (rc < 0) return ut__drop(dx);
-  if (dWp) ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
-}
-
-void ut_layernorm_cache_free(ut_layernorm_cache* c) {
-  if (!c) return;
-  ut_free_all(c->input, c->mean, c->rstd);
-  c->input = c->mean = c->rstd = NULL;
-}
-void ut_layernorm_free(ut_layernorm* l) {
-  if (!l) return;
-  ut_free_all(l->weight, l->bias);
-  l->weight = l->bias = NULL;
-}
-
-/* ---- batch norm --------------------------------------------------------------------------- */
-ut_batchnorm2d ut_batchnorm2d_alloc(int c, float eps, float momentum, ut_dev dev) {
-  ut_batchnorm2d l = {.c = c, .eps = eps, .momentum = momentum, .training = true};
-  if (c < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_batchnorm2d_alloc: channel count must be positive, got %d", c);
-    return l;
-  }
-  if (ut__check_eps(eps, "ut_batchnorm2d_alloc") < 0) return l;
-  if (!(momentum >= 0.f && momentum <= 1.f)) {
-    ut__set_error(UT_ERR_ARG, "ut_batchnorm2d_alloc: momentum must be in [0, 1]");
-    return l;
-  }
-  ut_tensor* t[4] = {0};
-  for (int i = 0; i < 4; i++) {
-    t[i] = ut_alloc(1, (int[]){c}, dev);
-    if (!t[i]) {
-      ut_free_n(t, 4);
-      return l;
+/* Input gradient for stride s >= 2 over planes [q0, q1), as a gather per dx row and column
+   phase b (ix = s*qx + b): dx[iy][s*qx+b] = sum over ky = iy+p (mod s), kx = b+p (mod s) of
+   wk[ky][kx] * go[(iy+p-ky)/s][qx + (b+p-kx)/s]. go rows are kept zero padded (L floats on the
+   left) in a ring; each phase is a contiguous stream. The taps of each (row class, phase) are
+   listed once per call; stride 2 interleaves the two phases in registers. */
+UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                     float* restrict buf, const int V) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, p = C->py, ho = C->ho,
+      wo = C->wo;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  int L = (kw - 1) / s, nq = (w + s - 1) / s, nvq = (nq + V - 1) / V;
+  int GP = (int)UT__DW_R16(L + UT__CPU_MAX(nvq * V, wo) + (s - 1 + p) / s + 1);
+  int NS = (kh + s - 1) / s + 1;
+  float* ring = buf;
+  float* E = ring + (ut__i64)NS * GP;
+  const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * V);
+  float* tw = (float*)(void*)(tp + taps);
+  int* tags = (int*)(void*)(tw + taps);
+  /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
+  int* tcnt = tags + NS;           /* [s*s] */
+  int* tab = tcnt + (ut__i64)s * s; /* [s*s][taps][3] */
+  for (int a = 0; a < s; a++)
+    for (int bb = 0; bb < s; bb++) {
+      int* cnt = tcnt + a * s + bb;
+      int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
+      *cnt = 0;
+      for (int ky = a; ky < kh; ky += s)
+        for (int kx = 0; kx < kw; kx++) {
+          int u = bb + p - kx;
+          if (((u % s) + s) % s != 0) continue;
+          e3[*cnt * 3 + 0] = (ky - a) / s;
+          e3[*cnt * 3 + 1] = ky * kw + kx;
+          e3[*cnt * 3 + 2] = u >= 0 ? u / s : -((-u) / s);
+          (*cnt)++;
+        }
+    }
+  const float* dlim = C->y + q1 * hw;
+  for (ut__i64 q = q0; q < q1; q++) {
+    int ch = (int)(q % c);
+    const float* wk = C->wt + ch * taps;
+    const float* gp = C->x + q * ohw;
+    float* dxp = C->y + q * hw;
+    for (int k = 0; k < NS; k++) tags[k] = -1;
+    for (int iy = 0; iy < h; iy++) {
+      int a = (iy + p) % s, oyb = (iy + p - a) / s;
+      for (int bb = 0; bb < s; bb++) {
+        int nt = 0, cnt = tcnt[a * s + bb];
+        const int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
+        for (int i = 0; i < cnt; i++) {
+          int oy = oyb - e3[3 * i];
+          if (oy < 0 || oy >= ho) continue;
+          int k = oy % NS;
+          float* row = ring + (ut__i64)k * GP;
+          if (tags[k] != oy) {
+            tags[k] = oy;
+            for (int j = 0; j < L; j++) row[j] = 0.0f;
+            memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+            for (int j = L + wo; j < GP; j++) row[j] = 0.0f;
+          }
+          tp[nt] = row + L + e3[3 * i + 2];
+          tw[nt] = wk[e3[3 * i + 1]];
+          nt++;
+        }
+        float* Eb = E + (ut__i64)bb * nvq * V;
+        for (int v = 0; v < nvq; v++) {
+          ut__vec acc = ut__v_dup(0.0f, V);
+          for (int i = 0; i < nt; i++) acc = ut__v_fma(acc, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+          ut__v_st(Eb + v * V, acc, V);
+        }
+      }
+      float* dr = dxp + (ut__i64)iy * w;
+      if (s == 2) {
+        const float* e0 = E;
+        const float* e1 = E + (ut__i64)nvq * V;
+#if defined(__GNUC__)
+        /* whole vectors; the spill past the row lands in rows written later (or is cut) */
+        for (int v = 0; v < nvq; v++) {
+          ut__vec x0 = ut__v_ld(e0 + v * V, V), x1 = ut__v_ld(e1 + v * V, V);
+          ut__vec lo = ut__v_zip_lo(x0, x1, V), hi = ut__v_zip_hi(x0, x1, V);
+          float* d0 = dr + 2 * v * V;
+          if (2 * v * V < w) ut__v_st_lim(d0, lo, dlim, V);
+          if (2 * v * V + V < w) ut__v_st_lim(d0 + V, hi, dlim, V);
+        }
+#else
+        int w2 = w / 2;
+        for (int i = 0; i < w2; i++) {
+          dr[2 * i] = e0[i];
+          dr[2 * i + 1] = e1[i];
+        }
+        if (w & 1) dr[w - 1] = e0[w2];
+#endif
+      } else {
+        for (int bb = 0; bb < s; bb++) {
+          const float* eb = E + (ut__i64)bb * nvq * V;
+          for (int i = 0; i * s + bb < w; i++) dr[i * s + bb] = eb[i];
+        }
+      }
     }
   }
-  if (ut_fill(t[0], 1.f) < 0 || ut_fill(t[3], 1.f) < 0) {
-    ut_free_n(t, 4);
-    return l;
-  }
-  l.weight = t[0];
-  l.bias = t[1];
-  l.running_mean = t[2];
-  l.running_var = t[3];
-  return l;
 }
 
-static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, const char* who) {
-  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
-  UT__CHECK(l->c >= 1, UT_ERR_ARG, "%s: invalid channel count %d", who, l->c);
-  UT__TRY(ut__check_eps(l->eps, who));
-  UT__CHECK(l->momentum >= 0.f && l->momentum <= 1.f, UT_ERR_ARG,
-            "%s: momentum must be in [0, 1]", who);
-  UT__CHECK(l->bias && l->running_mean && l->running_var, UT_ERR_ARG,
-            "%s: the layer's tensors are not allocated", who);
-  UT__TRY(ut__check_params(l->weight, l->bias, l->c, l->c, who));
-  UT__TRY(ut__check_arg(l->running_mean, l->weight, l->c, who, "running_mean"));
-  UT__TRY(ut__check_arg(l->running_var, l->weight, l->c, who, "running_var"));
-  UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
-  UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
-            "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
-  return UT_OK;
-}
-
-ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
-  const char* who = "ut_batchnorm2d_forward";
-  if (ut__check_batchnorm2d(l, x, who) < 0) return NULL;
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
-  UT__CHECK_NULL(!l->training || count > 1, UT_ERR_SHAPE,
-                 "%s: training needs more than one value per channel, got shape %s (N*H*W = 1)",
-                 who, ut__shape_text(x).s);
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  if (!bp) return NULL;
-  ut_tensor* y = ut__new_like(x, who);
-  ut_tensor* mean = y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* var = mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* rstd = var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  int rc = rstd ? UT_OK : ut__err_status;
-  if (rc >= 0 && l->training) {
-    float* rm = ut__inout(l->running_mean, be);
-    float* rv = rm ? ut__inout(l->running_var, be) : NULL;
-    rc = rv ? be->bn_stats(xp, ut__out(mean, be), ut__out(var, be), N, C, inner) : ut__err_status;
-    if (rc >= 0)
-      rc = be->bn_update_running(rm, rv, ut__out(mean, be), ut__out(var, be), C, l->momentum,
-                                 (float)((double)count / (double)(count - 1)));
-    if (rc >= 0) {
-      ut__wrote(l->running_mean, be);
-      ut__wrote(l->running_var, be);
-    }
-  } else if (rc >= 0) {
-    const float* rm = ut__in(l->running_mean, be);
-    const float* rv = rm ? ut__in(l->running_var, be) : NULL;
-    rc = rv ? be->copy(ut__out(mean, be), rm, C) : ut__err_status;
-    if (rc >= 0) rc = be->copy(ut__out(var, be), rv, C);
-  }
-  if (rc >= 0)
-    rc = be->bn_apply(xp, ut__out(y, be), ut__out(mean, be), ut__out(var, be), wp, bp,
-                      ut__out(rstd, be), N, C, inner, l->eps);
-  ut_free(var);
-  if (rc < 0 || !cache) {
-    ut_free_all(mean, rstd);
-    if (rc < 0) return ut__drop(y);
-    ut__wrote(y, be);
-    return y;
-  }
-  ut__wrote(y, be);
-  ut__wrote(mean, be);
-  ut__wrote(rstd, be);
-  cache->input = ut_retain(x);
-  cache->mean = mean;
-  cache->rstd = rstd;
-  cache->training = l->training;
-  return y;
-}
-
-ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
-                                   ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_batchnorm2d_backward";
-  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
-                 "%s: the cache is empty (run forward with a cache first)", who);
-  ut_tensor* x = cache->input;
-  if (ut__check_batchnorm2d(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
-      ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->c, who, "db") < 0))
-    return NULL;
-  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had %s", who,
-                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
-  ut_tensor* dx = ut__new_like(x, who);
-  if (!dx) return NULL;
-  int rc = be->bn_bwd(gop, xp, mp, rp, wp, ut__out(dx, be), dWp, dbp, N, C, inner,
-                      cache->training);
-  if (rc < 0) return ut__drop(dx);
-  if (dWp) ut__wrote(dW, be);
-  if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
-  return dx;
-}
-
-void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c) {
-  if (!c) return;
-  ut_free_all(c->input, c->mean, c->rstd);
-  c->input = c->mean = c->rstd = NULL;
-}
-void ut_batchnorm2d_free(ut_batchnorm2d* l) {
-  if (!l) return;
-  ut_free_all(l->weight, l->bias, l->running_mean, l->running_var);
-  l->weight = l->bias = l->running_mean = l->running_var = NULL;
-}
-
-/* ---- pooling ------------------------------------------------------------------------------ */
-ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
-  const char* who = "ut_global_avgpool2d_forward";
-  if (ut__check_tensor(x, who, "x") < 0) return NULL;
-  UT__CHECK_NULL(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
-                 ut__shape_text(x).s);
-  int N = x->shape.shape[0], C = x->shape.shape[1];
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  if (!xp) return NULL;
-  ut_tensor* y = ut__new(2, (int[]){N, C}, x->dev, who);
-  if (!y) return NULL;
-  return ut__finish(y, be, be->row_mean(xp, ut__out(y, be), N * C,
-                                        (ut__i64)x->shape.shape[2] * x->shape.shape[3]));
-}
-
-ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
-  const char* who = "ut_global_avgpool2d_backward";
-  if (ut__check_tensor(grad_out, who, "grad_out") < 0) return NULL;
-  UT__CHECK_NULL(grad_out->shape.ndim == 2, UT_ERR_SHAPE,
-                 "%s: grad_out must be [N, C], got shape %s", who, ut__shape_text(grad_out).s);
-  UT__CHECK_NULL(h >= 1 && w >= 1, UT_ERR_SHAPE, "%s: h and w must be positive, got %d x %d", who,
-                 h, w);
-  int N = grad_out->shape.shape[0], C = grad_out->shape.shape[1];
-  const ut__backend* be = ut__backend_for(grad_out->dev);
-  const float* gp = ut__in(grad_out, be);
-  if (!gp) return NULL;
-  ut_tensor* dx = ut__new(4, (int[]){N, C, h, w}, grad_out->dev, who);
-  if (!dx) return NULL;
-  return ut__finish(dx, be, be->row_mean_bwd(gp, ut__out(dx, be), N * C, (ut__i64)h * w));
-}
-
-/* ---- losses ------------------------------------------------------------------------------- */
-static int ut__check_pair(ut_tensor* pred, ut_tensor* target, const char* who) {
-  UT__TRY(ut__check_tensor(pred, who, "pred"));
-  UT__TRY(ut__check_arg(target, pred, -1, who, "target"));
-  UT__CHECK(ut__same_shape(pred, target), UT_ERR_SHAPE,
-            "%s: pred has shape %s but target has shape %s (they must match)", who,
-            ut__shape_text(pred).s, ut__shape_text(target).s);
-  return UT_OK;
-}
-
-ut_tensor* ut_mse_loss(ut_tensor* pred, ut_tensor* target) {
-  const char* who = "ut_mse_loss";
-  if (ut__check_pair(pred, target, who) < 0) return NULL;
-  const ut__backend* be = ut__backend_for(pred->dev);
-  const float* p = ut__in(pred, be);
-  const float* t = p ? ut__in(target, be) : NULL;
-  if (!t) return NULL;
-  ut_tensor* out = ut__new(1, (int[]){1}, pred->dev, who);
-  if (!out) return NULL;
-  return ut__finish(out, be, be->mse_fwd(p, t, ut__out(out, be), pred->shape.nelem));
-}
-
-ut_tensor* ut_mse_loss_backward(ut_tensor* pred, ut_tensor* target) {
-  const char* who = "ut_mse_loss_backward";
-  if (ut__check_pair(pred, target, who) < 0) return NULL;
-  const ut__backend* be = ut__backend_for(pred->dev);
-  const float* p = ut__in(pred, be);
-  const float* t = p ? ut__in(target, be) : NULL;
-  if (!t) return NULL;
-  ut_tensor* g = ut__new_like(pred, who);
-  if (!g) return NULL;
-  return ut__finish(g, be, be->mse_bwd(p, t, ut__out(g, be), pred->shape.nelem));
-}
-
-static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
-  UT__TRY(ut__check_tensor(logits, who, "logits"));
-  UT__CHECK(logits->shape.ndim == 2, UT_ERR_SHAPE, "%s: logits must be [N, K], got shape %s", who,
-            ut__shape_text(logits).s);
-  int N = logits->shape.shape[0], K = logits->shape.shape[1];
-  UT__TRY(ut__check_arg(labels, logits, -1, who, "labels"));
-  UT__CHECK(labels->shape.ndim == 1 && labels->shape.shape[0] == N, UT_ERR_SHAPE,
-            "%s: labels must be [N] = [%d] (one class index per row of logits), got shape %s", who,
-            N, ut__shape_text(labels).s);
-  if (!labels->dirty_cpu) { /* the host copy is current: check the labels without a transfer */
-    for (int i = 0; i < N; i++) {
-      float v = labels->data[i];
-      UT__CHECK(v >= 0.f && (double)v < (double)K && v == floorf(v), UT_ERR_ARG,
-                "%s: labels[%d] = %.9g is not a class index in [0, %d)", who, i, (double)v, K);
+/* Filter gradient of one channel over the batch, row engine: K x K filter, stride S. The 16
+   lanes of each tap's float accumulator are added into doubles (acc: taps x 16) every ~128
+   vectors and at the end of each plane, in a fixed order. */
+UT__CPU_INL void ut__dwdw_rows_k(const ut__dwctx* C, int ch, double* restrict dacc,
+                                 float* restrict buf, const int K, const int S, const int V) {
+  int c = C->c, h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
+  const int NR = S == 1 ? 2 : 1; /* go rows per step (as in ut__dwf_rows_k) */
+  const int NI = (NR - 1) * S + K;
+  float* slots = buf;
+  float* gt0 = buf + (ut__i64)(NI + 1) * SL;
+  float* gt1 = gt0 + (ut__i64)nv * V + V;
+  int* tags = (int*)(void*)(gt1 + (ut__i64)nv * V + V);
+  int flush_rows = UT__CPU_MAX(1, 128 / nv);
+  flush_rows += flush_rows & 1;
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < NI; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
+      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
+      ut__vec A[25];
+      UT__DW_UNROLL
+      for (int t = 0; t < K * K; t++) A[t] = ut__v_dup(0.0f, V);
+      for (int oy = oy0; oy < oy1; oy += NR) {
+        const float* rp[6];
+        UT__DW_UNROLL
+        for (int r = 0; r < NI; r++)
+          rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
+        memcpy(gt0, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+        if (NR == 2) {
+          if (oy + 1 < ho) {
+            memcpy(gt1, gp + (ut__i64)(oy + 1) * wo, (size_t)wo * sizeof(float));
+          } else {
+            for (int i = 0; i < wo; i++) gt1[i] = 0.0f;
+            rp[NI - 1] = slots; /* the zero slot: 0 * x could be NaN */
+          }
+          for (int v = 0; v < nv; v++) {
+            ut__vec g0 = ut__v_ld(gt0 + v * V, V), g1 = ut__v_ld(gt1 + v * V, V);
+            UT__DW_UNROLL
+            for (int r = 0; r < NI; r++)
+              UT__DW_UNROLL
+              for (int kx = 0; kx < K; kx++) {
+                ut__vec xv = ut__v_ld(rp[r] + kx + v * V, V);
+                if (r < K) A[r * K + kx] = ut__v_fmav(A[r * K + kx], g0, xv, V);
+                if (r >= 1) A[(r - 1) * K + kx] = ut__v_fmav(A[(r - 1) * K + kx], g1, xv, V);
+              }
+          }
+        } else {
+          for (int v = 0; v < nv; v++) {
+            ut__vec g = ut__v_ld(gt0 + v * V, V);
+            UT__DW_UNROLL
+            for (int ky = 0; ky < K; ky++)
+              UT__DW_UNROLL
+              for (int kx = 0; kx < K; kx++)
+                A[ky * K + kx] = ut__v_fmav(
+                    A[ky * K + kx], g, ut__v_ld(rp[ky] + (kx % S) * PS + kx / S + v * V, V), V);
+          }
+        }
+      }
+      UT__DW_UNROLL
+      for (int t = 0; t < K * K; t++) ut__v_acc_d(dacc + t * V, A[t], V);
     }
   }
-  return UT_OK;
 }
 
-ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_loss";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
-  const ut__backend* be = ut__backend_for(logits->dev);
-  const float* lp = ut__in(logits, be);
-  const float* yp = lp ? ut__in(labels, be) : NULL;
-  if (!yp) return NULL;
-  ut_tensor* out = ut__new(1, (int[]){1}, logits->dev, who);
-  if (!out) return NULL;
-  return ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
-                                        logits->shape.shape[1]));
-}
-
-ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_backward";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
-  const ut__backend* be = ut__backend_for(logits->dev);
-  const float* lp = ut__in(logits, be);
-  const float* yp = lp ? ut__in(labels, be) : NULL;
-  if (!yp) return NULL;
-  ut_tensor* g = ut__new_like(logits, who);
-  if (!g) return NULL;
-  return ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
-                                      logits->shape.shape[1]));
-}
-
-/* ---- optimizers --------------------------------------------------------------------------- */
-int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr, float momentum) {
-  const char* who = "ut_sgd_step";
-  UT__TRY(ut__check_tensor(param, who, "param"));
-  UT__TRY(ut__check_arg(grad, param, param->shape.nelem, who, "grad"));
-  if (velocity) UT__TRY(ut__check_arg(velocity, param, param->shape.nelem, who, "velocity"));
-  UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
-  UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
-  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
-  UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
-            "%s: momentum must be finite and >= 0", who);
-  const ut__backend* be = ut__backend_for(param->dev);
-  const float* g = ut__in(grad, be);
-  float* p = g ? ut__inout(param, be) : NULL;
-  float* v = (p && velocity) ? ut__inout(velocity, be) : NULL;
-  if (!p || (velocity && !v)) return ut__err_status;
-  UT__TRY(be->sgd(p, g, v, param->shape.nelem, lr, momentum));
-  ut__wrote(param, be);
-  if (v) ut__wrote(velocity, be);
-  return UT_OK;
-}
-
-int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
-                 float beta1, float beta2, float eps) {
-  const char* who = "ut_adam_step";
-  UT__TRY(ut__check_tensor(param, who, "param"));
-  int n = param->shape.nelem;
-  UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
-  UT__TRY(ut__check_arg(m, param, n, who, "m"));
-  UT__TRY(ut__check_arg(v, param, n, who, "v"));
-  const ut_tensor* four[4] = {param, grad, m, v};
-  const char* names[4] = {"param", "grad", "m", "v"};
-  for (int i = 0; i < 4; i++)
-    for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
-  UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
-  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
-  UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,
-            "%s: betas must be in [0, 1)", who);
-  UT__CHECK(isfinite(eps) && eps >= 0.f, UT_ERR_ARG, "%s: eps must be finite and >= 0", who);
-  const ut__backend* be = ut__backend_for(param->dev);
-  const float* g = ut__in(grad, be);
-  float* p = g ? ut__inout(param, be) : NULL;
-  float* mp = p ? ut__inout(m, be) : NULL;
-  float* vp = mp ? ut__inout(v, be) : NULL;
-  if (!vp) return ut__err_status;
-  float bc1 = (float)(1.0 - pow((double)beta1, step)), bc2 = (float)(1.0 - pow((double)beta2, step));
-  UT__TRY(be->adam(p, g, mp, vp, n, lr, beta1, beta2, eps, bc1, bc2));
-  ut__wrote(param, be);
-  ut__wrote(m, be);
-  ut__wrote(v, be);
-  return UT_OK;
-}
-
-/* ---- struct layout, for the bindings' checks ---------------------------------------------- */
-typedef struct ut__layout_entry {
-  const char* type;
-  const char* field; /* NULL: the type's size */
-  size_t value;
-} ut__layout_entry;
-
-#define UT__SIZE(T) {#T, NULL, sizeof(T)}
-#define UT__FIELD(T, f) {#T, #f, offsetof(T, f)}
-static const ut__layout_entry ut__layout[] = {
-    UT__SIZE(ut_shape), UT__FIELD(ut_shape, ndim), UT__FIELD(ut_shape, shape),
-    UT__FIELD(ut_shape, nelem),
-    UT__SIZE(ut_tensor), UT__FIELD(ut_tensor, shape), UT__FIELD(ut_tensor, data),
-    UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
-    UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
-    UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
-    UT__FIELD(ut_tensor, version),
-    UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
-    UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
-    UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),
-    UT__SIZE(ut_conv2d_cache), UT__FIELD(ut_conv2d_cache, input), UT__FIELD(ut_conv2d_cache, col),
-    UT__SIZE(ut_dwconv2d), UT__FIELD(ut_dwconv2d, weight), UT__FIELD(ut_dwconv2d, bias),
-    UT__FIELD(ut_dwconv2d, c), UT__FIELD(ut_dwconv2d, kh), UT__FIELD(ut_dwconv2d, kw),
-    UT__FIELD(ut_dwconv2d, stride), UT__FIELD(ut_dwconv2d, pad),
-    UT__SIZE(ut_dwconv2d_cache), UT__FIELD(ut_dwconv2d_cache, input),
-    UT__SIZE(ut_linear), UT__FIELD(ut_linear, weight), UT__FIELD(ut_linear, bias),
-    UT__FIELD(ut_linear, in_f), UT__FIELD(ut_linear, out_f),
-    UT__SIZE(ut_linear_cache), UT__FIELD(ut_linear_cache, input),
-    UT__SIZE(ut_layernorm), UT__FIELD(ut_layernorm, weight), UT__FIELD(ut_layernorm, bias),
-    UT__FIELD(ut_layernorm, dim), UT__FIELD(ut_layernorm, eps),
-    UT__SIZE(ut_layernorm_cache), UT__FIELD(ut_layernorm_cache, input),
-    UT__FIELD(ut_layernorm_cache, mean), UT__FIELD(ut_layernorm_cache, rstd),
-    UT__SIZE(ut_batchnorm2d), UT__FIELD(ut_batchnorm2d, weight), UT__FIELD(ut_batchnorm2d, bias),
-    UT__FIELD(ut_batchnorm2d, running_mean), UT__FIELD(ut_batchnorm2d, running_var),
-    UT__FIELD(ut_batchnorm2d, c), UT__FIELD(ut_batchnorm2d, eps),
-    UT__FIELD(ut_batchnorm2d, momentum), UT__FIELD(ut_batchnorm2d, training),
-    UT__SIZE(ut_batchnorm2d_cache), UT__FIELD(ut_batchnorm2d_cache, input),
-    UT__FIELD(ut_batchnorm2d_cache, mean), UT__FIELD(ut_batchnorm2d_cache, rstd),
-    UT__FIELD(ut_batchnorm2d_cache, training),
-    UT__SIZE(ut_dev), UT__SIZE(ut_status),
-};
-
-static long long ut__layout_find(const char* type, const char* field) {
-  if (!type) return -1;
-  for (size_t i = 0; i < sizeof ut__layout / sizeof ut__layout[0]; i++) {
-    const ut__layout_entry* e = &ut__layout[i];
-    if (strcmp(e->type, type) != 0) continue;
-    if ((field == NULL) != (e->field == NULL)) continue;
-    if (field && strcmp(e->field, field) != 0) continue;
-    return (long long)e->value;
+/* Filter gradient, row engine, any geometry (float lanes per tap in memory). */
+UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict dacc,
+                                   float* restrict buf, const int V) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, kw = C->kw, s = C->s, py = C->py, px = C->px,
+      ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
+  float* slots = buf;
+  float* gt = buf + (ut__i64)(kh + 1) * SL;
+  float* A = gt + (ut__i64)nv * V + V;
+  int* tags = (int*)(void*)(A + taps * V);
+  int flush_rows = UT__CPU_MAX(1, 128 / nv);
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < kh; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush_rows) {
+      int oy1 = UT__CPU_MIN(ho, oy0 + flush_rows);
+      for (ut__i64 t = 0; t < taps; t++) ut__v_st(A + t * V, ut__v_dup(0.0f, V), V);
+      for (int oy = oy0; oy < oy1; oy++) {
+        memcpy(gt, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+        for (int ky = 0; ky < kh; ky++) {
+          int iy = oy * s - py + ky;
+          if (iy < 0 || iy >= h) continue;
+          const float* r = ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, kh, slots, tags, V);
+          for (int kx = 0; kx < kw; kx++) {
+            const float* src = r + (ut__i64)(kx % s) * PS + kx / s;
+            float* a = A + (ut__i64)(ky * kw + kx) * V;
+            ut__vec av = ut__v_ld(a, V);
+            for (int v = 0; v < nv; v++)
+              av = ut__v_fmav(av, ut__v_ld(gt + v * V, V), ut__v_ld(src + v * V, V), V);
+            ut__v_st(a, av, V);
+          }
+        }
+      }
+      for (ut__i64 t = 0; t < taps; t++) ut__v_acc_d(dacc + t * V, ut__v_ld(A + t * V, V), V);
+    }
   }
-  return -1;
 }
-long long ut_type_size(const char* type_name) { return ut__layout_find(type_name, NULL); }
-long long ut_field_offset(const char* type_name, const char* field_name) {
-  if (!field_name) return -1;
-  return ut__layout_find(type_name, field_name);
+
+/* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
+   output-valid mask, x lanes outside the plane by the tap masks. */
+UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
+                                 float* restrict buf, const int TAPS, const int V) {
+  int c = C->c, nvec = C->nvec;
+  ut__i64 hw = (ut__i64)C->h * C->w;
+  const int* d = C->d;
+  const int32_t* M = C->M;
+  const int32_t* Mo = M + (ut__i64)nvec * TAPS * V;
+  float* xbuf = buf;
+  float* gbuf = buf + UT__DW_R16(2 * C->marg + (ut__i64)nvec * V + V);
+  ut__vec A[25];
+  int nb = C->planes / c;
+  int flush = UT__CPU_MAX(1, 128 / nvec);
+  for (int n0 = 0; n0 < nb; n0 += flush) {
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++) A[t] = ut__v_dup(0.0f, V);
+    for (int n = n0; n < UT__CPU_MIN(nb, n0 + flush); n++) {
+      ut__i64 q = (ut__i64)n * c + ch;
+      const float* xs = ut__dw_flat_src(C, C->x, q, hw, xbuf, V);
+      const float* gs = ut__dw_flat_src(C, C->go, q, hw, gbuf, V);
+      for (int j = 0; j < nvec; j++) {
+        ut__vec g = ut__v_and(ut__v_ld(gs + j * V, V), Mo + j * V, V);
+        const float* sj = xs + j * V;
+        const int32_t* Mj = M + (ut__i64)j * TAPS * V;
+        UT__DW_UNROLL
+        for (int t = 0; t < TAPS; t++)
+          A[t] = ut__v_fmav(A[t], g, ut__v_and(ut__v_ld(sj + d[t], V), Mj + t * V, V), V);
+      }
+    }
+    UT__DW_UNROLL
+    for (int t = 0; t < TAPS; t++) ut__v_acc_d(dacc + t * V, A[t], V);
+  }
+}
+
+UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict dacc,
+                                    float* restrict buf, const int V) {
+  int kh = C->kh, kw = C->kw, s = C->s;
+  if (C->flat) {
+    if (kh * kw == 9)
+      ut__dwdw_flat_k(C, ch, dacc, buf, 9, V);
+    else if (kh * kw == 25)
+      ut__dwdw_flat_k(C, ch, dacc, buf, 25, V);
+    else
+      ut__dwdw_rows_gen(C, ch, dacc, buf, V); /* (flat is only chosen for 9 and 25 taps) */
+    return;
+  }
+  if (kh == 3 && kw == 3 && s == 1)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1, V);
+  else if (kh == 3 && kw == 3 && s == 2)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2, V);
+  else if (kh == 5 && kw == 5 && s == 1)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1, V);
+  else if (kh == 5 && kw == 5 && s == 2)
+    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2, V);
+  else
+    ut__dwdw_rows_gen(C, ch, dacc, buf, V);
+}
+
+/* ---- transposed-convolution gather (col2im) -------------------------------------------------- */
+/* Adjoint of a strided correlation for one plane, as a gather per input row: dx[iy, ix] =
+   sum over taps (ky, kx) and output pixels (oy, ox) with oy*s-p+ky = iy, ox*s-p+kx = ix of
+   wk[ky,kx] * src_tap[oy, ox], where src_tap = src + (ky*kw+kx)*tap_stride ([ho, wo]).
+   tmp holds s rows of ceil(w/s) (unused when s == 1): contributions land in phase rows
+   (ix mod s) contiguously and are interleaved into dx at the end of each row. */
+UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_stride,
+                                    const float* restrict wk, float* restrict dx, int h, int w,
+                                    int kh, int kw, int s, int p, int ho, int wo,
+                                    float* restrict tmp) {
+  int qn = (w + s - 1) / s;
+  for (int iy = 0; iy < h; iy++) {
+    float* dxr = dx + (ut__i64)iy * w;
+    float* acc = s == 1 ? dxr : tmp;
+    for (int i = 0; i < s * qn; i++) acc[i] = 0.0f;
+    for (int ky = 0; ky < kh; ky++) {
+      int t = iy + p - ky;
+      if (t < 0 || t % s != 0) continue;
+      int oy = t / s;
+      if (oy >= ho) continue;
+      for (int kx = 0; kx < kw; kx++) {
+        float wv = wk[ky * kw + kx];
+        const float* restrict gr = src + (ky * kw + kx) * tap_stride + (ut__i64)oy * wo;
+        int lo = ut__cpu_lo(kx, s, p, wo), hi = ut__cpu_hi(kx, s, p, w, wo);
+        int d = kx - p; /* ix = ox*s + d = (ox + qd)*s + rd */
+        int qd = d >= 0 ? d / s : -((-d + s - 1) / s);
+        int rd = d - qd * s;
+        float* ar = acc + rd * qn;
+        for (int ox = lo; ox < hi; ox++) ar[ox + qd] += wv * gr[ox];
+      }
+    }
+    if (s > 1) {
+      if (s == 2) {
+        int q2 = w / 2;
+        for (int q = 0; q < q2; q++) {
+          dxr[2 * q] = tmp[q];
+          dxr[2 * q + 1] = tmp[qn + q];
+        }
+        if (w & 1) dxr[w - 1] = tmp[q2];
+      } else {
+        for (int r = 0; r < s; r++)
+          for (int q = 0; q * s + r < w; q++) dxr[q * s + r] = tmp[r * qn + q];
+      }
+    }
+  }
+}
+
+/* ---- GEMM micro-kernel and dot-product engine -------------------------------------------------
+   C tile (mr x nr valid of MR x 2V) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
+UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, const float* restrict bp,
+                                     float* restrict c, ut__i64 ldc, int mr, int nr, float alpha,
+                                     float beta, const int V, const int MR) {
+  ut__vec acc0[8], acc1[8];
+  UT__DW_UNROLL
+  for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = ut__v_dup(0.0f, V);
+  for (int k = 0; k < kc; k++) {
+    ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      float av = ap[r];
+      acc0[r] = ut__v_fma(acc0[r], av, b0, V);
+      acc1[r] = ut__v_fma(acc1[r], av, b1, V);
+    }
+    ap += MR;
+    bp += 2 * V;
+  }
+  if (mr == MR && nr == 2 * V) {
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      float* cr = c + (ut__i64)r * ldc;
+      ut__vec o0 = ut__v_scale(acc0[r], alpha, V), o1 = ut__v_scale(acc1[r], alpha, V);
+      if (beta != 0.0f) {
+        o0 = ut__v_fma(o0, beta, ut__v_ld(cr, V), V);
+        o1 = ut__v_fma(o1, beta, ut__v_ld(cr + V, V), V);
+      }
+      ut__v_st(cr, o0, V);
+      ut__v_st(cr + V, o1, V);
+    }
+  } else {
+    float buf[8 * 2 * 16];
+    UT__DW_UNROLL
+    for (int r = 0; r < MR; r++) {
+      ut__v_st(buf + r * 2 * V, acc0[r], V);
+      ut__v_st(buf + r * 2 * V + V, acc1[r], V);
+    }
+    for (int r = 0; r < mr; r++) {
+      float* cr = c + (ut__i64)r * ldc;
+      for (int j = 0; j < nr; j++) {
+        float v = alpha * buf[r * 2 * V + j];
+        cr[j] = beta != 0.0f ? v + beta * cr[j] : v;
+      }
+    }
+  }
+}
+
+/* Dot-product engine for C = sum_b A_b B_b^T with both operands k-contiguous (the weight
+   gradient: no transposing pack). For an mc x nc block at A[i0, k0] / B[j0, k0], adds the
+   products over kc into VL-lane accumulators acc[tile][RM x RN] (reduced later, in a fixed
+   order, by ut__cpu_dot_finish). Edge tiles repeat the last row / column and drop it. */
+UT__CPU_INL void ut__gemm_dot_body(const float* a, int lda, const float* b, int ldb, int mc,
+                                   int nc, int kc, float* acc, const int V, const int RM,
+                                   const int RN) {
+  int ntj = (nc + RN - 1) / RN, kv = kc / V * V, rem = kc - kv;
+  for (int ti = 0; ti * RM < mc; ti++) {
+    const float* ar[4];
+    UT__DW_UNROLL
+    for (int r = 0; r < RM; r++) ar[r] = a + (ut__i64)UT__CPU_MIN(ti * RM + r, mc - 1) * lda;
+    for (int tj = 0; tj < ntj; tj++) {
+      const float* br[4];
+      UT__DW_UNROLL
+      for (int q = 0; q < RN; q++) br[q] = b + (ut__i64)UT__CPU_MIN(tj * RN + q, nc - 1) * ldb;
+      float* ap = acc + ((ut__i64)ti * ntj + tj) * (RM * RN * V);
+      ut__vec s[4][4];
+      UT__DW_UNROLL
+      for (int r = 0; r < RM; r++)
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) s[r][q] = ut__v_ld(ap + (r * RN + q) * V, V);
+      for (int kk = 0; kk < kv; kk += V) {
+        ut__vec av[4], bv[4];
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++) av[r] = ut__v_ld(ar[r] + kk, V);
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) bv[q] = ut__v_ld(br[q] + kk, V);
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++)
+          UT__DW_UNROLL
+          for (int q = 0; q < RN; q++) s[r][q] = ut__v_fmav(s[r][q], av[r], bv[q], V);
+      }
+      if (rem) {
+        ut__vec av[4], bv[4];
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++) {
+          float t[16] = {0};
+          memcpy(t, ar[r] + kv, (size_t)rem * sizeof(float));
+          av[r] = ut__v_ld(t, V);
+        }
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) {
+          float t[16] = {0};
+          memcpy(t, br[q] + kv, (size_t)rem * sizeof(float));
+          bv[q] = ut__v_ld(t, V);
+        }
+        UT__DW_UNROLL
+        for (int r = 0; r < RM; r++)
+          UT__DW_UNROLL
+          for (int q = 0; q < RN; q++) s[r][q] = ut__v_fmav(s[r][q], av[r], bv[q], V);
+      }
+      UT__DW_UNROLL
+      for (int r = 0; r < RM; r++)
+        UT__DW_UNROLL
+        for (int q = 0; q < RN; q++) ut__v_st(ap + (r * RN + q) * V, s[r][q], V);
+    }
+  }
+}
+
+/* ---- the wrappers, one set per ISA ---------------------------------------------------------- */
+#if defined(__AVX512F__)
+#define UT__CPU_BASE_LANES 16
+#elif defined(__AVX__)
+#define UT__CPU_BASE_LANES 8
+#else
+#define UT__CPU_BASE_LANES 4
+#endif
+
+#ifdef UT__CPU_X86
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_forward_planes_avx512(const ut__dwctx* C,
+                                                                   ut__i64 q0, ut__i64 q1,
+                                                                   float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_dx_planes_avx512(const ut__dwctx* C, ut__i64 q0,
+                                                              ut__i64 q1, float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__dw_dw_channel_avx512(const ut__dwctx* C, int ch,
+                                                               double* dacc, float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, 16);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__tconv_plane_avx512(
+    const float* src, ut__i64 tap_stride, const float* wk, float* dx, int h, int w, int kh,
+    int kw, int s, int p, int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(int kc, const float* ap,
+                                                            const float* bp, float* c,
+                                                            ut__i64 ldc, int mr, int nr,
+                                                            float alpha, float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 16, 8);
+}
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int lda,
+                                                          const float* b, int ldb, int mc,
+                                                          int nc, int kc, float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 16, 4, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_avx512 = {
+    "avx512", 16, ut__dw_forward_planes_avx512, ut__dw_dx_planes_avx512,
+    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 8, 32,
+    ut__gemm_dot_avx512, 16, 4, 4};
+
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_forward_planes_avx2(const ut__dwctx* C, ut__i64 q0,
+                                                               ut__i64 q1, float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_dx_planes_avx2(const ut__dwctx* C, ut__i64 q0,
+                                                          ut__i64 q1, float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_dw_channel_avx2(const ut__dwctx* C, int ch,
+                                                           double* dacc, float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, 8);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__tconv_plane_avx2(const float* src, ut__i64 tap_stride,
+                                                         const float* wk, float* dx, int h,
+                                                         int w, int kh, int kw, int s, int p,
+                                                         int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_micro_avx2(int kc, const float* ap,
+                                                        const float* bp, float* c, ut__i64 ldc,
+                                                        int mr, int nr, float alpha,
+                                                        float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 8, 6);
+}
+UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, const float* b,
+                                                      int ldb, int mc, int nc, int kc,
+                                                      float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 8, 2, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_avx2 = {
+    "avx2", 8, ut__dw_forward_planes_avx2, ut__dw_dx_planes_avx2, ut__dw_dw_channel_avx2,
+    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, ut__gemm_dot_avx2, 8, 2, 4};
+#endif
+
+UT__CPU_OPT static void ut__dw_forward_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                                   float* buf) {
+  ut__dwf_range_body(C, q0, q1, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__dw_dx_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                              float* buf) {
+  ut__dwdx_range_body(C, q0, q1, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__dw_dw_channel_base(const ut__dwctx* C, int ch, double* dacc,
+                                               float* buf) {
+  ut__dwdw_chan_body(C, ch, dacc, buf, UT__CPU_BASE_LANES);
+}
+UT__CPU_OPT static void ut__tconv_plane_base(const float* src, ut__i64 tap_stride,
+                                             const float* wk, float* dx, int h, int w, int kh,
+                                             int kw, int s, int p, int ho, int wo, float* tmp) {
+  ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
+}
+/* (4 lanes whatever the flags: the base GEMM's blocking is fixed) */
+UT__CPU_OPT static void ut__gemm_micro_base(int kc, const float* ap, const float* bp, float* c,
+                                            ut__i64 ldc, int mr, int nr, float alpha,
+                                            float beta) {
+  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 4, 6);
+}
+UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* b, int ldb,
+                                          int mc, int nc, int kc, float* acc) {
+  ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 4, 2, 4);
+}
+static const ut__cpu_isa_kernels ut__cpu_isa_base = {
+    "base", UT__CPU_BASE_LANES, ut__dw_forward_planes_base, ut__dw_dx_planes_base,
+    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, ut__gemm_dot_base,
+    4, 2, 4};
+
+static const ut__cpu_isa_kernels* ut__cpu_isa(void) {
+#ifdef UT__CPU_X86
+  int level = ut__cpu_level();
+  if (level >= 4) return &ut__cpu_isa_avx512;
+  if (level >= 3) return &ut__cpu_isa_avx2;
+#endif
+  return &ut__cpu_isa_base;
 }
 
 #endif /* UTENSIL_IMPLEMENTATION_DONE */
 #endif /* UT_IMPLEMENTATION */
-#endif /* UT__DW_PASS */
