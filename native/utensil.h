@@ -21,6 +21,10 @@
      After ut_alloc/ut_from_data/ut_randn and after ut_sync_cpu the host copy is the owner: writes
      through `data` are seen by later ops (the next GPU op uploads them). ut_sync_cpu_readonly()
      downloads without handing ownership to the host, for reading only.
+     A UT_CUDA tensor whose device memory others see (`shared`: made by ut_wrap, or exported
+     through DLPack by the bindings) can be written there without the mirror knowing, so its
+     host copy is only a snapshot: every host read downloads again, and after writing through
+     `data` the caller pushes the values with ut_sync_gpu() before anyone else reads them.
      On a machine without a usable GPU, UT_CUDA tensors keep their tag and run on the CPU paths.
 
    OPS
@@ -71,7 +75,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 2
+#define UT_VERSION 3
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -99,6 +103,7 @@ typedef struct ut_tensor {
   bool dirty_gpu;  /* device copy is stale */
   int rc;          /* reference count */
   bool borrowed;   /* made by ut_wrap: `data` (UT_CPU) or `gpu_buf` (UT_CUDA) is not ours */
+  bool shared;     /* others see gpu_buf (ut_wrap, DLPack export): the host copy is a snapshot */
   /* Memory the tensor borrows (ut_wrap): called once, at the last ut_free, instead of freeing
      it. NULL for memory the library owns. */
   void (*release)(void* ctx);
@@ -787,6 +792,7 @@ ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*rel
     t->data = host;
     t->gpu_buf = ptr;
     t->dirty_cpu = true; /* the device memory holds the values */
+    t->shared = true;
   } else {
     t->data = (float*)ptr;
   }
@@ -878,7 +884,9 @@ static ut__shape_str ut__shape_text(const ut_tensor* t) {
 
 /* ---- the host/device mirror --------------------------------------------------------------- */
 static int ut__download(ut_tensor* t) {
-  if (t->gpu_buf && t->dirty_cpu) {
+  /* A shared device copy may have been written behind the mirror's back: read it again, unless
+     the host holds a write not yet pushed. */
+  if (t->gpu_buf && (t->dirty_cpu || (t->shared && !t->dirty_gpu))) {
     const ut__backend* gpu = ut__cuda_backend();
     UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_cpu: the tensor's GPU copy is unreachable");
     UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
@@ -2042,6 +2050,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__SIZE(ut_tensor), UT__FIELD(ut_tensor, shape), UT__FIELD(ut_tensor, data),
     UT__FIELD(ut_tensor, dev), UT__FIELD(ut_tensor, gpu_buf), UT__FIELD(ut_tensor, dirty_cpu),
     UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
+    UT__FIELD(ut_tensor, shared),
     UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
     UT__FIELD(ut_tensor, version),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),

@@ -766,7 +766,9 @@ class Driver:
         self.add_tensor(y, yv, "output")
         keeps = all(s.obj.training or s.kind == "bn" for s in lrec.steps)
         if keeps:
-            lrec.last = dict(ctxs=ref[1], out_shape=yv.shape, touch=lrec.touch,
+            # a stateless layer runs where its input is (an array: on the CPU), and its
+            # backward takes a gradient on that device only
+            lrec.last = dict(ctxs=ref[1], out_shape=yv.shape, touch=lrec.touch, dev=y.device,
                              touches=[s.touch for s in self.layers_of(lrec)],
                              xbox=(xrec.box, xrec.box.gen) if xrec is not None else None,
                              pboxes=[(r.box, r.box.gen) for s in self.layers_of(lrec)
@@ -781,7 +783,7 @@ class Driver:
             return
         li = self.layers.index(lrec)
         last = lrec.last
-        ok = (last is not None and last["touch"] == lrec.touch
+        ok = (last is not None and last["touch"] == lrec.touch and last["dev"] == self.dev
               and last["touches"] == [s.touch for s in self.layers_of(lrec)]
               and (last["xbox"] is None or last["xbox"][0].gen == last["xbox"][1])
               and all(b.gen == g for b, g in last["pboxes"])
@@ -1237,7 +1239,9 @@ class Driver:
                                                            for s in l.steps)])
         self.note("fork, child runs ops%s" % ("" if lrec is None else " and L%d"
                                                % self.layers.index(lrec)))
-        shape = self.input_shape(lrec) if lrec is not None and not self.cuda else None
+        here = lrec is not None and all(getattr(s.obj, "device", None) in (None, self.dev)
+                                        for s in lrec.steps)  # not moved to the GPU by to()
+        shape = self.input_shape(lrec) if here and not self.cuda else None
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

@@ -167,6 +167,39 @@ def test_torch_round_trip_cuda(live):
     t.close()
 
 
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or "cuda" not in ut.devices(),
+                    reason="needs PyTorch with CUDA and a GPU")
+def test_shared_cuda_memory_stays_coherent_after_host_reads(live):
+    """Once device memory is shared, a host read must not become a stale snapshot: writes made
+    through torch, or through another utensil tensor over the same memory, are seen by the next
+    read, and host writes (copy_from) are seen by torch at once (found by the stateful fuzzer)."""
+    t = ut.randn((3, 4), device="cuda")
+    ref = t.numpy().astype(np.float64)
+    x = torch.from_dlpack(t)
+    np.testing.assert_array_equal(t.numpy(), ref)  # a host read after the export
+    x.mul_(2.0)
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(t.numpy(), 2 * ref, rtol=1e-6)
+    alias = ut.from_dlpack(x)  # a second utensil tensor over the same memory
+    np.testing.assert_allclose(alias.numpy(), 2 * ref, rtol=1e-6)
+    alias.mul_(-1.0)
+    np.testing.assert_allclose(t.numpy(), -2 * ref, rtol=1e-6)
+    t.copy_from(np.full((3, 4), 7.0, np.float32))  # a host write: pushed at once
+    ut.synchronize()
+    np.testing.assert_array_equal(x.cpu().numpy(), np.full((3, 4), 7.0))
+    np.testing.assert_array_equal(alias.numpy(), np.full((3, 4), 7.0))
+    y = torch.zeros(5, device="cuda")
+    u = ut.from_dlpack(y)
+    np.testing.assert_array_equal(u.numpy(), np.zeros(5))
+    y.add_(3.0)  # the producer writes after the import and after a host read
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(u.numpy(), np.full(5, 3.0))
+    del x, y
+    gc.collect()
+    for v in (alias, u, t):
+        v.close()
+
+
 @pytest.mark.skipif(cupy is None or "cuda" not in ut.devices(), reason="needs CuPy and a GPU")
 def test_cupy_round_trip(live):
     c = cupy.arange(6, dtype=cupy.float32)

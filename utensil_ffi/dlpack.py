@@ -214,9 +214,11 @@ def _export(t, stream, versioned, copied):
         check_status(lib.ut_sync_gpu(p), "__dlpack__")
         if stream not in (None, -1, 1):
             check_status(lib.ut_cuda_stream_wait(ffi.cast("void*", stream), ffi.NULL), "__dlpack__")
-        # the consumer may write the device memory: from now on it holds the values
+        # The consumer may write the device memory at any time from now on: it holds the values,
+        # and the host copy becomes a snapshot taken again at every read (C's `shared`).
         p.dirty_cpu = True
         p.dirty_gpu = False
+        p.shared = True
         data = int(ffi.cast("uintptr_t", p.gpu_buf))
     else:
         # As Tensor.numpy(): a CPU tensor's host copy is its only copy, so the read-only sync

@@ -327,6 +327,8 @@ class Tensor:
                 raise ShapeError("copy_from: shape %s into %s" % (arr.shape, _shape(p)))
             check_status(lib.ut_sync_cpu(p), "copy_from")
             ffi.memmove(p.data, ffi.from_buffer("float[]", arr), arr.nbytes)
+            if p.shared:  # others read the device memory directly: they must see the write now
+                check_status(lib.ut_sync_gpu(p), "copy_from")
         finally:
             _let_go(p)
         return self
