@@ -48,6 +48,19 @@ def _int(v):
     return int(v)
 
 
+def _huge(*dims):
+    """True when every dim is a valid size and their product is over BIG: a valid request whose
+    allocation (and random fill) would take seconds. The CPU child refuses those through its
+    address-space cap; a CUDA child has no cap (a CUDA context needs the space), so skips them."""
+    n = 1
+    for d in dims:
+        d = _int(d)
+        if d is None or d <= 0:
+            return False
+        n *= d
+    return n > BIG
+
+
 def conv_out(h, k, s, p):
     return (h + 2 * p - k) // s + 1 if h + 2 * p >= k else None
 
@@ -63,6 +76,12 @@ class Sweep:
         if len(self.findings) < 30:
             self.findings.append("%s -> %s: %s\n%s" % (what, type(e).__name__, e,
                                                      traceback.format_exc()[-1200:]))
+
+    def uncapped_huge(self, *dims):
+        if self.dev == "cuda" and _huge(*dims):
+            self.skipped += 1
+            return True
+        return False
 
     def call(self, what, fn, *args, **kw):
         """fn(...) -> (True, result) or (False, None) when refused cleanly; findings recorded."""
@@ -87,6 +106,9 @@ class Sweep:
     def layer_case(self, kind, args, x_hw, batch=1):
         self.cases += 1
         what = "%s%r on x %s" % (kind, tuple(args), x_hw)
+        channels, k = (args[:2], args[2]) if kind == "Conv2d" else (args[:1], args[1])
+        if self.uncapped_huge(*channels, *(k if isinstance(k, (tuple, list)) else (k, k))):
+            return  # the weight alone
         if kind == "Conv2d":
             cin, cout, k, s, p = args
             ok, l = self.call(what, ut.Conv2d, cin, cout, k, stride=s, padding=p, device=self.dev)
@@ -151,6 +173,8 @@ class Sweep:
             for cls, args in ((ut.Linear, (v, 2)), (ut.Linear, (2, v)), (ut.LayerNorm, (v,)),
                               (ut.BatchNorm2d, (v,))):
                 self.cases += 1
+                if self.uncapped_huge(*args):
+                    continue
                 ok, l = self.call("%s%r" % (cls.__name__, args), cls, *args, device=self.dev)
                 if ok:
                     l.close()
@@ -187,6 +211,11 @@ class Sweep:
                     ("seed", ut.seed, (v,)), ("set_num_threads", ut.set_num_threads, (v,)),
                 ]:
                     self.cases += 1
+                    size = {"zeros": (v,), "zeros2": (2, v), "ones": (v, 2), "full": (v,),
+                            "randn": (v,), "gap_bwd_h": (6, v), "gap_bwd_w": (6, v),
+                            "gap_bwd_hw": (6, v, v)}.get(what)
+                    if size and self.uncapped_huge(*size):
+                        continue
                     n0 = ut.get_num_threads()
                     ok, out = self.call("%s(%r)" % (what, v), fn, *args)
                     if what == "set_num_threads":
@@ -206,6 +235,8 @@ class Sweep:
         # the big 2-D helpers: a matmul whose product would overflow int is refused cleanly
         for m, k, n in [(2**16, 1, 2**16), (2**31 - 1, 1, 1), (1, 2**31 - 1, 1), (46341, 1, 46341)]:
             self.cases += 1
+            if self.uncapped_huge(m, k) or self.uncapped_huge(k, n):
+                continue
             ok, a = self.call("zeros(%d, %d)" % (m, k), ut.zeros, (m, k), d)
             ok2, b = self.call("zeros(%d, %d)" % (k, n), ut.zeros, (k, n), d)
             if ok and ok2:
