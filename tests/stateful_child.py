@@ -52,7 +52,6 @@ from utensil_ffi import functional as F
 from utensil_ffi import reference as R
 
 ALLOWED = (ut.UtensilError, MemoryError, BufferError)
-HOSTILE_GRADS = bool(os.environ.get("UTENSIL_FUZZ_HOSTILE_GRADS"))
 JOIN_TIMEOUT = 60.0
 OP_STATS = {}  # op name -> (count, seconds)
 
@@ -943,10 +942,7 @@ class Driver:
         p = self.pick(_params_of(lrec))
         if p.closed:
             return
-        kinds = ["tensor", "none"]
-        if HOSTILE_GRADS:  # refused only at use, with raw errors: see test_stateful_fuzz.py
-            kinds += ["wrong-shape", "array", "list", "int"]
-        kind = self.rng.choice(kinds)
+        kind = self.rng.choice(["tensor", "none", "wrong-shape", "array", "list", "int"])
         self.note("L%d %s.grad = <%s>" % (self.layers.index(lrec), p.name, kind))
         self.param_recs(lrec)
         if kind == "tensor":
@@ -961,7 +957,13 @@ class Driver:
             g = np.zeros(p.shape).tolist()
         else:
             g = 0
-        p.grad = g
+        if kind in ("tensor", "none"):
+            guarded(setattr, p, "grad", g)
+        else:  # refused at assignment, the grad left as it was
+            before = p.grad
+            self.expect_refused(setattr, "p.grad = <%s>" % kind, p, "grad", g)
+            if p.grad is not before:
+                raise Finding("wrong-answer", "a refused grad assignment changed p.grad")
 
     def op_train_eval(self):
         lrec = self.pick(self.layers)

@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 
 from . import _args
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, ShapeError
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
 from ._errors import check, check_ptr
 from ._lib import ffi, lib
 from . import functional as _F
@@ -61,7 +61,7 @@ class Parameter(Tensor):
     """A layer's trainable tensor; ``grad`` is a Tensor of the same shape on the same device
     that backward passes accumulate into."""
 
-    __slots__ = ("grad", "name")
+    __slots__ = ("_grad", "name")
 
     def __init__(self, data, device="cpu", requires_grad=True, name=None):
         """A standalone parameter: a float32 copy of ``data`` with a zeroed ``grad`` (``grad`` is
@@ -71,6 +71,26 @@ class Parameter(Tensor):
         super().__init__(data, device)
         if _args.to_bool(requires_grad, "requires_grad"):
             self.grad = zeros(self.shape, self.device)
+
+    @property
+    def grad(self):
+        return getattr(self, "_grad", None)
+
+    @grad.setter
+    def grad(self, g):
+        # Checked here, as PyTorch does, because backward, zero_grad, to() and the optimizers
+        # use grad as a Tensor of this shape and device.
+        if g is not None and not isinstance(g, Tensor):
+            raise ArgumentTypeError("Parameter.grad: expected a Tensor or None, got %s"
+                                    % type(g).__name__)
+        if g is not None and not g.closed and getattr(self, "_ptr", None) is not None:
+            if g.shape != self.shape:
+                raise ShapeError("Parameter.grad: a grad of shape %s for a parameter of shape %s"
+                                 % (g.shape, self.shape))
+            if g.device != self.device:
+                raise DeviceError("Parameter.grad: a grad on %s for a parameter on %s"
+                                  % (g.device, self.device))
+        self._grad = g
 
     def __repr__(self):
         if self.closed:
@@ -500,6 +520,15 @@ class _State:
             self.busy += 1
             return st.entries[st.pos]
 
+    def untake(self):
+        """Undo this thread's last take(): a backward refused before it computed anything
+        leaves the walk where it was (a layer used twice would else pair the next backward with
+        the other use's forward)."""
+        st = getattr(self.tls, "st", None)
+        with self.lock:
+            if st is not None and st.pos < len(st.entries):
+                st.pos += 1
+
     def leave(self):
         with self.lock:
             self.busy -= 1
@@ -741,6 +770,7 @@ class _CLayer(Module):
                 "%s.backward: no forward pass to differentiate; call forward() in training "
                 "mode (layer.train()) first" % name
             )
+        done = False
         try:
             s = h.s
             if s is None:
@@ -760,8 +790,11 @@ class _CLayer(Module):
                     p = self._c_backward(s, c, gp, _grad_ptr(self._weight), db)
                     if p == _NULL:
                         fail("%s.backward" % name, s.weight, gp)
+                done = True
                 return _wrap(p)
         finally:
+            if not done:
+                h.state.untake()
             h.state.leave()
 
     def _clear_cache(self):
@@ -1039,6 +1072,7 @@ class _Stateless(Module):
 
     def backward(self, grad_out):
         _, t, version = self._take()
+        done = False
         try:
             if t._ptr.version != version:
                 raise ArgumentError(
@@ -1046,8 +1080,12 @@ class _Stateless(Module):
                     "(copy_from or an in-place method), so its gradient would be wrong; change it "
                     "only after backward, or pass a clone to forward" % type(self).__name__
                 )
-            return self._bwd_op(grad_out, t)
+            dx = self._bwd_op(grad_out, t)
+            done = True
+            return dx
         finally:
+            if not done:
+                self._state.untake()
             self._state.leave()
 
     def _clear_cache(self):
@@ -1088,14 +1126,22 @@ class GlobalAvgPool2d(_Stateless):
 
     def backward(self, grad_out):
         _, (out_shape, h, w), _ = self._take()
-        self._state.leave()
-        g_shape = grad_out.shape if isinstance(grad_out, Tensor) else _args.to_float_array(grad_out).shape
-        if tuple(g_shape) != out_shape:
-            raise ShapeError(
-                "GlobalAvgPool2d.backward: grad_out has shape %s, the forward output had %s"
-                % (tuple(g_shape), out_shape)
-            )
-        return _F.global_avg_pool2d_backward(grad_out, h, w)
+        done = False
+        try:
+            g_shape = (grad_out.shape if isinstance(grad_out, Tensor)
+                       else _args.to_float_array(grad_out).shape)
+            if tuple(g_shape) != out_shape:
+                raise ShapeError(
+                    "GlobalAvgPool2d.backward: grad_out has shape %s, the forward output had %s"
+                    % (tuple(g_shape), out_shape)
+                )
+            dx = _F.global_avg_pool2d_backward(grad_out, h, w)
+            done = True
+            return dx
+        finally:
+            if not done:
+                self._state.untake()
+            self._state.leave()
 
 
 class Sequential(Module):
@@ -1143,9 +1189,6 @@ class Sequential(Module):
 
     def backward(self, grad_out):
         return self._chain(grad_out, [l.backward for l in reversed(self.layers)])
-
-    def parameters(self):
-        return [p for l in self.layers for p in l.parameters()]
 
     def train(self, mode=True):
         self.training = _args.to_bool(mode, "mode")
