@@ -1281,6 +1281,15 @@ static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
   return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
          g->wo == g->w;
 }
+/* A pointwise convolution over small images (late MobileNet layers: 7x7, 4x4, 2x2) runs as one
+   GEMM over the whole batch, W [out_c, c] . X [c, n*P], on inputs regrouped channel-major
+   ([n, c, P] -> [c, n, P]): per image the GEMM would be [out_c, c] . [c, P] with P far under the
+   micro-kernel's width. CPU only for now: the CUDA GEMM has its own tiling. */
+#define UT__PW_BATCH_MERGE_P 256
+static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be) {
+  return ut__conv_is_pointwise(g) && g->n > 1 && (ut__i64)g->h * g->w < UT__PW_BATCH_MERGE_P &&
+         !ut__is_device_backend(be);
+}
 /* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
 static int ut__check_col(const ut__conv_geom* g, const char* who) {
   if (ut__conv_is_pointwise(g)) return UT_OK;
@@ -1305,8 +1314,13 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
   if (!wp || (l->bias && !bp)) return NULL;
 
+  bool merged = ut__conv_merges_batch(&g, be);
   ut_tensor* col;
-  if (ut__conv_is_pointwise(&g)) {
+  if (merged) { /* the columns are the input regrouped [c, n, P]; backward reuses them */
+    col = ut__new(3, (int[]){K, g.n, P}, x->dev, who);
+    if (!col || !ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g.n, 1, K, P)))
+      return NULL;
+  } else if (ut__conv_is_pointwise(&g)) {
     col = ut_retain(x); /* a 1x1 window's columns are the input itself */
   } else {
     col = ut__new(3, (int[]){g.n, K, P}, x->dev, who);
@@ -1315,11 +1329,26 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   ut_tensor* out = ut__new(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, who);
   if (!out) return ut__drop(col);
   float* op = ut__out(out, be);
-  ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
-                      .a = wp, .lda = K, .stride_a = 0,
-                      .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
-                      .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
-  int rc = be->gemm(&mm);
+  int rc;
+  if (merged) { /* Y [out_c, n*P] = W . X, then back to [n, out_c, P] */
+    ut_tensor* yt = ut__new(3, (int[]){l->out_c, g.n, P}, x->dev, who);
+    if (!yt) {
+      ut_free(col);
+      return ut__drop(out);
+    }
+    ut__gemm_args mm = {.m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
+                        .beta = 0.f, .a = wp, .lda = K, .b = ut__in(col, be), .ldb = g.n * P,
+                        .c = ut__out(yt, be), .ldc = g.n * P};
+    rc = be->gemm(&mm);
+    if (rc >= 0) rc = be->transpose(ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
+    ut_free(yt);
+  } else {
+    ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
+                        .a = wp, .lda = K, .stride_a = 0,
+                        .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
+                        .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
+    rc = be->gemm(&mm);
+  }
   if (rc >= 0 && bp) rc = be->bias_add(op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
   if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
@@ -1351,14 +1380,21 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
-  bool pointwise = ut__conv_is_pointwise(&g);
+  bool pointwise = ut__conv_is_pointwise(&g), merged = ut__conv_merges_batch(&g, be);
 
   ut_tensor* col = cache->col;
   bool own_col = false;
-  if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev) {
-    /* the cache lost its columns: rebuild them from the input */
+  if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev ||
+      merged != (col->shape.ndim == 3 && col->shape.shape[0] == K && col->shape.shape[1] == g.n &&
+                 pointwise)) {
+    /* the cache lost its columns (or holds another layout): rebuild them from the input */
     own_col = true;
-    if (pointwise) {
+    if (merged) {
+      const float* xp = ut__in(cache->input, be);
+      col = xp ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
+      if (!col || !ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g.n, 1, K, P)))
+        return NULL;
+    } else if (pointwise) {
       col = ut_retain(cache->input);
     } else {
       const float* xp = ut__in(cache->input, be);
@@ -1379,7 +1415,25 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
   }
   if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
-  if (rc >= 0) {
+  if (rc >= 0 && merged) {
+    /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
+    ut_tensor* gt = ut__new(3, (int[]){l->out_c, g.n, P}, grad_out->dev, who);
+    ut_tensor* dxt = gt ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
+    float* gtp = gt ? ut__out(gt, be) : NULL;
+    rc = dxt ? be->transpose(gop, gtp, 1, g.n, 1, l->out_c, P) : ut__err_status;
+    ut__gemm_args dw_mm = {.trans_b = true, .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
+                           .alpha = 1.f, .beta = 1.f, .a = gtp, .lda = g.n * P,
+                           .b = colp, .ldb = g.n * P, .c = dWp, .ldc = K};
+    if (rc >= 0) rc = be->gemm(&dw_mm);
+    ut__gemm_args dx_mm = {.trans_a = true, .m = K, .n = g.n * P, .k = l->out_c, .batch = 1,
+                           .alpha = 1.f, .beta = 0.f, .a = wp, .lda = K,
+                           .b = gtp, .ldb = g.n * P, .c = dxt ? ut__out(dxt, be) : NULL,
+                           .ldc = g.n * P};
+    if (rc >= 0) rc = be->gemm(&dx_mm);
+    if (rc >= 0) rc = be->transpose(ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
+    ut_free(gt);
+    ut_free(dxt);
+  } else if (rc >= 0) {
     /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
     ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .m = l->out_c, .n = K, .k = P,
                         .batch = g.n, .alpha = 1.f, .beta = 1.f,
@@ -1396,7 +1450,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     else
       rc = be->gemm(&mm);
   }
-  if (rc >= 0) {
+  if (rc >= 0 && !merged) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
     float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
     ut__gemm_args mm = {.trans_a = true, .m = K, .n = P, .k = l->out_c, .batch = g.n,

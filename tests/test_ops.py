@@ -290,6 +290,16 @@ def test_conv2d_random(device):
     _conv_random_case(device, False, 2, 1, 2, 8, 8, 4, 4, 3, 2)
 
 
+def test_pointwise_conv2d_over_small_images(device):
+    """Pointwise convs over images of fewer than 256 pixels run on the CPU as one GEMM over the
+    whole batch (inputs regrouped channel-major); at 256 and over, one GEMM per image. Both,
+    forward and backward, against the float64 reference."""
+    ut.seed(13)
+    for n, c, o, h, w in [(3, 17, 9, 5, 5), (4, 33, 40, 15, 17), (2, 8, 5, 16, 16),
+                          (5, 64, 48, 2, 2), (1, 3, 4, 2, 2), (6, 5, 3, 1, 1)]:
+        _conv_random_case(device, False, n, c, o, h, w, 1, 1, 1, 0)
+
+
 def test_dwconv2d_random(device):
     ut.seed(12)
     _conv_random_case(device, True, 2, 3, 0, 7, 6, 3, 2, 2, 1)

@@ -3,11 +3,12 @@
     from utensil_ffi import models
     net = models.mobilenet(in_channels=1, num_classes=10, width=16, device="cpu")
 
-``mobilenet`` is the depthwise-separable (MobileNet-style) classifier utensil-train trains.
+``mobilenet`` is the depthwise-separable (MobileNet-style) classifier utensil-train trains;
+``mobilenet_v1`` is Howard et al. 2017's ImageNet network (13 blocks, 4.2 M parameters at width 1).
 
 The network is one flat ``Sequential`` (so its layers have stable integer names)::
 
-    stem:   Conv2d 3x3 (stride 1, padding 1, no bias) -> BatchNorm2d -> ReLU6
+    stem:   Conv2d 3x3 (stride stem_stride, padding 1, no bias) -> BatchNorm2d -> ReLU6
     block:  DWConv2d 3x3 (stride s, padding 1, no bias) -> BatchNorm2d -> ReLU6
             -> Conv2d 1x1 (no bias) -> BatchNorm2d -> ReLU6             (one per entry of blocks)
     head:   GlobalAvgPool2d -> Linear(channels, num_classes)
@@ -29,10 +30,14 @@ from .layers import (
     Sequential,
 )
 
-__all__ = ["DEFAULT_BLOCKS", "mobilenet", "block_channels", "count_parameters"]
+__all__ = ["DEFAULT_BLOCKS", "V1_BLOCKS", "mobilenet", "mobilenet_v1", "block_channels",
+           "count_parameters"]
 
 # (channel multiplier, stride) per depthwise-separable block; one stride 2: 8x8 digits end at 4x4.
 DEFAULT_BLOCKS = ((2, 1), (2, 1), (4, 2), (4, 1))
+# MobileNet v1 (Howard et al. 2017, table 1) over a 32-channel stem: 64 .. 1024 channels.
+V1_BLOCKS = ((2, 1), (4, 2), (4, 1), (8, 2), (8, 1), (16, 2), (16, 1), (16, 1), (16, 1), (16, 1),
+             (16, 1), (32, 2), (32, 1))
 
 
 def block_channels(width, blocks=DEFAULT_BLOCKS):
@@ -47,7 +52,7 @@ def block_channels(width, blocks=DEFAULT_BLOCKS):
 
 
 def mobilenet(in_channels=1, num_classes=10, width=16, blocks=DEFAULT_BLOCKS,
-              device="cpu", bn_momentum=0.1, bn_eps=1e-5):
+              device="cpu", bn_momentum=0.1, bn_eps=1e-5, stem_stride=1):
     """The classifier as a flat Sequential; weights come from the library RNG (see ut.seed)."""
     if int(width) < 1:
         raise ValueError("width must be >= 1, got %r" % (width,))
@@ -58,7 +63,8 @@ def mobilenet(in_channels=1, num_classes=10, width=16, blocks=DEFAULT_BLOCKS,
     def bn(c):
         return BatchNorm2d(c, eps=bn_eps, momentum=bn_momentum, device=device)
 
-    layers = [Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False, device=device),
+    layers = [Conv2d(in_channels, width, 3, stride=stem_stride, padding=1, bias=False,
+                     device=device),
               bn(width), ReLU6()]
     c = width
     for cin, cout, stride in block_channels(width, blocks):
@@ -69,6 +75,14 @@ def mobilenet(in_channels=1, num_classes=10, width=16, blocks=DEFAULT_BLOCKS,
         c = cout
     layers += [GlobalAvgPool2d(), Linear(c, num_classes, device=device)]
     return Sequential(*layers)
+
+
+def mobilenet_v1(num_classes=1000, width_mult=1.0, in_channels=3, device="cpu"):
+    """MobileNet v1: a stride-2 3x3 stem of 32 * width_mult channels, the 13 depthwise-separable
+    blocks of V1_BLOCKS, global pooling and a linear classifier (4,231,976 parameters at width
+    1.0 and 1000 classes, as torchvision's count for the paper's network)."""
+    width = int(round(32 * float(width_mult)))
+    return mobilenet(in_channels, num_classes, width, V1_BLOCKS, device=device, stem_stride=2)
 
 
 def count_parameters(net):
