@@ -3,8 +3,9 @@
     python bench/bench_networks.py [--net v1] [--size 64] [--batch 8] [--threads 2]
                                    [--device cpu] [--steps 20] [--rounds 3]
 
-MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, SGD with
-momentum 0.9 and cross-entropy. Both sides start from the same weights (``to_torch``) and train on
+MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, or the digits
+network of utensil-train (``--net digits``: width 32, 8x8 inputs), SGD with momentum 0.9 and
+cross-entropy. Both sides start from the same weights (``to_torch``) and train on
 the same batches; rounds alternate between the two so a change of machine load hits both. Prints
 images/s per side (the median round) and their ratio. Needs torch. On CUDA the PyTorch side runs
 with TF32 off (``--tf32`` turns it on), so both compute in fp32.
@@ -108,8 +109,9 @@ def main(argv=None):
     p.add_argument("--tf32", action="store_true")
     a = p.parse_args(argv)
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.tf32)
+    size = a.size if a.net == "v1" else 8
     print("%s %s %d^2 batch %d, %s threads, fp32: utensil %.1f img/s, PyTorch %.1f img/s, "
-          "utensil/PyTorch %.2fx" % (a.net, a.device, a.size, a.batch, a.threads, r["utensil"],
+          "utensil/PyTorch %.2fx" % (a.net, a.device, size, a.batch, a.threads, r["utensil"],
                                      r["torch"], r["utensil"] / r["torch"]))
 
 

@@ -3464,8 +3464,8 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
   }
 }
 
-/* sum_batch with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C summed per batch chunk
-   (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
+/* sum_batch (or one batch item) with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C
+   summed per batch chunk (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
 static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();
@@ -3559,8 +3559,9 @@ static int ut__cpu_gemm(const ut__gemm_args* g) {
                            g->beta);
     return UT_OK;
   }
-  /* where packing would cost about as much as the products: a short side, a long k */
-  if (g->sum_batch && !g->trans_a && g->trans_b && k >= 256 &&
+  /* where packing would cost about as much as the products: a short side, a long k (a weight
+     gradient summed over the batch; a Linear forward, x [batch, in] . W^T with W [out, in]) */
+  if ((g->sum_batch || g->batch == 1) && !g->trans_a && g->trans_b && k >= 256 &&
       (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
     return ut__cpu_gemm_dot(g);
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();

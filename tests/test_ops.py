@@ -368,6 +368,23 @@ def test_linear(device):
     check(nb.weight.grad, [1, 1, 1, 2, 0, -1])
 
 
+@pytest.mark.parametrize("n, i, o", [(5, 300, 7), (1, 256, 100), (97, 260, 3), (8, 1024, 33)])
+def test_linear_wide_inputs(device, n, i, o):
+    """Linear with k = in_features >= 256 and a short side (the CPU forward then runs on the
+    dot-product engine, no packing): forward and backward against the float64 reference."""
+    ut.seed(21)
+    with ut.Linear(i, o, device=device) as l:
+        x = ut.randn((n, i), device=device)
+        go = ut.randn((n, o), device=device)
+        y = l(x)
+        dx = l.backward(go)
+        x64, w64, b64, go64 = (t.numpy().astype(float) for t in (x, l.weight, l.bias, go))
+        rdx, rdw, rdb = R.linear_backward(x64, w64, go64)
+        for got, ref in ((y, R.linear(x64, w64, b64)), (dx, rdx), (l.weight.grad, rdw),
+                         (l.bias.grad, rdb)):
+            np.testing.assert_allclose(got.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_layernorm(device):
     l = ut.LayerNorm(4, eps=1e-5, device=device)
     assert l.dim == 4
