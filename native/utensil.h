@@ -2798,8 +2798,12 @@ typedef void (*ut__cpu_dwdw_fn)(const ut__dwctx* C, int ch, double* dacc, float*
 typedef void (*ut__cpu_tconv_fn)(const float* src, ut__i64 tap_stride, const float* wk,
                                  float* dx, int h, int w, int kh, int kw, int s, int p, int ho,
                                  int wo, float* tmp);
-typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, const float* bp, float* c,
-                                  ut__i64 ldc, int mr, int nr, float alpha, float beta);
+/* The micro-kernel reads A's value (row r, step k) at ap[r * a_rs + k * a_ks] and B's NR values
+   of step k at bp + k * b_ks: packed panels (a_rs 1, a_ks MR, b_ks NR), or the operands in place
+   where a panel would be used only once or twice (see ut__cpu_gemm_task). */
+typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks,
+                                  const float* bp, ut__i64 b_ks, float* c, ut__i64 ldc, int mr,
+                                  int nr, float alpha, float beta);
 typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
                                  int kc, float* acc);
 typedef struct ut__cpu_isa_kernels {
@@ -3328,26 +3332,45 @@ UT__CPU_OPT static void ut__cpu_pack_b(const float* b, int ldb, bool tb, int k0,
 }
 
 /* One block of C (rows i0.., columns j0..) summed over batch items [b0, b1), into c0 (row
-   stride ldc; beta applies to the first item only). */
+   stride ldc; beta applies to the first item only).
+   A packed panel pays for itself when the kernel reads it many times: A's MR-row panels are read
+   once per NR-column panel of the block, B's once per row panel. When the block is at most two
+   panels across (a short side: pointwise convs over small images, Linear layers), the full
+   panels are read in place instead (the same products in the same order, so the same result);
+   the edge panels are still packed, their padding rows and columns being zeros. */
 static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, int MR, int NR,
                               int b0, int b1, float* c0, int ldc, float beta0, int i0, int mc,
                               int j0, int nc, float* abuf, float* bbuf) {
   float* c = c0 + (ut__i64)i0 * ldc + j0;
   bool first = true;
+  int a_full = nc <= 2 * NR ? mc / MR * MR : 0; /* rows of A read in place */
+  int b_full = mc <= 2 * MR && !g->trans_b ? nc / NR * NR : 0; /* columns of B read in place */
+  ut__i64 a_rs = g->trans_a ? 1 : g->lda, a_ks = g->trans_a ? g->lda : 1;
   for (int bb = b0; bb < b1; bb++) {
     const float* a = g->a + (ut__i64)bb * g->stride_a;
     const float* b = g->b + (ut__i64)bb * g->stride_b;
     for (int k0 = 0; k0 < g->k; k0 += UT__CPU_KC) {
       int kc = UT__CPU_MIN(UT__CPU_KC, g->k - k0);
-      ut__cpu_pack_b(b, g->ldb, g->trans_b, k0, kc, j0, nc, NR, bbuf);
-      ut__cpu_pack_a(a, g->lda, g->trans_a, i0, mc, k0, kc, MR, abuf);
+      if (b_full < nc)
+        ut__cpu_pack_b(b, g->ldb, g->trans_b, k0, kc, j0 + b_full, nc - b_full, NR, bbuf);
+      if (a_full < mc)
+        ut__cpu_pack_a(a, g->lda, g->trans_a, i0 + a_full, mc - a_full, k0, kc, MR, abuf);
       float beta = first ? beta0 : 1.0f;
       first = false;
       for (int jp = 0; jp < nc; jp += NR) {
-        const float* bp = bbuf + (ut__i64)(jp / NR) * kc * NR;
-        for (int ip = 0; ip < mc; ip += MR)
-          kern(kc, abuf + (ut__i64)(ip / MR) * kc * MR, bp, c + (ut__i64)ip * ldc + jp, ldc,
-               UT__CPU_MIN(MR, mc - ip), UT__CPU_MIN(NR, nc - jp), g->alpha, beta);
+        const float* bp = jp < b_full ? b + (ut__i64)k0 * g->ldb + j0 + jp
+                                      : bbuf + (ut__i64)((jp - b_full) / NR) * kc * NR;
+        ut__i64 b_ks = jp < b_full ? g->ldb : NR;
+        for (int ip = 0; ip < mc; ip += MR) {
+          const float* ap;
+          if (ip < a_full)
+            ap = a + (ut__i64)(i0 + ip) * a_rs + (ut__i64)k0 * a_ks;
+          else
+            ap = abuf + (ut__i64)((ip - a_full) / MR) * kc * MR;
+          kern(kc, ap, ip < a_full ? a_rs : 1, ip < a_full ? a_ks : MR, bp, b_ks,
+               c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
+               UT__CPU_MIN(NR, nc - jp), g->alpha, beta);
+        }
       }
     }
   }
@@ -5032,7 +5055,8 @@ UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_strid
 
 /* ---- GEMM micro-kernel and dot-product engine -------------------------------------------------
    C tile (mr x nr valid of MR x 2V) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
-UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, const float* restrict bp,
+UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a_rs,
+                                     ut__i64 a_ks, const float* restrict bp, ut__i64 b_ks,
                                      float* restrict c, ut__i64 ldc, int mr, int nr, float alpha,
                                      float beta, const int V, const int MR) {
   ut__vec acc0[8], acc1[8];
@@ -5042,12 +5066,12 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, const flo
     ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
     UT__DW_UNROLL
     for (int r = 0; r < MR; r++) {
-      float av = ap[r];
+      float av = ap[r * a_rs];
       acc0[r] = ut__v_fma(acc0[r], av, b0, V);
       acc1[r] = ut__v_fma(acc1[r], av, b1, V);
     }
-    ap += MR;
-    bp += 2 * V;
+    ap += a_ks;
+    bp += b_ks;
   }
   if (mr == MR && nr == 2 * V) {
     UT__DW_UNROLL
@@ -5166,11 +5190,10 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__tconv_plane_avx512(
     int kw, int s, int p, int ho, int wo, float* tmp) {
   ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
 }
-UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(int kc, const float* ap,
-                                                            const float* bp, float* c,
-                                                            ut__i64 ldc, int mr, int nr,
-                                                            float alpha, float beta) {
-  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 16, 8);
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(
+    int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks, const float* bp, ut__i64 b_ks, float* c,
+    ut__i64 ldc, int mr, int nr, float alpha, float beta) {
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 16, 8);
 }
 UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int lda,
                                                           const float* b, int ldb, int mc,
@@ -5200,11 +5223,10 @@ UT__TGT_AVX2 UT__CPU_OPT static void ut__tconv_plane_avx2(const float* src, ut__
                                                          int ho, int wo, float* tmp) {
   ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
 }
-UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_micro_avx2(int kc, const float* ap,
-                                                        const float* bp, float* c, ut__i64 ldc,
-                                                        int mr, int nr, float alpha,
-                                                        float beta) {
-  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 8, 6);
+UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_micro_avx2(
+    int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks, const float* bp, ut__i64 b_ks, float* c,
+    ut__i64 ldc, int mr, int nr, float alpha, float beta) {
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 8, 6);
 }
 UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, const float* b,
                                                       int ldb, int mc, int nc, int kc,
@@ -5234,10 +5256,11 @@ UT__CPU_OPT static void ut__tconv_plane_base(const float* src, ut__i64 tap_strid
   ut__cpu_tconv_body(src, tap_stride, wk, dx, h, w, kh, kw, s, p, ho, wo, tmp);
 }
 /* (4 lanes whatever the flags: the base GEMM's blocking is fixed) */
-UT__CPU_OPT static void ut__gemm_micro_base(int kc, const float* ap, const float* bp, float* c,
-                                            ut__i64 ldc, int mr, int nr, float alpha,
+UT__CPU_OPT static void ut__gemm_micro_base(int kc, const float* ap, ut__i64 a_rs,
+                                            ut__i64 a_ks, const float* bp, ut__i64 b_ks,
+                                            float* c, ut__i64 ldc, int mr, int nr, float alpha,
                                             float beta) {
-  ut__gemm_micro_body(kc, ap, bp, c, ldc, mr, nr, alpha, beta, 4, 6);
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 4, 6);
 }
 UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* b, int ldb,
                                           int mc, int nc, int kc, float* acc) {
