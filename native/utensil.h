@@ -1290,6 +1290,14 @@ static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be)
   return ut__conv_is_pointwise(g) && g->n > 1 && (ut__i64)g->h * g->w < UT__PW_BATCH_MERGE_P &&
          !ut__is_device_backend(be);
 }
+/* The merged GEMM's columns: x [n, c, P] regrouped [c, n, P]; NULL on failure. */
+static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
+                                         const ut__conv_geom* g, ut_dev dev, const char* who) {
+  int P = g->ho * g->wo;
+  ut_tensor* col = xp ? ut__new(3, (int[]){g->c, g->n, P}, dev, who) : NULL;
+  if (!col) return NULL;
+  return ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g->n, 1, g->c, P));
+}
 /* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
 static int ut__check_col(const ut__conv_geom* g, const char* who) {
   if (ut__conv_is_pointwise(g)) return UT_OK;
@@ -1316,10 +1324,8 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
 
   bool merged = ut__conv_merges_batch(&g, be);
   ut_tensor* col;
-  if (merged) { /* the columns are the input regrouped [c, n, P]; backward reuses them */
-    col = ut__new(3, (int[]){K, g.n, P}, x->dev, who);
-    if (!col || !ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g.n, 1, K, P)))
-      return NULL;
+  if (merged) { /* backward reuses the regrouped columns */
+    if (!(col = ut__conv_batch_columns(be, xp, &g, x->dev, who))) return NULL;
   } else if (ut__conv_is_pointwise(&g)) {
     col = ut_retain(x); /* a 1x1 window's columns are the input itself */
   } else {
@@ -1384,15 +1390,13 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
 
   ut_tensor* col = cache->col;
   bool own_col = false;
+  /* a pointwise conv's columns are the input itself (4-D) or, merged, regrouped (3-D) */
   if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev ||
-      merged != (col->shape.ndim == 3 && col->shape.shape[0] == K && col->shape.shape[1] == g.n &&
-                 pointwise)) {
+      merged != (pointwise && col->shape.ndim == 3)) {
     /* the cache lost its columns (or holds another layout): rebuild them from the input */
     own_col = true;
     if (merged) {
-      const float* xp = ut__in(cache->input, be);
-      col = xp ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
-      if (!col || !ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g.n, 1, K, P)))
+      if (!(col = ut__conv_batch_columns(be, ut__in(cache->input, be), &g, grad_out->dev, who)))
         return NULL;
     } else if (pointwise) {
       col = ut_retain(cache->input);

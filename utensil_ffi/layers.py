@@ -1071,22 +1071,26 @@ class _Stateless(Module):
         return e
 
     def backward(self, grad_out):
-        _, t, version = self._take()
+        _, kept, version = self._take()
         done = False
         try:
-            if t._ptr.version != version:
-                raise ArgumentError(
-                    "%s.backward: the input was modified in place after the forward pass "
-                    "(copy_from or an in-place method), so its gradient would be wrong; change it "
-                    "only after backward, or pass a clone to forward" % type(self).__name__
-                )
-            dx = self._bwd_op(grad_out, t)
+            dx = self._backward_from(grad_out, kept, version)
             done = True
             return dx
         finally:
-            if not done:
+            if not done:  # refused: the walk over the kept forwards stays where it was
                 self._state.untake()
             self._state.leave()
+
+    def _backward_from(self, grad_out, t, version):
+        """dx from grad_out and what _keep kept."""
+        if t._ptr.version != version:
+            raise ArgumentError(
+                "%s.backward: the input was modified in place after the forward pass "
+                "(copy_from or an in-place method), so its gradient would be wrong; change it "
+                "only after backward, or pass a clone to forward" % type(self).__name__
+            )
+        return self._bwd_op(grad_out, t)
 
     def _clear_cache(self):
         self._state.clear()
@@ -1124,24 +1128,16 @@ class GlobalAvgPool2d(_Stateless):
         n, c, h, w = x.shape if isinstance(x, Tensor) else _args.to_float_array(x).shape
         return ((n, c), h, w), None
 
-    def backward(self, grad_out):
-        _, (out_shape, h, w), _ = self._take()
-        done = False
-        try:
-            g_shape = (grad_out.shape if isinstance(grad_out, Tensor)
-                       else _args.to_float_array(grad_out).shape)
-            if tuple(g_shape) != out_shape:
-                raise ShapeError(
-                    "GlobalAvgPool2d.backward: grad_out has shape %s, the forward output had %s"
-                    % (tuple(g_shape), out_shape)
-                )
-            dx = _F.global_avg_pool2d_backward(grad_out, h, w)
-            done = True
-            return dx
-        finally:
-            if not done:
-                self._state.untake()
-            self._state.leave()
+    def _backward_from(self, grad_out, kept, _):
+        out_shape, h, w = kept
+        g_shape = (grad_out.shape if isinstance(grad_out, Tensor)
+                   else _args.to_float_array(grad_out).shape)
+        if tuple(g_shape) != out_shape:
+            raise ShapeError(
+                "GlobalAvgPool2d.backward: grad_out has shape %s, the forward output had %s"
+                % (tuple(g_shape), out_shape)
+            )
+        return _F.global_avg_pool2d_backward(grad_out, h, w)
 
 
 class Sequential(Module):
