@@ -117,9 +117,9 @@ build_lib() {
     run "$CC" -std=c11 -pthread "${cflags[@]}" -c "$SRC_TEST" -o "$obj/test.o"
 
     run "$NVCC" -shared -cudart static -Xlinker -z,nodelete -o "$so" "$obj/utensil.o" \
-      "${cuda_objs[@]}" -lpthread -lm
+      "${cuda_objs[@]}" -lpthread -lm -ldl
     run "$NVCC" -cudart static -o "$exe" "$obj/test.o" "$obj/utensil.o" "${cuda_objs[@]}" \
-      -lpthread -lm
+      -lpthread -lm -ldl
 
     # utensil.o's ut__cuda_backend is a weak stand-in (utensil.h); backend.cu's must win.
     if command -v nm >/dev/null 2>&1 && [[ "$(nm -D "$so")" != *" T ut__cuda_backend"* ]]; then
@@ -176,7 +176,7 @@ run_app_tests() {
   fi
   if [[ ${#cuda_objs[@]} -gt 0 ]]; then
     run "$CC" -std=c11 -O2 -c "$dir/app.c" -o "$dir/app.o"
-    run "$NVCC" -cudart static -o "$dir/app_cuda" "$dir/app.o" "${cuda_objs[@]}" -lpthread -lm
+    run "$NVCC" -cudart static -o "$dir/app_cuda" "$dir/app.o" "${cuda_objs[@]}" -lpthread -lm -ldl
     log "running the one-file program linked with the CUDA objects ($dir/app_cuda)"
     if ! "$dir/app_cuda"; then
       log "FAILED: one-file program with the CUDA objects"

@@ -1,14 +1,22 @@
-"""Whole-network training throughput, utensil against the same network in PyTorch (fp32).
+"""Whole-network training throughput, utensil against the same network in PyTorch.
 
     python bench/bench_networks.py [--net v1] [--size 64] [--batch 8] [--threads 2]
-                                   [--device cpu] [--steps 20] [--rounds 3]
+        [--device cpu] [--steps 20] [--rounds 3]
+        [--precision highest] [--blas cublas] [--torch fp32,tf32,bf16,compile]
 
 MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, or the digits
 network of utensil-train (``--net digits``: width 32, 8x8 inputs), SGD with momentum 0.9 and
-cross-entropy. Both sides start from the same weights (``to_torch``) and train on
-the same batches; rounds alternate between the two so a change of machine load hits both. Prints
-images/s per side (the median round) and their ratio. Needs torch. On CUDA the PyTorch side runs
-with TF32 off (``--tf32`` turns it on), so both compute in fp32.
+cross-entropy. Both sides start from the same weights (``to_torch``) and train on the same
+batches; rounds alternate between the sides so a change of machine load hits all of them.
+Prints images/s per side (the median round) and utensil's ratio to each PyTorch mode.
+
+utensil runs fp32 at ``--precision highest`` and TF32 GEMMs on cuBLAS at ``high``; ``--blas own``
+runs its own CUDA GEMM kernels instead of cuBLAS. PyTorch modes (``--torch``, on CUDA; the CPU
+runs fp32 only), each with cudnn.benchmark on:
+  fp32     NCHW, TF32 off for convs and matmuls: the same arithmetic as utensil at "highest"
+  tf32     channels_last, TF32 on: the same arithmetic as utensil at "high"
+  bf16     channels_last, bf16 autocast: what a PyTorch user picks for speed (less precise)
+  compile  torch.compile of the fp32 network (TF32 off)
 """
 
 import argparse
@@ -49,10 +57,13 @@ def utensil_steps(net, opt, batches, device):
     ut.synchronize()
 
 
-def torch_steps(torch, tnet, topt, batches, device):
+def torch_steps(torch, tnet, topt, batches, device, mode="fp32"):
+    fmt = torch.channels_last if mode in ("tf32", "bf16") else torch.contiguous_format
     for x, y in batches:
-        xb, yb = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-        loss = torch.nn.functional.cross_entropy(tnet(xb), yb)
+        xb = torch.from_numpy(x).to(device).contiguous(memory_format=fmt)
+        yb = torch.from_numpy(y).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = torch.nn.functional.cross_entropy(tnet(xb), yb)
         topt.zero_grad()
         loss.backward()
         topt.step()
@@ -60,37 +71,60 @@ def torch_steps(torch, tnet, topt, batches, device):
         torch.cuda.synchronize()
 
 
+TORCH_MODES = ("fp32", "tf32", "bf16", "compile")
+
+
+def _torch_side(torch, net, mode, device):
+    """(module, optimizer, step function) for one PyTorch mode, from utensil's weights."""
+    tnet = to_torch(net).to(device)
+    if mode in ("tf32", "bf16"):
+        tnet = tnet.to(memory_format=torch.channels_last)
+    topt = torch.optim.SGD(tnet.parameters(), lr=0.01, momentum=0.9)
+    model = torch.compile(tnet) if mode == "compile" else tnet
+
+    def steps(batches):
+        tf32 = mode == "tf32"
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch_steps(torch, model, topt, batches, device, mode)
+
+    return steps
+
+
 def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
-        tf32=False, seed=0):
+        precision="highest", blas="cublas", torch_modes=("fp32",), seed=0):
     import torch
 
     if threads:
         ut.set_num_threads(threads)
         torch.set_num_threads(threads)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    torch.backends.cudnn.benchmark = True
+    if device == "cpu":
+        torch_modes = ("fp32",)
+    else:
+        ut.preferred_blas_library(blas)
+    ut.set_float32_matmul_precision(precision)
     ut.seed(seed)
     net = build(net_name, device)
     in_c = 3 if net_name == "v1" else 1
     classes = 1000 if net_name == "v1" else 10
     size = size if net_name == "v1" else 8
-    tnet = to_torch(net).to(device)
+    sides = {"torch " + m: _torch_side(torch, net, m, device) for m in torch_modes}
     opt = ut.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    topt = torch.optim.SGD(tnet.parameters(), lr=0.01, momentum=0.9)
+    sides = dict({"utensil": lambda b: utensil_steps(net, opt, b, device)}, **sides)
     rng = np.random.default_rng(seed)
     batches = [(rng.standard_normal((batch, in_c, size, size)).astype(np.float32),
                 rng.integers(0, classes, batch)) for _ in range(steps)]
-    rates = {"utensil": [], "torch": []}
+    rates = {k: [] for k in sides}
     try:
-        utensil_steps(net, opt, batches[:2], device)  # warm-up
-        torch_steps(torch, tnet, topt, batches[:2], device)
+        for name, fn in sides.items():  # warm-up (and compilation)
+            fn(batches[:3])
         for _ in range(rounds):
-            t0 = time.perf_counter()
-            utensil_steps(net, opt, batches, device)
-            rates["utensil"].append(steps * batch / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            torch_steps(torch, tnet, topt, batches, device)
-            rates["torch"].append(steps * batch / (time.perf_counter() - t0))
+            for name, fn in sides.items():
+                t0 = time.perf_counter()
+                fn(batches)
+                rates[name].append(steps * batch / (time.perf_counter() - t0))
     finally:
+        ut.set_float32_matmul_precision("highest")
         opt.close()
         net.close()
     return {k: statistics.median(v) for k, v in rates.items()}
@@ -106,13 +140,24 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tf32", action="store_true")
+    p.add_argument("--precision", default="highest", choices=("highest", "high"))
+    p.add_argument("--blas", default="cublas", choices=("cublas", "own"))
+    p.add_argument("--torch", default="fp32",
+                   help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
     a = p.parse_args(argv)
-    r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.tf32)
+    modes = tuple(m for m in a.torch.split(",") if m)
+    for m in modes:
+        if m not in TORCH_MODES:
+            p.error("unknown PyTorch mode %r" % m)
+    r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
+            modes)
     size = a.size if a.net == "v1" else 8
-    print("%s %s %d^2 batch %d, %s threads, fp32: utensil %.1f img/s, PyTorch %.1f img/s, "
-          "utensil/PyTorch %.2fx" % (a.net, a.device, size, a.batch, a.threads, r["utensil"],
-                                     r["torch"], r["utensil"] / r["torch"]))
+    where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]
+    print("%s %s %d^2 batch %d (%s), utensil at %s: utensil %.1f img/s" % (
+        a.net, a.device, size, a.batch, where, a.precision, r["utensil"]))
+    for k, v in r.items():
+        if k != "utensil":
+            print("  %-14s %9.1f img/s   utensil/%s %.2fx" % (k, v, k, r["utensil"] / v))
 
 
 if __name__ == "__main__":

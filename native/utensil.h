@@ -132,6 +132,29 @@ int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op wit
 /* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
    the stream the library queues its work on). No-op without a GPU. */
 int ut_cuda_stream_wait(void* waiting, void* signalling);
+/* ---- matrix products on the GPU ----------------------------------------------------------
+   GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
+   time, else on utensil's own kernels; the library never links it. The default search runs at
+   the first GEMM on the GPU: $UTENSIL_CUBLAS_LIB when set (a path; set but empty: no cuBLAS),
+   else the path given to ut_cublas_hint (the Python bindings give the nvidia-cublas wheel's),
+   then the system loader (libcublas.so.13, libcublas.so.12). Not finding it is no error: the
+   own kernels run and ut_cublas_info() says why. */
+int ut_cublas_load(const char* path); /* load now from path (NULL: the default search); status */
+int ut_cublas_hint(const char* path); /* a path the default search tries first; loads nothing */
+/* on (the default): GEMMs on cuBLAS, loading it if needed (an error when it cannot be loaded);
+   off: on the own kernels (the reference the tests compare cuBLAS with) */
+int ut_cublas_enable(bool on);
+bool ut_cublas_active(void);          /* GEMMs on the GPU run on cuBLAS now */
+/* "cuBLAS 13.1.0 (path)", or why GEMMs run on the own kernels. Valid until the next
+   ut_cublas_load or ut_cublas_enable. */
+const char* ut_cublas_info(void);
+/* How float32 GEMMs on the GPU may round, with PyTorch's names (torch.set_float32_matmul_
+   precision): "highest" (the default) multiplies and adds in fp32. "high" and "medium" let
+   cuBLAS use TF32 tensor cores: each product's inputs are rounded to a 10-bit mantissa (relative
+   error up to 2^-11 each) and sums stay fp32, so a k-term dot product is off by about
+   2^-11 sqrt(k) of the magnitude of its terms. The own kernels and the CPU are always fp32. */
+int ut_set_float32_matmul_precision(const char* precision);
+const char* ut_get_float32_matmul_precision(void);
 /* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
 long long ut_type_size(const char* type_name);
 long long ut_field_offset(const char* type_name, const char* field_name);
@@ -450,6 +473,12 @@ typedef struct ut__backend {
   int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k);
   int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k);
 
+  /* cuBLAS for gemm (NULL in the CPU backend): the public ut_cublas_* calls, see there */
+  int (*blas_load)(const char* path);
+  int (*blas_enable)(bool on);
+  bool (*blas_active)(void);
+  const char* (*blas_info)(void);
+
   /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
   int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
   /* m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1) / (sqrt(v/bc2) + eps) */
@@ -459,6 +488,10 @@ typedef struct ut__backend {
 
 /* Set by any part of the library; formats like printf. Returns status for `return ut__fail(...)`. */
 int ut__set_error(int status, const char* fmt, ...);
+/* ut_set_float32_matmul_precision's setting: 0 "highest", 1 "high", 2 "medium" */
+int ut__matmul_precision(void);
+/* Copies ut_cublas_hint's path (or "") into out (n bytes, n > 0). */
+void ut__cublas_hint_copy(char* out, size_t n);
 
 /* The CUDA backend when built in and a GPU is present, else NULL. Defined in
    native/cuda/backend.cu; the implementation adds a weak stand-in ("backend selection"),
@@ -665,6 +698,64 @@ int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
   UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cuda_mem_info: no CUDA device is available");
   return gpu->mem_info(free_bytes, total_bytes);
 }
+
+/* ---- matrix products on the GPU: cuBLAS and the float32 precision ------------------------- */
+static pthread_mutex_t ut__cublas_hint_lock = PTHREAD_MUTEX_INITIALIZER;
+static char ut__cublas_hint_path[4096];
+
+int ut_cublas_hint(const char* path) {
+  UT__CHECK(path, UT_ERR_ARG, "ut_cublas_hint: NULL path");
+  UT__CHECK(strlen(path) < sizeof ut__cublas_hint_path, UT_ERR_ARG,
+            "ut_cublas_hint: the path is longer than %d bytes",
+            (int)sizeof ut__cublas_hint_path - 1);
+  pthread_mutex_lock(&ut__cublas_hint_lock);
+  strcpy(ut__cublas_hint_path, path);
+  pthread_mutex_unlock(&ut__cublas_hint_lock);
+  return UT_OK;
+}
+void ut__cublas_hint_copy(char* out, size_t n) {
+  pthread_mutex_lock(&ut__cublas_hint_lock);
+  snprintf(out, n, "%s", ut__cublas_hint_path);
+  pthread_mutex_unlock(&ut__cublas_hint_lock);
+}
+int ut_cublas_load(const char* path) {
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cublas_load: no CUDA device is available");
+  return gpu->blas_load(path);
+}
+int ut_cublas_enable(bool on) {
+  const ut__backend* gpu = ut__cuda_backend();
+  if (!gpu && !on) return UT_OK;
+  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cublas_enable: no CUDA device is available");
+  return gpu->blas_enable(on);
+}
+bool ut_cublas_active(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu && gpu->blas_active();
+}
+const char* ut_cublas_info(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->blas_info() : "no CUDA device: GEMMs run on the CPU";
+}
+
+static atomic_int ut__precision = 0;
+static const char* const ut__precision_names[] = {"highest", "high", "medium"};
+int ut_set_float32_matmul_precision(const char* precision) {
+  UT__CHECK(precision, UT_ERR_ARG, "ut_set_float32_matmul_precision: NULL precision");
+  for (int i = 0; i < 3; i++) {
+    if (strcmp(precision, ut__precision_names[i]) == 0) {
+      atomic_store(&ut__precision, i);
+      return UT_OK;
+    }
+  }
+  return ut__set_error(UT_ERR_ARG,
+                       "ut_set_float32_matmul_precision: precision must be \"highest\", "
+                       "\"high\" or \"medium\", got \"%.64s\"", precision);
+}
+const char* ut_get_float32_matmul_precision(void) {
+  return ut__precision_names[atomic_load(&ut__precision)];
+}
+int ut__matmul_precision(void) { return atomic_load(&ut__precision); }
 
 /* ---- shapes and tensors ------------------------------------------------------------------- */
 static int ut__shape_make(ut_shape* s, int ndim, const int* shape, const char* who) {

@@ -23,7 +23,7 @@ LAYERS = [
     ["_lib"],
     ["_errors"],
     ["_args"],
-    ["dlpack"],
+    ["dlpack", "blas"],
     ["tensor"],
     ["functional"],
     ["layers"],

@@ -14,6 +14,13 @@ Forward and backward are explicit (no autograd tape); see utensil_ffi.layers.
 """
 
 from . import functional
+from .blas import (
+    backends,
+    get_float32_matmul_precision,
+    load_cublas,
+    preferred_blas_library,
+    set_float32_matmul_precision,
+)
 from ._errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -82,6 +89,9 @@ __all__ = [
     "from_dlpack",
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
+    # the GPU's matrix products
+    "backends", "load_cublas", "preferred_blas_library", "set_float32_matmul_precision",
+    "get_float32_matmul_precision",
     # layers
     "Module", "Parameter", "Conv2d", "DWConv2d", "BatchNorm2d", "LayerNorm", "Linear", "ReLU",
     "ReLU6", "GlobalAvgPool2d", "Sequential",

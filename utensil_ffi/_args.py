@@ -69,6 +69,20 @@ def to_bool(value, name):
     raise ArgumentTypeError("%s must be True or False, got %r" % (name, value))
 
 
+def to_str(value, name, choices=None):
+    """A text argument (str, or os.PathLike for paths); with choices, one of them."""
+    if hasattr(value, "__fspath__"):
+        value = value.__fspath__()
+    if not isinstance(value, str):
+        raise ArgumentTypeError("%s must be a string, got %s" % (name, type(value).__name__))
+    if "\0" in value:
+        raise ArgumentError("%s must not contain NUL characters" % name)
+    if choices is not None and value not in choices:
+        raise ArgumentError("%s must be one of %s, got %r"
+                            % (name, ", ".join(repr(c) for c in choices), value))
+    return value
+
+
 def to_float(value, name, lo=None, hi=None, finite=True):
     """A real-number argument passed to C as float; NaN (and inf when finite) is refused."""
     if isinstance(value, (complex, np.complexfloating)):

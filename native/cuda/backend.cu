@@ -76,7 +76,7 @@ static void ut__cuda_pool_release_cached(void) {
   cudaGetLastError();
 }
 
-static void* ut__cuda_mem_alloc(size_t bytes) {
+void* ut__cuda_mem_alloc(size_t bytes) {
   size_t size = ut__cuda_pool_round(bytes);
   std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
   auto it = ut__cuda_pool_free.find(size);
@@ -102,7 +102,7 @@ static void* ut__cuda_mem_alloc(size_t bytes) {
   return p;
 }
 
-static void ut__cuda_mem_free(void* p) {
+void ut__cuda_mem_free(void* p) {
   if (!p) return;
   std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
   auto it = ut__cuda_pool_size.find(p);
@@ -219,6 +219,10 @@ static void ut__cuda_init(void) {
   t->mse_bwd = ut__cuda_mse_loss_backward;
   t->ce_fwd = ut__cuda_cross_entropy_forward;
   t->ce_bwd = ut__cuda_cross_entropy_backward;
+  t->blas_load = ut__cuda_blas_load;
+  t->blas_enable = ut__cuda_blas_enable;
+  t->blas_active = ut__cuda_blas_active;
+  t->blas_info = ut__cuda_blas_info;
   t->sgd = ut__cuda_sgd;
   t->adam = ut__cuda_adam;
   ut__cuda_table_ok = true;

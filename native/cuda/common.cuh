@@ -13,7 +13,9 @@
                       copies, synchronization
      elementwise.cu   fill, copy, axpy, scale, relu, transpose, bias_add, global_avgpool2d,
                       mse_loss, cross_entropy
-     gemm.cu          gemm (matmul, linear and conv2d run on it), conv2d's im2col and col2im
+     gemm.cu          gemm (matmul, linear and conv2d run on it): the own kernels, and
+                      conv2d's im2col and col2im
+     blas.cu          gemm on cuBLAS, loaded at run time (gemm.cu hands it every call first)
      depthwise.cu     dwconv2d: forward, dx, dW
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
@@ -155,6 +157,19 @@ static inline int ut__cuda_channel_chunks(int c, ut__i64 m, ut__i64* chunk) {
    What one file gives another. The table functions have the signatures of the ut__backend
    fields they fill (utensil.h, BACKEND INTERFACE).
    ============================================================================================ */
+
+/* backend.cu: device memory from the cache (NULL + error on failure; free takes NULL) */
+void* ut__cuda_mem_alloc(size_t bytes);
+void ut__cuda_mem_free(void* p);
+
+/* blas.cu: gemm on cuBLAS; UT__CUDA_BLAS_DECLINED when the own kernels are to run it (cuBLAS
+   absent or off, or a call it cannot take) */
+#define UT__CUDA_BLAS_DECLINED 1
+int ut__cuda_blas_gemm(const ut__gemm_args* g);
+int ut__cuda_blas_load(const char* path);
+int ut__cuda_blas_enable(bool on);
+bool ut__cuda_blas_active(void);
+const char* ut__cuda_blas_info(void);
 
 /* elementwise.cu (init launches nothing: it asks the runtime whether ut__cuda_fill_kernel has
    code for the device) */

@@ -1,5 +1,6 @@
 /* gemm.cu — the GEMM engine (matmul, linear and conv2d run on it) and conv2d's im2col and
-   col2im. The files and the naming: common.cuh. */
+   col2im. Every GEMM goes to cuBLAS first (blas.cu); the kernels here run the ones it declines,
+   all of them when cuBLAS is absent or off. The files and the naming: common.cuh. */
 #include "common.cuh"
 
 /* ============================================================================================
@@ -191,6 +192,8 @@ static int ut__cuda_gemm_dispatch(const ut__cuda_gemm_params& p, bool big, bool 
 int ut__cuda_gemm(const ut__gemm_args* g) {
   if (!g) return ut__set_error(UT_ERR_ARG, "gemm: NULL arguments");
   if (g->m <= 0 || g->n <= 0 || g->batch <= 0) return UT_OK;
+  int blas = ut__cuda_blas_gemm(g);
+  if (blas != UT__CUDA_BLAS_DECLINED) return blas;
   ut__cuda_gemm_params p;
   p.a = g->a; p.b = g->b; p.c = g->c; p.ws = NULL;
   p.sa = g->stride_a; p.sb = g->stride_b; p.sc = g->stride_c;
