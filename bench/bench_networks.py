@@ -36,32 +36,35 @@ from utensil_ffi import models  # noqa: E402
 from bench.compare_mobilenet import to_torch  # noqa: E402
 
 
-def build(name, device):
+def build(name, device, fused=True):
     if name == "v1":
-        return models.mobilenet_v1(device=device)
+        return models.mobilenet_v1(device=device, fused=fused)
     if name == "digits":
-        return models.mobilenet(1, 10, 32, device=device)
+        return models.mobilenet(1, 10, 32, device=device, fused=fused)
     raise ValueError("unknown network %r" % (name,))
 
 
-def utensil_steps(net, opt, batches, device):
-    for x, y in batches:
-        xb, yb = ut.tensor(x, device), ut.tensor(y.astype(np.float32), device)
+def utensil_steps(net, opt, batches):
+    """Training steps over batches of (x, labels) Tensors already on the network's device."""
+    for xb, yb in batches:
         logits = net(xb)
         grad = ut.cross_entropy_backward(logits, yb)
         opt.zero_grad()
         net.backward(grad).close()
         opt.step()
-        for t in (xb, yb, logits, grad):
-            t.close()
+        logits.close()
+        grad.close()
     ut.synchronize()
 
 
+def stage(batches, device):
+    """The numpy batches as utensil Tensors on device (made once: the steps time training, not
+    the copies from host memory)."""
+    return [(ut.tensor(x, device), ut.tensor(y.astype(np.float32), device)) for x, y in batches]
+
+
 def torch_steps(torch, tnet, topt, batches, device, mode="fp32"):
-    fmt = torch.channels_last if mode in ("tf32", "bf16") else torch.contiguous_format
-    for x, y in batches:
-        xb = torch.from_numpy(x).to(device).contiguous(memory_format=fmt)
-        yb = torch.from_numpy(y).to(device)
+    for xb, yb in batches:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "bf16"):
             loss = torch.nn.functional.cross_entropy(tnet(xb), yb)
         topt.zero_grad()
@@ -82,7 +85,15 @@ def _torch_side(torch, net, mode, device):
     topt = torch.optim.SGD(tnet.parameters(), lr=0.01, momentum=0.9)
     model = torch.compile(tnet) if mode == "compile" else tnet
 
+    fmt = torch.channels_last if mode in ("tf32", "bf16") else torch.contiguous_format
+    staged = {}
+
     def steps(batches):
+        key = id(batches)
+        if key not in staged:
+            staged[key] = [(torch.from_numpy(x).to(device).contiguous(memory_format=fmt),
+                            torch.from_numpy(y).to(device)) for x, y in batches]
+        batches = staged[key]
         tf32 = mode == "tf32"
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
         torch_steps(torch, model, topt, batches, device, mode)
@@ -91,7 +102,7 @@ def _torch_side(torch, net, mode, device):
 
 
 def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
-        precision="highest", blas="cublas", torch_modes=("fp32",), seed=0):
+        precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True):
     import torch
 
     if threads:
@@ -104,20 +115,22 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
         ut.preferred_blas_library(blas)
     ut.set_float32_matmul_precision(precision)
     ut.seed(seed)
-    net = build(net_name, device)
+    net = build(net_name, device, fused)
     in_c = 3 if net_name == "v1" else 1
     classes = 1000 if net_name == "v1" else 10
     size = size if net_name == "v1" else 8
     sides = {"torch " + m: _torch_side(torch, net, m, device) for m in torch_modes}
     opt = ut.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    sides = dict({"utensil": lambda b: utensil_steps(net, opt, b, device)}, **sides)
     rng = np.random.default_rng(seed)
     batches = [(rng.standard_normal((batch, in_c, size, size)).astype(np.float32),
                 rng.integers(0, classes, batch)) for _ in range(steps)]
+    warm = batches[:3]
+    ut_staged = {id(batches): stage(batches, device), id(warm): stage(warm, device)}
+    sides = dict({"utensil": lambda b: utensil_steps(net, opt, ut_staged[id(b)])}, **sides)
     rates = {k: [] for k in sides}
     try:
         for name, fn in sides.items():  # warm-up (and compilation)
-            fn(batches[:3])
+            fn(warm)
         for _ in range(rounds):
             for name, fn in sides.items():
                 t0 = time.perf_counter()
@@ -125,6 +138,10 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
                 rates[name].append(steps * batch / (time.perf_counter() - t0))
     finally:
         ut.set_float32_matmul_precision("highest")
+        for staged in ut_staged.values():
+            for xb, yb in staged:
+                xb.close()
+                yb.close()
         opt.close()
         net.close()
     return {k: statistics.median(v) for k, v in rates.items()}
@@ -141,6 +158,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--precision", default="highest", choices=("highest", "high"))
+    p.add_argument("--unfused", action="store_true",
+                   help="BatchNorm2d and ReLU6 as separate layers (default: fused)")
     p.add_argument("--blas", default="cublas", choices=("cublas", "own"))
     p.add_argument("--torch", default="fp32",
                    help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
@@ -150,11 +169,12 @@ def main(argv=None):
         if m not in TORCH_MODES:
             p.error("unknown PyTorch mode %r" % m)
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
-            modes)
+            modes, fused=not a.unfused)
     size = a.size if a.net == "v1" else 8
     where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]
-    print("%s %s %d^2 batch %d (%s), utensil at %s: utensil %.1f img/s" % (
-        a.net, a.device, size, a.batch, where, a.precision, r["utensil"]))
+    print("%s %s %d^2 batch %d (%s, %s), utensil at %s: utensil %.1f img/s" % (
+        a.net, a.device, size, a.batch, where, "unfused" if a.unfused else "fused",
+        a.precision, r["utensil"]))
     for k, v in r.items():
         if k != "utensil":
             print("  %-14s %9.1f img/s   utensil/%s %.2fx" % (k, v, k, r["utensil"] / v))

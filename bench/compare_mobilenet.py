@@ -23,6 +23,18 @@ from utensil_ffi import models  # noqa: E402
 from utensil_ffi.train import train_epoch  # noqa: E402
 
 
+def _BatchNormAct(*args, **kwargs):
+    """torch's BatchNorm2d followed by its .act, with BatchNorm2d's state_dict keys (the twin
+    of a fused ut.BatchNorm2d(activation=...))."""
+    import torch
+
+    class BatchNormAct(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            return self.act(super().forward(x))
+
+    return BatchNormAct(*args, **kwargs)
+
+
 def to_torch(net, dtype=None):
     """A torch.nn.Sequential with the layers of the flat Sequential ``net`` and a copy of its
     weights (CPU): PyTorch's ``load_state_dict(net.state_dict(), strict=True)``, so the indices,
@@ -39,6 +51,9 @@ def to_torch(net, dtype=None):
         elif isinstance(layer, ut.Conv2d):
             m = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size,
                           stride=layer.stride, padding=layer.padding, bias=layer.bias is not None)
+        elif isinstance(layer, ut.BatchNorm2d) and layer.activation:
+            m = _BatchNormAct(layer.num_features, eps=layer.eps, momentum=layer.momentum)
+            m.act = nn.ReLU6() if layer.activation == "relu6" else nn.ReLU()
         elif isinstance(layer, ut.BatchNorm2d):
             m = nn.BatchNorm2d(layer.num_features, eps=layer.eps, momentum=layer.momentum)
         elif isinstance(layer, ut.ReLU6):

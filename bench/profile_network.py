@@ -24,20 +24,20 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import utensil_ffi as ut  # noqa: E402
 
-from bench.bench_networks import build, utensil_steps  # noqa: E402
+from bench.bench_networks import build, stage, utensil_steps  # noqa: E402
 
 KINDS = {"Conv2d": "GEMM", "Linear": "GEMM", "DWConv2d": "depthwise", "BatchNorm2d": "BatchNorm",
          "ReLU": "elementwise", "ReLU6": "elementwise", "GlobalAvgPool2d": "pooling"}
 
 
 def profile(net_name="v1", size=224, batch=64, device="cuda", precision="highest",
-            blas="cublas", steps=5, threads=2):
+            blas="cublas", steps=5, threads=2, fused=True):
     ut.set_num_threads(threads)
     if device == "cuda":
         ut.preferred_blas_library(blas)
     ut.set_float32_matmul_precision(precision)
     ut.seed(0)
-    net = build(net_name, device)
+    net = build(net_name, device, fused)
     in_c, classes = (3, 1000) if net_name == "v1" else (1, 10)
     size = size if net_name == "v1" else 8
     rng = np.random.default_rng(0)
@@ -47,12 +47,14 @@ def profile(net_name="v1", size=224, batch=64, device="cuda", precision="highest
     layer_t = collections.defaultdict(float)
     try:
         plain = []
-        batches = [(x_np, y_np.astype(np.int64))] * 3
-        utensil_steps(net, opt, batches, device)  # warm-up
+        batches = stage([(x_np, y_np)], device) * 3
+        utensil_steps(net, opt, batches)  # warm-up
         for _ in range(steps):
             t0 = time.perf_counter()
-            utensil_steps(net, opt, batches, device)
+            utensil_steps(net, opt, batches)
             plain.append((time.perf_counter() - t0) / len(batches))
+        batches[0][0].close()
+        batches[0][1].close()
         x, y = ut.tensor(x_np, device), ut.tensor(y_np, device)
         for it in range(steps + 1):
             outs, cur = [], x
@@ -104,14 +106,16 @@ def main(argv=None):
     p.add_argument("--blas", default="cublas", choices=("cublas", "own"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--unfused", action="store_true")
     a = p.parse_args(argv)
-    per, step = profile(a.net, a.size, a.batch, a.device, a.precision, a.blas, a.steps, a.threads)
+    per, step = profile(a.net, a.size, a.batch, a.device, a.precision, a.blas, a.steps, a.threads,
+                        not a.unfused)
     total = sum(per.values())
     kinds = collections.defaultdict(float)
     for (_, name, _), t in per.items():
         kinds[KINDS.get(name, name)] += t
     print("%s %s %d^2 batch %d, %s, precision %s: step %.2f ms unsynchronized, layers %.2f ms "
-          "synchronized one by one" % (a.net, a.device, a.size, a.batch,
+          "synchronized one by one" % (a.net, a.device, a.size if a.net == "v1" else 8, a.batch,
                                        ut.backends()["cuda"].get("gemm", "cpu"), a.precision,
                                        step * 1e3, total * 1e3))
     for k, t in sorted(kinds.items(), key=lambda kv: -kv[1]):

@@ -75,7 +75,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 3
+#define UT_VERSION 4
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -241,6 +241,10 @@ typedef struct ut_layernorm_cache {
   ut_tensor* rstd;  /* [rows] 1/sqrt(var + eps) */
 } ut_layernorm_cache;
 
+/* An activation a layer applies to its own output in the same pass over the data (fused):
+   ReLU6 is min(max(x, 0), 6); backward masks the gradient as relu_backward would. */
+typedef enum { UT_ACT_NONE = 0, UT_ACT_RELU = 1, UT_ACT_RELU6 = 2 } ut_activation;
+
 typedef struct ut_batchnorm2d {
   ut_tensor* weight;       /* [C] gain */
   ut_tensor* bias;         /* [C] shift */
@@ -250,6 +254,7 @@ typedef struct ut_batchnorm2d {
   float eps;
   float momentum;          /* running = (1 - momentum) * running + momentum * batch */
   bool training;           /* true: batch statistics; false: running statistics */
+  int activation;          /* ut_activation applied to the output (UT_ACT_NONE by default) */
 } ut_batchnorm2d;
 
 typedef struct ut_batchnorm2d_cache {
@@ -257,6 +262,7 @@ typedef struct ut_batchnorm2d_cache {
   ut_tensor* mean;  /* [C] statistics the forward pass normalized with */
   ut_tensor* rstd;  /* [C] */
   bool training;    /* the mode of that forward pass */
+  int activation;   /* and its activation: backward recomputes the pre-activation from input */
 } ut_batchnorm2d_cache;
 
 /* Layer structs are returned by value; on failure weight is NULL and ut_last_error() says why.
@@ -455,15 +461,18 @@ typedef struct ut__backend {
   /* running = (1 - momentum) running + momentum * stat, with var scaled by unbias first */
   int (*bn_update_running)(float* running_mean, float* running_var, const float* mean,
                            const float* var, int c, float momentum, float unbias);
-  /* rstd[j] = 1/sqrt(var[j] + eps); y = (x - mean) * rstd * gamma + beta */
+  /* rstd[j] = 1/sqrt(var[j] + eps); z = (x - mean) * (rstd * gamma) + beta; y = act(z), where
+     act < 0: none, act = 0: relu, act > 0: relu capped at act (relu_fwd's rules) */
   int (*bn_apply)(const float* x, float* y, const float* mean, const float* var,
                   const float* gamma, const float* beta, float* rstd, int n, int c,
-                  ut__i64 inner, float eps);
-  /* training: dx = gamma rstd (go - mean(go) - xhat mean(go xhat)) per channel;
-     eval: dx = gamma rstd go. dgamma += sum(go xhat), dbeta += sum(go) (each may be NULL) */
+                  ut__i64 inner, float eps, float act);
+  /* g = go masked as relu_bwd masks it at z (z recomputed as bn_apply computes it, to the
+     bit; act < 0: g = go). training: dx = gamma rstd (g - mean(g) - xhat mean(g xhat)) per
+     channel; eval: dx = gamma rstd g. dgamma += sum(g xhat), dbeta += sum(g) (each may be
+     NULL) */
   int (*bn_bwd)(const float* go, const float* x, const float* mean, const float* rstd,
-                const float* gamma, float* dx, float* dgamma, float* dbeta, int n, int c,
-                ut__i64 inner, bool training);
+                const float* gamma, const float* beta, float* dx, float* dgamma, float* dbeta,
+                int n, int c, ut__i64 inner, bool training, float act);
 
   /* out[0] = mean((p - t)^2);  g = 2 (p - t) / n */
   int (*mse_fwd)(const float* p, const float* t, float* out, ut__i64 n);
@@ -1763,6 +1772,11 @@ void ut_linear_free(ut_linear* l) {
 }
 
 /* ---- layer norm --------------------------------------------------------------------------- */
+/* a ut_activation as the backends' act argument (bn_apply, bn_bwd) */
+static float ut__act_cap(int activation) {
+  return activation == UT_ACT_RELU6 ? 6.f : activation == UT_ACT_RELU ? 0.f : -1.f;
+}
+
 static int ut__check_eps(float eps, const char* who) {
   UT__CHECK(isfinite(eps) && eps > 0.f, UT_ERR_ARG, "%s: eps must be finite and > 0", who);
   return UT_OK;
@@ -1915,6 +1929,9 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   UT__TRY(ut__check_arg(l->running_mean, l->weight, l->c, who, "running_mean"));
   UT__TRY(ut__check_arg(l->running_var, l->weight, l->c, who, "running_var"));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
+  UT__CHECK(l->activation >= UT_ACT_NONE && l->activation <= UT_ACT_RELU6, UT_ERR_ARG,
+            "%s: activation must be UT_ACT_NONE, UT_ACT_RELU or UT_ACT_RELU6, got %d", who,
+            l->activation);
   UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
             "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
   return UT_OK;
@@ -1957,7 +1974,7 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   }
   if (rc >= 0)
     rc = be->bn_apply(xp, ut__out(y, be), ut__out(mean, be), ut__out(var, be), wp, bp,
-                      ut__out(rstd, be), N, C, inner, l->eps);
+                      ut__out(rstd, be), N, C, inner, l->eps, ut__act_cap(l->activation));
   ut_free(var);
   if (rc < 0 || !cache) {
     ut_free_all(mean, rstd);
@@ -1972,6 +1989,7 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   cache->mean = mean;
   cache->rstd = rstd;
   cache->training = l->training;
+  cache->activation = l->activation;
   return y;
 }
 
@@ -1997,15 +2015,16 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
   const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  const float* mp = bp ? ut__in(cache->mean, be) : NULL;
   const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
   float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
   float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
   if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  int rc = be->bn_bwd(gop, xp, mp, rp, wp, ut__out(dx, be), dWp, dbp, N, C, inner,
-                      cache->training);
+  int rc = be->bn_bwd(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp, dbp, N, C, inner,
+                      cache->training, ut__act_cap(cache->activation));
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
@@ -2221,6 +2240,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_batchnorm2d, running_mean), UT__FIELD(ut_batchnorm2d, running_var),
     UT__FIELD(ut_batchnorm2d, c), UT__FIELD(ut_batchnorm2d, eps),
     UT__FIELD(ut_batchnorm2d, momentum), UT__FIELD(ut_batchnorm2d, training),
+    UT__FIELD(ut_batchnorm2d, activation), UT__FIELD(ut_batchnorm2d_cache, activation),
     UT__SIZE(ut_batchnorm2d_cache), UT__FIELD(ut_batchnorm2d_cache, input),
     UT__FIELD(ut_batchnorm2d_cache, mean), UT__FIELD(ut_batchnorm2d_cache, rstd),
     UT__FIELD(ut_batchnorm2d_cache, training),
@@ -3896,8 +3916,22 @@ typedef struct {
   int n, c;
   ut__i64 inner;
   float eps;
+  float act; /* bn_apply's and bn_bwd's */
   bool training;
 } ut__cpu_bn_ctx;
+
+/* batchnorm's output before its activation, one expression for apply and for backward's mask
+   (the same operations in the same order give the same bits) */
+static inline float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
+/* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
+static inline float ut__cpu_act_fwd(float z, float act) {
+  float v = z < 0.0f ? 0.0f : z;
+  return act > 0.0f && v > act ? act : v;
+}
+static inline float ut__cpu_act_grad(float g, float z, float act) {
+  int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
+  return stop ? 0.0f : g;
+}
 UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
@@ -3987,12 +4021,18 @@ UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
     float sc = rs * (gamma ? gamma[j] : 1.0f), m = mean[j], bt = beta ? beta[j] : 0.0f;
     const float* xr = x + r * inner;
     float* yr = y + r * inner;
-    for (ut__i64 i = 0; i < inner; i++) yr[i] = (xr[i] - m) * sc + bt;
+    if (cx->act < 0.0f) {
+      for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
+    } else {
+      float act = cx->act;
+      for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_act_fwd(ut__cpu_bn_z(xr[i], m, sc, bt), act);
+    }
   }
 }
 UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* mean,
                                         const float* var, const float* gamma, const float* beta,
-                                        float* rstd, int n, int c, ut__i64 inner, float eps) {
+                                        float* rstd, int n, int c, ut__i64 inner, float eps,
+                                        float act) {
   for (int j = 0; j < c; j++) {
     float rs = (float)(1.0 / sqrt((double)var[j] + (double)eps));
     if (rstd) rstd[j] = rs;
@@ -4011,6 +4051,7 @@ UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* m
   cx.c = c;
   cx.inner = inner;
   cx.eps = eps;
+  cx.act = act;
   ut__parallel_run(nt, ut__cpu_bn_apply_part, &cx);
   return UT_OK;
 }
@@ -4031,12 +4072,20 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   double cnt = (double)n * inner;
   ut__i64 lo, hi;
   ut__cpu_part(c, tid, nt, &lo, &hi);
+  const float act = cx->act;
   for (int j = (int)lo; j < hi; j++) {
     float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
+    float sc = rs * gm, bt = cx->beta ? cx->beta[j] : 0.0f; /* as bn_apply */
     double sg = 0.0, sgx = 0.0;
     for (int i = 0; i < n; i++) {
       const float* gp = go + ((ut__i64)i * c + j) * inner;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
+      if (act >= 0.0f) { /* the masked gradient, in dx's row for now (dx never aliases go) */
+        float* gm_row = dx + ((ut__i64)i * c + j) * inner;
+        for (ut__i64 t = 0; t < inner; t++)
+          gm_row[t] = ut__cpu_act_grad(gp[t], ut__cpu_bn_z(xp[t], m, sc, bt), act);
+        gp = gm_row;
+      }
       for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
         ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
         const float* gq = gp + i0;
@@ -4072,9 +4121,9 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     float mg = training && cnt > 0 ? (float)(sg / cnt) : 0.0f;
     float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
     for (int i = 0; i < n; i++) {
-      const float* gp = go + ((ut__i64)i * c + j) * inner;
-      const float* xp = x + ((ut__i64)i * c + j) * inner;
       float* dp = dx + ((ut__i64)i * c + j) * inner;
+      const float* gp = act >= 0.0f ? dp : go + ((ut__i64)i * c + j) * inner;
+      const float* xp = x + ((ut__i64)i * c + j) * inner;
       if (training) {
         for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * (gp[t] - mg - (xp[t] - m) * rs * mgx);
       } else {
@@ -4084,9 +4133,9 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   }
 }
 UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const float* mean,
-                                      const float* rstd, const float* gamma, float* dx,
-                                      float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
-                                      bool training) {
+                                      const float* rstd, const float* gamma, const float* beta,
+                                      float* dx, float* dgamma, float* dbeta, int n, int c,
+                                      ut__i64 inner, bool training, float act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {0};
@@ -4095,6 +4144,7 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
   cx.mean = mean;
   cx.rstd = rstd;
   cx.gamma = gamma;
+  cx.beta = beta;
   cx.dx = dx;
   cx.dgamma = dgamma;
   cx.dbeta = dbeta;
@@ -4102,6 +4152,7 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
   cx.c = c;
   cx.inner = inner;
   cx.training = training;
+  cx.act = act;
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
   return UT_OK;
 }

@@ -949,6 +949,11 @@ class BatchNorm2d(_CLayer):
     (running = (1 - momentum) running + momentum batch); eval mode uses the running statistics.
     Unlike the other layers, forward keeps its (small) cache in eval mode too, so backward
     works with frozen statistics (fine-tuning with a fixed normalization).
+
+    ``activation="relu6"`` (or ``"relu"``) applies ReLU6 to the output in the same pass over the
+    data, forward and backward: the same results as BatchNorm2d followed by ReLU6, with two
+    fewer trips through memory per step (backward recomputes the pre-activation from the input
+    it keeps anyway). Its state_dict is BatchNorm2d's.
     """
 
     _c_struct = ffi.typeof("ut_batchnorm2d *")
@@ -961,7 +966,11 @@ class BatchNorm2d(_CLayer):
     running_mean = _TensorField()
     running_var = _TensorField()
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, device="cpu"):
+    _ACTIVATIONS = {None: lib.UT_ACT_NONE, "relu": lib.UT_ACT_RELU, "relu6": lib.UT_ACT_RELU6}
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, device="cpu", activation=None):
+        if activation is not None:
+            _args.to_str(activation, "activation", ("relu", "relu6"))
         self.num_features = _args.to_int(num_features, "num_features", 1)
         self.eps = _args.to_float(eps, "eps", lo=0.0)
         self.momentum = _args.to_float(momentum, "momentum", lo=0.0, hi=1.0)
@@ -970,6 +979,13 @@ class BatchNorm2d(_CLayer):
         self._running_mean = Tensor._borrow(self._struct.running_mean)
         self._running_var = Tensor._borrow(self._struct.running_var)
         self._struct.training = True
+        self._struct.activation = self._ACTIVATIONS[activation]
+
+    @property
+    def activation(self):
+        """None, "relu" or "relu6": what forward applies to its output in the same pass."""
+        code = self._struct.activation
+        return next(k for k, v in self._ACTIVATIONS.items() if v == code)
 
     def train(self, mode=True):
         super().train(mode)
@@ -993,7 +1009,8 @@ class BatchNorm2d(_CLayer):
             self._running_var.close()
 
     def _describe(self):
-        return "%d, eps=%g, momentum=%g" % (self.num_features, self.eps, self.momentum)
+        act = ", activation=%r" % self.activation if self.activation else ""
+        return "%d, eps=%g, momentum=%g%s" % (self.num_features, self.eps, self.momentum, act)
 
     # PyTorch's BatchNorm2d counts training forwards in num_batches_tracked; only its
     # momentum=None mode reads it, which this layer does not have, but the count keeps the state

@@ -52,37 +52,43 @@ def block_channels(width, blocks=DEFAULT_BLOCKS):
 
 
 def mobilenet(in_channels=1, num_classes=10, width=16, blocks=DEFAULT_BLOCKS,
-              device="cpu", bn_momentum=0.1, bn_eps=1e-5, stem_stride=1):
-    """The classifier as a flat Sequential; weights come from the library RNG (see ut.seed)."""
+              device="cpu", bn_momentum=0.1, bn_eps=1e-5, stem_stride=1, fused=False):
+    """The classifier as a flat Sequential; weights come from the library RNG (see ut.seed).
+
+    fused=True folds each ReLU6 into the BatchNorm2d before it (``activation="relu6"``): the
+    same function in one pass less over the data, but the layer list (and the state_dict's
+    indices) differ from the unfused network's."""
     if int(width) < 1:
         raise ValueError("width must be >= 1, got %r" % (width,))
     if not blocks:
         raise ValueError("the network needs at least one block")
     width = int(width)
 
-    def bn(c):
-        return BatchNorm2d(c, eps=bn_eps, momentum=bn_momentum, device=device)
+    def bn_relu6(c):
+        if fused:
+            return [BatchNorm2d(c, eps=bn_eps, momentum=bn_momentum, device=device,
+                                activation="relu6")]
+        return [BatchNorm2d(c, eps=bn_eps, momentum=bn_momentum, device=device), ReLU6()]
 
     layers = [Conv2d(in_channels, width, 3, stride=stem_stride, padding=1, bias=False,
-                     device=device),
-              bn(width), ReLU6()]
+                     device=device)] + bn_relu6(width)
     c = width
     for cin, cout, stride in block_channels(width, blocks):
-        layers += [
-            DWConv2d(cin, 3, stride=stride, padding=1, bias=False, device=device), bn(cin), ReLU6(),
-            Conv2d(cin, cout, 1, bias=False, device=device), bn(cout), ReLU6(),
-        ]
+        layers += [DWConv2d(cin, 3, stride=stride, padding=1, bias=False, device=device)]
+        layers += bn_relu6(cin)
+        layers += [Conv2d(cin, cout, 1, bias=False, device=device)] + bn_relu6(cout)
         c = cout
     layers += [GlobalAvgPool2d(), Linear(c, num_classes, device=device)]
     return Sequential(*layers)
 
 
-def mobilenet_v1(num_classes=1000, width_mult=1.0, in_channels=3, device="cpu"):
+def mobilenet_v1(num_classes=1000, width_mult=1.0, in_channels=3, device="cpu", fused=False):
     """MobileNet v1: a stride-2 3x3 stem of 32 * width_mult channels, the 13 depthwise-separable
     blocks of V1_BLOCKS, global pooling and a linear classifier (4,231,976 parameters at width
     1.0 and 1000 classes, as torchvision's count for the paper's network)."""
     width = int(round(32 * float(width_mult)))
-    return mobilenet(in_channels, num_classes, width, V1_BLOCKS, device=device, stem_stride=2)
+    return mobilenet(in_channels, num_classes, width, V1_BLOCKS, device=device, stem_stride=2,
+                     fused=fused)
 
 
 def count_parameters(net):

@@ -217,10 +217,11 @@ int ut__cuda_batchnorm2d_update_running(float* running_mean, float* running_var,
                                         const float* var, int c, float momentum, float unbias);
 int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
                                const float* gamma, const float* beta, float* rstd, int n, int c,
-                               ut__i64 inner, float eps);
+                               ut__i64 inner, float eps, float act);
 int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
-                                  const float* rstd, const float* gamma, float* dx, float* dgamma,
-                                  float* dbeta, int n, int c, ut__i64 inner, bool training);
+                                  const float* rstd, const float* gamma, const float* beta,
+                                  float* dx, float* dgamma, float* dbeta, int n, int c,
+                                  ut__i64 inner, bool training, float act);
 
 /* optim.cu */
 int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);

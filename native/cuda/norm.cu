@@ -13,11 +13,28 @@
    ws[(j * chunks + chunk) * NV + v]. Stage 2 sums the chunks of each channel in order. */
 enum { UT__CUDA_CHANNEL_SUM = 0, UT__CUDA_CHANNEL_SQDEV = 1, UT__CUDA_CHANNEL_BATCHNORM2D_BWD = 2 };
 
+/* batchnorm's output before its activation: one expression for apply and for backward's mask
+   (an explicit fma, so the compiler cannot contract the two differently) */
+static __device__ __forceinline__ float ut__cuda_bn_z(float x, float m, float sc, float bt) {
+  return __fmaf_rn(x - m, sc, bt);
+}
+/* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
+static __device__ __forceinline__ float ut__cuda_act_fwd(float z, float act) {
+  float v = z < 0.f ? 0.f : z;
+  return act > 0.f && v > act ? act : v;
+}
+static __device__ __forceinline__ float ut__cuda_act_grad(float g, float z, float act) {
+  bool stop = z <= 0.f || (act > 0.f && z >= act); /* false for NaN: passes g, like PyTorch */
+  return stop ? 0.f : g;
+}
+
 template <int KIND>
 static __global__ void __launch_bounds__(256)
     ut__cuda_channel_partial_kernel(const float* __restrict__ x, const float* __restrict__ go,
                                     const float* __restrict__ mean, const float* __restrict__ rstd,
-                                    int c, ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
+                                    const float* __restrict__ gamma,
+                                    const float* __restrict__ beta, float act, int c,
+                                    ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
                                     float* __restrict__ ws) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
   __shared__ float sh[32 * NV];
@@ -26,6 +43,10 @@ static __global__ void __launch_bounds__(256)
   const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
   const float mu = (KIND != UT__CUDA_CHANNEL_SUM) ? mean[j] : 0.f;
   const float rs = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? rstd[j] : 0.f;
+  /* the activation's mask (act >= 0) recomputes z as the apply kernel does */
+  const bool masked = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && act >= 0.f;
+  const float sc = masked ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
+  const float bt = masked && beta ? beta[j] : 0.f;
   const ut__i64 bd = blockDim.x;
   const ut__i64 si = bd / inner, sk = bd % inner; /* the step of (i, k) per bd elements */
   float acc[NV];
@@ -61,8 +82,9 @@ static __global__ void __launch_bounds__(256)
         float d = xv[u] - mu;
         acc[0] += d * d;
       } else {
-        acc[0] += gv[u];
-        acc[NV - 1] += gv[u] * ((xv[u] - mu) * rs);
+        float g = masked ? ut__cuda_act_grad(gv[u], ut__cuda_bn_z(xv[u], mu, sc, bt), act) : gv[u];
+        acc[0] += g;
+        acc[NV - 1] += g * ((xv[u] - mu) * rs);
       }
     }
   }
@@ -76,9 +98,11 @@ static __global__ void __launch_bounds__(256)
 template <int KIND>
 static int ut__cuda_channel_partial_launch(const float* x, const float* go, const float* mean,
                                            const float* rstd, int n, int c, ut__i64 inner,
-                                           float* ws, int chunks, ut__i64 chunk) {
+                                           float* ws, int chunks, ut__i64 chunk,
+                                           const float* gamma = NULL, const float* beta = NULL,
+                                           float act = -1.f) {
   ut__cuda_channel_partial_kernel<KIND><<<(unsigned)((ut__i64)c * chunks), 256>>>(
-      x, go, mean, rstd, c, inner, (ut__i64)n * inner, chunk, chunks, ws);
+      x, go, mean, rstd, gamma, beta, act, c, inner, (ut__i64)n * inner, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("channel reduction");
   return UT_OK;
 }
@@ -309,23 +333,57 @@ static __global__ void ut__cuda_batchnorm2d_rstd_kernel(const float* __restrict_
   if (j < c) rstd[j] = 1.0f / sqrtf(var[j] + eps);
 }
 
+/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row (W = 4,
+   float4 loads, when rows are a multiple of 4 long and the buffers 16-byte aligned), indexed
+   with I = 32-bit integers when the tensor allows: the channel of a group costs one division,
+   which 64-bit integers make the kernels' largest cost. */
+template <int W>
+struct ut__cuda_vec;
+template <>
+struct ut__cuda_vec<1> {
+  static __device__ __forceinline__ void load(const float* p, float* e) { e[0] = __ldg(p); }
+  static __device__ __forceinline__ void store(float* p, const float* e) { p[0] = e[0]; }
+};
+template <>
+struct ut__cuda_vec<4> {
+  static __device__ __forceinline__ void load(const float* p, float* e) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
+  }
+  static __device__ __forceinline__ void store(float* p, const float* e) {
+    *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
+  }
+};
+
+template <int W, typename I>
 static __global__ void ut__cuda_batchnorm2d_apply_kernel(
     const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ mean,
-    const float* __restrict__ var, const float* __restrict__ gamma, const float* __restrict__ beta,
-    ut__i64 total, int c, ut__i64 inner, float eps) {
-  UT__CUDA_GRID_STRIDE(i, total) {
-    int j = (int)((i / inner) % c);
-    float rs = 1.0f / sqrtf(var[j] + eps);
-    float v = (x[i] - mean[j]) * rs;
-    if (gamma) v *= gamma[j];
-    if (beta) v += beta[j];
-    y[i] = v;
+    const float* __restrict__ var, const float* __restrict__ rstd, const float* __restrict__ gamma,
+    const float* __restrict__ beta, I groups, I row_groups, int c, float eps, float act) {
+  for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
+    const int j = (int)((v / row_groups) % (I)c);
+    const float rs = rstd ? rstd[j] : 1.0f / sqrtf(var[j] + eps);
+    const float sc = rs * (gamma ? gamma[j] : 1.f), m = mean[j], bt = beta ? beta[j] : 0.f;
+    float e[W];
+    ut__cuda_vec<W>::load(x + (ut__i64)v * W, e);
+#pragma unroll
+    for (int u = 0; u < W; ++u) {
+      float z = ut__cuda_bn_z(e[u], m, sc, bt);
+      e[u] = act < 0.f ? z : ut__cuda_act_fwd(z, act);
+    }
+    ut__cuda_vec<W>::store(y + (ut__i64)v * W, e);
   }
+}
+
+/* W and I for an elementwise batchnorm kernel over [n*c rows, inner]; ptrs must all be aligned */
+static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b, const void* c3) {
+  uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c3;
+  return inner % 4 == 0 && any % 16 == 0 ? 4 : 1;
 }
 
 int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
                                const float* gamma, const float* beta, float* rstd, int n, int c,
-                               ut__i64 inner, float eps) {
+                               ut__i64 inner, float eps, float act) {
   if (c <= 0) return UT_OK;
   if (rstd) {
     ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(var, rstd, c, eps);
@@ -333,8 +391,21 @@ int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, cons
   }
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_batchnorm2d_apply_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(
-      x, y, mean, var, gamma, beta, total, c, inner, eps);
+  const int w = ut__cuda_bn_width(inner, x, y, NULL);
+  const ut__i64 groups = total / w, row_groups = inner / w;
+  const unsigned blocks = ut__cuda_grid_for(groups, 256);
+  if (w == 4 && total < INT_MAX)
+    ut__cuda_batchnorm2d_apply_kernel<4, unsigned><<<blocks, 256>>>(
+        x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
+  else if (w == 4)
+    ut__cuda_batchnorm2d_apply_kernel<4, ut__i64><<<blocks, 256>>>(
+        x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
+  else if (total < INT_MAX)
+    ut__cuda_batchnorm2d_apply_kernel<1, unsigned><<<blocks, 256>>>(
+        x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
+  else
+    ut__cuda_batchnorm2d_apply_kernel<1, ut__i64><<<blocks, 256>>>(
+        x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
   UT__CUDA_LAUNCHED("bn_apply");
   return UT_OK;
 }
@@ -358,26 +429,38 @@ static __global__ void ut__cuda_batchnorm2d_backward_sums_kernel(const float* __
   if (dbeta) dbeta[j] += (float)sb;
 }
 
+template <int W, typename I>
 static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     const float* __restrict__ go, const float* __restrict__ x, const float* __restrict__ mean,
-    const float* __restrict__ rstd, const float* __restrict__ gamma, const float* __restrict__ sums,
-    float* __restrict__ dx, ut__i64 total, int c, ut__i64 inner, float inv_m, int training) {
-  UT__CUDA_GRID_STRIDE(i, total) {
-    int j = (int)((i / inner) % c);
-    float rs = rstd[j];
-    float gm = gamma ? gamma[j] : 1.f;
-    float g = go[i];
-    if (training) {
-      float xh = (x[i] - mean[j]) * rs;
-      g = g - sums[2 * j] * inv_m - xh * (sums[2 * j + 1] * inv_m);
+    const float* __restrict__ rstd, const float* __restrict__ gamma,
+    const float* __restrict__ beta, const float* __restrict__ sums, float* __restrict__ dx,
+    I groups, I row_groups, int c, float inv_m, int training, float act) {
+  for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
+    const int j = (int)((v / row_groups) % (I)c);
+    const float rs = rstd[j], gm = gamma ? gamma[j] : 1.f, m = mean[j];
+    const float sc = rs * gm, bt = beta ? beta[j] : 0.f; /* as the apply kernel */
+    const float mg = training ? sums[2 * j] * inv_m : 0.f;
+    const float mgx = training ? sums[2 * j + 1] * inv_m : 0.f;
+    float g[W], xv[W];
+    ut__cuda_vec<W>::load(go + (ut__i64)v * W, g);
+    if (training || act >= 0.f) ut__cuda_vec<W>::load(x + (ut__i64)v * W, xv);
+#pragma unroll
+    for (int u = 0; u < W; ++u) {
+      float gu = act >= 0.f ? ut__cuda_act_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act) : g[u];
+      if (training) {
+        float xh = (xv[u] - m) * rs;
+        gu = gu - mg - xh * mgx;
+      }
+      g[u] = gm * rs * gu;
     }
-    dx[i] = gm * rs * g;
+    ut__cuda_vec<W>::store(dx + (ut__i64)v * W, g);
   }
 }
 
 int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
-                                  const float* rstd, const float* gamma, float* dx, float* dgamma,
-                                  float* dbeta, int n, int c, ut__i64 inner, bool training) {
+                                  const float* rstd, const float* gamma, const float* beta,
+                                  float* dx, float* dgamma, float* dbeta, int n, int c,
+                                  ut__i64 inner, bool training, float act) {
   if (c <= 0) return UT_OK;
   const ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) return UT_OK;
@@ -393,16 +476,33 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
     if (st) return st;
     sums = ws + (size_t)c * chunks * 2;
     st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD>(
-        x, go, mean, rstd, n, c, inner, ws, chunks, chunk);
+        x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
     if (st) return st;
     ut__cuda_batchnorm2d_backward_sums_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(
         ws, sums, dgamma, dbeta, c, chunks);
     UT__CUDA_LAUNCHED("bn_bwd sums");
   }
   if (dx) {
-    ut__i64 total = m * c;
-    ut__cuda_batchnorm2d_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(
-        go, x, mean, rstd, gamma, sums, dx, total, c, inner, 1.f / (float)m, training ? 1 : 0);
+    const ut__i64 total = m * c;
+    const int w = ut__cuda_bn_width(inner, go, x, dx);
+    const ut__i64 groups = total / w, row_groups = inner / w;
+    const unsigned blocks = ut__cuda_grid_for(groups, 256);
+    const float inv_m = 1.f / (float)m;
+    const int tr = training ? 1 : 0;
+    if (w == 4 && total < INT_MAX)
+      ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256>>>(
+          go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
+          inv_m, tr, act);
+    else if (w == 4)
+      ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256>>>(
+          go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+    else if (total < INT_MAX)
+      ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256>>>(
+          go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
+          inv_m, tr, act);
+    else
+      ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256>>>(
+          go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
     UT__CUDA_LAUNCHED("bn_bwd dx");
   }
   return UT_OK;
