@@ -339,6 +339,13 @@ ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels);
 /* ---- optimizers: update param in place from grad (same nelem, same device) ---------------- */
 /* velocity = momentum * velocity + grad; param -= lr * velocity (velocity NULL: plain SGD) */
 int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr, float momentum);
+/* ut_sgd_step on count parameters in one call (an optimizer's step: on the GPU a launch per
+   40 parameters instead of one each). Every argument is checked before any parameter changes;
+   velocities NULL: plain SGD for all (else velocities[i] NULL for none is refused). */
+int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                     float lr, float momentum);
+/* ut_fill(ts[i], value) for count tensors in one call (zero_grad); all are checked first */
+int ut_fill_many(ut_tensor** ts, int count, float value);
 /* Adam with bias correction; step is the 1-based update count; m, v start at zero */
 int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
                  float beta1, float beta2, float eps);
@@ -490,6 +497,10 @@ typedef struct ut__backend {
 
   /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
   int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
+  /* sgd and fill on count buffers at once (v NULL: no momentum); NULL: the core loops */
+  int (*sgd_many)(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
+                  int count, float lr, float momentum);
+  int (*fill_many)(float* const* x, const ut__i64* n, int count, float v);
   /* m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1) / (sqrt(v/bc2) + eps) */
   int (*adam)(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
               float b2, float eps, float bc1, float bc2);
@@ -2169,6 +2180,113 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   UT__TRY(be->sgd(p, g, v, param->shape.nelem, lr, momentum));
   ut__wrote(param, be);
   if (v) ut__wrote(velocity, be);
+  return UT_OK;
+}
+
+/* Re-sets the thread's error with "who: item i: " before its message. */
+static int ut__item_error(const char* who, int i) {
+  char msg[sizeof ut__err_msg];
+  snprintf(msg, sizeof msg, "%s", ut__err_msg);
+  return ut__set_error(ut__err_status, "%s: item %d: %s", who, i, msg);
+}
+
+/* The many-tensor calls: items on the GPU go to the backend's many-buffer function in one
+   call when it has one, the others one by one. ptrs/n: scratch of count entries each. */
+typedef struct ut__many {
+  float** p;
+  const float** g;
+  float** v;
+  ut__i64* n;
+} ut__many;
+static int ut__many_alloc(ut__many* m, int count, const char* who) {
+  size_t k = count > 0 ? (size_t)count : 1;
+  m->p = (float**)calloc(k, sizeof(float*));
+  m->g = (const float**)calloc(k, sizeof(float*));
+  m->v = (float**)calloc(k, sizeof(float*));
+  m->n = (ut__i64*)calloc(k, sizeof(ut__i64));
+  if (m->p && m->g && m->v && m->n) return UT_OK;
+  return ut__set_error(UT_ERR_MEMORY, "%s: out of host memory", who);
+}
+static void ut__many_free(ut__many* m) {
+  free(m->p);
+  free((void*)m->g);
+  free(m->v);
+  free(m->n);
+}
+
+int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                     float lr, float momentum) {
+  const char* who = "ut_sgd_step_many";
+  UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
+  UT__CHECK(count == 0 || (params && grads), UT_ERR_ARG, "%s: NULL params or grads", who);
+  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
+            "%s: momentum must be finite and >= 0", who);
+  for (int i = 0; i < count; i++) {
+    ut_tensor *p = params[i], *g = grads[i], *v = velocities ? velocities[i] : NULL;
+    if (ut__check_tensor(p, who, "param") < 0 ||
+        ut__check_arg(g, p, p->shape.nelem, who, "grad") < 0 ||
+        (velocities && ut__check_arg(v, p, p->shape.nelem, who, "velocity") < 0) ||
+        ut__check_distinct(v, p, who, "velocity", "param") < 0 ||
+        ut__check_distinct(v, g, who, "velocity", "grad") < 0)
+      return ut__item_error(who, i);
+  }
+  const ut__backend* gpu = ut__cuda_backend();
+  ut__many m = {0};
+  int rc = (gpu && gpu->sgd_many) ? ut__many_alloc(&m, count, who) : UT_OK;
+  int k = 0; /* items queued for the GPU's one call */
+  for (int i = 0; rc >= 0 && i < count; i++) {
+    ut_tensor *p = params[i], *v = velocities ? velocities[i] : NULL;
+    const ut__backend* be = ut__backend_for(p->dev);
+    const float* gp = ut__in(grads[i], be);
+    float* pp = gp ? ut__inout(p, be) : NULL;
+    float* vp = (pp && v) ? ut__inout(v, be) : NULL;
+    if (!pp || (v && !vp)) {
+      rc = ut__err_status;
+    } else if (be == gpu && m.p) {
+      m.p[k] = pp, m.g[k] = gp, m.v[k] = vp, m.n[k] = p->shape.nelem;
+      k++;
+    } else {
+      rc = be->sgd(pp, gp, vp, p->shape.nelem, lr, momentum);
+    }
+  }
+  if (rc >= 0 && k > 0) rc = gpu->sgd_many(m.p, m.g, velocities ? m.v : NULL, m.n, k, lr, momentum);
+  ut__many_free(&m);
+  if (rc < 0) return rc;
+  for (int i = 0; i < count; i++) {
+    const ut__backend* be = ut__backend_for(params[i]->dev);
+    ut__wrote(params[i], be);
+    if (velocities) ut__wrote(velocities[i], be);
+  }
+  return UT_OK;
+}
+
+int ut_fill_many(ut_tensor** ts, int count, float value) {
+  const char* who = "ut_fill_many";
+  UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
+  UT__CHECK(count == 0 || ts, UT_ERR_ARG, "%s: NULL tensors", who);
+  for (int i = 0; i < count; i++)
+    if (ut__check_tensor(ts[i], who, "t") < 0) return ut__item_error(who, i);
+  const ut__backend* gpu = ut__cuda_backend();
+  ut__many m = {0};
+  int rc = (gpu && gpu->fill_many) ? ut__many_alloc(&m, count, who) : UT_OK;
+  int k = 0;
+  for (int i = 0; rc >= 0 && i < count; i++) {
+    const ut__backend* be = ut__backend_for(ts[i]->dev);
+    float* x = ut__out(ts[i], be);
+    if (!x) {
+      rc = ut__err_status;
+    } else if (be == gpu && m.p) {
+      m.p[k] = x, m.n[k] = ts[i]->shape.nelem;
+      k++;
+    } else {
+      rc = be->fill(x, ts[i]->shape.nelem, value);
+    }
+  }
+  if (rc >= 0 && k > 0) rc = gpu->fill_many(m.p, m.n, k, value);
+  ut__many_free(&m);
+  if (rc < 0) return rc;
+  for (int i = 0; i < count; i++) ut__wrote(ts[i], ut__backend_for(ts[i]->dev));
   return UT_OK;
 }
 

@@ -17,7 +17,7 @@ sums: a k-term dot product is off by about ``2**-11 * sqrt(k)`` of the size of i
 The CPU and the own kernels are fp32 at every setting.
 """
 
-import importlib.util
+import sys
 from pathlib import Path
 
 from . import _args
@@ -37,16 +37,13 @@ _WHEEL_LIBS = (("cu13/lib", "libcublas.so.13"), ("cublas/lib", "libcublas.so.12"
 
 
 def _wheel_cublas():
-    """The nvidia-cublas wheel's libcublas, or None (found without importing anything)."""
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return None
-    for root in (spec.submodule_search_locations or []) if spec else []:
+    """The nvidia-cublas wheel's libcublas, or None: looked for under each sys.path entry
+    (nvidia/ may be a namespace package spread over several of them), importing nothing."""
+    for entry in sys.path:
         for sub, name in _WHEEL_LIBS:
-            p = Path(root) / sub / name
+            p = Path(entry or ".") / "nvidia" / sub / name
             if p.is_file():
-                return str(p)
+                return str(p.resolve())
     return None
 
 

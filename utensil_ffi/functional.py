@@ -351,6 +351,48 @@ def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
     return param
 
 
+def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
+    """sgd_step on each (params[i], grads[i], velocities[i]) in one C call (on the GPU, a few
+    launches for a whole network). Every argument is checked before anything changes."""
+    lr = _args.to_float32(lr, "lr", lo=0.0)
+    momentum = _args.to_float32(momentum, "momentum", lo=0.0)
+    params, grads = list(params), list(grads)
+    vels = None if velocities is None else list(velocities)
+    if len(grads) != len(params) or (vels is not None and len(vels) != len(params)):
+        raise ArgumentError("sgd_step_many: %d params, %d grads%s" % (
+            len(params), len(grads), "" if vels is None else ", %d velocities" % len(vels)))
+    for name, seq in (("params", params), ("grads", grads), ("velocities", vels or [])):
+        for i, t in enumerate(seq):
+            if not isinstance(t, Tensor):
+                raise ArgumentTypeError("sgd_step_many: %s[%d] must be a Tensor, got %s"
+                                        % (name, i, type(t).__name__))
+    if not params:
+        return
+    with _Args("sgd_step_many") as a:
+        ps = a.ptrs(*((t, "params") for t in params))
+        gs = a.ptrs(*((t, "grads") for t in grads))
+        vs = a.ptrs(*((t, "velocities") for t in vels)) if vels is not None else None
+        arr = [ffi.new("ut_tensor*[]", x) if x is not None else _NULL for x in (ps, gs, vs)]
+        if lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) < 0:
+            fail("sgd_step_many")
+
+
+def fill_many(tensors, value):
+    """Every tensor filled with value, in one C call (zero_grad over a network)."""
+    value = _args.to_float32(value, "value", finite=False)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise ArgumentTypeError("fill_many: tensors[%d] must be a Tensor, got %s"
+                                    % (i, type(t).__name__))
+    if not tensors:
+        return
+    with _Args("fill_many") as a:
+        ps = a.ptrs(*((t, "tensors") for t in tensors))
+        if lib.ut_fill_many(ffi.new("ut_tensor*[]", ps), len(ps), value) < 0:
+            fail("fill_many")
+
+
 def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8):
     """One in-place Adam update with bias correction; ``step`` is the 1-based update count."""
     step = _args.to_int(step, "step", 1)

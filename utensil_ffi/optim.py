@@ -300,10 +300,10 @@ class SGD(Optimizer):
         return apply
 
     def step(self):
-        for i in self._stepping():
-            p = self.params[i]
-            v = self._slot(i, 1)[0] if self.momentum != 0.0 else None
-            _F.sgd_step(p, p.grad, v, self.lr, self.momentum)
+        todo = self._stepping()
+        ps = [self.params[i] for i in todo]
+        vs = [self._slot(i, 1)[0] for i in todo] if self.momentum != 0.0 else None
+        _F.sgd_step_many(ps, [p.grad for p in ps], vs, self.lr, self.momentum)
         self.t += 1
 
     def __repr__(self):

@@ -224,6 +224,8 @@ static void ut__cuda_init(void) {
   t->blas_active = ut__cuda_blas_active;
   t->blas_info = ut__cuda_blas_info;
   t->sgd = ut__cuda_sgd;
+  t->sgd_many = ut__cuda_sgd_many;
+  t->fill_many = ut__cuda_fill_many;
   t->adam = ut__cuda_adam;
   ut__cuda_table_ok = true;
 }

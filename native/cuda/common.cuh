@@ -19,7 +19,7 @@
      depthwise.cu     dwconv2d: forward, dx, dW
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
-     optim.cu         sgd, adam
+     optim.cu         sgd, adam, and sgd and fill over many tensors per launch
 
    Naming
      Every file-level name starts with ut__cuda_ (macros and constants: UT__CUDA_), kernels end
@@ -224,6 +224,9 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
                                   ut__i64 inner, bool training, float act);
 
 /* optim.cu */
+int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
+                      int count, float lr, float momentum);
+int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value);
 int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
 int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
                   float b2, float eps, float bc1, float bc2);

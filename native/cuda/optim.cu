@@ -1,21 +1,27 @@
-/* optim.cu — sgd and adam. The files and the naming: common.cuh. */
+/* optim.cu — sgd and adam, and the many-tensor sgd and fill. The files and the naming: common.cuh. */
 #include "common.cuh"
 
 /* ============================================================================================
    Optimizers
    ============================================================================================ */
 
+/* one element's update: the single and the many-tensor kernels share it, so both round alike */
+static __device__ __forceinline__ void ut__cuda_sgd_one(float* __restrict__ p,
+                                                        const float* __restrict__ g,
+                                                        float* __restrict__ v, ut__i64 i,
+                                                        float lr, float momentum) {
+  float d = g[i];
+  if (v) {
+    d = momentum * v[i] + d;
+    v[i] = d;
+  }
+  p[i] -= lr * d;
+}
+
 static __global__ void ut__cuda_sgd_kernel(float* __restrict__ p, const float* __restrict__ g,
                                            float* __restrict__ v, ut__i64 n, float lr,
                                            float momentum) {
-  UT__CUDA_GRID_STRIDE(i, n) {
-    float d = g[i];
-    if (v) {
-      d = momentum * v[i] + d;
-      v[i] = d;
-    }
-    p[i] -= lr * d;
-  }
+  UT__CUDA_GRID_STRIDE(i, n) ut__cuda_sgd_one(p, g, v, i, lr, momentum);
 }
 
 int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum) {
@@ -23,6 +29,60 @@ int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float 
   ut__cuda_sgd_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(p, g, v, n, lr, momentum);
   UT__CUDA_LAUNCHED("sgd");
   return UT_OK;
+}
+
+/* Many tensors per launch (an optimizer step or zero_grad over a whole network): their
+   pointers travel in the kernel's parameters, UT__CUDA_MANY at a time; blockIdx.y picks the
+   tensor and the x blocks stride over its elements. */
+#define UT__CUDA_MANY 40
+struct ut__cuda_many {
+  float* p[UT__CUDA_MANY];
+  const float* g[UT__CUDA_MANY];
+  float* v[UT__CUDA_MANY];
+  ut__i64 n[UT__CUDA_MANY];
+};
+
+static __global__ void ut__cuda_sgd_many_kernel(const ut__cuda_many m, float lr, float momentum) {
+  const int t = blockIdx.y;
+  UT__CUDA_GRID_STRIDE(i, m.n[t]) ut__cuda_sgd_one(m.p[t], m.g[t], m.v[t], i, lr, momentum);
+}
+
+static __global__ void ut__cuda_fill_many_kernel(const ut__cuda_many m, float value) {
+  const int t = blockIdx.y;
+  float* __restrict__ x = m.p[t];
+  UT__CUDA_GRID_STRIDE(i, m.n[t]) x[i] = value;
+}
+
+/* g, v may be NULL (fill: both; sgd without momentum: v) */
+static int ut__cuda_many_launch(float* const* p, const float* const* g, float* const* v,
+                                const ut__i64* n, int count, float a, float b, bool fill) {
+  for (int t0 = 0; t0 < count; t0 += UT__CUDA_MANY) {
+    ut__cuda_many m;
+    int k = count - t0 < UT__CUDA_MANY ? count - t0 : UT__CUDA_MANY;
+    ut__i64 most = 0;
+    for (int t = 0; t < k; ++t) {
+      m.p[t] = p[t0 + t];
+      m.g[t] = g ? g[t0 + t] : NULL;
+      m.v[t] = v ? v[t0 + t] : NULL;
+      m.n[t] = n[t0 + t];
+      if (m.n[t] > most) most = m.n[t];
+    }
+    if (most <= 0) continue;
+    dim3 grid(ut__cuda_grid_for(most, 256), (unsigned)k);
+    if (fill) ut__cuda_fill_many_kernel<<<grid, 256>>>(m, a);
+    else ut__cuda_sgd_many_kernel<<<grid, 256>>>(m, a, b);
+    UT__CUDA_LAUNCHED(fill ? "fill_many" : "sgd_many");
+  }
+  return UT_OK;
+}
+
+int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
+                      int count, float lr, float momentum) {
+  return ut__cuda_many_launch(p, g, v, n, count, lr, momentum, false);
+}
+
+int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value) {
+  return ut__cuda_many_launch(x, NULL, NULL, n, count, value, 0.f, true);
 }
 
 static __global__ void ut__cuda_adam_kernel(float* __restrict__ p, const float* __restrict__ g,
