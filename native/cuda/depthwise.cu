@@ -6,7 +6,7 @@
    Depthwise convolution
 
    3x3 filters at stride 1 or 2 and 5x5 at stride 1 take the strip kernels
-   (ut__cuda_dwconv2d_strip_*, below ut__cuda_dwconv2d_dw_final_kernel), which were faster on
+   (ut__cuda_dwconv2d_strip_*, below ut__cuda_dwconv2d_dw_final_checked_kernel), which were faster on
    every measured shape. The tiled path (ut__cuda_dwconv2d_tile_kernel) covers the other square
    3x3, 5x5 and 7x7 filters at stride 1 or 2 whose tiles fit in shared memory. A unit of work
    is one channel c, a group of P images and a band of BH output rows of each of their planes
@@ -27,7 +27,7 @@
                              stride phase matches
      UT__CUDA_DWCONV2D_DW    dw partials: for each unit the KH*KW sums of go * x over its
                              outputs, reduced in registers, then across the block, and written
-                             to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_kernel)
+                             to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_checked_kernel)
                              adds each channel's partials in a fixed order into dw.
 
    Everything else (other filter shapes, planes too wide for shared memory) takes plain
@@ -324,15 +324,40 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
-/* dw[c*T + t] += sum over parts of ws[(c*parts + i)*T + t]; one warp per weight element */
-static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict__ ws,
-                                                         float* __restrict__ dw, int C, int T,
-                                                         int parts, const int* __restrict__ gate,
-                                                         int want) {
-  if (gate && *gate != want) return;
+/* The fast path's second stage for dW with the non-finite rule folded in: a tap whose sum is
+   finite met no NaN or inf (a non-finite input reaches every sum it takes part in, padding
+   products included), so it is added as is; a tap whose sum is not finite is left out and
+   flagged (flags[c * T + t], and flags[C * T] for "any"), for the plain kernel to sum again over
+   real input only. This replaces a scan of go and x before every dW. */
+static __global__ void ut__cuda_dwconv2d_dw_final_checked_kernel(const float* __restrict__ ws,
+                                                                 float* __restrict__ dw, int C,
+                                                                 int T, int parts,
+                                                                 int* __restrict__ flags) {
   const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= (ut__i64)C * T) return;
+  const ut__i64 c = gw / T, t = gw % T;
+  float s = 0.f;
+  for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
+  s = ut__cuda_warp_sum(s);
+  if (lane != 0) return;
+  if (isfinite(s)) {
+    dw[gw] += s;
+  } else {
+    flags[gw] = 1;
+    flags[(ut__i64)C * T] = 1;
+  }
+}
+
+/* the plain path's second stage after the checked one: the flagged taps only */
+static __global__ void ut__cuda_dwconv2d_dw_final_flagged_kernel(const float* __restrict__ ws,
+                                                                 float* __restrict__ dw, int C,
+                                                                 int T, int parts,
+                                                                 const int* __restrict__ flags) {
+  if (!flags[(ut__i64)C * T]) return;
+  const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= (ut__i64)C * T || !flags[gw]) return;
   const ut__i64 c = gw / T, t = gw % T;
   float s = 0.f;
   for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
@@ -361,7 +386,7 @@ static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict
      ut__cuda_dwconv2d_strip_dw_kernel
                      dw partials: block (part, c) sums go * x tap by tap over a fixed range of
                      channel c's items, warp sums then warps in order into
-                     ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_kernel adds the
+                     ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_checked_kernel adds the
                      parts in order */
 
 struct ut__cuda_dwconv2d_strip_params {
@@ -1066,10 +1091,22 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   if ((ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK; /* nothing to add */
   ut__cuda_dwconv2d_tile_plan pl;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
-  int* flag;
-  int st = ut__cuda_dwconv2d_flag_nonfinite(go, (ut__i64)g->n * g->c * g->ho * g->wo, x,
-                                            (ut__i64)g->n * g->c * g->h * g->w, &flag);
-  if (st) return st;
+  /* the taps' non-finite flags (see ut__cuda_dwconv2d_dw_final_checked_kernel), cleared */
+  static int* flags = NULL;
+  static ut__i64 flags_n = 0;
+  const ut__i64 nflags = (ut__i64)g->c * T + 1;
+  if (nflags > flags_n) {
+    if (flags) {
+      UT__CUDA_CHECK(cudaDeviceSynchronize(), "dw flags sync");
+      cudaFree(flags);
+      flags = NULL;
+      flags_n = 0;
+    }
+    UT__CUDA_CHECK(cudaMalloc((void**)&flags, (size_t)nflags * sizeof(int)), "dw flags alloc");
+    flags_n = nflags;
+  }
+  UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int)), "dw flags reset");
+  int st;
   float* ws;
   int parts;
   if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
@@ -1101,11 +1138,11 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     UT__CUDA_LAUNCHED("dw_bwd_dw");
   }
   ut__i64 warps = (ut__i64)g->c * T;
-  ut__cuda_dwconv2d_dw_final_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(ws, dw, g->c,
-                                                                                       T, parts, flag, 0);
+  ut__cuda_dwconv2d_dw_final_checked_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(
+      ws, dw, g->c, T, parts, flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
-  /* non-finite data: the fast kernels' sums above are dropped (final kernel gated on flag 0) and
-     the plain kernel sums real input only (gated on flag 1) */
+  /* taps that met non-finite data: the plain kernel sums real input only (gated on "any") */
+  const int* flag = flags + (ut__i64)g->c * T;
   ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
   ut__i64 chunk;
   parts = ut__cuda_channel_chunks(g->c, m, &chunk);
@@ -1114,8 +1151,8 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
                                                                                  parts, ws, flag);
   UT__CUDA_LAUNCHED("dw_bwd_dw exact");
-  ut__cuda_dwconv2d_dw_final_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(ws, dw, g->c,
-                                                                                       T, parts, flag, 1);
+  ut__cuda_dwconv2d_dw_final_flagged_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(
+      ws, dw, g->c, T, parts, flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw exact final");
   return UT_OK;
 }
