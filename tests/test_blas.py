@@ -124,7 +124,7 @@ def test_the_nvidia_wheel_is_found_where_pip_puts_it(tmp_path):
     out = _run("""
         import utensil_ffi.blas as b
         print(b.WHEEL_CUBLAS)
-    """, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    """, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     assert out.strip() == str(lib_dir / "libcublas.so.13")
 
 

@@ -34,6 +34,12 @@ def fwd(layer, x):
 
 # (entry point, wrong call, exception)
 CASES = [
+    # the GPU's matrix products
+    ("set_float32_matmul_precision", lambda: ut.set_float32_matmul_precision("fast"), A),
+    ("set_float32_matmul_precision", lambda: ut.set_float32_matmul_precision(None), T),
+    ("preferred_blas_library", lambda: ut.preferred_blas_library("mkl"), A),
+    ("load_cublas", lambda: ut.load_cublas(3), T),
+    ("load_cublas", lambda: ut.load_cublas("/nonexistent/libcublas.so.13"), E.DeviceError),
     # tensors
     ("Tensor", lambda: ut.Tensor(np.array([object()])), T),
     ("Tensor", lambda: ut.Tensor(None), T),
@@ -240,7 +246,8 @@ def test_wrong_input_raises(entry, call, exc):
         assert str(info.value)  # every error says something
 
 
-NO_INPUT = {"devices", "cuda_available", "get_num_threads", "live_tensors", "synchronize"}  # take no arguments
+NO_INPUT = {"devices", "cuda_available", "get_num_threads", "live_tensors", "synchronize",
+            "backends", "get_float32_matmul_precision"}  # take no arguments
 
 
 def test_every_entry_point_is_covered():

@@ -1,5 +1,6 @@
-/* norm.cu — per-channel reductions (channel_sum, the bias gradient, and batchnorm2d's
-   statistics share one kernel), batchnorm2d and layernorm. The files and the naming:
+/* norm.cu — per-channel reductions (channel_sum, the bias gradient and batchnorm2d's backward
+   share one kernel; batchnorm2d's statistics have their own one-pass kernel), batchnorm2d and
+   layernorm. The files and the naming:
    common.cuh. */
 #include "common.cuh"
 
@@ -11,7 +12,7 @@
    Stage 1: c * chunks blocks; block j * chunks + chunk reduces elements [e0, e1) of channel j's
    n*inner elements (element e is x[(e / inner) * c + j][e % inner]) into NV partial sums at
    ws[(j * chunks + chunk) * NV + v]. Stage 2 sums the chunks of each channel in order. */
-enum { UT__CUDA_CHANNEL_SUM = 0, UT__CUDA_CHANNEL_SQDEV = 1, UT__CUDA_CHANNEL_BATCHNORM2D_BWD = 2 };
+enum { UT__CUDA_CHANNEL_SUM = 0, UT__CUDA_CHANNEL_BATCHNORM2D_BWD = 1 };
 
 /* batchnorm's output before its activation: one expression for apply and for backward's mask
    (an explicit fma, so the compiler cannot contract the two differently) */
@@ -41,7 +42,7 @@ static __global__ void __launch_bounds__(256)
   const int j = blockIdx.x / chunks;
   const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
   const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
-  const float mu = (KIND != UT__CUDA_CHANNEL_SUM) ? mean[j] : 0.f;
+  const float mu = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? mean[j] : 0.f;
   const float rs = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? rstd[j] : 0.f;
   /* the activation's mask (act >= 0) recomputes z as the apply kernel does */
   const bool masked = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && act >= 0.f;
@@ -78,9 +79,6 @@ static __global__ void __launch_bounds__(256)
       if (!ok[u]) continue;
       if (KIND == UT__CUDA_CHANNEL_SUM) {
         acc[0] += xv[u];
-      } else if (KIND == UT__CUDA_CHANNEL_SQDEV) {
-        float d = xv[u] - mu;
-        acc[0] += d * d;
       } else {
         float g = masked ? ut__cuda_act_grad(gv[u], ut__cuda_bn_z(xv[u], mu, sc, bt), act) : gv[u];
         acc[0] += g;
@@ -276,6 +274,111 @@ int ut__cuda_layernorm_backward(const float* go, const float* x, const float* ga
   return UT_OK;
 }
 
+/* ---- batchnorm2d's statistics in one read of x ----
+   Each thread keeps Welford's running (count, mean, M2) over the elements it visits (the same
+   walk as ut__cuda_channel_partial_kernel); threads, warps and then the chunks of a channel are
+   merged with Chan's formula in a fixed order (deterministic), the last stage in double. A
+   two-pass mean-then-deviation costs a second read of every BatchNorm input per step; Welford
+   keeps its accuracy (no sum of squares minus square of sum). */
+struct ut__cuda_moments {
+  float n, mean, m2;
+};
+static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_merge(ut__cuda_moments a,
+                                                                         ut__cuda_moments b) {
+  float n = a.n + b.n;
+  if (n == 0.f) return a;
+  float d = b.mean - a.mean, f = b.n / n;
+  ut__cuda_moments r;
+  r.n = n;
+  r.mean = a.mean + d * f;
+  r.m2 = a.m2 + b.m2 + d * d * a.n * f;
+  return r;
+}
+static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_shfl(ut__cuda_moments v,
+                                                                        int o) {
+  ut__cuda_moments r;
+  r.n = __shfl_down_sync(0xffffffffu, v.n, o);
+  r.mean = __shfl_down_sync(0xffffffffu, v.mean, o);
+  r.m2 = __shfl_down_sync(0xffffffffu, v.m2, o);
+  return r;
+}
+
+static __global__ void __launch_bounds__(256)
+    ut__cuda_batchnorm2d_moments_kernel(const float* __restrict__ x, int c, ut__i64 inner,
+                                        ut__i64 m, ut__i64 chunk, int chunks,
+                                        float* __restrict__ ws) {
+  __shared__ ut__cuda_moments sh[32];
+  const int j = blockIdx.x / chunks;
+  const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
+  const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
+  const ut__i64 bd = blockDim.x;
+  const ut__i64 si = bd / inner, sk = bd % inner;
+  ut__cuda_moments acc = {0.f, 0.f, 0.f};
+  ut__i64 e = e0 + threadIdx.x;
+  ut__i64 i = e / inner, k = e % inner;
+  for (; e < e1; e += 4 * bd) {
+    ut__i64 addr[4];
+    bool ok[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      ok[u] = e + u * bd < e1;
+      addr[u] = (i * c + j) * inner + k;
+      i += si;
+      k += sk;
+      if (k >= inner) { k -= inner; ++i; }
+    }
+    float xv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) xv[u] = ok[u] ? __ldg(x + addr[u]) : 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (!ok[u]) continue;
+      acc.n += 1.f;
+      float d = xv[u] - acc.mean;
+      acc.mean += d / acc.n;
+      acc.m2 += d * (xv[u] - acc.mean);
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc = ut__cuda_moments_merge(acc, ut__cuda_moments_shfl(acc, o));
+  if (lane == 0) sh[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < nw ? sh[lane] : ut__cuda_moments{0.f, 0.f, 0.f};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      acc = ut__cuda_moments_merge(acc, ut__cuda_moments_shfl(acc, o));
+    if (lane == 0) {
+      ws[(ut__i64)blockIdx.x * 2 + 0] = acc.mean;
+      ws[(ut__i64)blockIdx.x * 2 + 1] = acc.m2;
+    }
+  }
+}
+
+/* mean[j], var[j] (biased) from channel j's chunks, merged in order in double */
+static __global__ void ut__cuda_batchnorm2d_moments_final_kernel(const float* __restrict__ ws,
+                                                                 float* __restrict__ mean,
+                                                                 float* __restrict__ var, int c,
+                                                                 int chunks, ut__i64 chunk,
+                                                                 ut__i64 m) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= c) return;
+  double n = 0.0, mu = 0.0, m2 = 0.0;
+  for (int q = 0; q < chunks; ++q) {
+    ut__i64 e0 = (ut__i64)q * chunk, e1 = e0 + chunk < m ? e0 + chunk : m;
+    double nb = (double)(e1 - e0);
+    if (nb <= 0.0) continue;
+    double mb = ws[((ut__i64)j * chunks + q) * 2 + 0], m2b = ws[((ut__i64)j * chunks + q) * 2 + 1];
+    double nn = n + nb, d = mb - mu;
+    mu += d * (nb / nn);
+    m2 += m2b + d * d * n * (nb / nn);
+    n = nn;
+  }
+  mean[j] = (float)mu;
+  var[j] = (float)(n > 0.0 ? m2 / n : 0.0);
+}
+
 int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
                                ut__i64 inner) {
   if (c <= 0) return UT_OK;
@@ -288,21 +391,14 @@ int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, i
   int chunks = ut__cuda_channel_chunks(c, m, &chunk);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   float* ws;
-  int st = ut__cuda_workspace_acquire((size_t)c * chunks * sizeof(float), &ws);
+  int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
-  /* two passes: the mean, then the mean squared deviation from it */
-  st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM>(x, NULL, NULL, NULL, n, c, inner, ws,
-                                                             chunks, chunk);
-  if (st) return st;
-  ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(ws, mean, c, chunks, 1, 0,
-                                                                          0.f, 1.0 / (double)m);
-  UT__CUDA_LAUNCHED("bn_stats mean");
-  st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SQDEV>(x, NULL, mean, NULL, n, c, inner, ws,
-                                                               chunks, chunk);
-  if (st) return st;
-  ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(ws, var, c, chunks, 1, 0,
-                                                                          0.f, 1.0 / (double)m);
-  UT__CUDA_LAUNCHED("bn_stats var");
+  ut__cuda_batchnorm2d_moments_kernel<<<(unsigned)((ut__i64)c * chunks), 256>>>(
+      x, c, inner, m, chunk, chunks, ws);
+  UT__CUDA_LAUNCHED("bn_stats moments");
+  ut__cuda_batchnorm2d_moments_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(
+      ws, mean, var, c, chunks, chunk, m);
+  UT__CUDA_LAUNCHED("bn_stats final");
   return UT_OK;
 }
 
