@@ -279,7 +279,8 @@ int ut__cuda_layernorm_backward(const float* go, const float* x, const float* ga
    walk as ut__cuda_channel_partial_kernel); threads, warps and then the chunks of a channel are
    merged with Chan's formula in a fixed order (deterministic), the last stage in double. A
    two-pass mean-then-deviation costs a second read of every BatchNorm input per step; Welford
-   keeps its accuracy (no sum of squares minus square of sum). */
+   keeps its accuracy (no sum of squares minus square of sum). Non-finite input gives what the
+   sums would: a mean of +-inf (NaN when both infinities or a NaN meet) and a NaN variance. */
 struct ut__cuda_moments {
   float n, mean, m2;
 };
@@ -287,9 +288,14 @@ static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_merge(ut__cu
                                                                          ut__cuda_moments b) {
   float n = a.n + b.n;
   if (n == 0.f) return a;
-  float d = b.mean - a.mean, f = b.n / n;
   ut__cuda_moments r;
   r.n = n;
+  if (!isfinite(a.mean) || !isfinite(b.mean)) { /* as a sum would: inf stays, inf - inf is NaN */
+    r.mean = a.mean + b.mean;
+    r.m2 = NAN;
+    return r;
+  }
+  float d = b.mean - a.mean, f = b.n / n;
   r.mean = a.mean + d * f;
   r.m2 = a.m2 + b.m2 + d * d * a.n * f;
   return r;
@@ -334,6 +340,10 @@ static __global__ void __launch_bounds__(256)
     for (int u = 0; u < 4; ++u) {
       if (!ok[u]) continue;
       acc.n += 1.f;
+      if (!isfinite(acc.mean)) { /* a NaN or inf seen: the mean follows a sum's rules */
+        acc.mean += xv[u];
+        continue;
+      }
       float d = xv[u] - acc.mean;
       acc.mean += d / acc.n;
       acc.m2 += d * (xv[u] - acc.mean);
@@ -370,6 +380,12 @@ static __global__ void ut__cuda_batchnorm2d_moments_final_kernel(const float* __
     double nb = (double)(e1 - e0);
     if (nb <= 0.0) continue;
     double mb = ws[((ut__i64)j * chunks + q) * 2 + 0], m2b = ws[((ut__i64)j * chunks + q) * 2 + 1];
+    if (!isfinite(mu) || !isfinite(mb)) { /* as in ut__cuda_moments_merge */
+      mu += mb;
+      m2 = NAN;
+      n += nb;
+      continue;
+    }
     double nn = n + nb, d = mb - mu;
     mu += d * (nb / nn);
     m2 += m2b + d * d * n * (nb / nn);
