@@ -2245,9 +2245,25 @@ static void test_fork_after_parallel_op(void) {
   ut_tensor* c0 = ut_matmul(g_fork_a, g_fork_a); /* the parent's workers now exist */
   ut_tensor* r0 = ut_relu(big);
   require(c0 && r0);
-  for (int round = 0; round < 6; round++) {
+  /* Later rounds fork while another thread runs parallel ops, and so allocates. Under
+     AddressSanitizer before LLVM 18 (GCC 13's libsanitizer included) the sanitizer's own
+     allocator has no fork handlers: a child forked while that thread held its lock deadlocks in
+     its first malloc (google/sanitizers#774, fixed by llvm-project#75290), whatever the library
+     does. The sanitized build runs the quiet rounds; the plain build runs them all. */
+#if defined(__SANITIZE_ADDRESS__)
+  const int rounds = 2;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  const int rounds = 2;
+#else
+  const int rounds = 6;
+#endif
+#else
+  const int rounds = 6;
+#endif
+  for (int round = 0; round < rounds; round++) {
     pthread_t th;
-    bool busy = round >= 2; /* later rounds fork while another thread runs parallel ops */
+    bool busy = round >= 2;
     atomic_store(&g_fork_stop, 0);
     if (busy) require(pthread_create(&th, NULL, fork_busy_thread, NULL) == 0);
     fflush(NULL);
