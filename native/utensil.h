@@ -4155,6 +4155,12 @@ static inline float ut__cpu_act_grad(float g, float z, float act) {
   int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
   return stop ? 0.0f : g;
 }
+/* batchnorm backward's gradient at one element: go, masked by the activation (act >= 0) at
+   the pre-activation recomputed from x; computed where it is used, in both passes, rather than
+   stored (act is loop-invariant: the loops are unswitched on it) */
+static inline float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, float act) {
+  return act < 0.0f ? g : ut__cpu_act_grad(g, ut__cpu_bn_z(x, m, sc, bt), act);
+}
 UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
@@ -4303,12 +4309,6 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     for (int i = 0; i < n; i++) {
       const float* gp = go + ((ut__i64)i * c + j) * inner;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
-      if (act >= 0.0f) { /* the masked gradient, in dx's row for now (dx never aliases go) */
-        float* gm_row = dx + ((ut__i64)i * c + j) * inner;
-        for (ut__i64 t = 0; t < inner; t++)
-          gm_row[t] = ut__cpu_act_grad(gp[t], ut__cpu_bn_z(xp[t], m, sc, bt), act);
-        gp = gm_row;
-      }
       for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
         ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
         const float* gq = gp + i0;
@@ -4317,13 +4317,15 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
         ut__i64 t = 0;
         for (; t + 16 <= len; t += 16)
           for (int u = 0; u < 16; u++) {
-            l1[u] += gq[t + u];
-            l2[u] += gq[t + u] * (xq[t + u] - m);
+            float g = ut__cpu_bn_g(gq[t + u], xq[t + u], m, sc, bt, act);
+            l1[u] += g;
+            l2[u] += g * (xq[t + u] - m);
           }
         float t1 = 0.0f, t2 = 0.0f;
         for (; t < len; t++) {
-          t1 += gq[t];
-          t2 += gq[t] * (xq[t] - m);
+          float g = ut__cpu_bn_g(gq[t], xq[t], m, sc, bt, act);
+          t1 += g;
+          t2 += g * (xq[t] - m);
         }
         for (int u = 0; u < 8; u++) {
           l1[u] += l1[u + 8];
@@ -4345,12 +4347,13 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
     for (int i = 0; i < n; i++) {
       float* dp = dx + ((ut__i64)i * c + j) * inner;
-      const float* gp = act >= 0.0f ? dp : go + ((ut__i64)i * c + j) * inner;
+      const float* gp = go + ((ut__i64)i * c + j) * inner;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       if (training) {
-        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * (gp[t] - mg - (xp[t] - m) * rs * mgx);
+        for (ut__i64 t = 0; t < inner; t++)
+          dp[t] = k0 * (ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act) - mg - (xp[t] - m) * rs * mgx);
       } else {
-        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * gp[t];
+        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act);
       }
     }
   }
