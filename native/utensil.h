@@ -497,7 +497,8 @@ typedef struct ut__backend {
 
   /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
   int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
-  /* sgd and fill on count buffers at once (v NULL: no momentum); NULL: the core loops */
+  /* sgd and fill on count buffers at once (v NULL: no momentum): an optimizer step or
+     zero_grad over a whole network in one call */
   int (*sgd_many)(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
                   int count, float lr, float momentum);
   int (*fill_many)(float* const* x, const ut__i64* n, int count, float v);
@@ -2191,7 +2192,7 @@ static int ut__item_error(const char* who, int i) {
 }
 
 /* The many-tensor calls: the items are gathered per backend (CPU, GPU) and each backend gets
-   them in one call (its sgd_many / fill_many, or one call per item where it has none). */
+   them in one call (its sgd_many / fill_many). */
 typedef struct ut__many {
   float** p;
   const float** g;
@@ -2263,13 +2264,8 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
   for (int d = 0; rc >= 0 && d < 2; d++) {
     const ut__backend* be = ut__backend_for(d ? UT_CUDA : UT_CPU);
     ut__many* mm = &m[d];
-    if (mm->k == 0) continue;
-    if (be->sgd_many) {
+    if (mm->k > 0)
       rc = be->sgd_many(mm->p, mm->g, velocities ? mm->v : NULL, mm->n, mm->k, lr, momentum);
-    } else {
-      for (int i = 0; rc >= 0 && i < mm->k; i++)
-        rc = be->sgd(mm->p[i], mm->g[i], mm->v[i], mm->n[i], lr, momentum);
-    }
   }
   ut__many_free(&m[0]);
   ut__many_free(&m[1]);
@@ -2305,12 +2301,7 @@ int ut_fill_many(ut_tensor** ts, int count, float value) {
   for (int d = 0; rc >= 0 && d < 2; d++) {
     const ut__backend* be = ut__backend_for(d ? UT_CUDA : UT_CPU);
     ut__many* mm = &m[d];
-    if (mm->k == 0) continue;
-    if (be->fill_many) {
-      rc = be->fill_many(mm->p, mm->n, mm->k, value);
-    } else {
-      for (int i = 0; rc >= 0 && i < mm->k; i++) rc = be->fill(mm->p[i], mm->n[i], value);
-    }
+    if (mm->k > 0) rc = be->fill_many(mm->p, mm->n, mm->k, value);
   }
   ut__many_free(&m[0]);
   ut__many_free(&m[1]);
