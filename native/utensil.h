@@ -209,9 +209,11 @@ typedef struct ut_conv2d_cache {
 } ut_conv2d_cache;
 
 typedef struct ut_dwconv2d {
-  ut_tensor* weight; /* [C, kh, kw] — one filter per channel, no cross-channel mixing */
-  ut_tensor* bias;   /* [C] or NULL */
+  ut_tensor* weight; /* [C*mult, kh, kw] — mult filters per channel, no cross-channel mixing */
+  ut_tensor* bias;   /* [C*mult] or NULL */
   int c, kh, kw, stride, pad;
+  int dilation; /* taps dilation apart (0 reads as 1: structs built field by field stay valid) */
+  int mult;     /* channel multiplier: output o reads input channel o / mult (0 reads as 1) */
 } ut_dwconv2d;
 
 typedef struct ut_dwconv2d_cache {
@@ -284,8 +286,13 @@ void ut_conv2d_free(ut_conv2d* l);
 
 /* x: [N, C, H, W] -> [N, C, Ho, Wo], each channel convolved with its own kh x kw filter */
 ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool bias, ut_dev dev);
+/* x: [N, C, H, W] -> [N, C*mult, Ho, Wo], Ho = (H + 2 pad - dilation (kh-1) - 1) / stride + 1:
+   output channel o is input channel o / mult convolved with filter o, whose taps lie dilation
+   apart (PyTorch: Conv2d(C, mult*C, groups=C, dilation=...); TensorFlow: depth_multiplier) */
+ut_dwconv2d ut_dwconv2d_alloc_ex(int c, int mult, int kh, int kw, int stride, int pad,
+                                 int dilation, bool bias, ut_dev dev);
 ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache);
-/* grad_out: [N, C, Ho, Wo], dW: C*kh*kw elements, db: C -> dx [N, C, H, W] */
+/* grad_out: [N, C*mult, Ho, Wo], dW: C*mult*kh*kw elements, db: C*mult -> dx [N, C, H, W] */
 ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_tensor* grad_out,
                                 ut_tensor* dW, ut_tensor* db);
 void ut_dwconv2d_cache_free(ut_dwconv2d_cache* c);
@@ -383,9 +390,10 @@ extern "C" {
 
 typedef long long ut__i64;
 
-/* A 2-D convolution's geometry: input [n, c, h, w], filter kh x kw, output [n, ?, ho, wo]. */
+/* A 2-D convolution's geometry: input [n, c, h, w], filter kh x kw with its taps dil apart
+   (dilation; the window spans (kh-1)*dil + 1 rows), output [n, ?, ho, wo]. */
 typedef struct ut__conv_geom {
-  int n, c, h, w, kh, kw, stride, pad, ho, wo;
+  int n, c, h, w, kh, kw, stride, pad, ho, wo, dil;
 } ut__conv_geom;
 
 /* Row-major batched GEMM: for each i < batch,
@@ -448,12 +456,18 @@ typedef struct ut__backend {
   /* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], the adjoint of im2col (overwrites dx) */
   int (*col2im)(const float* col, float* dx, const ut__conv_geom* g);
 
-  /* depthwise: x: [n, c, h, w], w: [c, kh, kw], bias: [c] or NULL -> y: [n, c, ho, wo] */
+  /* depthwise: x: [n, c, h, w], w: [c, kh, kw], bias: [c] or NULL -> y: [n, c, ho, wo], the
+     taps g->dil apart (the channel multiplier is the core's: see ut__dw_repeat) */
   int (*dw_fwd)(const float* x, const float* w, const float* bias, float* y, const ut__conv_geom* g);
   /* go: [n, c, ho, wo], w -> dx: [n, c, h, w] (overwrites) */
   int (*dw_bwd_dx)(const float* go, const float* w, float* dx, const ut__conv_geom* g);
   /* go, x -> dw: [c, kh, kw]  += */
   int (*dw_bwd_dw)(const float* go, const float* x, float* dw, const ut__conv_geom* g);
+  /* x: [n, c, inner] -> y: [n, c*m, inner], y[i, j*m + r, :] = x[i, j, :] */
+  int (*chan_repeat)(const float* x, float* y, int n, int c, int m, ut__i64 inner);
+  /* x: [n, c*m, inner] -> y: [n, c, inner], y[i, j, :] = sum over r = 0..m-1 in order of
+     x[i, j*m + r, :] (overwrites) */
+  int (*chan_group_sum)(const float* x, float* y, int n, int c, int m, ut__i64 inner);
 
   /* x: [rows, dim] -> y, mean: [rows], rstd: [rows]; y = (x - mean) * rstd * gamma + beta */
   int (*layernorm_fwd)(const float* x, const float* gamma, const float* beta, float* y,
@@ -1275,9 +1289,10 @@ static bool ut__cpu_all_finite(const float* x, ut__i64 n);
 static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
                                const float* bias, float* dst, int out_c, bool depthwise,
                                const ut__conv_geom* g);
-/* x must be [N, c, H, W] and the window must fit the padded input; fills g. */
+/* x must be [N, c, H, W] and the window (kh x kw taps, dil apart) must fit the padded input;
+   fills g. */
 static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
-                             int kw, int stride, int pad, const char* who) {
+                             int kw, int stride, int pad, int dil, const char* who) {
   UT__CHECK(x->shape.ndim == 4, UT_ERR_SHAPE, "%s: x must be [N, C, H, W], got shape %s", who,
             ut__shape_text(x).s);
   UT__CHECK(x->shape.shape[1] == c, UT_ERR_SHAPE, "%s: x has %d channels, the layer expects %d",
@@ -1286,11 +1301,19 @@ static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int ou
             kw);
   UT__CHECK(stride >= 1, UT_ERR_ARG, "%s: stride must be >= 1, got %d", who, stride);
   UT__CHECK(pad >= 0, UT_ERR_ARG, "%s: padding must be >= 0, got %d", who, pad);
+  UT__CHECK(dil >= 1, UT_ERR_ARG, "%s: dilation must be >= 1, got %d", who, dil);
   long long H = x->shape.shape[2], W = x->shape.shape[3], Hp = H + 2LL * pad, Wp = W + 2LL * pad;
-  UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
-            "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel", who, H, W, pad, kh,
-            kw);
-  long long ho = (Hp - kh) / stride + 1, wo = (Wp - kw) / stride + 1;
+  long long eh = (kh - 1LL) * dil + 1, ew = (kw - 1LL) * dil + 1; /* the window's extent */
+  if (dil == 1)
+    UT__CHECK(Hp >= kh && Wp >= kw, UT_ERR_SHAPE,
+              "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel", who, H, W, pad,
+              kh, kw);
+  else
+    UT__CHECK(Hp >= eh && Wp >= ew, UT_ERR_SHAPE,
+              "%s: input %lldx%lld (padding %d) is smaller than the %dx%d kernel's window with "
+              "dilation %d (%lldx%lld)",
+              who, H, W, pad, kh, kw, dil, eh, ew);
+  long long ho = (Hp - eh) / stride + 1, wo = (Wp - ew) / stride + 1;
   /* With one output pixel the stride is never applied: the kernels get stride 1, so that their
      int index arithmetic (iy + stride, phase rows of `stride` columns, ...) stays within the
      padded extent plus the stride. Otherwise stride <= the padded extent. */
@@ -1305,7 +1328,7 @@ static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int ou
             "%s: the output [%lld, %d, %lld, %lld] would have more than %d elements", who, n, out_c,
             ho, wo, INT_MAX);
   *g = (ut__conv_geom){.n = (int)n, .c = c, .h = (int)H, .w = (int)W, .kh = kh, .kw = kw,
-                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo};
+                       .stride = (int)s, .pad = pad, .ho = (int)ho, .wo = (int)wo, .dil = dil};
   return UT_OK;
 }
 
@@ -1369,11 +1392,11 @@ static int ut__check_conv2d(const ut_conv2d* l, const char* who) {
    the forward output's shape, dW the weight's element count and db (when used) out_c. */
 static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool has_bias,
                                    const ut_tensor* input, int in_c, int out_c, int kh, int kw,
-                                   int stride, int pad, const ut_tensor* grad_out,
+                                   int stride, int pad, int dil, const ut_tensor* grad_out,
                                    const ut_tensor* dW, const ut_tensor* db, const char* who) {
   UT__CHECK(input, UT_ERR_ARG, "%s: the cache is empty (run forward with a cache first)", who);
   UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
-  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, who));
+  UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, dil, who));
   UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
   UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
   if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
@@ -1424,7 +1447,7 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   const char* who = "ut_conv2d_forward";
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, who) < 0 ||
+      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, who) < 0 ||
       ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
@@ -1492,8 +1515,8 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
-                              l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, grad_out, dW,
-                              db, who) < 0 ||
+                              l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, grad_out,
+                              dW, db, who) < 0 ||
       ut__check_col(&g, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
@@ -1595,15 +1618,40 @@ void ut_conv2d_free(ut_conv2d* l) {
 
 /* ---- depthwise convolution ---------------------------------------------------------------- */
 ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool bias, ut_dev dev) {
-  ut_dwconv2d l = {.c = c, .kh = kh, .kw = kw, .stride = stride, .pad = pad};
-  if (ut__check_kernel_args(kh, kw, stride, pad, "ut_dwconv2d_alloc") < 0) return l;
-  if (c < 1) {
-    ut__set_error(UT_ERR_ARG, "ut_dwconv2d_alloc: channel count must be positive, got %d", c);
+  return ut_dwconv2d_alloc_ex(c, 1, kh, kw, stride, pad, 1, bias, dev);
+}
+
+/* The layer's multiplier and dilation, with 0 (a struct built field by field) read as 1. */
+static int ut__dw_mult(const ut_dwconv2d* l) { return l->mult ? l->mult : 1; }
+static int ut__dw_dil(const ut_dwconv2d* l) { return l->dilation ? l->dilation : 1; }
+
+static int ut__check_dw_extra(int c, int mult, int dilation, const char* who) {
+  UT__CHECK(c >= 1, UT_ERR_ARG, "%s: channel count must be positive, got %d", who, c);
+  UT__CHECK(mult >= 1, UT_ERR_ARG, "%s: the channel multiplier must be >= 1, got %d", who, mult);
+  UT__CHECK(dilation >= 1, UT_ERR_ARG, "%s: dilation must be >= 1, got %d", who, dilation);
+  UT__CHECK((long long)c * mult <= INT_MAX, UT_ERR_ARG,
+            "%s: %d channels times multiplier %d is more than %d output channels", who, c, mult,
+            INT_MAX);
+  return UT_OK;
+}
+
+ut_dwconv2d ut_dwconv2d_alloc_ex(int c, int mult, int kh, int kw, int stride, int pad,
+                                 int dilation, bool bias, ut_dev dev) {
+  const char* who = mult == 1 && dilation == 1 ? "ut_dwconv2d_alloc" : "ut_dwconv2d_alloc_ex";
+  ut_dwconv2d l = {.c = c, .kh = kh, .kw = kw, .stride = stride, .pad = pad,
+                   .dilation = dilation, .mult = mult};
+  if (ut__check_kernel_args(kh, kw, stride, pad, who) < 0 ||
+      ut__check_dw_extra(c, mult, dilation, who) < 0)
+    return l;
+  int oc = c * mult;
+  if (ut__prod(oc, kh, kw, 1) > INT_MAX) {
+    ut__set_error(UT_ERR_ARG, "%s: the weight [%d, %d, %d] would have more than %d elements", who,
+                  oc, kh, kw, INT_MAX);
     return l;
   }
   float std = sqrtf(2.f / (float)((double)kh * kw));
-  ut_tensor* w = ut_randn(3, (int[]){c, kh, kw}, 0.f, std, dev);
-  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){c}, dev) : NULL;
+  ut_tensor* w = ut_randn(3, (int[]){oc, kh, kw}, 0.f, std, dev);
+  ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){oc}, dev) : NULL;
   if (!w || (bias && !b)) {
     ut_free_all(w, b);
     return l;
@@ -1616,24 +1664,45 @@ ut_dwconv2d ut_dwconv2d_alloc(int c, int kh, int kw, int stride, int pad, bool b
 static int ut__check_dwconv2d(const ut_dwconv2d* l, const char* who) {
   UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
   UT__TRY(ut__check_kernel_args(l->kh, l->kw, l->stride, l->pad, who));
-  UT__CHECK(l->c >= 1, UT_ERR_ARG, "%s: invalid channel count %d", who, l->c);
-  return ut__check_params(l->weight, l->bias, ut__prod(l->c, l->kh, l->kw, 1), l->c, who);
+  UT__TRY(ut__check_dw_extra(l->c, ut__dw_mult(l), ut__dw_dil(l), who));
+  int oc = l->c * ut__dw_mult(l);
+  return ut__check_params(l->weight, l->bias, ut__prod(oc, l->kh, l->kw, 1), oc, who);
+}
+
+/* With a multiplier m the input's channels are repeated m times ([n, c, h, w] -> [n, c*m, h, w],
+   channel o = input channel o / m) and the backends' depthwise kernels run on c*m channels:
+   their fast paths, unchanged. dx is summed back over each channel's m copies, in order. */
+static ut_tensor* ut__dw_repeat(ut_tensor* x, const float* xp, int m, const ut__backend* be,
+                                const char* who) {
+  const int* s = x->shape.shape;
+  ut_tensor* r = ut__new(4, (int[]){s[0], s[1] * m, s[2], s[3]}, x->dev, who);
+  if (!r) return NULL;
+  return ut__finish(r, be, be->chan_repeat(xp, ut__out(r, be), s[0], s[1], m,
+                                           (ut__i64)s[2] * s[3]));
 }
 
 ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
   const char* who = "ut_dwconv2d_forward";
   ut__conv_geom g;
   if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
-      ut__conv_geometry(&g, x, l->c, l->c, l->kh, l->kw, l->stride, l->pad, who) < 0)
+      ut__conv_geometry(&g, x, l->c, l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
+                        ut__dw_dil(l), who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
+  const int m = ut__dw_mult(l);
   const float* xp = ut__in(x, be);
   const float* wp = xp ? ut__in(l->weight, be) : NULL;
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
   if (!wp || (l->bias && !bp)) return NULL;
+  ut_tensor* xr = NULL;
+  if (m > 1) {
+    if (!(xr = ut__dw_repeat(x, xp, m, be, who))) return NULL;
+    xp = ut__out(xr, be);
+    g.c *= m;
+  }
   ut_tensor* out = ut__new(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, who);
-  if (!out) return NULL;
-  out = ut__finish(out, be, be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
+  if (out) out = ut__finish(out, be, be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
+  ut_free(xr);
   if (out && cache) cache->input = ut_retain(x);
   return out;
 }
@@ -1644,9 +1713,11 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   ut__conv_geom g;
   if (ut__check_dwconv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL, l->c,
-                              l->c, l->kh, l->kw, l->stride, l->pad, grad_out, dW, db, who) < 0)
+                              l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
+                              ut__dw_dil(l), grad_out, dW, db, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
+  const int m = ut__dw_mult(l);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(cache->input, be) : NULL;
   const float* wp = xp ? ut__in(l->weight, be) : NULL;
@@ -1655,9 +1726,26 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   if (!dWp || (db && l->bias && !dbp)) return NULL;
   ut_tensor* dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
   if (!dx) return NULL;
-  int rc = be->dw_bwd_dw(gop, xp, dWp, &g);
+  ut_tensor *xr = NULL, *dxr = NULL;
+  int rc = UT_OK;
+  float* dxp = ut__out(dx, be);
+  if (m > 1) { /* the forward's repeated input, again, and dx over its c*m channels */
+    xr = ut__dw_repeat(cache->input, xp, m, be, who);
+    const int* s = cache->input->shape.shape;
+    dxr = xr ? ut__new(4, (int[]){s[0], s[1] * m, s[2], s[3]}, grad_out->dev, who) : NULL;
+    if (!dxr) rc = ut__err_status;
+    else {
+      xp = ut__out(xr, be);
+      dxp = ut__out(dxr, be);
+      g.c *= m;
+    }
+  }
+  if (rc >= 0) rc = be->dw_bwd_dw(gop, xp, dWp, &g);
   if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, g.c, (ut__i64)g.ho * g.wo, 1.f);
-  if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, ut__out(dx, be), &g);
+  if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, dxp, &g);
+  if (rc >= 0 && dxr)
+    rc = be->chan_group_sum(dxp, ut__out(dx, be), g.n, l->c, m, (ut__i64)g.h * g.w);
+  ut_free_all(xr, dxr);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
@@ -2898,6 +2986,46 @@ UT__CPU_OPT static int ut__cpu_bias_add(float* x, const float* bias, int n, int 
   return UT_OK;
 }
 
+/* The channel multiplier's repeat and its adjoint (see ut__dw_repeat), over the input's rows
+   [n*c] of `inner` floats. */
+typedef struct {
+  const float* x;
+  float* y;
+  int m;
+  ut__i64 inner, rows;
+} ut__cpu_chan_ctx;
+UT__CPU_OPT static void ut__cpu_chan_repeat_part(void* vc, int tid, int nt) {
+  const ut__cpu_chan_ctx* cx = (const ut__cpu_chan_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(cx->rows, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++)
+    for (int k = 0; k < cx->m; k++)
+      memcpy(cx->y + (r * cx->m + k) * cx->inner, cx->x + r * cx->inner,
+             sizeof(float) * (size_t)cx->inner);
+}
+UT__CPU_OPT static void ut__cpu_chan_group_sum_part(void* vc, int tid, int nt) {
+  const ut__cpu_chan_ctx* cx = (const ut__cpu_chan_ctx*)vc;
+  ut__i64 lo, hi, inner = cx->inner;
+  ut__cpu_part(cx->rows, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) {
+    float* y = cx->y + r * inner;
+    const float* x = cx->x + r * cx->m * inner;
+    memcpy(y, x, sizeof(float) * (size_t)inner);
+    for (int k = 1; k < cx->m; k++)
+      for (ut__i64 i = 0; i < inner; i++) y[i] += x[k * inner + i];
+  }
+}
+static int ut__cpu_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  ut__cpu_chan_ctx cx = {x, y, m, inner, (ut__i64)n * c};
+  ut__parallel_run(ut__cpu_nt((double)cx.rows * m * inner), ut__cpu_chan_repeat_part, &cx);
+  return UT_OK;
+}
+static int ut__cpu_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  ut__cpu_chan_ctx cx = {x, y, m, inner, (ut__i64)n * c};
+  ut__parallel_run(ut__cpu_nt((double)cx.rows * m * inner), ut__cpu_chan_group_sum_part, &cx);
+  return UT_OK;
+}
+
 /* Row sums and means: x [rows, cols] in, per-row out (part: doubles, y: floats). */
 typedef struct {
   const float* x;
@@ -3320,7 +3448,7 @@ UT__CPU_OPT static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
 static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
                                const float* bias, float* dst, int out_c, bool depthwise,
                                const ut__conv_geom* g) {
-  int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, cin = g->c;
+  int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, cin = g->c, d = g->dil;
   ut__i64 hw = (ut__i64)g->h * g->w, ohw = (ut__i64)g->ho * g->wo, taps = (ut__i64)kh * kw;
   int in_per = depthwise ? 1 : cin;
   if (dir == UT__CONV_DX) memset(dst, 0, sizeof(float) * (size_t)(g->n * cin * hw));
@@ -3340,10 +3468,10 @@ static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go
           float* dxp = dst + ((ut__i64)n * cin + ci) * hw;
           ut__i64 ob = ((ut__i64)n * out_c + o) * ohw;
           for (int oy = 0; oy < g->ho; oy++) {
-            ut__i64 iy = (ut__i64)oy * s - p + ky;
+            ut__i64 iy = (ut__i64)oy * s - p + (ut__i64)ky * d;
             if (iy < 0 || iy >= g->h) continue;
             for (int ox = 0; ox < g->wo; ox++) {
-              ut__i64 ix = (ut__i64)ox * s - p + kx, xi = iy * g->w + ix, oi = (ut__i64)oy * g->wo + ox;
+              ut__i64 ix = (ut__i64)ox * s - p + (ut__i64)kx * d, xi = iy * g->w + ix, oi = (ut__i64)oy * g->wo + ox;
               if (ix < 0 || ix >= g->w) continue;
               if (dir == UT__CONV_Y) dst[ob + oi] += w[wi] * xp[xi];
               else if (dir == UT__CONV_DX) dxp[xi] += go[ob + oi] * w[wi];
@@ -3387,8 +3515,70 @@ static float* ut__cpu_dw_spread(const float* go, const ut__conv_geom* g) {
   return up;
 }
 
+/* Dilation: the filter spread onto its full window, zeros between the taps
+   ([c, kh, kw] -> [c, (kh-1)d+1, (kw-1)d+1]), runs on the undilated engines: the same outputs,
+   d^2 times the taps (2.8x for 3x3 at d = 2), where a kernel per dilation would duplicate
+   every engine. The zero taps meet every input in the window, so non-finite input (x forward,
+   go for dx) goes to the exact convolution instead, which reads the real taps only. */
+typedef struct {
+  ut__conv_geom g;  /* undilated, on the spread filter */
+  float* w;         /* the spread filter (NULL: out of memory, error set) */
+} ut__cpu_dw_undilated;
+static ut__cpu_dw_undilated ut__cpu_dw_undilate(const float* wt, const ut__conv_geom* g) {
+  ut__cpu_dw_undilated r = {*g, NULL};
+  int d = g->dil, eh = (g->kh - 1) * d + 1, ew = (g->kw - 1) * d + 1;
+  r.g.kh = eh;
+  r.g.kw = ew;
+  r.g.dil = 1;
+  r.w = (float*)calloc((size_t)g->c * eh * ew + 1, sizeof(float));
+  if (!r.w) {
+    ut__set_error(UT_ERR_MEMORY, "depthwise dilation: out of memory");
+    return r;
+  }
+  if (wt)
+    for (ut__i64 ch = 0; ch < g->c; ch++)
+      for (int ky = 0; ky < g->kh; ky++)
+        for (int kx = 0; kx < g->kw; kx++)
+          r.w[(ch * eh + (ut__i64)ky * d) * ew + (ut__i64)kx * d] =
+              wt[(ch * g->kh + ky) * g->kw + kx];
+  return r;
+}
+static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
+                          const ut__conv_geom* g);
+static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const ut__conv_geom* g);
+static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g);
+static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go, const float* wt,
+                              const float* bias, float* dst, const ut__conv_geom* g) {
+  ut__i64 planes = (ut__i64)g->n * g->c;
+  if (dir == UT__CONV_Y && !ut__cpu_all_finite(x, planes * g->h * g->w)) {
+    ut__cpu_conv_exact(UT__CONV_Y, x, NULL, wt, bias, dst, g->c, true, g);
+    return UT_OK;
+  }
+  if (dir == UT__CONV_DX && !ut__cpu_all_finite(go, planes * g->ho * g->wo)) {
+    ut__cpu_conv_exact(UT__CONV_DX, NULL, go, wt, NULL, dst, g->c, true, g);
+    return UT_OK;
+  }
+  ut__cpu_dw_undilated f = ut__cpu_dw_undilate(dir == UT__CONV_DW ? NULL : wt, g);
+  if (!f.w) return ut__err_status;
+  int st;
+  if (dir == UT__CONV_Y) st = ut__cpu_dw_fwd(x, f.w, bias, dst, &f.g);
+  else if (dir == UT__CONV_DX) st = ut__cpu_dw_bwd_dx(go, f.w, dst, &f.g);
+  else { /* dW of the spread filter (its exact per-tap fallback included), then the real taps */
+    st = ut__cpu_dw_bwd_dw(go, x, f.w, &f.g);
+    int d = g->dil, eh = f.g.kh, ew = f.g.kw;
+    for (ut__i64 ch = 0; st >= 0 && ch < g->c; ch++)
+      for (int ky = 0; ky < g->kh; ky++)
+        for (int kx = 0; kx < g->kw; kx++)
+          dst[(ch * g->kh + ky) * g->kw + kx] +=
+              f.w[(ch * eh + (ut__i64)ky * d) * ew + (ut__i64)kx * d];
+  }
+  free(f.w);
+  return st;
+}
+
 static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
                           const ut__conv_geom* g) {
+  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
@@ -3432,6 +3622,7 @@ static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, fl
    k-1-p (negative when p > k-1, which the row engine handles). Larger strides gather per
    column phase (ut__dwdx_range_body). */
 static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const ut__conv_geom* g) {
+  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1) && ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -3496,10 +3687,10 @@ static double ut__cpu_dw_bwd_dw_exact(const float* go, const float* x, int ch, u
     const float* xp = x + q * g->h * g->w;
     const float* gp = go + q * g->ho * g->wo;
     for (int oy = 0; oy < g->ho; oy++) {
-      ut__i64 iy = (ut__i64)oy * s - p + ky;
+      ut__i64 iy = (ut__i64)oy * s - p + (ut__i64)ky * g->dil;
       if (iy < 0 || iy >= g->h) continue;
       for (int ox = 0; ox < g->wo; ox++) {
-        ut__i64 ix = (ut__i64)ox * s - p + kx;
+        ut__i64 ix = (ut__i64)ox * s - p + (ut__i64)kx * g->dil;
         if (ix >= 0 && ix < g->w) acc += (double)gp[(ut__i64)oy * g->wo + ox] * xp[iy * g->w + ix];
       }
     }
@@ -3545,6 +3736,7 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* g, const float* ex_go,
                                  const ut__conv_geom* ex_g);
 static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
+  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -4664,6 +4856,8 @@ static const ut__backend ut__cpu_backend = {
     .gemm = ut__cpu_gemm,
     .bias_add = ut__cpu_bias_add,
     .channel_sum = ut__cpu_channel_sum,
+    .chan_repeat = ut__cpu_chan_repeat,
+    .chan_group_sum = ut__cpu_chan_group_sum,
     .row_mean = ut__cpu_row_mean,
     .row_mean_bwd = ut__cpu_row_mean_bwd,
     .im2col = ut__cpu_im2col,

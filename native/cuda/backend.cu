@@ -201,6 +201,8 @@ static void ut__cuda_init(void) {
   t->transpose = ut__cuda_transpose;
   t->gemm = ut__cuda_gemm;
   t->bias_add = ut__cuda_bias_add;
+  t->chan_repeat = ut__cuda_chan_repeat;
+  t->chan_group_sum = ut__cuda_chan_group_sum;
   t->channel_sum = ut__cuda_channel_sum;
   t->row_mean = ut__cuda_global_avgpool2d_forward;
   t->row_mean_bwd = ut__cuda_global_avgpool2d_backward;

@@ -182,6 +182,8 @@ int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap);
 int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap);
 int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner);
 int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner);
+int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner);
+int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner);
 int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols);
 int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols);
 int ut__cuda_mse_loss_forward(const float* p, const float* t, float* out, ut__i64 n);

@@ -917,10 +917,10 @@ static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __re
     const float* wp = w + (ut__i64)c * g.kh * g.kw;
     float s = bias ? bias[c] : 0.f;
     for (int ky = 0; ky < g.kh; ++ky) {
-      int iy = oy * g.stride - g.pad + ky;
+      int iy = oy * g.stride - g.pad + ky * g.dil;
       if (iy < 0 || iy >= g.h) continue;
       for (int kx = 0; kx < g.kw; ++kx) {
-        int ix = ox * g.stride - g.pad + kx;
+        int ix = ox * g.stride - g.pad + kx * g.dil;
         if (ix < 0 || ix >= g.w) continue;
         s = fmaf(wp[ky * g.kw + kx], __ldg(xp + (ut__i64)iy * g.w + ix), s);
       }
@@ -945,12 +945,12 @@ static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restric
     const float* wp = w + (ut__i64)c * g.kh * g.kw;
     float s = 0.f;
     for (int ky = 0; ky < g.kh; ++ky) {
-      int ty = iy + g.pad - ky;
+      int ty = iy + g.pad - ky * g.dil;
       if (ty < 0 || ty % g.stride) continue;
       int oy = ty / g.stride;
       if (oy >= g.ho) continue;
       for (int kx = 0; kx < g.kw; ++kx) {
-        int tx = ix + g.pad - kx;
+        int tx = ix + g.pad - kx * g.dil;
         if (tx < 0 || tx % g.stride) continue;
         int ox = tx / g.stride;
         if (ox >= g.wo) continue;
@@ -959,6 +959,26 @@ static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restric
     }
     dx[i] = s;
   }
+}
+
+/* The plain kernels over the whole output (forward) or input (dx): any geometry, dilation
+   included; gated on *gate when gate is not NULL (the exact reruns). */
+static int ut__cuda_dwconv2d_direct_forward_run(const float* x, const float* w, const float* bias,
+                                                float* y, const ut__conv_geom* g,
+                                                const int* gate) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
+  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
+                                                                                  total, gate);
+  UT__CUDA_LAUNCHED(gate ? "dw_fwd exact" : "dw_fwd");
+  return UT_OK;
+}
+static int ut__cuda_dwconv2d_direct_dx_run(const float* go, const float* w, float* dx,
+                                           const ut__conv_geom* g, const int* gate) {
+  ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
+  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
+                                                                             gate);
+  UT__CUDA_LAUNCHED(gate ? "dw_bwd_dx exact" : "dw_bwd_dx");
+  return UT_OK;
 }
 
 /* C * chunks blocks: block c * chunks + q sums go * x tap by tap over outputs [e0, e1) of channel c
@@ -982,7 +1002,7 @@ static __global__ void __launch_bounds__(256)
       ut__i64 ni = e / hw;
       int pos = (int)(e - ni * hw);
       int oy = pos / g.wo, ox = pos % g.wo;
-      int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
+      int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
       if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
       ut__i64 pl = ni * g.c + c;
       acc[0] += __ldg(go + pl * hw + pos) * __ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
@@ -1030,6 +1050,7 @@ static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const 
                               const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   if (total <= 0) return UT_OK;
+  if (g->dil > 1) return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
   if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
     return ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
                                                g->kh, g->stride, g->pad, false);
@@ -1042,10 +1063,7 @@ static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const 
                                       g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
-  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
-                                                                                  total, NULL);
-  UT__CUDA_LAUNCHED("dw_fwd");
-  return UT_OK;
+  return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
 }
 
 static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, float* dx,
@@ -1053,6 +1071,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, f
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
   if (g->ho <= 0 || g->wo <= 0) return ut__cuda_fill(dx, total, 0.f);
+  if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
   /* stride 1: go correlated with the rotated filter */
   if (g->stride == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FLIP, g))
     return ut__cuda_dwconv2d_strip_forward_run(go, w, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
@@ -1078,10 +1097,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, f
                                       g->w, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
-  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
-                                                                             NULL);
-  UT__CUDA_LAUNCHED("dw_bwd_dx");
-  return UT_OK;
+  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
 }
 
 int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
@@ -1109,14 +1125,14 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   int st;
   float* ws;
   int parts;
-  if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
+  if (g->dil == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
     unsigned items, chunk;
     parts = ut__cuda_dwconv2d_strip_dw_parts(g, &items, &chunk);
     st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
     if (st) return st;
     st = ut__cuda_dwconv2d_strip_dw_run(go, x, ws, g);
     if (st) return st;
-  } else if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
+  } else if (g->dil == 1 && ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
              ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_DW, g->n, g->c, g->h, g->w, g->ho,
                                              g->wo, g->kh, g->stride, T, &pl)) {
     parts = pl.NG * pl.NB;
@@ -1167,10 +1183,7 @@ int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias,
   if (!st) st = ut__cuda_dwconv2d_forward_fast(x, w, bias, y, g);
   if (st) return st;
   /* a non-finite weight: the fast kernels multiplied it by padding zeros; redo, real input only */
-  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
-                                                                                  total, flag);
-  UT__CUDA_LAUNCHED("dw_fwd exact");
-  return UT_OK;
+  return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, flag);
 }
 
 int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
@@ -1183,8 +1196,5 @@ int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
   if (!st) st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g);
   if (st) return st;
   /* a non-finite weight times go's padding zeros: redo, real outputs only */
-  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
-                                                                             flag);
-  UT__CUDA_LAUNCHED("dw_bwd_dx exact");
-  return UT_OK;
+  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, flag);
 }

@@ -124,6 +124,42 @@ int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) 
   return UT_OK;
 }
 
+/* The depthwise channel multiplier's repeat and its adjoint (see ut__dw_repeat in utensil.h):
+   [n, c, inner] <-> [n, c*m, inner]; the sum adds the m copies in order, deterministic. */
+static __global__ void ut__cuda_chan_repeat_kernel(const float* __restrict__ x,
+                                                   float* __restrict__ y, ut__i64 total, int m,
+                                                   ut__i64 inner) {
+  UT__CUDA_GRID_STRIDE(i, total) { /* i indexes y */
+    ut__i64 row = i / inner;
+    y[i] = __ldg(x + (row / m) * inner + (i - row * inner));
+  }
+}
+static __global__ void ut__cuda_chan_group_sum_kernel(const float* __restrict__ x,
+                                                      float* __restrict__ y, ut__i64 total, int m,
+                                                      ut__i64 inner) {
+  UT__CUDA_GRID_STRIDE(i, total) { /* i indexes y */
+    ut__i64 row = i / inner;
+    const float* p = x + row * m * inner + (i - row * inner);
+    float s = p[0];
+    for (int k = 1; k < m; k++) s += p[k * inner];
+    y[i] = s;
+  }
+}
+int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  ut__i64 total = (ut__i64)n * c * m * inner;
+  if (total <= 0) return UT_OK;
+  ut__cuda_chan_repeat_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, y, total, m, inner);
+  UT__CUDA_LAUNCHED("chan_repeat");
+  return UT_OK;
+}
+int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  ut__i64 total = (ut__i64)n * c * inner;
+  if (total <= 0) return UT_OK;
+  ut__cuda_chan_group_sum_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, y, total, m, inner);
+  UT__CUDA_LAUNCHED("chan_group_sum");
+  return UT_OK;
+}
+
 /* ============================================================================================
    Pooling: global_avgpool2d (a mean over each row of [n*c, h*w])
    ============================================================================================ */
