@@ -1027,6 +1027,72 @@ static void test_dwconv2d_stride_pad(ut_dev dev) {
   ut_dwconv2d_free(&l);
 }
 
+static void test_dwconv2d_dilation_multiplier(ut_dev dev) {
+  // C=1, multiplier 2, 2x2 filters with dilation 2 (a 3x3 window), s=1, p=0 on
+  // x = [[1,2,3],[4,5,6],[7,8,9]]: the taps read the corners x00, x02, x20, x22 = 1, 3, 7, 9.
+  //   filter 0 = [[1,2],[3,4]]: 1 + 6 + 21 + 36 = 64, + bias 0.5 = 64.5
+  //   filter 1 = [[0,1],[1,0]]: 3 + 7 = 10, + bias -1 = 9
+  // Backward, go = {1, 2}: dW0 = 1 * corners = {1,3,7,9}, dW1 = 2 * corners = {2,6,14,18},
+  //   db = {1, 2}; dx at the corners = go0 w0 + go1 w1 = {1, 2+2, 3+2, 4} = {1,4,5,4}, 0 elsewhere.
+  ut_dwconv2d l = ut_dwconv2d_alloc_ex(1, 2, 2, 2, 1, 0, 2, true, dev);
+  require(l.weight && l.bias);
+  assert_shape(l.weight, 3, 2, 2, 2);
+  set_weight(&l.weight, 3, S(2, 2, 2), F(1, 2, 3, 4, 0, 1, 1, 0), dev);
+  set_weight(&l.bias, 1, S(2), F(0.5f, -1), dev);
+  ut_tensor* x = ut_from_data(4, S(1, 1, 3, 3), F(1, 2, 3, 4, 5, 6, 7, 8, 9), dev);
+  ut_dwconv2d_cache c = {0};
+  ut_tensor* out = ut_dwconv2d_forward(&l, x, &c);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 2, 1, 1);
+  assert_data(out, F(64.5f, 9), 1e-5f);
+  ut_tensor* go = ut_from_data(4, S(1, 2, 1, 1), F(1, 2), dev);
+  ut_tensor* dW = ut_alloc(3, S(2, 2, 2), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  ut_tensor* dx = ut_dwconv2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  ut_sync_cpu(dx);
+  assert_data(dW, F(1, 3, 7, 9, 2, 6, 14, 18), 1e-5f);
+  assert_data(db, F(1, 2), 1e-5f);
+  assert_data(dx, F(1, 0, 4, 0, 0, 0, 5, 0, 4), 1e-5f);
+  ut_free_all(out, go, dW, db, dx, x);
+  ut_dwconv2d_cache_free(&c);
+  ut_dwconv2d_free(&l);
+
+  // padding meets dilation and stride: C=1, a 3x1 filter {1, 10, 100}, dilation 2, s=2, p=2 on
+  // x = [[1,2],[3,4],[5,6]] (3x2). Window 5x1: Ho = (3+4-5)/2+1 = 2, Wo = (2+4-1)/2+1 = 3.
+  // Output (oy, ox) reads rows 2oy-2+2a, column 2ox-2: only ox = 1 (column 0) is real;
+  //   oy=0: rows {-2, 0, 2} -> 10*1 + 100*5 = 510;  oy=1: rows {0, 2, 4} -> 1*1 + 10*5 = 51.
+  ut_dwconv2d k = ut_dwconv2d_alloc_ex(1, 1, 3, 1, 2, 2, 2, false, dev);
+  require(k.weight && !k.bias);
+  set_weight(&k.weight, 3, S(1, 3, 1), F(1, 10, 100), dev);
+  x = ut_from_data(4, S(1, 1, 3, 2), F(1, 2, 3, 4, 5, 6), dev);
+  out = ut_dwconv2d_forward(&k, x, NULL);
+  require(out);
+  ut_sync_cpu(out);
+  assert_shape(out, 4, 1, 1, 2, 3);
+  assert_data(out, F(0, 510, 0, 0, 51, 0), 1e-5f);
+  ut_free_all(out, x);
+  ut_dwconv2d_free(&k);
+
+  // bad arguments: a status and a message, no layer
+  ut_dwconv2d bad = ut_dwconv2d_alloc_ex(2, 0, 3, 3, 1, 1, 1, true, dev);
+  assert(!bad.weight && ut_last_status() == UT_ERR_ARG && strstr(ut_last_error(), "multiplier"));
+  bad = ut_dwconv2d_alloc_ex(2, 1, 3, 3, 1, 1, 0, true, dev);
+  assert(!bad.weight && ut_last_status() == UT_ERR_ARG && strstr(ut_last_error(), "dilation"));
+  // a window larger than the padded input: 3x3 with dilation 3 spans 7 > 4 + 2
+  ut_dwconv2d big = ut_dwconv2d_alloc_ex(1, 1, 3, 3, 1, 1, 3, false, dev);
+  require(big.weight);
+  x = ut_alloc(4, S(1, 1, 4, 4), dev);
+  ut_fill(x, 1.f);
+  assert(!ut_dwconv2d_forward(&big, x, NULL) && ut_last_status() == UT_ERR_SHAPE &&
+         strstr(ut_last_error(), "dilation 3"));
+  ut_free(x);
+  ut_dwconv2d_free(&big);
+}
+
 /* ============================================================================================
    Linear, LayerNorm, BatchNorm2d, pooling
    ============================================================================================ */
@@ -2641,6 +2707,7 @@ int main(void) {
   RUN_BOTH(test_dwconv2d_forward);
   RUN_BOTH(test_dwconv2d_backward);
   RUN_BOTH(test_dwconv2d_stride_pad);
+  RUN_BOTH(test_dwconv2d_dilation_multiplier);
   RUN_BOTH(test_dwconv2d_random);
 
   RUN_BOTH(test_linear);

@@ -1644,11 +1644,6 @@ ut_dwconv2d ut_dwconv2d_alloc_ex(int c, int mult, int kh, int kw, int stride, in
       ut__check_dw_extra(c, mult, dilation, who) < 0)
     return l;
   int oc = c * mult;
-  if (ut__prod(oc, kh, kw, 1) > INT_MAX) {
-    ut__set_error(UT_ERR_ARG, "%s: the weight [%d, %d, %d] would have more than %d elements", who,
-                  oc, kh, kw, INT_MAX);
-    return l;
-  }
   float std = sqrtf(2.f / (float)((double)kh * kw));
   ut_tensor* w = ut_randn(3, (int[]){oc, kh, kw}, 0.f, std, dev);
   ut_tensor* b = (w && bias) ? ut_alloc(1, (int[]){oc}, dev) : NULL;
