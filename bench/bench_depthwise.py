@@ -1,13 +1,14 @@
 """Depthwise convolution across kernel sizes, strides and plane sizes, against PyTorch.
 
     python bench/bench_depthwise.py [--device cpu] [--threads 2] [--kernels 3,5,7]
-                                    [--strides 1,2,3] [--reps 30]
+                                    [--strides 1,2,3] [--dilation 1] [--multiplier 1] [--reps 30]
 
 One training step of the layer (forward, then backward with dx and dW), median of --reps runs
 after a warm-up, fp32 on both sides (on CUDA with TF32 off, which depthwise does not use). The
 shapes are MobileNet's: wide shallow planes early, narrow deep ones late, and the digits
 network's tiny planes. Prints one row per case with utensil's time, PyTorch's and their ratio
-(> 1: utensil faster).
+(> 1: utensil faster). --dilation and --multiplier run the same sweep with dilated filters
+(padding dilation * (k // 2), "same" at stride 1) or m filters per channel (out_channels m * C).
 """
 
 import argparse
@@ -40,7 +41,8 @@ def _median_ms(fn, reps, device, torch):
     return statistics.median(times) * 1e3
 
 
-def run(device="cpu", threads=2, kernels=(3, 5, 7), strides=(1, 2, 3), reps=30, shapes=SHAPES):
+def run(device="cpu", threads=2, kernels=(3, 5, 7), strides=(1, 2, 3), reps=30, shapes=SHAPES,
+        dilation=1, multiplier=1):
     import torch
 
     if device == "cpu":
@@ -55,8 +57,10 @@ def run(device="cpu", threads=2, kernels=(3, 5, 7), strides=(1, 2, 3), reps=30, 
                 if h < k:
                     continue
                 x = rng.standard_normal((n, c, h, h)).astype(np.float32)
-                pad = k // 2
-                with ut.DWConv2d(c, k, stride=s, padding=pad, bias=False, device=device) as layer:
+                pad = dilation * (k // 2)
+                oc = multiplier * c
+                with ut.DWConv2d(c, k, stride=s, padding=pad, bias=False, device=device,
+                                 dilation=dilation, out_channels=oc) as layer:
                     xt = ut.tensor(x, device)
                     y = layer(xt)
                     go = rng.standard_normal(y.shape).astype(np.float32)
@@ -68,8 +72,8 @@ def run(device="cpu", threads=2, kernels=(3, 5, 7), strides=(1, 2, 3), reps=30, 
                         layer.backward(gt).close()
                         out.close()
 
-                    conv = torch.nn.Conv2d(c, c, k, stride=s, padding=pad, groups=c,
-                                           bias=False).to(device)
+                    conv = torch.nn.Conv2d(c, oc, k, stride=s, padding=pad, dilation=dilation,
+                                           groups=c, bias=False).to(device)
                     tx = torch.from_numpy(x).to(device).requires_grad_()
                     tg = torch.from_numpy(go).to(device)
 
@@ -91,10 +95,13 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernels", default="3,5,7")
     p.add_argument("--strides", default="1,2,3")
+    p.add_argument("--dilation", type=int, default=1)
+    p.add_argument("--multiplier", type=int, default=1)
     p.add_argument("--reps", type=int, default=30)
     a = p.parse_args(argv)
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
-    rows = run(a.device, a.threads, ints(a.kernels), ints(a.strides), a.reps)
+    rows = run(a.device, a.threads, ints(a.kernels), ints(a.strides), a.reps,
+               dilation=a.dilation, multiplier=a.multiplier)
     print("| k | stride | N, C, H | utensil ms | PyTorch ms | PyTorch/utensil |")
     print("|---|---|---|---|---|---|")
     for k, s, n, c, h, ours, theirs in rows:

@@ -75,7 +75,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 4
+#define UT_VERSION 5
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -2448,7 +2448,8 @@ static const ut__layout_entry ut__layout[] = {
     UT__SIZE(ut_conv2d_cache), UT__FIELD(ut_conv2d_cache, input), UT__FIELD(ut_conv2d_cache, col),
     UT__SIZE(ut_dwconv2d), UT__FIELD(ut_dwconv2d, weight), UT__FIELD(ut_dwconv2d, bias),
     UT__FIELD(ut_dwconv2d, c), UT__FIELD(ut_dwconv2d, kh), UT__FIELD(ut_dwconv2d, kw),
-    UT__FIELD(ut_dwconv2d, stride), UT__FIELD(ut_dwconv2d, pad),
+    UT__FIELD(ut_dwconv2d, stride), UT__FIELD(ut_dwconv2d, pad), UT__FIELD(ut_dwconv2d, dilation),
+    UT__FIELD(ut_dwconv2d, mult),
     UT__SIZE(ut_dwconv2d_cache), UT__FIELD(ut_dwconv2d_cache, input),
     UT__SIZE(ut_linear), UT__FIELD(ut_linear, weight), UT__FIELD(ut_linear, bias),
     UT__FIELD(ut_linear, in_f), UT__FIELD(ut_linear, out_f),

@@ -16,7 +16,8 @@ itself is checked in tests/test_reference.py (its backward against finite differ
 and backward against PyTorch in float64 where it is installed).
 
 Shapes are small (FD costs two forwards per input element) and cover batch > 1, stride 1 and 2,
-padding 0..2, kh != kw, 1x1 kernels and odd sizes; a hypothesis test adds random conv geometries.
+padding 0..2, kh != kw, 1x1 kernels and odd sizes; depthwise also dilation 1..3 and channel
+multipliers 1..3 (DW_DILATED); a hypothesis test adds random conv geometries.
 """
 
 import os
@@ -42,11 +43,24 @@ CONV = [
     (2, 2, 3, 3, 4, 2, 2, 1, 1),
 ]
 
+# depthwise with dilation and a channel multiplier:
+# (N, C, mult, H, W, kh, kw, stride, pad, dilation)
+DW_DILATED = [
+    (2, 2, 2, 7, 6, 3, 3, 1, 2, 2),  # "same" padding at dilation 2
+    (2, 1, 3, 5, 9, 2, 3, 2, 1, 3),  # kh != kw, stride 2
+    (2, 3, 1, 5, 5, 3, 3, 1, 1, 3),  # the window is the whole padded input: 1x1 output
+    (2, 2, 3, 4, 5, 1, 1, 2, 0, 2),  # 1x1 kernel: the dilation changes nothing
+    (1, 2, 2, 9, 7, 5, 3, 3, 3, 2),  # stride 3, padding 3
+    (2, 1, 2, 5, 5, 7, 7, 1, 3, 1),  # 7x7, multiplier only
+]
+
 CASES = (
     [("conv2d", dict(n=n, c=c, o=o, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
      for n, c, o, h, w, kh, kw, s, p in CONV]
     + [("dwconv2d", dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
        for n, c, o, h, w, kh, kw, s, p in CONV]
+    + [("dwconv2d", dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p, dilation=d, mult=m))
+       for n, c, m, h, w, kh, kw, s, p, d in DW_DILATED]
     + [("batchnorm2d", dict(n=2, c=3, h=3, w=4)), ("batchnorm2d", dict(n=3, c=2, h=1, w=1)),
        ("batchnorm2d", dict(n=2, c=1, h=5, w=3))]
     + [("layernorm", dict(shape=(3, 7))), ("layernorm", dict(shape=(2, 3, 5))),
@@ -76,7 +90,7 @@ def _reference(case):
     if op == "conv2d":
         return lambda a, s, p: R.conv2d(a["x"], a["w"], a["b"], s, p)
     if op == "dwconv2d":
-        return lambda a, s, p: R.dwconv2d(a["x"], a["w"], a["b"], s, p)
+        return lambda a, s, p, d=1: R.dwconv2d(a["x"], a["w"], a["b"], s, p, d)
     return {
         "batchnorm2d": lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], 1e-5)[0],
         "layernorm": lambda a: R.layernorm(a["x"], a["w"], a["b"], 1e-5),
@@ -93,8 +107,7 @@ def _check(case, device, seed):
     ref = _reference(case)
     if ref is not None:
         if case.op in ("conv2d", "dwconv2d"):
-            s, p = case._geom
-            other = ref(a64, s, p)
+            other = ref(a64, *case._geom)  # (stride, pad[, dilation])
         else:
             other = ref(a64)
         np.testing.assert_allclose(case.ref(a64), other, rtol=1e-12, atol=1e-12)
@@ -110,8 +123,11 @@ def _check(case, device, seed):
 
 def _make(op, geom, seed):
     case = S.make_case(op, np.random.default_rng(seed), **geom)
-    if op in ("conv2d", "dwconv2d"):
+    if op == "conv2d":
         case._geom = (geom["stride"], geom["pad"])
+    elif op == "dwconv2d":
+        case._geom = (geom["stride"], geom["pad"], geom.get("dilation", 1))
+        assert case.inputs["w"].shape[0] == geom["c"] * geom.get("mult", 1)
     return case
 
 
@@ -130,19 +146,30 @@ def test_every_op_with_a_backward_is_covered():
     assert {g["pad"] for g in geoms} >= {0, 1, 2}
     assert any(g["kh"] != g["kw"] for g in geoms)
     assert all(g["n"] > 1 for g in geoms)
+    dw = [g for op, g in CASES if op == "dwconv2d"]
+    assert {g.get("dilation", 1) for g in dw} == {1, 2, 3}
+    assert {g.get("mult", 1) for g in dw} == {1, 2, 3}
+    assert {g["stride"] for g in dw if g.get("dilation", 1) > 1} >= {1, 2, 3}
+    assert any(g["h"] + 2 * g["pad"] == g["dilation"] * (g["kh"] - 1) + 1 for g in dw
+               if "dilation" in g)  # a window as large as the padded input
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(op=st.sampled_from(["conv2d", "dwconv2d"]), n=st.integers(1, 3), c=st.integers(1, 3),
        o=st.integers(1, 3), h=st.integers(1, 6), w=st.integers(1, 6), kh=st.integers(1, 3),
-       kw=st.integers(1, 3), s=st.integers(1, 2), p=st.integers(0, 2), seed=st.integers(0, 2**31))
-def test_gradcheck_random_conv_geometry(device, op, n, c, o, h, w, kh, kw, s, p, seed):
+       kw=st.integers(1, 3), s=st.integers(1, 2), p=st.integers(0, 2), d=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+def test_gradcheck_random_conv_geometry(device, op, n, c, o, h, w, kh, kw, s, p, d, seed):
     if h + 2 * p < kh or w + 2 * p < kw:
         return  # not a valid geometry (tests/test_properties.py checks that it raises)
     geom = dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p)
     if op == "conv2d":
         geom["o"] = o
+    else:  # depthwise: o is the multiplier; the dilation, lowered until the window fits
+        while d > 1 and (h + 2 * p < d * (kh - 1) + 1 or w + 2 * p < d * (kw - 1) + 1):
+            d -= 1
+        geom.update(dilation=d, mult=o)
     _check(_make(op, geom, seed), device, seed + 1)
 
 

@@ -371,6 +371,18 @@ def test_reference_gradients_are_right():
     np.testing.assert_allclose(dx, R.numeric_grad(lambda v: R.dwconv2d(v, wd, None, 2, 1), x, go), atol=1e-6)
     np.testing.assert_allclose(dw, R.numeric_grad(lambda v: R.dwconv2d(x, v, None, 2, 1), wd, go), atol=1e-6)
 
+    # depthwise with dilation d and channel multiplier m (weight [C*m, kh, kw]), kh != kw
+    for s, p, d, m, (kh, kw) in ((1, 2, 2, 2, (3, 2)), (2, 1, 3, 3, (2, 2)), (1, 0, 2, 1, (1, 2))):
+        wd, bd = rng.standard_normal((2 * m, kh, kw)), rng.standard_normal(2 * m)
+        go = rng.standard_normal(R.dwconv2d(x, wd, bd, s, p, d).shape)
+        dx, dw, db = R.dwconv2d_backward(x, wd, s, p, go, d)
+        what = "dwconv2d s%d p%d d%d m%d k%dx%d" % (s, p, d, m, kh, kw)
+        for name, got, f, v in (("dx", dx, lambda v: R.dwconv2d(v, wd, bd, s, p, d), x),
+                                ("dW", dw, lambda v: R.dwconv2d(x, v, bd, s, p, d), wd),
+                                ("db", db, lambda v: R.dwconv2d(x, wd, v, s, p, d), bd)):
+            np.testing.assert_allclose(got, R.numeric_grad(f, v, go), atol=1e-6,
+                                       err_msg=what + " " + name)
+
     g, b = rng.standard_normal(4) + 1, rng.standard_normal(4)
     xl, go = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     dx, dg, _ = R.layernorm_backward(xl, g, 1e-5, go)
@@ -431,6 +443,24 @@ def test_reference_matches_pytorch(torch):
         _same("dwconv2d no bias", R.dwconv2d(x, wd, None, s, p), ty - bd[None, :, None, None])
         for name, r, t in zip(("dx", "dW", "db"), R.dwconv2d_backward(x, wd, s, p, go), tg):
             _same("dwconv2d " + name, r, t)
+
+    # depthwise with dilation and channel multiplier: Conv2d(C, C*m, groups=C, dilation=d)
+    for s, p, d, m, (kh, kw) in ((1, 2, 2, 2, (3, 2)), (2, 3, 3, 3, (3, 3)), (1, 0, 2, 1, (1, 3)),
+                                 (3, 1, 1, 2, (2, 2)),
+                                 (1, 0, 3, 2, (3, 2)),  # its window spans all of H
+                                 (4, 0, 2, 2, (3, 3))):  # Ho = Wo = 1
+        wd, bd = rng.standard_normal((3 * m, kh, kw)), rng.standard_normal(3 * m)
+        y = R.dwconv2d(x, wd, bd, s, p, d)
+        go = rng.standard_normal(y.shape)
+        ty, tg = _torch_grads(torch,
+                              lambda x_, w_, b_: F.conv2d(x_, w_[:, None], b_, s, p, d, groups=3),
+                              go, x, wd, bd)
+        what = "dwconv2d s%d p%d d%d m%d k%dx%d" % (s, p, d, m, kh, kw)
+        assert y.shape == ty.shape, what
+        _same(what, y, ty)
+        _same(what + " no bias", R.dwconv2d(x, wd, None, s, p, d), ty - bd[None, :, None, None])
+        for name, r, t in zip(("dx", "dW", "db"), R.dwconv2d_backward(x, wd, s, p, go, d), tg):
+            _same(what + " " + name, r, t)
 
     xl, wl, bl = rng.standard_normal((5, 7)), rng.standard_normal((3, 7)), rng.standard_normal(3)
     go = rng.standard_normal((5, 3))
@@ -515,6 +545,8 @@ GPU_CASES = [
     ("conv2d s2 p1 3x2", lambda d: ut.Conv2d(3, 5, (3, 2), stride=2, padding=1, device=d), (2, 3, 9, 8)),
     ("conv2d 1x1", lambda d: ut.Conv2d(4, 6, 1, device=d), (3, 4, 5, 5)),
     ("dwconv2d s2 p2 5x3", lambda d: ut.DWConv2d(4, (5, 3), stride=2, padding=2, device=d), (2, 4, 11, 7)),
+    ("dwconv2d d2 m3 s2 p3 3x5", lambda d: ut.DWConv2d(3, (3, 5), stride=2, padding=3, device=d,
+                                                       dilation=2, out_channels=9), (2, 3, 11, 9)),
     ("linear", lambda d: ut.Linear(33, 17, device=d), (9, 33)),
     ("layernorm", lambda d: ut.LayerNorm(7, device=d), (3, 5, 7)),
     ("batchnorm2d", lambda d: ut.BatchNorm2d(4, device=d), (3, 4, 5, 7)),

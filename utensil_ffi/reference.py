@@ -23,16 +23,20 @@ __all__ = [
 ]
 
 
-# -- convolutions: x [N, C, H, W], zero padding p on every side, stride s --------------------------
-def _taps(kh, kw, s, ho, wo):
-    """(i, j, rows, cols) for each kernel tap: xp[..., rows, cols] are the inputs it meets."""
+# -- convolutions: x [N, C, H, W], zero padding p on every side, stride s, dilation d --------------
+def _taps(kh, kw, s, ho, wo, d=1):
+    """(i, j, rows, cols) for each kernel tap: xp[..., rows, cols] are the inputs it meets (tap
+    (i, j) sits d * i rows and d * j columns into the window)."""
     for i in range(kh):
         for j in range(kw):
-            yield i, j, slice(i, i + s * (ho - 1) + 1, s), slice(j, j + s * (wo - 1) + 1, s)
+            yield (i, j, slice(d * i, d * i + s * (ho - 1) + 1, s),
+                   slice(d * j, d * j + s * (wo - 1) + 1, s))
 
 
-def _out_hw(x, kh, kw, s, p):
-    return (x.shape[2] + 2 * p - kh) // s + 1, (x.shape[3] + 2 * p - kw) // s + 1
+def _out_hw(x, kh, kw, s, p, d=1):
+    """The output size: (H + 2p - d (kh - 1) - 1) // s + 1 (likewise W)."""
+    return ((x.shape[2] + 2 * p - d * (kh - 1) - 1) // s + 1,
+            (x.shape[3] + 2 * p - d * (kw - 1) - 1) // s + 1)
 
 
 def _pad(x, p):
@@ -69,28 +73,42 @@ def conv2d_backward(x, w, s, p, go):
     return dxp[:, :, p : p + h, p : p + wd], dw, go.sum(axis=(0, 2, 3))
 
 
-def dwconv2d(x, w, b, s, p):
-    """Depthwise: x: [N, C, H, W], w: [C, kh, kw], b: [C] or None -> [N, C, Ho, Wo]."""
+def _multiplier(x, w):
+    """The channel multiplier m of a depthwise weight w [C*m, kh, kw] over x [N, C, H, W]."""
+    c, o = x.shape[1], w.shape[0]
+    if o < c or o % c:
+        raise ValueError("depthwise weight has %d channels, not a positive multiple of %d" % (o, c))
+    return o // c
+
+
+def dwconv2d(x, w, b, s, p, d=1):
+    """Depthwise with channel multiplier m and dilation d (PyTorch's Conv2d(C, C*m, groups=C)):
+    x: [N, C, H, W], w: [C*m, kh, kw], b: [C*m] or None -> [N, C*m, Ho, Wo];
+    output channel o reads input channel o // m, tap (i, j) the input d * i, d * j into the window.
+    """
     kh, kw = w.shape[1:]
-    ho, wo = _out_hw(x, kh, kw, s, p)
-    xp = _pad(x, p)
-    y = np.zeros((x.shape[0], x.shape[1], ho, wo))
-    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
+    ho, wo = _out_hw(x, kh, kw, s, p, d)
+    # [N, C*m, Hp, Wp]: channel c*m + r is a copy of input channel c
+    xp = np.repeat(_pad(x, p), _multiplier(x, w), axis=1)
+    y = np.zeros((x.shape[0], w.shape[0], ho, wo))
+    for i, j, si, sj in _taps(kh, kw, s, ho, wo, d):
         y += xp[:, :, si, sj] * _c(w[:, i, j])
     return y if b is None else y + _c(b)
 
 
-def dwconv2d_backward(x, w, s, p, go):
-    """go: [N, C, Ho, Wo] -> dx [N, C, H, W], dW [C, kh, kw], db [C]."""
+def dwconv2d_backward(x, w, s, p, go, d=1):
+    """go: [N, C*m, Ho, Wo] -> dx [N, C, H, W], dW [C*m, kh, kw], db [C*m]."""
     kh, kw = w.shape[1:]
     ho, wo = go.shape[2:]
-    xp = _pad(x, p)
-    dxp = np.zeros_like(xp)
+    n, c, h, wd = x.shape
+    m = _multiplier(x, w)
+    xp = np.repeat(_pad(x, p), m, axis=1)
+    dxp = np.zeros_like(xp)  # the gradient of each output channel's copy of its input channel
     dw = np.zeros_like(w)
-    for i, j, si, sj in _taps(kh, kw, s, ho, wo):
+    for i, j, si, sj in _taps(kh, kw, s, ho, wo, d):
         dw[:, i, j] = np.einsum("nchw,nchw->c", go, xp[:, :, si, sj])
         dxp[:, :, si, sj] += go * _c(w[:, i, j])
-    h, wd = x.shape[2:]
+    dxp = dxp.reshape(n, c, m, h + 2 * p, wd + 2 * p).sum(axis=2)  # the m copies of a channel add
     return dxp[:, :, p : p + h, p : p + wd], dw, go.sum(axis=(0, 2, 3))
 
 

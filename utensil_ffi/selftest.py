@@ -4,7 +4,7 @@
 
 Run it after installing on new hardware, a new driver or a new build. For each op with a
 backward and each device that is present it checks, on small random inputs (batch > 1, odd
-sizes, stride 2, padding, kh != kw):
+sizes, stride 2, padding, kh != kw, depthwise dilation and channel multiplier):
 
   forward   the op's output against the exact float64 numpy implementation of the op in
             utensil_ffi.reference (numpy only, independent of the library);
@@ -164,14 +164,21 @@ def case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
         lambda dev: _Runner(ut.Conv2d(c, o, (kh, kw), stride=stride, padding=pad, device=dev), dev))
 
 
-def case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
+def case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1, dilation=1, mult=1):
+    """Depthwise, with taps `dilation` apart and `mult` filters per input channel (out_channels
+    c * mult); the description names the two only where they are not 1."""
     import utensil_ffi as ut
 
-    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, c, kh, kw, scale=0.5), "b": _f32(rng, c)}
+    o = c * mult
+    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, o, kh, kw, scale=0.5), "b": _f32(rng, o)}
+    desc = "x[%d,%d,%d,%d] k%dx%d s%d p%d" % (n, c, h, w, kh, kw, stride, pad)
+    if dilation != 1 or mult != 1:
+        desc += " d%d m%d" % (dilation, mult)
     return Case(
-        "dwconv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d" % (n, c, h, w, kh, kw, stride, pad), inputs,
-        lambda a: R.dwconv2d(a["x"], a["w"], a["b"], stride, pad),
-        lambda dev: _Runner(ut.DWConv2d(c, (kh, kw), stride=stride, padding=pad, device=dev), dev))
+        "dwconv2d", desc, inputs,
+        lambda a: R.dwconv2d(a["x"], a["w"], a["b"], stride, pad, dilation),
+        lambda dev: _Runner(ut.DWConv2d(c, (kh, kw), stride=stride, padding=pad, device=dev,
+                                        dilation=dilation, out_channels=o), dev))
 
 
 def case_linear(rng, n=3, i=5, o=4):
@@ -285,12 +292,14 @@ def make_case(op, rng, **geometry):
 
 
 def default_cases(rng):
-    """The self-check's cases: one or two geometries per op (stride 1 and 2, padding, kh != kw)."""
+    """The self-check's cases: one or two geometries per op (stride 1 and 2, padding, kh != kw;
+    depthwise also with dilation and a channel multiplier)."""
     return [
         case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
         case_conv2d(rng, n=2, c=2, o=3, h=5, w=5, kh=2, kw=3, stride=1, pad=2),
         case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
         case_dwconv2d(rng, n=2, c=2, h=5, w=4, kh=3, kw=3, stride=1, pad=0),
+        case_dwconv2d(rng, n=2, c=2, h=8, w=7, kh=3, kw=2, stride=2, pad=2, dilation=3, mult=2),
         case_batchnorm2d(rng),
         case_layernorm(rng),
         case_linear(rng),
@@ -363,7 +372,7 @@ def run(devices=None, seed=0, fd32=True, out=None):
     devices = devices or ut.devices()
     rows = []
     cols = ["forward", "fd64", "fd32", "vs cpu"]
-    head = "%-22s %-6s %-26s " % ("op", "device", "case") + " ".join("%-8s" % c for c in cols)
+    head = "%-22s %-6s %-30s " % ("op", "device", "case") + " ".join("%-8s" % c for c in cols)
     head += " %-9s %s" % ("max err", "result")
     print("utensil self-check: library %s, backends: %s, CPU threads: %d" % (
         ut.library_path, ", ".join("%s->%s" % (d, _backend(d)) for d in devices),
@@ -390,7 +399,7 @@ def run(devices=None, seed=0, fd32=True, out=None):
                 continue
             ok = err_msg is None and _passed(errs)
             worst = max(errs.values()) if errs else math.inf
-            line = "%-22s %-6s %-26s " % (case.op, dev, case.desc[:26])
+            line = "%-22s %-6s %-30s " % (case.op, dev, case.desc[:30])
             line += " ".join("%-8s" % _fmt(errs.get(c)) for c in cols)
             line += " %-9s %s" % (_fmt(worst), "pass" if ok else "FAIL")
             if err_msg:

@@ -328,7 +328,8 @@ static __global__ void __launch_bounds__(256)
    finite met no NaN or inf (a non-finite input reaches every sum it takes part in, padding
    products included), so it is added as is; a tap whose sum is not finite is left out and
    flagged (flags[c * T + t], and flags[C * T] for "any"), for the plain kernel to sum again over
-   real input only. This replaces a scan of go and x before every dW. */
+   real input only. This replaces a scan of go and x before every dW. flags == NULL: the sums
+   came from the plain kernel, already exact, and are added whatever they are. */
 static __global__ void ut__cuda_dwconv2d_dw_final_checked_kernel(const float* __restrict__ ws,
                                                                  float* __restrict__ dw, int C,
                                                                  int T, int parts,
@@ -341,7 +342,7 @@ static __global__ void ut__cuda_dwconv2d_dw_final_checked_kernel(const float* __
   for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
   s = ut__cuda_warp_sum(s);
   if (lane != 0) return;
-  if (isfinite(s)) {
+  if (!flags || isfinite(s)) {
     dw[gw] += s;
   } else {
     flags[gw] = 1;
@@ -1046,11 +1047,16 @@ static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params* p, 
   p->pad_h = pad_h; p->pad_w = pad_w;
 }
 
+/* The fastest kernel for the geometry; *exact tells whether that was the plain kernel, which
+   sums real input only (then a non-finite weight needs no second pass). */
 static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const float* bias, float* y,
-                              const ut__conv_geom* g) {
+                              const ut__conv_geom* g, bool* exact) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
+  *exact = false;
   if (total <= 0) return UT_OK;
+  *exact = true;
   if (g->dil > 1) return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
+  *exact = false;
   if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
     return ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
                                                g->kh, g->stride, g->pad, false);
@@ -1063,15 +1069,18 @@ static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const 
                                       g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
+  *exact = true;
   return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
 }
 
 static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, float* dx,
-                                  const ut__conv_geom* g) {
+                                  const ut__conv_geom* g, bool* exact) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
+  *exact = true; /* nothing multiplied, or the plain kernel */
   if (total <= 0) return UT_OK;
   if (g->ho <= 0 || g->wo <= 0) return ut__cuda_fill(dx, total, 0.f);
   if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
+  *exact = false;
   /* stride 1: go correlated with the rotated filter */
   if (g->stride == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FLIP, g))
     return ut__cuda_dwconv2d_strip_forward_run(go, w, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
@@ -1097,6 +1106,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, f
                                       g->w, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
+  *exact = true;
   return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
 }
 
@@ -1121,10 +1131,10 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     UT__CUDA_CHECK(cudaMalloc((void**)&flags, (size_t)nflags * sizeof(int)), "dw flags alloc");
     flags_n = nflags;
   }
-  UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int)), "dw flags reset");
   int st;
   float* ws;
   int parts;
+  bool plain = false; /* the plain kernel ran: real input only, its sums need no check */
   if (g->dil == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
     unsigned items, chunk;
     parts = ut__cuda_dwconv2d_strip_dw_parts(g, &items, &chunk);
@@ -1152,11 +1162,15 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
                                                                                    parts, ws, NULL);
     UT__CUDA_LAUNCHED("dw_bwd_dw");
+    plain = true;
   }
   ut__i64 warps = (ut__i64)g->c * T;
+  if (!plain)
+    UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int)), "dw flags reset");
   ut__cuda_dwconv2d_dw_final_checked_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(
-      ws, dw, g->c, T, parts, flags);
+      ws, dw, g->c, T, parts, plain ? NULL : flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
+  if (plain) return UT_OK;
   /* taps that met non-finite data: the plain kernel sums real input only (gated on "any") */
   const int* flag = flags + (ut__i64)g->c * T;
   ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
@@ -1178,9 +1192,11 @@ int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias,
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   if (total <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  bool exact;
+  int st = ut__cuda_dwconv2d_forward_fast(x, w, bias, y, g, &exact);
+  if (st || exact) return st;
   int* flag;
-  int st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
-  if (!st) st = ut__cuda_dwconv2d_forward_fast(x, w, bias, y, g);
+  st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
   if (st) return st;
   /* a non-finite weight: the fast kernels multiplied it by padding zeros; redo, real input only */
   return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, flag);
@@ -1188,12 +1204,12 @@ int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias,
 
 int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
                                   const ut__conv_geom* g) {
-  ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
-  if (total <= 0 || g->ho <= 0 || g->wo <= 0) return ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  bool exact;
+  int st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g, &exact);
+  if (st || exact) return st;
   int* flag;
-  int st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
-  if (!st) st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g);
+  st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
   if (st) return st;
   /* a non-finite weight times go's padding zeros: redo, real outputs only */
   return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, flag);

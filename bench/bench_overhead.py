@@ -1,0 +1,89 @@
+"""The cost of one tiny op, from Python, against PyTorch on the same device.
+
+    python bench/bench_overhead.py [--device cuda] [--calls 20000]
+
+Each row is the time per call of a loop of --calls calls on a tiny tensor (the work itself is
+nothing; what is measured is the binding, the C entry point, the allocation of the output and,
+on the GPU, the kernel launch), the device synchronized once at the end: what a Python training
+loop of small ops pays per op. Rows: an activation through `utensil_ffi.functional`, the same C
+call straight through cffi (no Python wrapper), a depthwise layer's forward, and an empty
+`ut_fill` launch; PyTorch's `torch.relu` and a depthwise `Conv2d` forward on the same tensors.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import utensil_ffi as ut  # noqa: E402
+import utensil_ffi.functional as F  # noqa: E402
+from utensil_ffi._lib import lib  # noqa: E402
+
+
+def _per_call_us(fn, calls, sync):
+    for _ in range(min(calls, 1000)):  # warm: allocator caches, lazy module loading
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best / calls * 1e6
+
+
+def run(device="cuda", calls=20000):
+    rows = []
+    x = ut.tensor(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), device)
+    xi = ut.tensor(np.ones((1, 2, 3, 3), np.float32), device)
+    dw = ut.DWConv2d(2, 2, device=device)
+    p = x.ptr
+    sync = ut.synchronize
+    rows.append(("utensil F.relu(x), x [2, 3]", _per_call_us(lambda: F.relu(x), calls, sync)))
+    rows.append(("utensil lib.ut_relu + ut_free (bare cffi)",
+                 _per_call_us(lambda: lib.ut_free(lib.ut_relu(p)), calls, sync)))
+    rows.append(("utensil DWConv2d(2, 2) forward, x [1, 2, 3, 3]",
+                 _per_call_us(lambda: dw(xi), calls, sync)))
+    rows.append(("utensil lib.ut_fill (one launch, no allocation)",
+                 _per_call_us(lambda: lib.ut_fill(p, 0.5), calls, sync)))
+    try:
+        import torch
+    except ImportError:
+        return rows
+    tdev = "cuda" if device == "cuda" else "cpu"
+    tx = torch.linspace(-1, 1, 6, device=tdev).reshape(2, 3)
+    txi = torch.ones(1, 2, 3, 3, device=tdev)
+    conv = torch.nn.Conv2d(2, 2, 2, groups=2).to(tdev)
+    tsync = torch.cuda.synchronize if tdev == "cuda" else (lambda: None)
+    with torch.no_grad():
+        rows.append(("PyTorch torch.relu(x)", _per_call_us(lambda: torch.relu(tx), calls, tsync)))
+        rows.append(("PyTorch depthwise Conv2d forward (no_grad)",
+                     _per_call_us(lambda: conv(txi), calls, tsync)))
+    rows.append(("PyTorch depthwise Conv2d forward (autograd)",
+                 _per_call_us(lambda: conv(txi), calls, tsync)))
+    dw.close()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python bench/bench_overhead.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if ut.cuda_available() else "cpu",
+                   choices=("cpu", "cuda"))
+    p.add_argument("--calls", type=int, default=20000)
+    a = p.parse_args(argv)
+    print("| call (%s) | us per call |" % a.device)
+    print("|---|---|")
+    for name, us in run(a.device, a.calls):
+        print("| %s | %.2f |" % (name, us))
+
+
+if __name__ == "__main__":
+    main()
