@@ -2,7 +2,7 @@
 
     python bench/bench_networks.py [--net v1] [--size 64] [--batch 8] [--threads 2]
         [--device cpu] [--steps 20] [--rounds 3]
-        [--precision highest] [--blas cublas] [--torch fp32,tf32,bf16,compile]
+        [--precision highest] [--blas cublas] [--graph] [--torch fp32,tf32,bf16,compile]
 
 MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, or the digits
 network of utensil-train (``--net digits``: width 32, 8x8 inputs), SGD with momentum 0.9 and
@@ -11,8 +11,9 @@ batches; rounds alternate between the sides so a change of machine load hits all
 Prints images/s per side (the median round) and utensil's ratio to each PyTorch mode.
 
 utensil runs fp32 at ``--precision highest`` and TF32 GEMMs on cuBLAS at ``high``; ``--blas own``
-runs its own CUDA GEMM kernels instead of cuBLAS. PyTorch modes (``--torch``, on CUDA; the CPU
-runs fp32 only), each with cudnn.benchmark on:
+runs its own CUDA GEMM kernels instead of cuBLAS; ``--graph`` adds a row for utensil with one
+training step recorded in a ``ut.cuda.CUDAGraph`` and replayed per batch. PyTorch modes
+(``--torch``, on CUDA; the CPU runs fp32 only), each with cudnn.benchmark on:
   fp32     NCHW, TF32 off for convs and matmuls: the same arithmetic as utensil at "highest"
   tf32     channels_last, TF32 on: the same arithmetic as utensil at "high"
   bf16     channels_last, bf16 autocast: what a PyTorch user picks for speed (less precise)
@@ -44,17 +45,52 @@ def build(name, device, fused=True):
     raise ValueError("unknown network %r" % (name,))
 
 
+def utensil_step(net, opt, xb, yb):
+    logits = net(xb)
+    grad = ut.cross_entropy_backward(logits, yb)
+    opt.zero_grad()
+    net.backward(grad).close()
+    opt.step()
+    logits.close()
+    grad.close()
+
+
 def utensil_steps(net, opt, batches):
     """Training steps over batches of (x, labels) Tensors already on the network's device."""
     for xb, yb in batches:
-        logits = net(xb)
-        grad = ut.cross_entropy_backward(logits, yb)
-        opt.zero_grad()
-        net.backward(grad).close()
-        opt.step()
-        logits.close()
-        grad.close()
+        utensil_step(net, opt, xb, yb)
     ut.synchronize()
+
+
+def utensil_graph_side(net, opt, staged):
+    """The same steps with one step recorded (ut.cuda.CUDAGraph, after the eager warm-up) and
+    replayed per batch, each batch copied into the recorded input tensors on the device."""
+    state = {}
+
+    def steps(batches):
+        batches = staged[id(batches)]
+        if not state:
+            x0, y0 = batches[0]
+            sx, sy = ut.zeros(x0.shape, "cuda"), ut.zeros(y0.shape, "cuda")
+            sx.copy_from(x0)
+            sy.copy_from(y0)
+            utensil_steps(net, opt, [(sx, sy)])
+            g = ut.cuda.CUDAGraph()
+            with ut.cuda.graph(g):
+                utensil_step(net, opt, sx, sy)
+            state.update(g=g, x=sx, y=sy)
+        for xb, yb in batches:
+            state["x"].copy_from(xb)
+            state["y"].copy_from(yb)
+            state["g"].replay()
+        ut.synchronize()
+
+    def close():
+        for k in ("g", "x", "y"):
+            if k in state:
+                state[k].close()
+
+    return steps, close
 
 
 def stage(batches, device):
@@ -102,7 +138,8 @@ def _torch_side(torch, net, mode, device):
 
 
 def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
-        precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True):
+        precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True,
+        graph=False):
     import torch
 
     if threads:
@@ -126,7 +163,11 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
                 rng.integers(0, classes, batch)) for _ in range(steps)]
     warm = batches[:3]
     ut_staged = {id(batches): stage(batches, device), id(warm): stage(warm, device)}
-    sides = dict({"utensil": lambda b: utensil_steps(net, opt, ut_staged[id(b)])}, **sides)
+    ours = {"utensil": lambda b: utensil_steps(net, opt, ut_staged[id(b)])}
+    close_graph = None
+    if graph and device == "cuda":
+        ours["utensil graph"], close_graph = utensil_graph_side(net, opt, ut_staged)
+    sides = dict(ours, **sides)
     rates = {k: [] for k in sides}
     try:
         for name, fn in sides.items():  # warm-up (and compilation)
@@ -137,6 +178,8 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
                 fn(batches)
                 rates[name].append(steps * batch / (time.perf_counter() - t0))
     finally:
+        if close_graph:
+            close_graph()
         ut.set_float32_matmul_precision("highest")
         for staged in ut_staged.values():
             for xb, yb in staged:
@@ -161,6 +204,8 @@ def main(argv=None):
     p.add_argument("--unfused", action="store_true",
                    help="BatchNorm2d and ReLU6 as separate layers (default: fused)")
     p.add_argument("--blas", default="cublas", choices=("cublas", "own"))
+    p.add_argument("--graph", action="store_true",
+                   help="also time utensil with its step recorded in a CUDA graph (CUDA only)")
     p.add_argument("--torch", default="fp32",
                    help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
     a = p.parse_args(argv)
@@ -169,7 +214,7 @@ def main(argv=None):
         if m not in TORCH_MODES:
             p.error("unknown PyTorch mode %r" % m)
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
-            modes, fused=not a.unfused)
+            modes, fused=not a.unfused, graph=a.graph)
     size = a.size if a.net == "v1" else 8
     where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]
     print("%s %s %d^2 batch %d (%s, %s), utensil at %s: utensil %.1f img/s" % (

@@ -7,7 +7,9 @@ nothing; what is measured is the binding, the C entry point, the allocation of t
 on the GPU, the kernel launch), the device synchronized once at the end: what a Python training
 loop of small ops pays per op. Rows: an activation through `utensil_ffi.functional`, the same C
 call straight through cffi (no Python wrapper), a depthwise layer's forward, and an empty
-`ut_fill` launch; PyTorch's `torch.relu` and a depthwise `Conv2d` forward on the same tensors.
+`ut_fill` launch, and (CUDA) the activation recorded 100 times in a `ut.cuda.CUDAGraph` and
+replayed (time per op); PyTorch's `torch.relu` and a depthwise `Conv2d` forward on the same
+tensors.
 """
 
 import argparse
@@ -53,6 +55,15 @@ def run(device="cuda", calls=20000):
                  _per_call_us(lambda: dw(xi), calls, sync)))
     rows.append(("utensil lib.ut_fill (one launch, no allocation)",
                  _per_call_us(lambda: lib.ut_fill(p, 0.5), calls, sync)))
+    if device == "cuda":  # the same op recorded 100 times and replayed: the cost per op
+        g = ut.cuda.CUDAGraph()
+        with ut.cuda.graph(g):
+            y = x
+            for _ in range(100):
+                y = F.relu(y)
+        rows.append(("utensil F.relu x 100 in a CUDAGraph, per op of a replay",
+                     _per_call_us(g.replay, max(calls // 100, 10), sync) / 100))
+        g.close()
     try:
         import torch
     except ImportError:

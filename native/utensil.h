@@ -132,6 +132,27 @@ int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op wit
 /* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
    the stream the library queues its work on). No-op without a GPU. */
 int ut_cuda_stream_wait(void* waiting, void* signalling);
+/* ---- captured GPU work (CUDA graphs) -------------------------------------------------------
+   A training step on small shapes spends more time launching kernels than running them.
+   Between ut_cuda_graph_begin() and ut_cuda_graph_end() the GPU work of the library's calls
+   made by the calling thread is recorded instead of run (the calls return as usual, their
+   outputs not yet computed); ut_cuda_graph_replay() runs the recording again as one launch:
+   the same kernels on the same memory. So a replay reads whatever the recorded input tensors
+   hold then (write the next batch into them; a tensor changed on the host is uploaded before
+   the replay) and writes the same output tensors, which the graph keeps alive until
+   ut_cuda_graph_free. Rules; breaking one is an error, never a wrong replay:
+   - run the work once before recording it: first calls load cuBLAS and size workspaces, which
+     waits for the GPU, and nothing may wait for the GPU while recording;
+   - while recording, no GPU tensor is read on the host or uploaded (inputs must be current on
+     the GPU when the recording starts), and GPU calls from other threads fail;
+   - host-side values are recorded as they were: scalars such as a learning rate or Adam's bias
+     correction, shapes, train/eval mode. CPU tensors are computed at once, not recorded.
+   One recording at a time; graphs hold their device memory until freed. */
+typedef struct ut_cuda_graph ut_cuda_graph;
+int ut_cuda_graph_begin(void);              /* status; an error without a GPU */
+ut_cuda_graph* ut_cuda_graph_end(void);     /* NULL + error when the recording failed */
+int ut_cuda_graph_replay(ut_cuda_graph* g); /* status */
+void ut_cuda_graph_free(ut_cuda_graph* g);  /* NULL is ignored */
 /* ---- matrix products on the GPU ----------------------------------------------------------
    GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
    time, else on utensil's own kernels; the library never links it. The default search runs at
@@ -429,6 +450,12 @@ typedef struct ut__backend {
   /* make stream `waiting` wait for the work queued so far on `signalling` (NULL: the library's
      stream, the legacy default stream) */
   int (*stream_wait)(void* waiting, void* signalling);
+  /* recording (ut_cuda_graph_begin/end): *g is the backend's graph; replay runs it on the
+     library's stream; free waits for the device first */
+  int (*graph_begin)(void);
+  int (*graph_end)(void** g);
+  int (*graph_replay)(void* g);
+  void (*graph_free)(void* g);
 
   /* elementwise; cap > 0 clamps at cap (relu6), cap <= 0 is plain relu */
   int (*fill)(float* x, ut__i64 n, float v);
@@ -705,6 +732,51 @@ static const ut__backend ut__cpu_backend; /* the CPU backend's table, at its end
 const ut__backend* ut__cuda_backend(void) { return NULL; }
 #endif
 
+/* ---- the recording in progress (ut_cuda_graph_begin) ---------------------------------------
+   Every GPU tensor an op reads, writes or creates on the recording thread is held (one
+   reference per sighting) until ut_cuda_graph_end, which keeps what the graph needs: tensors
+   it reads or writes that existed before or are still held after (a replay refreshes their
+   mirror state), while temporaries born and dropped inside the recording are let go (their
+   device blocks stay the graph's, see backend.cu). */
+enum { UT__SEEN_READ = 1, UT__SEEN_WROTE = 2, UT__SEEN_BORN = 4 };
+typedef struct {
+  pthread_t thread;
+  ut_tensor** t;
+  unsigned char* how;
+  size_t n, cap;
+  bool oom;
+} ut__recording;
+static ut__recording* ut__rec; /* atomic loads: any thread checks it */
+static pthread_mutex_t ut__rec_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static ut__recording* ut__recording_now(void) {
+  return __atomic_load_n(&ut__rec, __ATOMIC_ACQUIRE);
+}
+/* The gate of every GPU op while a recording runs: only the recording thread passes. */
+static int ut__recording_gate(const ut__recording* r, const char* what) {
+  UT__CHECK(pthread_equal(r->thread, pthread_self()), UT_ERR_ARG,
+            "%s: another thread is recording a CUDA graph (ut_cuda_graph_begin); GPU calls "
+            "from other threads fail until it ends",
+            what);
+  return UT_OK;
+}
+static void ut__recording_note(ut__recording* r, ut_tensor* t, unsigned char how) {
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 256;
+    ut_tensor** nt = (ut_tensor**)realloc(r->t, cap * sizeof *nt);
+    if (nt) r->t = nt;
+    unsigned char* nh = (unsigned char*)realloc(r->how, cap);
+    if (nh) r->how = nh;
+    if (!nt || !nh) {
+      r->oom = true;
+      return;
+    }
+    r->cap = cap;
+  }
+  r->t[r->n] = ut_retain(t);
+  r->how[r->n++] = how;
+}
+
 static const ut__backend* ut__backend_for(ut_dev dev) {
   if (dev == UT_CUDA) {
     const ut__backend* gpu = ut__cuda_backend();
@@ -720,6 +792,9 @@ const char* ut_backend_name(ut_dev dev) {
   return ut__backend_for(dev)->name;
 }
 int ut_cuda_synchronize(void) {
+  UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+            "ut_cuda_synchronize: waiting for the GPU while a CUDA graph is recorded: the "
+            "recorded work has not run (wait after ut_cuda_graph_end, or after a replay)");
   const ut__backend* gpu = ut__cuda_backend();
   return gpu ? gpu->synchronize() : UT_OK;
 }
@@ -839,6 +914,12 @@ static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* wh
   t->dev = dev;
   t->rc = 1;
   const ut__backend* be = ut__backend_for(dev);
+  ut__recording* r = ut__is_device_backend(be) ? ut__recording_now() : NULL;
+  if (r && ut__recording_gate(r, who) < 0) {
+    free(data);
+    free(t);
+    return NULL;
+  }
   if (ut__is_device_backend(be)) {
     t->gpu_buf = be->mem_alloc(bytes);
     if (!t->gpu_buf) {
@@ -848,6 +929,7 @@ static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* wh
     }
   }
   atomic_fetch_add(&ut__live, 1);
+  if (r) ut__recording_note(r, t, UT__SEEN_BORN);
   return t;
 }
 static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
@@ -1015,6 +1097,9 @@ static int ut__download(ut_tensor* t) {
   if (t->gpu_buf && (t->dirty_cpu || (t->shared && !t->dirty_gpu))) {
     const ut__backend* gpu = ut__cuda_backend();
     UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_cpu: the tensor's GPU copy is unreachable");
+    UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+              "reading a GPU tensor on the host while a CUDA graph is recorded: its value is "
+              "not computed yet (read it after ut_cuda_graph_end, or after a replay)");
     UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
     atomic_fetch_add(&ut__downloads, 1);
     t->dirty_cpu = false;
@@ -1036,6 +1121,10 @@ int ut_sync_gpu(ut_tensor* t) {
   if (t->gpu_buf && t->dirty_gpu) {
     const ut__backend* gpu = ut__cuda_backend();
     UT__CHECK(gpu, UT_ERR_DEVICE, "ut_sync_gpu: no CUDA device is available");
+    UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+              "uploading a tensor written on the host while a CUDA graph is recorded: a replay "
+              "would not repeat it (put inputs on the GPU before ut_cuda_graph_begin; a replay "
+              "uploads recorded tensors changed on the host)");
     UT__TRY(gpu->upload(t->gpu_buf, t->data, (size_t)t->shape.nelem * sizeof(float)));
     atomic_fetch_add(&ut__uploads, 1);
     t->dirty_gpu = false;
@@ -1071,7 +1160,10 @@ int ut_to_device(ut_tensor* t, ut_dev dev) {
    ut__in (current on that side), and marks each tensor it wrote with ut__wrote. */
 static const float* ut__in(ut_tensor* t, const ut__backend* be) {
   if (ut__is_device_backend(be)) {
+    ut__recording* r = ut__recording_now();
+    if (r && ut__recording_gate(r, "a GPU op") < 0) return NULL;
     if (ut_sync_gpu(t) < 0) return NULL;
+    if (r) ut__recording_note(r, t, UT__SEEN_READ);
     return (const float*)t->gpu_buf;
   }
   if (ut__download(t) < 0) return NULL;
@@ -1086,6 +1178,8 @@ static float* ut__out(ut_tensor* t, const ut__backend* be) {
 static void ut__wrote(ut_tensor* t, const ut__backend* be) {
   __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
   if (ut__is_device_backend(be)) {
+    ut__recording* r = ut__recording_now();
+    if (r && pthread_equal(r->thread, pthread_self())) ut__recording_note(r, t, UT__SEEN_WROTE);
     t->dirty_cpu = true;
     t->dirty_gpu = false;
   } else {
@@ -1114,6 +1208,135 @@ static ut_tensor* ut__finish(ut_tensor* out, const ut__backend* be, int rc) {
   if (rc < 0) return ut__drop(out);
   ut__wrote(out, be);
   return out;
+}
+
+/* ---- captured GPU work (CUDA graphs) ------------------------------------------------------- */
+struct ut_cuda_graph {
+  void* g;          /* the backend's */
+  ut_tensor** t;    /* what a replay refreshes, held until ut_cuda_graph_free */
+  unsigned char* how;
+  size_t n;
+};
+
+static void ut__recording_free(ut__recording* r) {
+  for (size_t i = 0; i < r->n; i++) ut_free(r->t[i]);
+  free(r->t);
+  free(r->how);
+  free(r);
+}
+
+int ut_cuda_graph_begin(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_cuda_graph_begin: no CUDA device is available");
+  ut__recording* r = (ut__recording*)calloc(1, sizeof *r);
+  UT__CHECK(r, UT_ERR_MEMORY, "ut_cuda_graph_begin: out of host memory");
+  r->thread = pthread_self();
+  pthread_mutex_lock(&ut__rec_lock);
+  int rc = ut__rec ? ut__set_error(UT_ERR_ARG, "ut_cuda_graph_begin: a CUDA graph is being "
+                                               "recorded already (one at a time)")
+                   : gpu->graph_begin();
+  if (rc >= 0) __atomic_store_n(&ut__rec, r, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&ut__rec_lock);
+  if (rc < 0) free(r);
+  return rc;
+}
+
+static int ut__cmp_seen(const void* a, const void* b) {
+  uintptr_t x = (uintptr_t) * (ut_tensor* const*)a, y = (uintptr_t) * (ut_tensor* const*)b;
+  return x < y ? -1 : x > y;
+}
+
+ut_cuda_graph* ut_cuda_graph_end(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK_NULL(gpu, UT_ERR_DEVICE, "ut_cuda_graph_end: no CUDA device is available");
+  pthread_mutex_lock(&ut__rec_lock);
+  ut__recording* r = ut__rec;
+  if (!r || !pthread_equal(r->thread, pthread_self())) {
+    pthread_mutex_unlock(&ut__rec_lock);
+    ut__set_error(UT_ERR_ARG, "ut_cuda_graph_end: %s",
+                  r ? "the recording was begun by another thread"
+                    : "no CUDA graph is being recorded (ut_cuda_graph_begin first)");
+    return NULL;
+  }
+  void* g = NULL;
+  int rc = gpu->graph_end(&g);
+  __atomic_store_n(&ut__rec, NULL, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&ut__rec_lock);
+  if (rc < 0) {
+    ut__recording_free(r);
+    return NULL;
+  }
+  /* one entry per tensor with its sightings merged */
+  ut_cuda_graph* out = (ut_cuda_graph*)calloc(1, sizeof *out);
+  ut_tensor** t = (ut_tensor**)malloc((r->n ? r->n : 1) * sizeof *t);
+  unsigned char* how = (unsigned char*)calloc(r->n ? r->n : 1, 1);
+  if (r->oom || !out || !t || !how) {
+    free(out);
+    free(t);
+    free(how);
+    gpu->graph_free(g);
+    ut__recording_free(r);
+    ut__set_error(UT_ERR_MEMORY, "ut_cuda_graph_end: out of host memory");
+    return NULL;
+  }
+  if (r->n) memcpy(t, r->t, r->n * sizeof *t);
+  qsort(t, r->n, sizeof *t, ut__cmp_seen);
+  size_t u = 0;
+  for (size_t i = 0; i < r->n; i++)
+    if (u == 0 || t[u - 1] != t[i]) t[u++] = t[i];
+  for (size_t i = 0; i < r->n; i++) {
+    ut_tensor** hit = (ut_tensor**)bsearch(&r->t[i], t, u, sizeof *t, ut__cmp_seen);
+    how[hit - t] |= r->how[i];
+  }
+  /* the graph's own reference to each, then the sightings' go; temporaries (born inside the
+     recording and held by nobody else now) are let go as well */
+  for (size_t i = 0; i < u; i++) ut_retain(t[i]);
+  for (size_t i = 0; i < r->n; i++) ut_free(r->t[i]);
+  size_t kept = 0;
+  for (size_t i = 0; i < u; i++) {
+    if ((how[i] & UT__SEEN_BORN) && __atomic_load_n(&t[i]->rc, __ATOMIC_ACQUIRE) == 1) {
+      ut_free(t[i]);
+      continue;
+    }
+    t[kept] = t[i];
+    how[kept++] = how[i];
+  }
+  free(r->t);
+  free(r->how);
+  free(r);
+  out->g = g;
+  out->t = t;
+  out->how = how;
+  out->n = kept;
+  return out;
+}
+
+int ut_cuda_graph_replay(ut_cuda_graph* g) {
+  UT__CHECK(g && g->g, UT_ERR_ARG, "ut_cuda_graph_replay: graph is NULL or freed");
+  UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+            "ut_cuda_graph_replay: a CUDA graph is being recorded (replay after its end)");
+  const ut__backend* gpu = ut__cuda_backend();
+  for (size_t i = 0; i < g->n; i++)
+    if (g->how[i] & UT__SEEN_READ) UT__TRY(ut_sync_gpu(g->t[i]));
+  UT__TRY(gpu->graph_replay(g->g));
+  for (size_t i = 0; i < g->n; i++)
+    if (g->how[i] & UT__SEEN_WROTE) {
+      ut_tensor* t = g->t[i];
+      __atomic_fetch_add(&t->version, 1u, __ATOMIC_RELAXED);
+      t->dirty_cpu = true;
+      t->dirty_gpu = false;
+    }
+  return UT_OK;
+}
+
+void ut_cuda_graph_free(ut_cuda_graph* g) {
+  if (!g) return;
+  const ut__backend* gpu = ut__cuda_backend();
+  if (gpu && g->g) gpu->graph_free(g->g);
+  for (size_t i = 0; i < g->n; i++) ut_free(g->t[i]);
+  free(g->t);
+  free(g->how);
+  free(g);
 }
 
 /* ---- whole-tensor utilities --------------------------------------------------------------- */

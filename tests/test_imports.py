@@ -23,7 +23,7 @@ LAYERS = [
     ["_lib"],
     ["_errors"],
     ["_args"],
-    ["dlpack", "blas"],
+    ["dlpack", "blas", "cuda"],
     ["tensor"],
     ["functional"],
     ["layers"],

@@ -13,7 +13,7 @@
 Forward and backward are explicit (no autograd tape); see utensil_ffi.layers.
 """
 
-from . import functional
+from . import cuda, functional
 from .blas import (
     backends,
     get_float32_matmul_precision,
@@ -89,7 +89,8 @@ __all__ = [
     "from_dlpack",
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
-    # the GPU's matrix products
+    # the GPU's matrix products, and recorded GPU work (ut.cuda.CUDAGraph, ut.cuda.graph)
+    "cuda",
     "backends", "load_cublas", "preferred_blas_library", "set_float32_matmul_precision",
     "get_float32_matmul_precision",
     # layers

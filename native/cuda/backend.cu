@@ -2,6 +2,8 @@
    synchronization. The files and the naming: common.cuh. */
 #include "common.cuh"
 
+#include <iterator>
+#include <new>
 #include <unordered_map>
 #include <vector>
 
@@ -16,6 +18,28 @@ int ut__cuda_fail(cudaError_t e, const char* what) {
   return ut__set_error(st, "cuda: %s: %s", what, cudaGetErrorString(e));
 }
 
+/* Where every launch goes: the legacy default stream, or the capture stream while a graph is
+   being recorded (see "Captured work" below). */
+cudaStream_t ut__cuda_stream = cudaStreamLegacy;
+
+/* Buffers that graphs may use (the workspace, the depthwise flags) are not cudaFree'd while a
+   graph exists: a replay would write freed memory. They wait here instead. */
+static std::vector<void*> ut__cuda_retired;
+static int ut__cuda_graphs_alive = 0; /* guarded by ut__cuda_pool_lock */
+static std::mutex ut__cuda_pool_lock;
+
+void ut__cuda_retire(void* p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  if (ut__cuda_graphs_alive) {
+    ut__cuda_retired.push_back(p);
+    return;
+  }
+  for (void* q : ut__cuda_retired) cudaFree(q);
+  ut__cuda_retired.clear();
+  cudaFree(p);
+}
+
 /* the reduction workspace (common.cuh) */
 std::mutex ut__cuda_workspace_lock;
 static float* ut__cuda_workspace = NULL;
@@ -26,7 +50,7 @@ int ut__cuda_workspace_acquire(size_t bytes, float** out) {
   if (bytes > ut__cuda_workspace_bytes) {
     if (ut__cuda_workspace) {
       UT__CUDA_CHECK(cudaDeviceSynchronize(), "workspace sync");
-      cudaFree(ut__cuda_workspace);
+      ut__cuda_retire(ut__cuda_workspace);
       ut__cuda_workspace = NULL;
       ut__cuda_workspace_bytes = 0;
     }
@@ -48,12 +72,25 @@ int ut__cuda_workspace_acquire(size_t bytes, float** out) {
    synchronizes the device, which a training step allocating dozens of temporaries cannot afford.
    Freed blocks go to a free list per rounded size and are handed out again; all work is queued
    on one stream, so a block's next user runs after its last one. The cache is emptied when
-   cudaMalloc fails, and cached bytes count as free in mem_info. */
-static std::mutex ut__cuda_pool_lock;
+   cudaMalloc fails (unless a graph exists), and cached bytes count as free in mem_info.
+   A block handed out while a graph is recorded belongs to that graph until the graph is
+   freed: freed, it goes to the graph's own free list (a replay writes it again), never to
+   another tensor. */
 /* rounded size -> blocks */
 static std::unordered_map<size_t, std::vector<void*>> ut__cuda_pool_free;
 static std::unordered_map<void*, size_t> ut__cuda_pool_size; /* every live or cached block */
 static size_t ut__cuda_pool_cached = 0;                      /* bytes in the free lists */
+
+/* A recorded graph, and the blocks it owns: by id in ut__cuda_pool_owner, its free ones here. */
+struct ut__cuda_graph_state {
+  int id;
+  cudaGraphExec_t exec;
+  std::unordered_map<size_t, std::vector<void*>> free;
+};
+static std::unordered_map<int, ut__cuda_graph_state*> ut__cuda_graphs; /* by id */
+static std::unordered_map<void*, int> ut__cuda_pool_owner;            /* block -> graph id */
+static int ut__cuda_capture_id = 0; /* the graph being recorded (0: none) */
+static int ut__cuda_graph_next_id = 0;
 
 static size_t ut__cuda_pool_round(size_t bytes) {
   if (bytes <= 512) return 512;
@@ -63,7 +100,7 @@ static size_t ut__cuda_pool_round(size_t bytes) {
 
 /* Caller holds ut__cuda_pool_lock. */
 static void ut__cuda_pool_release_cached(void) {
-  if (ut__cuda_pool_cached == 0) return;
+  if (ut__cuda_pool_cached == 0 || ut__cuda_graphs_alive) return;
   cudaDeviceSynchronize();
   for (auto& kv : ut__cuda_pool_free) {
     for (void* p : kv.second) {
@@ -79,11 +116,20 @@ static void ut__cuda_pool_release_cached(void) {
 void* ut__cuda_mem_alloc(size_t bytes) {
   size_t size = ut__cuda_pool_round(bytes);
   std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  if (ut__cuda_capture_id) { /* the recording graph's own freed blocks first */
+    auto& own = ut__cuda_graphs[ut__cuda_capture_id]->free[size];
+    if (!own.empty()) {
+      void* p = own.back();
+      own.pop_back();
+      return p;
+    }
+  }
   auto it = ut__cuda_pool_free.find(size);
   if (it != ut__cuda_pool_free.end() && !it->second.empty()) {
     void* p = it->second.back();
     it->second.pop_back();
     ut__cuda_pool_cached -= size;
+    if (ut__cuda_capture_id) ut__cuda_pool_owner[p] = ut__cuda_capture_id;
     return p;
   }
   void* p = NULL;
@@ -99,6 +145,7 @@ void* ut__cuda_mem_alloc(size_t bytes) {
     return NULL;
   }
   ut__cuda_pool_size[p] = size;
+  if (ut__cuda_capture_id) ut__cuda_pool_owner[p] = ut__cuda_capture_id;
   return p;
 }
 
@@ -107,6 +154,11 @@ void ut__cuda_mem_free(void* p) {
   std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
   auto it = ut__cuda_pool_size.find(p);
   if (it == ut__cuda_pool_size.end()) return; /* not ours: nothing to do */
+  auto o = ut__cuda_pool_owner.find(p);
+  if (o != ut__cuda_pool_owner.end()) {
+    ut__cuda_graphs[o->second]->free[it->second].push_back(p);
+    return;
+  }
   ut__cuda_pool_free[it->second].push_back(p);
   ut__cuda_pool_cached += it->second;
 }
@@ -153,6 +205,95 @@ static int ut__cuda_stream_wait(void* waiting, void* signalling) {
   cudaEventDestroy(ev); /* released once the wait has been satisfied */
   UT__CUDA_CHECK(e, "stream wait");
   return UT_OK;
+}
+
+/* ============================================================================================
+   Captured work (CUDA graphs; the rules are utensil.h's, "captured GPU work")
+   ============================================================================================ */
+
+/* Recording runs on a stream of its own (the legacy default stream cannot be captured): work
+   queued before it is finished first, and replays run on the legacy stream, in order with
+   everything else. Relaxed mode: cudaMalloc may run while recording (the pool grows). */
+static cudaStream_t ut__cuda_capture_stream = NULL;
+
+static void ut__cuda_graph_drop_locked(ut__cuda_graph_state* g) {
+  for (auto& kv : g->free) {
+    for (void* p : kv.second) {
+      ut__cuda_pool_free[kv.first].push_back(p);
+      ut__cuda_pool_cached += kv.first;
+    }
+  }
+  for (auto it = ut__cuda_pool_owner.begin(); it != ut__cuda_pool_owner.end();)
+    it = it->second == g->id ? ut__cuda_pool_owner.erase(it) : std::next(it);
+  ut__cuda_graphs.erase(g->id);
+  ut__cuda_graphs_alive--;
+  delete g;
+}
+
+static int ut__cuda_graph_begin(void) {
+  if (!ut__cuda_capture_stream)
+    UT__CUDA_CHECK(cudaStreamCreateWithFlags(&ut__cuda_capture_stream, cudaStreamNonBlocking),
+                   "capture stream");
+  UT__CUDA_CHECK(cudaDeviceSynchronize(), "graph begin");
+  ut__cuda_graph_state* g = new (std::nothrow) ut__cuda_graph_state();
+  if (!g) return ut__set_error(UT_ERR_MEMORY, "graph begin: out of host memory");
+  cudaError_t e = cudaStreamBeginCapture(ut__cuda_capture_stream, cudaStreamCaptureModeRelaxed);
+  if (e != cudaSuccess) {
+    delete g;
+    return ut__cuda_fail(e, "cudaStreamBeginCapture");
+  }
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  g->id = ++ut__cuda_graph_next_id;
+  g->exec = NULL;
+  ut__cuda_graphs[g->id] = g;
+  ut__cuda_graphs_alive++;
+  ut__cuda_capture_id = g->id;
+  ut__cuda_stream = ut__cuda_capture_stream;
+  return UT_OK;
+}
+
+static int ut__cuda_graph_end(void** out) {
+  *out = NULL;
+  cudaGraph_t graph = NULL;
+  cudaError_t e = cudaStreamEndCapture(ut__cuda_capture_stream, &graph);
+  ut__cuda_graph_state* g;
+  {
+    std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+    g = ut__cuda_graphs[ut__cuda_capture_id];
+    ut__cuda_capture_id = 0;
+    ut__cuda_stream = cudaStreamLegacy;
+  }
+  cudaGraphExec_t exec = NULL;
+  if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+  if (graph) cudaGraphDestroy(graph);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+    ut__cuda_graph_drop_locked(g);
+    return ut__set_error(UT_ERR_DEVICE,
+                         "cuda: the recording failed: %s (inside a recording nothing may wait for "
+                         "the GPU or copy between host and GPU: run the step once before "
+                         "recording it, keep its inputs on the GPU, read results after the end)",
+                         cudaGetErrorString(e));
+  }
+  g->exec = exec;
+  *out = g;
+  return UT_OK;
+}
+
+static int ut__cuda_graph_replay(void* h) {
+  UT__CUDA_CHECK(cudaGraphLaunch(((ut__cuda_graph_state*)h)->exec, cudaStreamLegacy),
+                 "cudaGraphLaunch");
+  return UT_OK;
+}
+
+static void ut__cuda_graph_free(void* h) {
+  ut__cuda_graph_state* g = (ut__cuda_graph_state*)h;
+  if (!g) return;
+  cudaDeviceSynchronize(); /* a replay in flight still uses its memory */
+  cudaGraphExecDestroy(g->exec);
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  ut__cuda_graph_drop_locked(g);
 }
 
 /* ============================================================================================
@@ -229,6 +370,10 @@ static void ut__cuda_init(void) {
   t->sgd_many = ut__cuda_sgd_many;
   t->fill_many = ut__cuda_fill_many;
   t->adam = ut__cuda_adam;
+  t->graph_begin = ut__cuda_graph_begin;
+  t->graph_end = ut__cuda_graph_end;
+  t->graph_replay = ut__cuda_graph_replay;
+  t->graph_free = ut__cuda_graph_free;
   ut__cuda_table_ok = true;
 }
 

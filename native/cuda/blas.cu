@@ -43,6 +43,7 @@ struct ut__cuda_blas {
                               long long stride_b, const void* beta, void* c, int c_type, int ldc,
                               long long stride_c, int batch, int compute, int algo);
   const char* (*status_string)(int); /* NULL in old versions */
+  int (*set_stream)(ut__cublas_handle, cudaStream_t);
   char info[1200];
 };
 
@@ -68,10 +69,12 @@ static ut__cuda_blas* ut__cuda_blas_open(const char* path, char* why, size_t why
   version_fn version = (version_fn)dlsym(dl, "cublasGetVersion_v2");
   destroy_fn destroy = (destroy_fn)dlsym(dl, "cublasDestroy_v2");
   void* gemm = dlsym(dl, "cublasGemmStridedBatchedEx");
-  if (!create || !version || !destroy || !gemm) {
+  void* set_stream = dlsym(dl, "cublasSetStream_v2");
+  if (!create || !version || !destroy || !gemm || !set_stream) {
     snprintf(why, why_n, "%s is not a usable cuBLAS: it has no %s", path,
              !create ? "cublasCreate_v2" : !version ? "cublasGetVersion_v2"
-             : !destroy ? "cublasDestroy_v2" : "cublasGemmStridedBatchedEx");
+             : !destroy ? "cublasDestroy_v2" : !gemm ? "cublasGemmStridedBatchedEx"
+             : "cublasSetStream_v2");
     dlclose(dl);
     return NULL;
   }
@@ -83,6 +86,7 @@ static ut__cuda_blas* ut__cuda_blas_open(const char* path, char* why, size_t why
   b->dl = dl;
   b->gemm_strided_batched = (decltype(b->gemm_strided_batched))gemm;
   b->status_string = (const char* (*)(int))dlsym(dl, "cublasGetStatusString");
+  b->set_stream = (decltype(b->set_stream))set_stream;
   int st = create(&b->handle);
   if (st != 0) {
     /* 1: not initialized (no driver or device for this cuBLAS), 3: allocation failed */
@@ -193,14 +197,11 @@ const char* ut__cuda_blas_info(void) {
    GEMM on cuBLAS
    ============================================================================================ */
 
-/* Row-major C = alpha op(A) op(B) + beta C over `batch` items, as cuBLAS's column-major
-   C^T = op(B)^T op(A)^T. */
-static int ut__cuda_blas_call(const ut__cuda_blas* b, bool ta, bool tb, int m, int n, int k,
-                              float alpha, const float* a, int lda, ut__i64 sa, const float* bb,
-                              int ldb, ut__i64 sb, float beta, float* c, int ldc, ut__i64 sc,
-                              ut__i64 batch) {
-  const int compute =
-      ut__matmul_precision() > 0 ? UT__CUBLAS_COMPUTE_32F_FAST_TF32 : UT__CUBLAS_COMPUTE_32F;
+/* the calls themselves, on whatever stream the handle is on */
+static int ut__cuda_blas_call_on(const ut__cuda_blas* b, bool ta, bool tb, int m, int n, int k,
+                                 float alpha, const float* a, int lda, ut__i64 sa,
+                                 const float* bb, int ldb, ut__i64 sb, float beta, float* c,
+                                 int ldc, ut__i64 sc, ut__i64 batch, int compute) {
   for (ut__i64 b0 = 0; b0 < batch; b0 += 65535) {
     int nb = (int)(batch - b0 < 65535 ? batch - b0 : 65535);
     int st = b->gemm_strided_batched(
@@ -216,6 +217,23 @@ static int ut__cuda_blas_call(const ut__cuda_blas* b, bool ta, bool tb, int m, i
   return UT_OK;
 }
 
+/* Row-major C = alpha op(A) op(B) + beta C over `batch` items, as cuBLAS's column-major
+   C^T = op(B)^T op(A)^T. */
+static int ut__cuda_blas_call(const ut__cuda_blas* b, bool ta, bool tb, int m, int n, int k,
+                              float alpha, const float* a, int lda, ut__i64 sa, const float* bb,
+                              int ldb, ut__i64 sb, float beta, float* c, int ldc, ut__i64 sc,
+                              ut__i64 batch) {
+  const int compute =
+      ut__matmul_precision() > 0 ? UT__CUBLAS_COMPUTE_32F_FAST_TF32 : UT__CUBLAS_COMPUTE_32F;
+  /* the handle stays on the default stream, except around calls made while a graph is
+     recorded (no other thread runs GPU work then) */
+  const bool recording = ut__cuda_stream != cudaStreamLegacy;
+  if (recording) b->set_stream(b->handle, ut__cuda_stream);
+  int rc = ut__cuda_blas_call_on(b, ta, tb, m, n, k, alpha, a, lda, sa, bb, ldb, sb, beta, c, ldc,
+                                 sc, batch, compute);
+  if (recording) b->set_stream(b->handle, NULL);
+  return rc;
+}
 /* c [m, n] (ldc) = sum over items of ws[item] [m, n] (contiguous) + beta c */
 static __global__ void ut__cuda_gemm_sum_items_kernel(const float* __restrict__ ws, int items,
                                                       int m, int n, float* __restrict__ c,
@@ -246,8 +264,8 @@ static int ut__cuda_blas_sum_by_reduce(const ut__cuda_blas* b, const ut__gemm_ar
                             g->b + b0 * g->stride_b, g->ldb, g->stride_b, 0.f, ws, g->n, mn, nb);
     if (st < 0) break;
     float beta = b0 == 0 ? g->beta : 1.f;
-    ut__cuda_gemm_sum_items_kernel<<<ut__cuda_grid_for(mn, 256), 256>>>(ws, (int)nb, g->m, g->n,
-                                                                       g->c, g->ldc, beta);
+    ut__cuda_gemm_sum_items_kernel<<<ut__cuda_grid_for(mn, 256), 256, 0, ut__cuda_stream>>>(
+        ws, (int)nb, g->m, g->n, g->c, g->ldc, beta);
     UT__CUDA_LAUNCHED("gemm sum over items");
   }
   return st;

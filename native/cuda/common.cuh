@@ -32,9 +32,10 @@
      here are inline and each file launches only its own kernels.
 
    Conventions
-     - Every pointer given to a table function is a device pointer; all work goes to the legacy
-       default stream, so ops are ordered and no op synchronizes the host (upload and download
-       do, being plain cudaMemcpy).
+     - Every pointer given to a table function is a device pointer; all work goes to
+       ut__cuda_stream, the legacy default stream (the capture stream while a graph is
+       recorded), so ops are ordered and no op synchronizes the host (upload and download do,
+       being plain cudaMemcpy). Every launch names the stream.
      - Every runtime call and every launch is checked; a failure sets the thread-local error
        (UT_ERR_MEMORY for an allocation failure, UT_ERR_DEVICE otherwise) and returns it.
      - Reductions are deterministic: fixed launch shapes, fixed-order trees, no float atomics.
@@ -161,6 +162,11 @@ static inline int ut__cuda_channel_chunks(int c, ut__i64 m, ut__i64* chunk) {
 /* backend.cu: device memory from the cache (NULL + error on failure; free takes NULL) */
 void* ut__cuda_mem_alloc(size_t bytes);
 void ut__cuda_mem_free(void* p);
+/* backend.cu: the stream every launch goes to (the legacy default stream, or the capture
+   stream while a graph is recorded), and cudaFree for buffers a graph may use (deferred while
+   any graph exists) */
+extern cudaStream_t ut__cuda_stream;
+void ut__cuda_retire(void* p);
 
 /* blas.cu: gemm on cuBLAS; UT__CUDA_BLAS_DECLINED when the own kernels are to run it (cuBLAS
    absent or off, or a call it cannot take) */

@@ -625,7 +625,7 @@ static int ut__cuda_dwconv2d_strip_threads() {
 template <int K, int S, int R, bool FLIP>
 static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
   ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP>
-      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads>>>(p);
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv (strips)");
   return UT_OK;
 }
@@ -688,7 +688,7 @@ static int ut__cuda_dwconv2d_strip_forward_run(const float* in, const float* w, 
 template <int K, int R, int D>
 static int ut__cuda_dwconv2d_strip_tdx_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
   ut__cuda_dwconv2d_strip_tdx_kernel<K, 2, R, D>
-      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads>>>(p);
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise dx (strips)");
   return UT_OK;
 }
@@ -725,7 +725,9 @@ static int ut__cuda_dwconv2d_strip_tdx_run(const float* go, const float* w, floa
 template <int K, int S, int R>
 static int ut__cuda_dwconv2d_strip_dw_launch(ut__cuda_dwconv2d_strip_params p, int parts,
                                              int threads) {
-  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R><<<dim3((unsigned)parts, (unsigned)p.C), threads>>>(p);
+  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R>
+      <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(
+      p);
   UT__CUDA_LAUNCHED("depthwise dW (strips)");
   return UT_OK;
 }
@@ -866,7 +868,7 @@ static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params p,
   p.units = (int)pl.units;
   p.fd_ow = ut__cuda_fastdiv_make((unsigned)p.OW);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
-  kern<<<(unsigned)grid, pl.threads, pl.smem>>>(p);
+  kern<<<(unsigned)grid, pl.threads, pl.smem, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv");
   return UT_OK;
 }
@@ -968,16 +970,17 @@ static int ut__cuda_dwconv2d_direct_forward_run(const float* x, const float* w, 
                                                 float* y, const ut__conv_geom* g,
                                                 const int* gate) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
-  ut__cuda_dwconv2d_direct_forward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, w, bias, y, *g,
-                                                                                  total, gate);
+  ut__cuda_dwconv2d_direct_forward_kernel
+      <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      x, w, bias, y, *g, total, gate);
   UT__CUDA_LAUNCHED(gate ? "dw_fwd exact" : "dw_fwd");
   return UT_OK;
 }
 static int ut__cuda_dwconv2d_direct_dx_run(const float* go, const float* w, float* dx,
                                            const ut__conv_geom* g, const int* gate) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
-  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, w, dx, *g, total,
-                                                                             gate);
+  ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      go, w, dx, *g, total, gate);
   UT__CUDA_LAUNCHED(gate ? "dw_bwd_dx exact" : "dw_bwd_dx");
   return UT_OK;
 }
@@ -1030,8 +1033,9 @@ static int ut__cuda_dwconv2d_flag_nonfinite(const float* a, ut__i64 na, const fl
                                             int** flag) {
   if (!ut__cuda_dwconv2d_flag)
     UT__CUDA_CHECK(cudaMalloc((void**)&ut__cuda_dwconv2d_flag, sizeof(int)), "dw flag alloc");
-  UT__CUDA_CHECK(cudaMemsetAsync(ut__cuda_dwconv2d_flag, 0, sizeof(int)), "dw flag reset");
-  ut__cuda_dwconv2d_nonfinite_kernel<<<ut__cuda_grid_for(na + nb, 256), 256>>>(
+  UT__CUDA_CHECK(cudaMemsetAsync(ut__cuda_dwconv2d_flag, 0, sizeof(int), ut__cuda_stream),
+                 "dw flag reset");
+  ut__cuda_dwconv2d_nonfinite_kernel<<<ut__cuda_grid_for(na + nb, 256), 256, 0, ut__cuda_stream>>>(
       a, na, b, nb, ut__cuda_dwconv2d_flag);
   UT__CUDA_LAUNCHED("dw nonfinite check");
   *flag = ut__cuda_dwconv2d_flag;
@@ -1124,7 +1128,7 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   if (nflags > flags_n) {
     if (flags) {
       UT__CUDA_CHECK(cudaDeviceSynchronize(), "dw flags sync");
-      cudaFree(flags);
+      ut__cuda_retire(flags);
       flags = NULL;
       flags_n = 0;
     }
@@ -1159,15 +1163,18 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     parts = ut__cuda_channel_chunks(g->c, m, &chunk);
     st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
     if (st) return st;
-    ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
-                                                                                   parts, ws, NULL);
+    ut__cuda_dwconv2d_direct_dw_kernel
+        <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
+        go, x, *g, chunk, parts, ws, NULL);
     UT__CUDA_LAUNCHED("dw_bwd_dw");
     plain = true;
   }
   ut__i64 warps = (ut__i64)g->c * T;
   if (!plain)
-    UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int)), "dw flags reset");
-  ut__cuda_dwconv2d_dw_final_checked_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(
+    UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int), ut__cuda_stream),
+                   "dw flags reset");
+  ut__cuda_dwconv2d_dw_final_checked_kernel
+      <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
       ws, dw, g->c, T, parts, plain ? NULL : flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
   if (plain) return UT_OK;
@@ -1178,10 +1185,12 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   parts = ut__cuda_channel_chunks(g->c, m, &chunk);
   st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_dwconv2d_direct_dw_kernel<<<(unsigned)((ut__i64)g->c * parts), 256>>>(go, x, *g, chunk,
-                                                                                 parts, ws, flag);
+  ut__cuda_dwconv2d_direct_dw_kernel
+      <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
+      go, x, *g, chunk, parts, ws, flag);
   UT__CUDA_LAUNCHED("dw_bwd_dw exact");
-  ut__cuda_dwconv2d_dw_final_flagged_kernel<<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256>>>(
+  ut__cuda_dwconv2d_dw_final_flagged_kernel
+      <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
       ws, dw, g->c, T, parts, flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw exact final");
   return UT_OK;

@@ -42,42 +42,44 @@ static __global__ void ut__cuda_relu_backward_kernel(const float* __restrict__ g
 
 int ut__cuda_fill(float* x, ut__i64 n, float v) {
   if (n <= 0) return UT_OK;
-  ut__cuda_fill_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(x, n, v);
+  ut__cuda_fill_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, v);
   UT__CUDA_LAUNCHED("fill");
   return UT_OK;
 }
 
 int ut__cuda_copy(float* dst, const float* src, ut__i64 n) {
   if (n <= 0 || dst == src) return UT_OK;
-  UT__CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice, 0),
+  UT__CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 ut__cuda_stream),
                  "copy");
   return UT_OK;
 }
 
 int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha) {
   if (n <= 0) return UT_OK;
-  ut__cuda_axpy_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(y, x, n, alpha);
+  ut__cuda_axpy_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(y, x, n, alpha);
   UT__CUDA_LAUNCHED("axpy");
   return UT_OK;
 }
 
 int ut__cuda_scale(float* x, ut__i64 n, float alpha) {
   if (n <= 0) return UT_OK;
-  ut__cuda_scale_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(x, n, alpha);
+  ut__cuda_scale_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, alpha);
   UT__CUDA_LAUNCHED("scale");
   return UT_OK;
 }
 
 int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap) {
   if (n <= 0) return UT_OK;
-  ut__cuda_relu_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(x, y, n, cap);
+  ut__cuda_relu_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, y, n, cap);
   UT__CUDA_LAUNCHED("relu");
   return UT_OK;
 }
 
 int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap) {
   if (n <= 0) return UT_OK;
-  ut__cuda_relu_backward_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(go, x, gi, n, cap);
+  ut__cuda_relu_backward_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
+      go, x, gi, n, cap);
   UT__CUDA_LAUNCHED("relu_bwd");
   return UT_OK;
 }
@@ -104,8 +106,8 @@ static __global__ void ut__cuda_transpose_kernel(const float* __restrict__ in,
 int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner) {
   ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_transpose_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(in, out, total, d0, mid, d1,
-                                                                    inner);
+  ut__cuda_transpose_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      in, out, total, d0, mid, d1, inner);
   UT__CUDA_LAUNCHED("transpose");
   return UT_OK;
 }
@@ -119,7 +121,8 @@ static __global__ void ut__cuda_bias_add_kernel(float* __restrict__ x,
 int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_bias_add_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, bias, total, c, inner);
+  ut__cuda_bias_add_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      x, bias, total, c, inner);
   UT__CUDA_LAUNCHED("bias_add");
   return UT_OK;
 }
@@ -148,14 +151,16 @@ static __global__ void ut__cuda_chan_group_sum_kernel(const float* __restrict__ 
 int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
   ut__i64 total = (ut__i64)n * c * m * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_chan_repeat_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, y, total, m, inner);
+  ut__cuda_chan_repeat_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      x, y, total, m, inner);
   UT__CUDA_LAUNCHED("chan_repeat");
   return UT_OK;
 }
 int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_chan_group_sum_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, y, total, m, inner);
+  ut__cuda_chan_group_sum_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      x, y, total, m, inner);
   UT__CUDA_LAUNCHED("chan_group_sum");
   return UT_OK;
 }
@@ -178,7 +183,9 @@ static __global__ void ut__cuda_global_avgpool2d_kernel(const float* __restrict_
 int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols) {
   if (rows <= 0) return UT_OK;
   if (cols <= 0) return ut__cuda_fill(y, rows, 0.f);
-  ut__cuda_global_avgpool2d_kernel<<<(unsigned)rows, ut__cuda_row_threads(cols)>>>(x, y, cols);
+  ut__cuda_global_avgpool2d_kernel
+      <<<(unsigned)rows, ut__cuda_row_threads(cols), 0, ut__cuda_stream>>>(
+      x, y, cols);
   UT__CUDA_LAUNCHED("row_mean");
   return UT_OK;
 }
@@ -192,8 +199,9 @@ static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const float* __
 int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols) {
   ut__i64 total = (ut__i64)rows * cols;
   if (total <= 0) return UT_OK;
-  ut__cuda_global_avgpool2d_backward_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(go, dx, total,
-                                                                                    cols);
+  ut__cuda_global_avgpool2d_backward_kernel
+      <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      go, dx, total, cols);
   UT__CUDA_LAUNCHED("row_mean_bwd");
   return UT_OK;
 }
@@ -239,9 +247,10 @@ int ut__cuda_mse_loss_forward(const float* p, const float* t, float* out, ut__i6
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)blocks * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_mse_loss_partial_kernel<<<(unsigned)blocks, 256>>>(p, t, n, ws);
+  ut__cuda_mse_loss_partial_kernel<<<(unsigned)blocks, 256, 0, ut__cuda_stream>>>(p, t, n, ws);
   UT__CUDA_LAUNCHED("mse_fwd");
-  ut__cuda_loss_sum_final_kernel<<<1, 256>>>(ws, (int)blocks, out, 1.0 / (double)n);
+  ut__cuda_loss_sum_final_kernel<<<1, 256, 0, ut__cuda_stream>>>(
+      ws, (int)blocks, out, 1.0 / (double)n);
   UT__CUDA_LAUNCHED("mse_fwd final");
   return UT_OK;
 }
@@ -255,8 +264,8 @@ static __global__ void ut__cuda_mse_loss_backward_kernel(const float* __restrict
 
 int ut__cuda_mse_loss_backward(const float* p, const float* t, float* g, ut__i64 n) {
   if (n <= 0) return UT_OK;
-  ut__cuda_mse_loss_backward_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(p, t, g, n,
-                                                                        2.0f / (float)n);
+  ut__cuda_mse_loss_backward_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
+      p, t, g, n, 2.0f / (float)n);
   UT__CUDA_LAUNCHED("mse_bwd");
   return UT_OK;
 }
@@ -293,10 +302,10 @@ int ut__cuda_cross_entropy_forward(const float* logits, const float* labels, flo
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)n * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_cross_entropy_rows_kernel<<<(unsigned)n, ut__cuda_row_threads(k)>>>(logits, labels, ws,
-                                                                               k);
+  ut__cuda_cross_entropy_rows_kernel<<<(unsigned)n, ut__cuda_row_threads(k), 0, ut__cuda_stream>>>(
+      logits, labels, ws, k);
   UT__CUDA_LAUNCHED("ce_fwd");
-  ut__cuda_loss_sum_final_kernel<<<1, 256>>>(ws, n, out, 1.0 / (double)n);
+  ut__cuda_loss_sum_final_kernel<<<1, 256, 0, ut__cuda_stream>>>(ws, n, out, 1.0 / (double)n);
   UT__CUDA_LAUNCHED("ce_fwd final");
   return UT_OK;
 }
@@ -326,7 +335,8 @@ static __global__ void ut__cuda_cross_entropy_backward_kernel(const float* __res
 int ut__cuda_cross_entropy_backward(const float* logits, const float* labels, float* g, int n,
                                     int k) {
   if (n <= 0 || k <= 0) return UT_OK;
-  ut__cuda_cross_entropy_backward_kernel<<<(unsigned)n, ut__cuda_row_threads(k)>>>(
+  ut__cuda_cross_entropy_backward_kernel
+      <<<(unsigned)n, ut__cuda_row_threads(k), 0, ut__cuda_stream>>>(
       logits, labels, g, k, 1.f / (float)n);
   UT__CUDA_LAUNCHED("ce_bwd");
   return UT_OK;

@@ -169,10 +169,16 @@ static __global__ void ut__cuda_gemm_split_reduce_kernel(ut__cuda_gemm_params p,
 template <int BM, int BN, int TM, int TN, int MINB>
 static int ut__cuda_gemm_launch(const ut__cuda_gemm_params& p, bool ta, bool tb, dim3 grid) {
   const int nt = (BM / TM) * (BN / TN);
-  if (!ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, false, MINB><<<grid, nt>>>(p);
-  else if (!ta && tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, true, MINB><<<grid, nt>>>(p);
-  else if (ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, true, false, MINB><<<grid, nt>>>(p);
-  else ut__cuda_gemm_kernel<BM, BN, TM, TN, true, true, MINB><<<grid, nt>>>(p);
+  if (!ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, false, MINB>
+      <<<grid, nt, 0, ut__cuda_stream>>>(
+      p);
+  else if (!ta && tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, false, true, MINB>
+      <<<grid, nt, 0, ut__cuda_stream>>>(
+      p);
+  else if (ta && !tb) ut__cuda_gemm_kernel<BM, BN, TM, TN, true, false, MINB>
+      <<<grid, nt, 0, ut__cuda_stream>>>(
+      p);
+  else ut__cuda_gemm_kernel<BM, BN, TM, TN, true, true, MINB><<<grid, nt, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("gemm");
   return UT_OK;
 }
@@ -247,7 +253,8 @@ int ut__cuda_gemm(const ut__gemm_args* g) {
   st = ut__cuda_gemm_dispatch(p, big, g->trans_a, g->trans_b, grid);
   if (st) return st;
   ut__i64 total = items * p.m * p.n;
-  ut__cuda_gemm_split_reduce_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(p, total);
+  ut__cuda_gemm_split_reduce_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      p, total);
   UT__CUDA_LAUNCHED("gemm split reduce");
   return UT_OK;
 }
@@ -310,7 +317,8 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const float* __restrict__ c
 int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_im2col_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(x, col, *g, total);
+  ut__cuda_conv2d_im2col_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      x, col, *g, total);
   UT__CUDA_LAUNCHED("im2col");
   return UT_OK;
 }
@@ -318,7 +326,8 @@ int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
 int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_col2im_kernel<<<ut__cuda_grid_for(total, 256), 256>>>(col, dx, *g, total);
+  ut__cuda_conv2d_col2im_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+      col, dx, *g, total);
   UT__CUDA_LAUNCHED("col2im");
   return UT_OK;
 }

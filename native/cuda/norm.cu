@@ -99,7 +99,8 @@ static int ut__cuda_channel_partial_launch(const float* x, const float* go, cons
                                            float* ws, int chunks, ut__i64 chunk,
                                            const float* gamma = NULL, const float* beta = NULL,
                                            float act = -1.f) {
-  ut__cuda_channel_partial_kernel<KIND><<<(unsigned)((ut__i64)c * chunks), 256>>>(
+  ut__cuda_channel_partial_kernel<KIND>
+      <<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(
       x, go, mean, rstd, gamma, beta, act, c, inner, (ut__i64)n * inner, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("channel reduction");
   return UT_OK;
@@ -133,8 +134,8 @@ int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner
   st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM>(x, NULL, NULL, NULL, n, c, inner, ws,
                                                              chunks, chunk);
   if (st) return st;
-  ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(ws, out, c, chunks, 1, 0,
-                                                                          beta, 1.0);
+  ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
+      ws, out, c, chunks, 1, 0, beta, 1.0);
   UT__CUDA_LAUNCHED("channel_sum final");
   return UT_OK;
 }
@@ -176,7 +177,8 @@ static __global__ void ut__cuda_layernorm_forward_kernel(
 int ut__cuda_layernorm_forward(const float* x, const float* gamma, const float* beta, float* y,
                                float* mean, float* rstd, int rows, int dim, float eps) {
   if (rows <= 0 || dim <= 0) return UT_OK;
-  ut__cuda_layernorm_forward_kernel<<<(unsigned)rows, ut__cuda_row_threads(dim)>>>(
+  ut__cuda_layernorm_forward_kernel
+      <<<(unsigned)rows, ut__cuda_row_threads(dim), 0, ut__cuda_stream>>>(
       x, gamma, beta, y, mean, rstd, dim, eps);
   UT__CUDA_LAUNCHED("layernorm_fwd");
   return UT_OK;
@@ -249,8 +251,8 @@ int ut__cuda_layernorm_backward(const float* go, const float* x, const float* ga
                                 float* dbeta, int rows, int dim) {
   if (rows <= 0 || dim <= 0) return UT_OK;
   if (dx) {
-    ut__cuda_layernorm_dx_kernel<<<(unsigned)rows, ut__cuda_row_threads(dim)>>>(go, x, gamma, mean,
-                                                                                rstd, dx, dim);
+    ut__cuda_layernorm_dx_kernel<<<(unsigned)rows, ut__cuda_row_threads(dim), 0, ut__cuda_stream>>>(
+        go, x, gamma, mean, rstd, dx, dim);
     UT__CUDA_LAUNCHED("layernorm_bwd dx");
   }
   if (!dgamma && !dbeta) return UT_OK;
@@ -266,10 +268,11 @@ int ut__cuda_layernorm_backward(const float* go, const float* x, const float* ga
   int st = ut__cuda_workspace_acquire((size_t)chunks * dim * 2 * sizeof(float), &ws);
   if (st) return st;
   dim3 grid((unsigned)cblocks, (unsigned)chunks);
-  ut__cuda_layernorm_cols_kernel<<<grid, 256>>>(go, x, mean, rstd, rows, dim, rchunk, ws);
+  ut__cuda_layernorm_cols_kernel<<<grid, 256, 0, ut__cuda_stream>>>(
+      go, x, mean, rstd, rows, dim, rchunk, ws);
   UT__CUDA_LAUNCHED("layernorm_bwd columns");
-  ut__cuda_layernorm_cols_final_kernel<<<(unsigned)cblocks, 256>>>(ws, dgamma, dbeta, dim,
-                                                                   (int)chunks);
+  ut__cuda_layernorm_cols_final_kernel<<<(unsigned)cblocks, 256, 0, ut__cuda_stream>>>(
+      ws, dgamma, dbeta, dim, (int)chunks);
   UT__CUDA_LAUNCHED("layernorm_bwd final");
   return UT_OK;
 }
@@ -409,10 +412,11 @@ int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, i
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_batchnorm2d_moments_kernel<<<(unsigned)((ut__i64)c * chunks), 256>>>(
+  ut__cuda_batchnorm2d_moments_kernel<<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(
       x, c, inner, m, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("bn_stats moments");
-  ut__cuda_batchnorm2d_moments_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(
+  ut__cuda_batchnorm2d_moments_final_kernel
+      <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       ws, mean, var, c, chunks, chunk, m);
   UT__CUDA_LAUNCHED("bn_stats final");
   return UT_OK;
@@ -432,7 +436,7 @@ static __global__ void ut__cuda_batchnorm2d_running_kernel(float* __restrict__ r
 int ut__cuda_batchnorm2d_update_running(float* running_mean, float* running_var, const float* mean,
                                         const float* var, int c, float momentum, float unbias) {
   if (c <= 0) return UT_OK;
-  ut__cuda_batchnorm2d_running_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(
+  ut__cuda_batchnorm2d_running_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       running_mean, running_var, mean, var, c, momentum, unbias);
   UT__CUDA_LAUNCHED("bn_update_running");
   return UT_OK;
@@ -498,7 +502,8 @@ int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, cons
                                ut__i64 inner, float eps, float act) {
   if (c <= 0) return UT_OK;
   if (rstd) {
-    ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(var, rstd, c, eps);
+    ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
+        var, rstd, c, eps);
     UT__CUDA_LAUNCHED("bn_apply rstd");
   }
   ut__i64 total = (ut__i64)n * c * inner;
@@ -507,16 +512,16 @@ int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, cons
   const ut__i64 groups = total / w, row_groups = inner / w;
   const unsigned blocks = ut__cuda_grid_for(groups, 256);
   if (w == 4 && total < INT_MAX)
-    ut__cuda_batchnorm2d_apply_kernel<4, unsigned><<<blocks, 256>>>(
+    ut__cuda_batchnorm2d_apply_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
   else if (w == 4)
-    ut__cuda_batchnorm2d_apply_kernel<4, ut__i64><<<blocks, 256>>>(
+    ut__cuda_batchnorm2d_apply_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
   else if (total < INT_MAX)
-    ut__cuda_batchnorm2d_apply_kernel<1, unsigned><<<blocks, 256>>>(
+    ut__cuda_batchnorm2d_apply_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
   else
-    ut__cuda_batchnorm2d_apply_kernel<1, ut__i64><<<blocks, 256>>>(
+    ut__cuda_batchnorm2d_apply_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
   UT__CUDA_LAUNCHED("bn_apply");
   return UT_OK;
@@ -590,7 +595,8 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
     st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD>(
         x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
     if (st) return st;
-    ut__cuda_batchnorm2d_backward_sums_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128>>>(
+    ut__cuda_batchnorm2d_backward_sums_kernel
+        <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
         ws, sums, dgamma, dbeta, c, chunks);
     UT__CUDA_LAUNCHED("bn_bwd sums");
   }
@@ -602,18 +608,18 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
     const float inv_m = 1.f / (float)m;
     const int tr = training ? 1 : 0;
     if (w == 4 && total < INT_MAX)
-      ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256>>>(
+      ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
           go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
           inv_m, tr, act);
     else if (w == 4)
-      ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256>>>(
+      ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
           go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
     else if (total < INT_MAX)
-      ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256>>>(
+      ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
           go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
           inv_m, tr, act);
     else
-      ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256>>>(
+      ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
           go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
     UT__CUDA_LAUNCHED("bn_bwd dx");
   }

@@ -26,7 +26,8 @@ static __global__ void ut__cuda_sgd_kernel(float* __restrict__ p, const float* _
 
 int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum) {
   if (n <= 0) return UT_OK;
-  ut__cuda_sgd_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(p, g, v, n, lr, momentum);
+  ut__cuda_sgd_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
+      p, g, v, n, lr, momentum);
   UT__CUDA_LAUNCHED("sgd");
   return UT_OK;
 }
@@ -69,8 +70,8 @@ static int ut__cuda_many_launch(float* const* p, const float* const* g, float* c
     }
     if (most <= 0) continue;
     dim3 grid(ut__cuda_grid_for(most, 256), (unsigned)k);
-    if (fill) ut__cuda_fill_many_kernel<<<grid, 256>>>(m, a);
-    else ut__cuda_sgd_many_kernel<<<grid, 256>>>(m, a, b);
+    if (fill) ut__cuda_fill_many_kernel<<<grid, 256, 0, ut__cuda_stream>>>(m, a);
+    else ut__cuda_sgd_many_kernel<<<grid, 256, 0, ut__cuda_stream>>>(m, a, b);
     UT__CUDA_LAUNCHED(fill ? "fill_many" : "sgd_many");
   }
   return UT_OK;
@@ -103,8 +104,8 @@ static __global__ void ut__cuda_adam_kernel(float* __restrict__ p, const float* 
 int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
                   float b2, float eps, float bc1, float bc2) {
   if (n <= 0) return UT_OK;
-  ut__cuda_adam_kernel<<<ut__cuda_grid_for(n, 256), 256>>>(p, g, m, v, n, lr, b1, b2, eps, bc1,
-                                                           bc2);
+  ut__cuda_adam_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
+      p, g, m, v, n, lr, b1, b2, eps, bc1, bc2);
   UT__CUDA_LAUNCHED("adam");
   return UT_OK;
 }
