@@ -748,6 +748,10 @@ typedef struct {
 } ut__recording;
 static ut__recording* ut__rec; /* atomic loads: any thread checks it */
 static pthread_mutex_t ut__rec_lock = PTHREAD_MUTEX_INITIALIZER;
+/* graphs freed while a recording runs: freeing one waits for the device, which a recording
+   forbids, so they go when it ends (guarded by ut__rec_lock) */
+static struct ut_cuda_graph** ut__graphs_freed_late;
+static size_t ut__graphs_freed_late_n;
 
 static ut__recording* ut__recording_now(void) {
   return __atomic_load_n(&ut__rec, __ATOMIC_ACQUIRE);
@@ -1261,7 +1265,13 @@ ut_cuda_graph* ut_cuda_graph_end(void) {
   void* g = NULL;
   int rc = gpu->graph_end(&g);
   __atomic_store_n(&ut__rec, NULL, __ATOMIC_RELEASE);
+  struct ut_cuda_graph** late = ut__graphs_freed_late;
+  size_t nlate = ut__graphs_freed_late_n;
+  ut__graphs_freed_late = NULL;
+  ut__graphs_freed_late_n = 0;
   pthread_mutex_unlock(&ut__rec_lock);
+  for (size_t i = 0; i < nlate; i++) ut_cuda_graph_free(late[i]);
+  free(late);
   if (rc < 0) {
     ut__recording_free(r);
     return NULL;
@@ -1331,6 +1341,23 @@ int ut_cuda_graph_replay(ut_cuda_graph* g) {
 
 void ut_cuda_graph_free(ut_cuda_graph* g) {
   if (!g) return;
+  pthread_mutex_lock(&ut__rec_lock);
+  if (ut__rec) {
+    ut_cuda_graph** late = (ut_cuda_graph**)realloc(
+        ut__graphs_freed_late, (ut__graphs_freed_late_n + 1) * sizeof *late);
+    if (late) {
+      ut__graphs_freed_late = late;
+      late[ut__graphs_freed_late_n++] = g;
+      pthread_mutex_unlock(&ut__rec_lock);
+      return;
+    }
+    /* no memory to defer it: its memory is kept, which is safe, and its references go */
+    pthread_mutex_unlock(&ut__rec_lock);
+    for (size_t i = 0; i < g->n; i++) ut_free(g->t[i]);
+    g->n = 0;
+    return;
+  }
+  pthread_mutex_unlock(&ut__rec_lock);
   const ut__backend* gpu = ut__cuda_backend();
   if (gpu && g->g) gpu->graph_free(g->g);
   for (size_t i = 0; i < g->n; i++) ut_free(g->t[i]);

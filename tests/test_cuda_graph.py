@@ -200,3 +200,21 @@ def test_one_recording_at_a_time_and_cpu_work_runs_at_once():
     with pytest.raises(ut.ClosedError, match="holds a recording"):
         g.capture_begin()
     g.close()
+
+
+@needs_gpu
+def test_closing_a_graph_while_recording_another_waits_for_the_end():
+    x = ut.tensor(np.arange(6, dtype=np.float32) - 3, "cuda")
+    ut.relu(x).close()
+    first = ut.cuda.CUDAGraph()
+    with ut.cuda.graph(first):
+        y1 = ut.relu(x)
+    second = ut.cuda.CUDAGraph()
+    with ut.cuda.graph(second):
+        y2 = ut.relu6(x)
+        first.close()  # freeing waits for the device, which a recording forbids: done at the end
+    assert not first.recorded
+    second.replay()
+    np.testing.assert_array_equal(y2.numpy(), np.clip(np.arange(6) - 3, 0, 6))
+    second.close()
+    y1.close()
