@@ -30,7 +30,7 @@ LAYERS = [
     ["optim"],
     ["models", "data"],
     ["__init__"],
-    ["train", "selftest"],
+    ["train", "selftest", "launch", "distributed"],
 ]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -22,6 +22,7 @@ __all__ = [
     "ShapeError",
     "OutOfMemoryError",
     "DeviceError",
+    "DistributedError",
     "check",
     "check_ptr",
     "check_status",
@@ -69,6 +70,10 @@ class DeviceError(UtensilError, RuntimeError):
     """The device is absent or its runtime reported an error."""
 
     status = lib.UT_ERR_DEVICE
+
+
+class DistributedError(UtensilError, RuntimeError):
+    """Processes of a distributed run disagree, are missing, or did not meet in time."""
 
 
 _BY_STATUS = {

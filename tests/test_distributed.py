@@ -1,0 +1,280 @@
+"""The parts of data-parallel training that need no GPU: the launcher, the environment, the file
+rendezvous, the sampler. References: hand-built environments, real processes and files, and
+PyTorch's DistributedSampler where torch is installed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from utensil_ffi import distributed as D
+from utensil_ffi._errors import ArgumentError, DistributedError
+
+GOOD = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29500"}
+
+
+# -- the environment --------------------------------------------------------------------------------
+def test_env_from_torchrun_variables():
+    e = D.env_from_environ(dict(GOOD, TORCHELASTIC_RUN_ID="abc"))
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.run_id) == \
+        (1, 4, 1, "10.0.0.5", 29500, "abc")
+    assert not e.is_main and D.env_from_environ(dict(GOOD, RANK="0")).is_main
+
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"RANK": None, "MASTER_PORT": None}, "missing RANK, MASTER_PORT"),
+    ({"WORLD_SIZE": ""}, "missing WORLD_SIZE"),
+    ({"RANK": "4"}, r"RANK=4 is out of range: it must be in \[0, 3\]"),
+    ({"RANK": "-1"}, "RANK=-1 is out of range"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is out of range"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not an integer"),
+    ({"MASTER_PORT": "65535"}, "MASTER_PORT=65535 is out of range"),
+    ({"LOCAL_WORLD_SIZE": "1"}, "LOCAL_RANK=1 is not below LOCAL_WORLD_SIZE=1"),
+])
+def test_inconsistent_environments_are_named(change, pattern):
+    env = dict(GOOD)
+    for k, v in change.items():
+        if v is None:
+            env.pop(k)
+        else:
+            env[k] = v
+    with pytest.raises(DistributedError, match=pattern):
+        D.env_from_environ(env)
+
+
+def test_env_from_mpi_takes_a_communicator():
+    class Comm:
+        def Get_rank(self):
+            return 2
+
+        def Get_size(self):
+            return 3
+
+    e = D.env_from_mpi(Comm())
+    assert (e.rank, e.world_size, e.local_rank) == (2, 3, 2)
+
+
+# -- the file rendezvous ------------------------------------------------------------------------------
+def _meet(path, world, payload=b"\x01id\xff" * 32, run_id="r1", timeout=10.0, ranks=None):
+    out, errs = {}, {}
+
+    def one(rank):
+        rv = D.FileRendezvous(path, rank, world, timeout=timeout, run_id=run_id)
+        try:
+            out[rank] = rv.exchange(payload if rank == 0 else None)
+        except Exception as e:  # noqa: BLE001 - collected for the assertions
+            errs[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (ranks or range(world))]
+    for t in threads[::-1]:  # the waiters first: they must wait, not read a missing file
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(30)
+    return out, errs
+
+
+def test_rendezvous_gives_every_rank_rank0s_payload(tmp_path):
+    payload = bytes(range(128))
+    out, errs = _meet(str(tmp_path / "rv"), 4, payload)
+    assert not errs and out == {r: payload for r in range(4)}
+    doc = json.loads((tmp_path / "rv").read_text())
+    assert doc["world_size"] == 4 and bytes.fromhex(doc["payload"]) == payload
+    assert not list(tmp_path.glob("rv.tmp*"))  # written whole, then renamed
+
+
+def test_rendezvous_ignores_an_earlier_runs_files(tmp_path):
+    path = str(tmp_path / "rv")
+    _meet(path, 2, b"old", run_id="run-a")
+    out, errs = _meet(path, 2, b"new", run_id="run-b", ranks=[1, 0])
+    assert not errs and out == {0: b"new", 1: b"new"}
+
+
+def test_rendezvous_refuses_a_duplicate_rank(tmp_path):
+    path = str(tmp_path / "rv")
+    D.FileRendezvous(path, 1, 2, run_id="r")._claim_rank()
+    with pytest.raises(DistributedError, match="rank 1 of run 'r' is claimed twice"):
+        D.FileRendezvous(path, 1, 2, run_id="r").exchange()
+
+
+def test_rendezvous_refuses_a_world_size_mismatch(tmp_path):
+    path = str(tmp_path / "rv")
+    D.FileRendezvous(path, 0, 2, run_id="r").exchange(b"x")
+    with pytest.raises(DistributedError, match="WORLD_SIZE=3 but rank 0 published 2"):
+        D.FileRendezvous(path, 1, 3, run_id="r").exchange()
+
+
+def test_rendezvous_times_out_with_a_reason(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match="waited 0 s for rank 0"):
+        D.FileRendezvous(str(tmp_path / "rv"), 1, 2, timeout=0.2, run_id="r").exchange()
+    assert time.monotonic() - t0 < 5
+
+
+def test_rendezvous_argument_checks(tmp_path):
+    with pytest.raises(ArgumentError, match="rank must be in"):
+        D.FileRendezvous(str(tmp_path / "rv"), 2, 2)
+    with pytest.raises(ArgumentError, match="payload as bytes"):
+        D.FileRendezvous(str(tmp_path / "rv"), 0, 1, run_id="r").exchange("text")
+    with pytest.raises(ArgumentError, match="timeout must be positive"):
+        D.FileRendezvous(str(tmp_path / "rv"), 0, 1, timeout=0)
+
+
+# -- the sampler ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, world", [(10, 3), (12, 4), (3, 5), (1, 2), (0, 2), (17, 1)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_shards_are_disjoint_and_cover(n, world, drop_last):
+    for epoch in (0, 1):
+        shards = []
+        for r in range(world):
+            s = D.DistributedSampler(n, world, r, shuffle=True, seed=7, drop_last=drop_last)
+            s.set_epoch(epoch)
+            shards.append(list(s))
+            assert len(shards[-1]) == len(s)
+        lens = {len(x) for x in shards}
+        assert len(lens) == 1  # equal length on every rank: no rank waits at the end
+        flat = [i for sh in shards for i in sh]
+        if drop_last:
+            assert len(flat) == len(set(flat)) == (n // world) * world
+        else:
+            assert set(flat) == set(range(n))
+            assert len(flat) == -(-n // world) * world if n else len(flat) == 0
+
+
+def test_sampler_order_is_the_same_on_every_rank_and_moves_with_the_epoch():
+    a = D.DistributedSampler(100, 4, 0, seed=3)
+    b = D.DistributedSampler(100, 4, 3, seed=3)
+    assert np.array_equal(a.global_order(), b.global_order())
+    first = a.global_order().copy()
+    a.set_epoch(1)
+    assert not np.array_equal(a.global_order(), first)
+    assert sorted(a.global_order().tolist()) == list(range(100))
+    c = D.DistributedSampler(100, 4, 0, seed=4)
+    assert not np.array_equal(c.global_order(), first)
+
+
+@pytest.mark.parametrize("n, world, drop_last", [(10, 3, False), (10, 3, True), (2, 4, False),
+                                                 (9, 3, False)])
+def test_sampler_matches_pytorch_without_shuffle(n, world, drop_last):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DistributedSampler as TorchSampler
+
+    for r in range(world):
+        ours = list(D.DistributedSampler(n, world, r, shuffle=False, drop_last=drop_last))
+        theirs = list(TorchSampler(range(n), num_replicas=world, rank=r, shuffle=False,
+                                   drop_last=drop_last))
+        assert ours == theirs, (r, ours, theirs)
+    del torch
+
+
+# -- the launcher -------------------------------------------------------------------------------------
+def _launch(tmp_path, body, n=2, extra=(), timeout=60):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    cmd = [sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", str(n), "--grace", "2",
+           *extra, str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+def test_launcher_gives_each_process_its_rank(tmp_path):
+    r = _launch(tmp_path, """
+        import json, os
+        from utensil_ffi.distributed import env_from_environ
+        e = env_from_environ()
+        json.dump(dict(os.environ, PID=os.getpid()), open("env%d.json" % e.rank, "w"))
+    """, n=3)
+    assert r.returncode == 0, r.stderr
+    envs = [json.loads((tmp_path / ("env%d.json" % i)).read_text()) for i in range(3)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert len({e["UTENSIL_RUN_ID"] for e in envs}) == 1
+    assert len({e["PID"] for e in envs}) == 3
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open("/proc/%d/stat" % pid) as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def test_a_failing_rank_stops_the_others(tmp_path):
+    t0 = time.monotonic()
+    r = _launch(tmp_path, """
+        import os, subprocess, sys, time
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            time.sleep(0.5)
+            sys.exit(3)
+        # rank 0 hangs, with a child of its own: both must be stopped
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open("pids", "w").write("%d %d" % (os.getpid(), child.pid))
+        time.sleep(120)
+    """)
+    assert r.returncode == 3
+    assert "rank 1 exited with code 3; stopping the 1 still running" in r.stderr
+    assert time.monotonic() - t0 < 30
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "orphans left behind"
+
+
+def test_launcher_refuses_bad_arguments(tmp_path):
+    (tmp_path / "ok.py").write_text("")
+    r = _launch(tmp_path, "", n=0)
+    assert r.returncode == 2 and "--nproc-per-node must be at least 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", "1",
+                        str(tmp_path / "missing.py")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no such script" in r.stderr
+
+
+def test_free_port_leaves_its_successor_free():
+    import socket
+
+    from utensil_ffi.launch import free_port
+
+    p = free_port()
+    for q in (p, p + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", q))
+
+
+def test_interrupting_the_launcher_stops_every_rank(tmp_path):
+    import signal
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        open("pid%s" % os.environ["RANK"], "w").write(str(os.getpid()))
+        time.sleep(120)
+    """))
+    p = subprocess.Popen([sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", "2",
+                          "--grace", "2", str(script)], cwd=tmp_path, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / ("pid%d" % r)).exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 128 + signal.SIGINT
+    assert "interrupted; stopping 2 processes" in p.stderr.read()
+    pids = [int((tmp_path / ("pid%d" % r)).read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 5
+    while any(_alive(q) for q in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(q) for q in pids)

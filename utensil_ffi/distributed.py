@@ -1,0 +1,241 @@
+"""Data-parallel training over several processes: who is who, meeting up, and splitting the data.
+
+One process per GPU, started by ``torchrun``, ``mpirun`` or ``python -m utensil_ffi.launch``.
+This module holds the parts that need no GPU library:
+
+- :func:`env_from_environ` reads the launcher's environment (torchrun's names: ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and refuses an inconsistent
+  one with a message naming the variable; :func:`env_from_mpi` asks MPI (mpi4py) instead.
+- :class:`FileRendezvous` lets the ranks meet through one file on a shared file system: rank 0
+  publishes a payload (the communicator's id) atomically, the others wait for it; two processes
+  claiming one rank, ranks that disagree on the world size, or a rank 0 that never comes are
+  errors, not hangs.
+- :class:`DistributedSampler` splits a data set into disjoint, equally long shards per rank in one
+  global order that every rank computes alike from the seed and the epoch (PyTorch's
+  ``DistributedSampler`` rule).
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _args
+from ._errors import ArgumentError, DistributedError
+
+__all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "DistributedSampler"]
+
+_LAUNCHERS = "torchrun, python -m utensil_ffi.launch or mpirun"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """One process's place in a run: ``rank`` in [0, world_size), ``local_rank`` its GPU on
+    this machine, and where rank 0 listens (``master_addr``, ``master_port``; None under MPI)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str = None
+    master_port: int = None
+    run_id: str = None
+
+    @property
+    def is_main(self):
+        """True on rank 0: the rank that prints, writes checkpoints and plots."""
+        return self.rank == 0
+
+
+def _int_var(environ, name, lo, hi):
+    text = environ[name]
+    try:
+        v = int(text.strip())
+    except ValueError:
+        raise DistributedError("%s=%r is not an integer (set by %s)" % (name, text, _LAUNCHERS)) \
+            from None
+    if not lo <= v <= hi:
+        raise DistributedError("%s=%d is out of range: it must be in [%d, %d]" % (name, v, lo, hi))
+    return v
+
+
+def env_from_environ(environ=None):
+    """The :class:`DistEnv` of this process from torchrun's variables (``environ`` defaults to
+    ``os.environ``). Every missing variable is named in one error; ``MASTER_PORT`` leaves room
+    for NCCL's bootstrap on the port after it (torchrun itself listens on ``MASTER_PORT``)."""
+    environ = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    missing = [n for n in names if not str(environ.get(n, "")).strip()]
+    if missing:
+        raise DistributedError(
+            "missing %s in the environment: start the processes with %s (or give them these "
+            "variables)" % (", ".join(missing), _LAUNCHERS))
+    world = _int_var(environ, "WORLD_SIZE", 1, 1 << 20)
+    rank = _int_var(environ, "RANK", 0, world - 1)
+    local = _int_var(environ, "LOCAL_RANK", 0, world - 1)
+    port = _int_var(environ, "MASTER_PORT", 1, 65534)
+    if "LOCAL_WORLD_SIZE" in environ:
+        lw = _int_var(environ, "LOCAL_WORLD_SIZE", 1, world)
+        if local >= lw:
+            raise DistributedError("LOCAL_RANK=%d is not below LOCAL_WORLD_SIZE=%d" % (local, lw))
+    run_id = environ.get("UTENSIL_RUN_ID") or environ.get("TORCHELASTIC_RUN_ID") or None
+    return DistEnv(rank, world, local, environ["MASTER_ADDR"].strip(), port, run_id)
+
+
+def env_from_mpi(comm=None):
+    """The :class:`DistEnv` from MPI (mpi4py's ``COMM_WORLD`` unless ``comm`` is given); the
+    local rank is the rank among the processes sharing this machine's memory."""
+    if comm is None:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise DistributedError("env_from_mpi needs mpi4py (pip install mpi4py)") from None
+        comm = MPI.COMM_WORLD
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    else:
+        local = comm.Get_rank()
+    return DistEnv(comm.Get_rank(), comm.Get_size(), local)
+
+
+class FileRendezvous:
+    """Ranks meeting through ``path`` on a file system all of them see.
+
+    ``exchange(payload)`` on rank 0 publishes ``payload`` (bytes) with the world size and the run
+    id: written to a temporary file, flushed to disk, then renamed over ``path``, so a reader
+    sees all of it or nothing. Every other rank waits (up to ``timeout`` seconds) for a file of
+    this run and returns the payload. Before that each rank claims ``path.rank<r>``: a second
+    process with the same rank in the same run fails. ``run_id`` (default: the launcher's
+    ``UTENSIL_RUN_ID`` or torchrun's ``TORCHELASTIC_RUN_ID``) tells this run's files from a
+    crashed earlier run's; without one, use a fresh path per run.
+    """
+
+    def __init__(self, path, rank, world_size, timeout=300.0, run_id=None, poll=0.02):
+        self.path = os.fspath(path)
+        self.world_size = _args.to_int(world_size, "world_size", 1)
+        self.rank = _args.to_int(rank, "rank", 0, self.world_size - 1)
+        self.timeout = float(timeout)
+        if not self.timeout > 0:
+            raise ArgumentError("FileRendezvous: timeout must be positive, got %r" % (timeout,))
+        self.run_id = run_id or os.environ.get("UTENSIL_RUN_ID") or \
+            os.environ.get("TORCHELASTIC_RUN_ID") or ""
+        self.poll = poll
+        self._claim = "%s.rank%d" % (self.path, self.rank)
+
+    def _claim_rank(self):
+        while True:
+            try:
+                fd = os.open(self._claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self._claim) as f:
+                        owner = f.read()
+                except FileNotFoundError:
+                    continue  # its owner just cleaned up: try again
+                if owner == self.run_id + "\n":
+                    raise DistributedError(
+                        "rank %d of run %r is claimed twice (%s exists): two processes were "
+                        "given the same RANK" % (self.rank, self.run_id, self._claim)) from None
+                os.unlink(self._claim)  # left by another run
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(self.run_id + "\n")
+            return
+
+    def exchange(self, payload=None):
+        """Rank 0: publish ``payload`` (bytes) and return it; other ranks: wait for it."""
+        self._claim_rank()
+        if self.rank == 0:
+            if not isinstance(payload, (bytes, bytearray)):
+                raise ArgumentError("FileRendezvous.exchange: rank 0 must pass the payload as "
+                                    "bytes, got %s" % type(payload).__name__)
+            doc = {"world_size": self.world_size, "run_id": self.run_id,
+                   "payload": bytes(payload).hex()}
+            tmp = "%s.tmp%d" % (self.path, os.getpid())
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            return bytes(payload)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            doc = self._read()
+            if doc is not None and doc.get("run_id") == self.run_id:
+                if doc.get("world_size") != self.world_size:
+                    raise DistributedError(
+                        "rank %d has WORLD_SIZE=%d but rank 0 published %r: the processes "
+                        "disagree on the world size" % (self.rank, self.world_size,
+                                                         doc.get("world_size")))
+                return bytes.fromhex(doc["payload"])
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    "rank %d waited %.0f s for rank 0 to publish %s: rank 0 did not start, "
+                    "failed, or uses another path or run id" % (self.rank, self.timeout,
+                                                                self.path))
+            time.sleep(self.poll)
+
+    def _read(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def cleanup(self):
+        """Remove this rank's claim (and, on rank 0, the published file)."""
+        for p in (self._claim,) + ((self.path,) if self.rank == 0 else ()):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+class DistributedSampler:
+    """Indices of rank ``rank``'s share of a data set of ``n`` items (PyTorch's rule).
+
+    Each epoch the ``n`` indices are put in one global order (a permutation drawn from
+    ``seed + epoch`` when ``shuffle``, else 0..n-1) that every rank computes alike; rank r takes
+    every ``world_size``-th index from position r. Without ``drop_last`` the order is padded
+    with its own first indices to a multiple of ``world_size`` (every rank gets
+    ``ceil(n / world_size)``); with it the tail is dropped (``floor``). Call ``set_epoch`` before
+    each epoch for a new order.
+    """
+
+    def __init__(self, n, world_size, rank, shuffle=True, seed=0, drop_last=False):
+        self.n = _args.to_int(n, "n", 0)
+        self.world_size = _args.to_int(world_size, "world_size", 1)
+        self.rank = _args.to_int(rank, "rank", 0, self.world_size - 1)
+        self.shuffle = _args.to_bool(shuffle, "shuffle")
+        self.seed = _args.to_int(seed, "seed", 0, 2**63 - 1)
+        self.drop_last = _args.to_bool(drop_last, "drop_last")
+        self.epoch = 0
+        if self.drop_last:
+            self.num_samples = self.n // self.world_size
+        else:
+            self.num_samples = -(-self.n // self.world_size)
+        self.total_size = self.num_samples * self.world_size
+
+    def set_epoch(self, epoch):
+        self.epoch = _args.to_int(epoch, "epoch", 0)
+
+    def global_order(self):
+        """The epoch's order of all indices, before padding or dropping (the same on every
+        rank)."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        return np.arange(self.n)
+
+    def indices(self):
+        order = self.global_order()
+        if self.total_size > len(order) and len(order):
+            reps = -(-self.total_size // len(order))
+            order = np.tile(order, reps)
+        order = order[:self.total_size]
+        return order[self.rank:self.total_size:self.world_size]
+
+    def __iter__(self):
+        return iter(self.indices().tolist())
+
+    def __len__(self):
+        return self.num_samples

@@ -1,0 +1,131 @@
+"""python -m utensil_ffi.launch --nproc-per-node N script.py [args...]
+
+Start N copies of a Python script on this machine, one per GPU, with the environment torchrun
+gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) and a fresh ``UTENSIL_RUN_ID``; ``utensil_ffi.distributed.env_from_environ`` reads
+it. ``MASTER_PORT`` is a free port unless given, with the port after it free too (the
+communicator's bootstrap listens there).
+
+When one process fails, the others are stopped (SIGTERM to each one's process group, SIGKILL
+after ``--grace`` seconds) and the launcher exits with the failed process's code, so no rank
+is left waiting for a peer that is gone and nothing is orphaned. Ctrl-C (or SIGTERM) stops all
+of them the same way. Output goes straight to this terminal.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+__all__ = ["main", "free_port"]
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port that is free now and whose successor is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of TCP ports found on %s" % host)
+
+
+def _stop(procs, grace):
+    """SIGTERM every live process group, then SIGKILL what is left after `grace` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in live:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, poll=0.05):
+    """Start `nproc` processes of `command` (a list) and supervise them; returns the exit code:
+    0 when all succeeded, else the first failure's (128 + signal for a killed process)."""
+    port = master_port or free_port(master_addr)
+    run_id = uuid.uuid4().hex
+    procs = []
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr,
+                       MASTER_PORT=str(port), UTENSIL_RUN_ID=run_id)
+            # each in a process group of its own: stopping it stops what it started as well
+            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        while True:
+            if interrupted:
+                print("utensil_ffi.launch: interrupted; stopping %d processes" % nproc,
+                      file=sys.stderr)
+                _stop(procs, grace)
+                return 128 + interrupted[0]
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                others = sum(c is None for c in codes)
+                print("utensil_ffi.launch: rank %d exited with code %d; stopping the %d still "
+                      "running" % (rank, code, others), file=sys.stderr)
+                _stop(procs, grace)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll)
+    finally:
+        _stop(procs, grace)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m utensil_ffi.launch",
+                                description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--nproc-per-node", type=int, required=True,
+                   help="processes to start (one per GPU)")
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rank 0's port (default: a free one)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping the others")
+    p.add_argument("script", help="the Python script every process runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = p.parse_args(argv)
+    if a.nproc_per_node < 1:
+        p.error("--nproc-per-node must be at least 1, got %d" % a.nproc_per_node)
+    if a.master_port is not None and not 1 <= a.master_port <= 65534:
+        p.error("--master-port must be in [1, 65534], got %d" % a.master_port)
+    if not os.path.isfile(a.script):
+        p.error("no such script: %s" % a.script)
+    return run(a.nproc_per_node, [sys.executable, a.script] + a.args, a.master_addr,
+               a.master_port, a.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
