@@ -374,6 +374,11 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
                      float lr, float momentum);
 /* ut_fill(ts[i], value) for count tensors in one call (zero_grad); all are checked first */
 int ut_fill_many(ut_tensor** ts, int count, float value);
+/* The gradient buffer of data-parallel training: flat holds ts[0..count) end to end (flat's
+   element count is their sum; all on flat's device). ut_pack copies them into flat, ut_unpack
+   copies flat back out (one all-reduce of flat then serves every tensor). */
+int ut_pack(ut_tensor* flat, ut_tensor** ts, int count);
+int ut_unpack(ut_tensor* flat, ut_tensor** ts, int count);
 /* Adam with bias correction; step is the 1-based update count; m, v start at zero */
 int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
                  float beta1, float beta2, float eps);
@@ -2607,6 +2612,54 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     const ut__backend* be = ut__backend_for(params[i]->dev);
     ut__wrote(params[i], be);
     if (velocities) ut__wrote(velocities[i], be);
+  }
+  return UT_OK;
+}
+
+static int ut__check_pack(ut_tensor* flat, ut_tensor** ts, int count, const char* who) {
+  UT__TRY(ut__check_tensor(flat, who, "flat"));
+  UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
+  UT__CHECK(count == 0 || ts, UT_ERR_ARG, "%s: NULL tensors", who);
+  long long total = 0;
+  for (int i = 0; i < count; i++) {
+    if (ut__check_arg(ts[i], flat, -1, who, "t") < 0 ||
+        ut__check_distinct(ts[i], flat, who, "t", "flat") < 0)
+      return ut__item_error(who, i);
+    total += ts[i]->shape.nelem;
+  }
+  UT__CHECK(total == flat->shape.nelem, UT_ERR_SHAPE,
+            "%s: the %d tensors hold %lld elements, flat holds %d", who, count, total,
+            flat->shape.nelem);
+  return UT_OK;
+}
+
+int ut_pack(ut_tensor* flat, ut_tensor** ts, int count) {
+  UT__TRY(ut__check_pack(flat, ts, count, "ut_pack"));
+  const ut__backend* be = ut__backend_for(flat->dev);
+  /* every source current on flat's side first: flat is then written only by the copies */
+  for (int i = 0; i < count; i++)
+    if (!ut__in(ts[i], be)) return ut__item_error("ut_pack", i);
+  float* fp = ut__out(flat, be);
+  ut__i64 off = 0;
+  for (int i = 0; i < count; i++) {
+    UT__TRY(be->copy(fp + off, ut__in(ts[i], be), ts[i]->shape.nelem));
+    off += ts[i]->shape.nelem;
+  }
+  ut__wrote(flat, be);
+  return UT_OK;
+}
+
+int ut_unpack(ut_tensor* flat, ut_tensor** ts, int count) {
+  UT__TRY(ut__check_pack(flat, ts, count, "ut_unpack"));
+  const ut__backend* be = ut__backend_for(flat->dev);
+  const float* fp = ut__in(flat, be);
+  if (!fp) return ut__err_status;
+  ut__i64 off = 0;
+  for (int i = 0; i < count; i++) {
+    int rc = be->copy(ut__out(ts[i], be), fp + off, ts[i]->shape.nelem);
+    if (rc < 0) return rc;
+    ut__wrote(ts[i], be);
+    off += ts[i]->shape.nelem;
   }
   return UT_OK;
 }

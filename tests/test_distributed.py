@@ -278,3 +278,50 @@ def test_interrupting_the_launcher_stops_every_rank(tmp_path):
     while any(_alive(q) for q in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(q) for q in pids)
+
+
+# -- the gradient buffer ---------------------------------------------------------------------------------
+def _devices():
+    import utensil_ffi as ut
+
+    return ut.devices()
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_gradient_buffer_packs_and_unpacks_in_parameter_order(device):
+    import utensil_ffi as ut
+
+    net = ut.Sequential(ut.Conv2d(2, 3, 3, device=device), ut.BatchNorm2d(3, device=device),
+                        ut.Linear(4, 5, device=device))
+    params = list(net.parameters())
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
+    for p, g in zip(params, grads):
+        p.grad.copy_from(g)
+    with D.GradientBuffer(params) as buf:
+        assert buf.numel == sum(g.size for g in grads)
+        flat = buf.pack().numpy()
+        np.testing.assert_array_equal(flat, np.concatenate([g.ravel() for g in grads]))
+        new = rng.standard_normal(buf.numel).astype(np.float32)
+        buf.flat.copy_from(new)
+        buf.unpack()
+        off = 0
+        for p, g in zip(params, grads):
+            np.testing.assert_array_equal(p.grad.numpy().ravel(), new[off:off + g.size])
+            off += g.size
+    net.close()
+
+
+def test_pack_refuses_mismatched_sizes_and_devices():
+    import utensil_ffi as ut
+    from utensil_ffi import functional as F
+
+    a, b = ut.zeros((3,)), ut.zeros((2, 2))
+    with pytest.raises(ut.ShapeError, match="the 2 tensors hold 7 elements, flat holds 6"):
+        F.pack(ut.zeros((6,)), [a, b])
+    with pytest.raises(ut.ArgumentError, match="must be different tensors"):
+        F.unpack(a, [a])
+    with pytest.raises(ut.ArgumentTypeError, match=r"tensors\[1\] must be a Tensor"):
+        F.pack(ut.zeros((3,)), [a, np.zeros(2)])
+    with pytest.raises(ut.ArgumentError, match="no parameters"):
+        D.GradientBuffer([])

@@ -10,6 +10,8 @@ This module holds the parts that need no GPU library:
   publishes a payload (the communicator's id) atomically, the others wait for it; two processes
   claiming one rank, ranks that disagree on the world size, or a rank 0 that never comes are
   errors, not hangs.
+- :class:`GradientBuffer` lays a model's gradients end to end in one tensor, so that one
+  all-reduce after backward serves all of them.
 - :class:`DistributedSampler` splits a data set into disjoint, equally long shards per rank in one
   global order that every rank computes alike from the seed and the epoch (PyTorch's
   ``DistributedSampler`` rule).
@@ -23,9 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _args
-from ._errors import ArgumentError, DistributedError
+from . import functional as F
+from ._errors import ArgumentError, ArgumentTypeError, DistributedError
+from .tensor import Tensor, zeros
 
-__all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "DistributedSampler"]
+__all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "GradientBuffer",
+           "DistributedSampler"]
 
 _LAUNCHERS = "torchrun, python -m utensil_ffi.launch or mpirun"
 
@@ -189,6 +194,44 @@ class FileRendezvous:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+class GradientBuffer:
+    """The gradients of ``parameters`` laid end to end in ``flat`` (one tensor on their device):
+    ``pack()`` copies every ``p.grad`` in, ``unpack()`` copies ``flat`` back out, in the order of
+    ``parameters``. Between the two, one all-reduce of ``flat`` averages every gradient.
+    ``close()`` (or ``with``) frees ``flat``."""
+
+    def __init__(self, parameters):
+        self.parameters = list(parameters)
+        if not self.parameters:
+            raise ArgumentError("GradientBuffer: no parameters")
+        for i, p in enumerate(self.parameters):
+            if not isinstance(p, Tensor) or not isinstance(getattr(p, "grad", None), Tensor):
+                raise ArgumentTypeError("GradientBuffer: parameters[%d] is not a Parameter with "
+                                        "a gradient" % i)
+        devices = {p.device for p in self.parameters}
+        if len(devices) != 1:
+            raise ArgumentError("GradientBuffer: the parameters are on several devices (%s)"
+                                % ", ".join(sorted(devices)))
+        self.numel = sum(int(np.prod(p.shape)) for p in self.parameters)
+        self.flat = zeros((self.numel,), devices.pop())
+
+    def pack(self):
+        F.pack(self.flat, [p.grad for p in self.parameters])
+        return self.flat
+
+    def unpack(self):
+        F.unpack(self.flat, [p.grad for p in self.parameters])
+
+    def close(self):
+        self.flat.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class DistributedSampler:

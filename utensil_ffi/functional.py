@@ -393,6 +393,29 @@ def fill_many(tensors, value):
             fail("fill_many")
 
 
+def _pack(what, c_op, flat, tensors):
+    tensors = list(tensors)
+    for i, t in enumerate([flat] + tensors):
+        if not isinstance(t, Tensor):
+            raise ArgumentTypeError("%s: %s must be a Tensor, got %s" % (
+                what, "flat" if i == 0 else "tensors[%d]" % (i - 1), type(t).__name__))
+    with _Args(what) as a:
+        fp = a.ptr(flat, "flat")
+        ps = a.ptrs(*((t, "tensors") for t in tensors)) if tensors else []
+        if c_op(fp, ffi.new("ut_tensor*[]", ps) if ps else ffi.NULL, len(ps)) < 0:
+            fail(what)
+
+
+def pack(flat, tensors):
+    """Copy the tensors into ``flat`` end to end (its size is the sum of theirs; one device)."""
+    _pack("pack", lib.ut_pack, flat, tensors)
+
+
+def unpack(flat, tensors):
+    """Copy ``flat`` back out into the tensors, the inverse of :func:`pack`."""
+    _pack("unpack", lib.ut_unpack, flat, tensors)
+
+
 def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8):
     """One in-place Adam update with bias correction; ``step`` is the 1-based update count."""
     step = _args.to_int(step, "step", 1)
