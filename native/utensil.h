@@ -153,6 +153,31 @@ int ut_cuda_graph_begin(void);              /* status; an error without a GPU */
 ut_cuda_graph* ut_cuda_graph_end(void);     /* NULL + error when the recording failed */
 int ut_cuda_graph_replay(ut_cuda_graph* g); /* status */
 void ut_cuda_graph_free(ut_cuda_graph* g);  /* NULL is ignored */
+/* ---- several processes: NCCL, loaded at run time ------------------------------------------
+   Data-parallel training runs one process per GPU, each on the GPU current for it (the
+   launcher gives each process one). Their gradients are averaged by NVIDIA's NCCL, loaded at
+   the first ut_dist_* call and never linked or shipped: $UTENSIL_NCCL_LIB when set (a path; set
+   but empty: no NCCL), else the path given to ut_nccl_hint (the Python bindings give the
+   nvidia-nccl-cu13 wheel's), then libnccl.so.2 from the system loader. Without it every
+   ut_dist_* call fails with UT_ERR_DEVICE and ut_nccl_info() says why; one-GPU work is not
+   affected. The id that makes processes one group comes from ut_dist_unique_id on one rank (or
+   on every rank, given NCCL_COMM_ID=host:port) and reaches the others by any channel. */
+#define UT_DIST_ID_BYTES 128
+typedef struct ut_dist ut_dist;
+int ut_nccl_hint(const char* path);       /* a path the search tries first; loads nothing */
+const char* ut_nccl_info(void);           /* "NCCL 2.28.9 (path)", or why it is not loaded */
+int ut_dist_unique_id(unsigned char* id); /* UT_DIST_ID_BYTES bytes; status */
+/* joins the group (blocks until all world_size ranks have joined); NULL + error on failure */
+ut_dist* ut_dist_init(int world_size, int rank, const unsigned char* id);
+/* t (a GPU tensor) becomes the sum of every rank's t, or their mean with average: queued on the
+   library's stream, in place, the same call on every rank in the same order */
+int ut_dist_all_reduce(ut_dist* d, ut_tensor* t, bool average);
+int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root); /* every rank's t = root's t */
+/* status: an error when NCCL reported one in the background (a peer died, a network failure);
+   poll it while waiting so a dead peer becomes an error, not a hang */
+int ut_dist_check(ut_dist* d);
+void ut_dist_free(ut_dist* d);  /* leaves the group, after its queued work */
+void ut_dist_abort(ut_dist* d); /* leaves at once, work in flight dropped (a peer is gone) */
 /* ---- matrix products on the GPU ----------------------------------------------------------
    GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
    time, else on utensil's own kernels; the library never links it. The default search runs at
@@ -535,6 +560,16 @@ typedef struct ut__backend {
   int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k);
   int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k);
 
+  /* NCCL (NULL in the CPU backend): the public ut_dist_* calls, see there; comm is the
+     backend's communicator */
+  int (*dist_unique_id)(unsigned char* id);
+  int (*dist_init)(int world_size, int rank, const unsigned char* id, void** comm);
+  int (*dist_all_reduce)(void* comm, float* x, ut__i64 n, bool average);
+  int (*dist_broadcast)(void* comm, float* x, ut__i64 n, int root);
+  int (*dist_check)(void* comm);
+  void (*dist_free)(void* comm, bool abort);
+  const char* (*nccl_info)(void);
+
   /* cuBLAS for gemm (NULL in the CPU backend): the public ut_cublas_* calls, see there */
   int (*blas_load)(const char* path);
   int (*blas_enable)(bool on);
@@ -559,6 +594,8 @@ int ut__set_error(int status, const char* fmt, ...);
 int ut__matmul_precision(void);
 /* Copies ut_cublas_hint's path (or "") into out (n bytes, n > 0). */
 void ut__cublas_hint_copy(char* out, size_t n);
+/* Copies ut_nccl_hint's path (or "") into out (n bytes, n > 0). */
+void ut__nccl_hint_copy(char* out, size_t n);
 
 /* The CUDA backend when built in and a GPU is present, else NULL. Defined in
    native/cuda/backend.cu; the implementation adds a weak stand-in ("backend selection"),
@@ -1370,6 +1407,105 @@ void ut_cuda_graph_free(ut_cuda_graph* g) {
   free(g->how);
   free(g);
 }
+
+/* ---- several processes: NCCL ------------------------------------------------------------ */
+static char ut__nccl_hint_path[4096];
+
+int ut_nccl_hint(const char* path) {
+  UT__CHECK(path, UT_ERR_ARG, "ut_nccl_hint: NULL path");
+  UT__CHECK(strlen(path) < sizeof ut__nccl_hint_path, UT_ERR_ARG,
+            "ut_nccl_hint: the path is longer than %d bytes", (int)sizeof ut__nccl_hint_path - 1);
+  pthread_mutex_lock(&ut__cublas_hint_lock);
+  strcpy(ut__nccl_hint_path, path);
+  pthread_mutex_unlock(&ut__cublas_hint_lock);
+  return UT_OK;
+}
+void ut__nccl_hint_copy(char* out, size_t n) {
+  pthread_mutex_lock(&ut__cublas_hint_lock);
+  snprintf(out, n, "%s", ut__nccl_hint_path);
+  pthread_mutex_unlock(&ut__cublas_hint_lock);
+}
+const char* ut_nccl_info(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->nccl_info() : "no CUDA device: NCCL is not used";
+}
+
+struct ut_dist {
+  void* comm;
+  int world_size, rank;
+};
+
+int ut_dist_unique_id(unsigned char* id) {
+  UT__CHECK(id, UT_ERR_ARG, "ut_dist_unique_id: NULL id");
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK(gpu, UT_ERR_DEVICE, "ut_dist_unique_id: no CUDA device is available");
+  return gpu->dist_unique_id(id);
+}
+
+ut_dist* ut_dist_init(int world_size, int rank, const unsigned char* id) {
+  UT__CHECK_NULL(id, UT_ERR_ARG, "ut_dist_init: NULL id");
+  UT__CHECK_NULL(world_size >= 1, UT_ERR_ARG, "ut_dist_init: world_size must be >= 1, got %d",
+                 world_size);
+  UT__CHECK_NULL(rank >= 0 && rank < world_size, UT_ERR_ARG,
+                 "ut_dist_init: rank %d is not in [0, %d)", rank, world_size);
+  const ut__backend* gpu = ut__cuda_backend();
+  UT__CHECK_NULL(gpu, UT_ERR_DEVICE, "ut_dist_init: no CUDA device is available");
+  ut_dist* d = (ut_dist*)calloc(1, sizeof *d);
+  UT__CHECK_NULL(d, UT_ERR_MEMORY, "ut_dist_init: out of host memory");
+  if (gpu->dist_init(world_size, rank, id, &d->comm) < 0) {
+    free(d);
+    return NULL;
+  }
+  d->world_size = world_size;
+  d->rank = rank;
+  return d;
+}
+
+static int ut__dist_tensor(ut_dist* d, ut_tensor* t, const char* who, const ut__backend** gpu) {
+  UT__CHECK(d && d->comm, UT_ERR_ARG, "%s: the group is NULL or freed", who);
+  UT__TRY(ut__check_tensor(t, who, "t"));
+  UT__CHECK(t->dev == UT_CUDA, UT_ERR_DEVICE, "%s: t must be a GPU tensor (NCCL moves GPU memory)",
+            who);
+  *gpu = ut__cuda_backend();
+  UT__CHECK(*gpu, UT_ERR_DEVICE, "%s: no CUDA device is available", who);
+  return UT_OK;
+}
+
+int ut_dist_all_reduce(ut_dist* d, ut_tensor* t, bool average) {
+  const ut__backend* gpu;
+  UT__TRY(ut__dist_tensor(d, t, "ut_dist_all_reduce", &gpu));
+  float* p = ut__inout(t, gpu);
+  if (!p) return ut__err_status;
+  UT__TRY(gpu->dist_all_reduce(d->comm, p, t->shape.nelem, average));
+  ut__wrote(t, gpu);
+  return UT_OK;
+}
+
+int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root) {
+  const ut__backend* gpu;
+  UT__TRY(ut__dist_tensor(d, t, "ut_dist_broadcast", &gpu));
+  UT__CHECK(root >= 0 && root < d->world_size, UT_ERR_ARG,
+            "ut_dist_broadcast: root %d is not in [0, %d)", root, d->world_size);
+  float* p = ut__inout(t, gpu);
+  if (!p) return ut__err_status;
+  UT__TRY(gpu->dist_broadcast(d->comm, p, t->shape.nelem, root));
+  ut__wrote(t, gpu);
+  return UT_OK;
+}
+
+int ut_dist_check(ut_dist* d) {
+  UT__CHECK(d && d->comm, UT_ERR_ARG, "ut_dist_check: the group is NULL or freed");
+  return ut__cuda_backend()->dist_check(d->comm);
+}
+
+static void ut__dist_leave(ut_dist* d, bool abort) {
+  if (!d) return;
+  const ut__backend* gpu = ut__cuda_backend();
+  if (gpu && d->comm) gpu->dist_free(d->comm, abort);
+  free(d);
+}
+void ut_dist_free(ut_dist* d) { ut__dist_leave(d, false); }
+void ut_dist_abort(ut_dist* d) { ut__dist_leave(d, true); }
 
 /* ---- whole-tensor utilities --------------------------------------------------------------- */
 ut_tensor* ut_copy(ut_tensor* t) {

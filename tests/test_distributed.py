@@ -199,6 +199,9 @@ def test_launcher_gives_each_process_its_rank(tmp_path):
     assert len({e["MASTER_PORT"] for e in envs}) == 1
     assert len({e["UTENSIL_RUN_ID"] for e in envs}) == 1
     assert len({e["PID"] for e in envs}) == 3
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    want = [visible[i % len(visible)] if visible else str(i) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == want  # one GPU per process
 
 
 def _alive(pid):
@@ -325,3 +328,32 @@ def test_pack_refuses_mismatched_sizes_and_devices():
         F.pack(ut.zeros((3,)), [a, np.zeros(2)])
     with pytest.raises(ut.ArgumentError, match="no parameters"):
         D.GradientBuffer([])
+
+
+# -- NCCL on several GPUs (UTENSIL_TEST_NCCL=1 where there are two or more; .ci/gpu sets it) ---------
+needs_gpus = pytest.mark.skipif(os.environ.get("UTENSIL_TEST_NCCL") != "1",
+                                reason="needs 2 GPUs and NCCL (UTENSIL_TEST_NCCL=1)")
+
+
+@needs_gpus
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_nccl_collectives_on_two_gpus(tmp_path, how):
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_child.py")
+    arg = "env" if how == "env" else str(tmp_path / "rendezvous")
+    r = subprocess.run([sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", "2",
+                        child, arg], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def test_without_nccl_the_group_says_why(tmp_path):
+    # UTENSIL_NCCL_LIB set and empty: no NCCL; on a CPU-only machine there is no GPU either
+    code = ("import os; os.environ['UTENSIL_NCCL_LIB'] = ''\n"
+            "from utensil_ffi import distributed as D\n"
+            "env = D.DistEnv(0, 1, 0, '127.0.0.1', 29500)\n"
+            "try:\n    D.ProcessGroup(env)\nexcept Exception as e:\n"
+            "    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("DeviceError"), r.stdout
+    assert "no CUDA device" in r.stdout or "NCCL not loaded" in r.stdout, r.stdout

@@ -10,6 +10,9 @@ This module holds the parts that need no GPU library:
   publishes a payload (the communicator's id) atomically, the others wait for it; two processes
   claiming one rank, ranks that disagree on the world size, or a rank 0 that never comes are
   errors, not hangs.
+- :class:`ProcessGroup` joins the processes into one NCCL group (loaded at run time: the
+  ``nvidia-nccl-cu13`` wheel, ``$UTENSIL_NCCL_LIB`` or the system's ``libnccl.so.2``) for
+  all-reduce and broadcast of GPU tensors.
 - :class:`GradientBuffer` lays a model's gradients end to end in one tensor, so that one
   all-reduce after backward serves all of them.
 - :class:`DistributedSampler` splits a data set into disjoint, equally long shards per rank in one
@@ -19,18 +22,22 @@ This module holds the parts that need no GPU library:
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from . import _args
 from . import functional as F
-from ._errors import ArgumentError, ArgumentTypeError, DistributedError
-from .tensor import Tensor, zeros
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DistributedError
+from ._errors import check, check_status
+from ._lib import ffi, lib
+from .tensor import Tensor, synchronize, zeros
 
-__all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "GradientBuffer",
-           "DistributedSampler"]
+__all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "ProcessGroup",
+           "GradientBuffer", "DistributedSampler", "nccl_info"]
 
 _LAUNCHERS = "torchrun, python -m utensil_ffi.launch or mpirun"
 
@@ -194,6 +201,134 @@ class FileRendezvous:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def _wheel_nccl():
+    """The nvidia-nccl-cu13 wheel's libnccl, or None (found under each sys.path entry)."""
+    for entry in sys.path:
+        p = Path(entry or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+        if p.is_file():
+            return str(p.resolve())
+    return None
+
+
+WHEEL_NCCL = _wheel_nccl()
+if WHEEL_NCCL:
+    check_status(lib.ut_nccl_hint(WHEEL_NCCL.encode()), "nccl hint")
+
+
+def nccl_info():
+    """Which NCCL the library loaded, or why none ("NCCL 2.28.9 (path)")."""
+    return ffi.string(lib.ut_nccl_info()).decode("utf-8", "replace")
+
+
+class ProcessGroup:
+    """This process's membership in the run's NCCL group (one process per GPU).
+
+    ``env`` defaults to :func:`env_from_environ`. The group's id reaches every rank by
+    ``rendezvous``: None (torchrun or ``utensil_ffi.launch``: NCCL's own bootstrap on
+    ``MASTER_ADDR`` and the port after ``MASTER_PORT``, through ``NCCL_COMM_ID``), a
+    :class:`FileRendezvous` or a path for one, or ``"mpi"`` (mpi4py's broadcast). Joining blocks
+    until every rank has joined. ``close()`` leaves after the queued work, ``abort()`` at once.
+    """
+
+    def __init__(self, env=None, rendezvous=None):
+        self.env = env = env if env is not None else env_from_environ()
+        id_ = ffi.new("unsigned char[]", lib.UT_DIST_ID_BYTES)
+        if rendezvous is None:
+            if env.master_addr is None:
+                raise ArgumentError("ProcessGroup: this environment has no MASTER_ADDR; give a "
+                                    "rendezvous (a file path or 'mpi')")
+            os.environ.setdefault("NCCL_COMM_ID", "%s:%d" % (env.master_addr,
+                                                              env.master_port + 1))
+            check_status(lib.ut_dist_unique_id(id_), "ProcessGroup")
+        elif rendezvous == "mpi":
+            from mpi4py import MPI
+
+            if env.rank == 0:
+                check_status(lib.ut_dist_unique_id(id_), "ProcessGroup")
+            got = MPI.COMM_WORLD.bcast(bytes(ffi.buffer(id_)), root=0)
+            ffi.memmove(id_, got, len(got))
+        else:
+            rv = rendezvous if isinstance(rendezvous, FileRendezvous) else \
+                FileRendezvous(rendezvous, env.rank, env.world_size, run_id=env.run_id)
+            if env.rank == 0:
+                check_status(lib.ut_dist_unique_id(id_), "ProcessGroup")
+                rv.exchange(bytes(ffi.buffer(id_)))
+            else:
+                got = rv.exchange()
+                ffi.memmove(id_, got, len(got))
+        p = lib.ut_dist_init(env.world_size, env.rank, id_)
+        if p == ffi.NULL:
+            check("ProcessGroup")
+        self._p = p
+
+    @property
+    def rank(self):
+        return self.env.rank
+
+    @property
+    def world_size(self):
+        return self.env.world_size
+
+    def _ptr(self, what):
+        if self._p is None:
+            raise ClosedError("ProcessGroup.%s: the group is closed" % what)
+        return self._p
+
+    @staticmethod
+    def _tensor(t, what):
+        if not isinstance(t, Tensor):
+            raise ArgumentTypeError("%s: expected a Tensor, got %s" % (what, type(t).__name__))
+        return t.ptr
+
+    def all_reduce(self, tensor, op="avg"):
+        """In place: ``tensor`` (on the GPU) becomes the mean (``op="avg"``) or the sum
+        (``"sum"``) of every rank's."""
+        if op not in ("avg", "sum"):
+            raise ArgumentError("all_reduce: op must be 'avg' or 'sum', got %r" % (op,))
+        check_status(lib.ut_dist_all_reduce(self._ptr("all_reduce"),
+                                            self._tensor(tensor, "all_reduce"), op == "avg"),
+                     "all_reduce")
+        return tensor
+
+    def broadcast(self, tensor, src=0):
+        """In place: every rank's ``tensor`` becomes rank ``src``'s."""
+        src = _args.to_int(src, "src", 0, self.world_size - 1)
+        check_status(lib.ut_dist_broadcast(self._ptr("broadcast"),
+                                           self._tensor(tensor, "broadcast"), src), "broadcast")
+        return tensor
+
+    def barrier(self):
+        """Return when every rank has reached its barrier (a one-element all-reduce, waited for
+        while polling NCCL's errors)."""
+        with zeros((1,), "cuda") as t:
+            self.all_reduce(t, "sum")
+            synchronize()
+            self.check()
+
+    def check(self):
+        """Raise DeviceError when NCCL reported an error in the background (a peer died)."""
+        check_status(lib.ut_dist_check(self._ptr("check")), "ProcessGroup")
+
+    def close(self):
+        if self._p is not None:
+            lib.ut_dist_free(self._p)
+            self._p = None
+
+    def abort(self):
+        if self._p is not None:
+            lib.ut_dist_abort(self._p)
+            self._p = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            self.abort()
 
 
 class GradientBuffer:

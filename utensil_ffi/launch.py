@@ -3,7 +3,8 @@
 Start N copies of a Python script on this machine, one per GPU, with the environment torchrun
 gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``) and a fresh ``UTENSIL_RUN_ID``; ``utensil_ffi.distributed.env_from_environ`` reads
-it. ``MASTER_PORT`` is a free port unless given, with the port after it free too (the
+it. Each process sees one GPU: ``CUDA_VISIBLE_DEVICES`` is its local rank (or that entry of the
+launcher's own ``CUDA_VISIBLE_DEVICES`` list); ``--no-gpu-binding`` leaves it alone. ``MASTER_PORT`` is a free port unless given, with the port after it free too (the
 communicator's bootstrap listens there).
 
 When one process fails, the others are stopped (SIGTERM to each one's process group, SIGKILL
@@ -61,10 +62,12 @@ def _stop(procs, grace):
             p.wait()
 
 
-def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, poll=0.05):
+def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, poll=0.05,
+        bind_gpus=True):
     """Start `nproc` processes of `command` (a list) and supervise them; returns the exit code:
     0 when all succeeded, else the first failure's (128 + signal for a killed process)."""
     port = master_port or free_port(master_addr)
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     run_id = uuid.uuid4().hex
     procs = []
     interrupted = []
@@ -78,6 +81,8 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr,
                        MASTER_PORT=str(port), UTENSIL_RUN_ID=run_id)
+            if bind_gpus:
+                env["CUDA_VISIBLE_DEVICES"] = visible[rank % len(visible)] if visible else str(rank)
             # each in a process group of its own: stopping it stops what it started as well
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
         while True:
@@ -114,6 +119,8 @@ def main(argv=None):
                    help="rank 0's port (default: a free one)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the others")
+    p.add_argument("--no-gpu-binding", action="store_true",
+                   help="do not set CUDA_VISIBLE_DEVICES per process")
     p.add_argument("script", help="the Python script every process runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
@@ -124,7 +131,7 @@ def main(argv=None):
     if not os.path.isfile(a.script):
         p.error("no such script: %s" % a.script)
     return run(a.nproc_per_node, [sys.executable, a.script] + a.args, a.master_addr,
-               a.master_port, a.grace)
+               a.master_port, a.grace, bind_gpus=not a.no_gpu_binding)
 
 
 if __name__ == "__main__":

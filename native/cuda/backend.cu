@@ -374,6 +374,7 @@ static void ut__cuda_init(void) {
   t->graph_end = ut__cuda_graph_end;
   t->graph_replay = ut__cuda_graph_replay;
   t->graph_free = ut__cuda_graph_free;
+  ut__cuda_nccl_fill(t);
   ut__cuda_table_ok = true;
 }
 

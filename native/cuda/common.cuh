@@ -20,6 +20,7 @@
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
      optim.cu         sgd, adam, and sgd and fill over many tensors per launch
+     nccl.cu          ut_dist_*: NCCL loaded at run time (all-reduce, broadcast)
 
    Naming
      Every file-level name starts with ut__cuda_ (macros and constants: UT__CUDA_), kernels end
@@ -176,6 +177,9 @@ int ut__cuda_blas_load(const char* path);
 int ut__cuda_blas_enable(bool on);
 bool ut__cuda_blas_active(void);
 const char* ut__cuda_blas_info(void);
+
+/* nccl.cu: fills the table's dist_* and nccl_info slots */
+void ut__cuda_nccl_fill(ut__backend* t);
 
 /* elementwise.cu (init launches nothing: it asks the runtime whether ut__cuda_fill_kernel has
    code for the device) */
