@@ -33,5 +33,23 @@ with D.ProcessGroup(env, rendezvous=how) as pg:
         buf.unpack()
     for p in net.parameters():
         np.testing.assert_allclose(p.grad.numpy(), (W - 1) / 2)
+    # data-parallel steps: ranks start from rank 0's weights and stay identical
+    ut.seed(100 + r)
+    model = ut.Sequential(ut.Conv2d(1, 4, 3, padding=1, device="cuda"),
+                          ut.BatchNorm2d(4, activation="relu6", device="cuda"),
+                          ut.GlobalAvgPool2d(), ut.Linear(4, 3, device="cuda"))
+    with D.DistributedDataParallel(model, pg) as ddp:
+        opt = ut.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        rng = np.random.default_rng(r)  # each rank its own data
+        for _ in range(3):
+            x = ut.tensor(rng.standard_normal((4, 1, 6, 6)).astype(np.float32), "cuda")
+            logits = ddp(x)
+            opt.zero_grad()
+            ddp.backward(ut.cross_entropy_backward(logits, rng.integers(0, 3, 4)))
+            opt.step()
+        for p in ddp.parameters():
+            mine = p.numpy().copy()
+            avg = pg.all_reduce(ut.tensor(mine, "cuda")).numpy()
+            np.testing.assert_allclose(avg, mine, rtol=1e-6, atol=1e-7)
     pg.barrier()
 open("ok%d" % r, "w").write("ok")

@@ -358,3 +358,123 @@ def test_without_nccl_the_group_says_why(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("DeviceError"), r.stdout
     assert "no CUDA device" in r.stdout or "NCCL not loaded" in r.stdout, r.stdout
+
+
+# -- data-parallel training, on a group of threads ---------------------------------------------------------
+class _ThreadGroup:
+    """A stand-in for ProcessGroup over threads of this process (the collectives in numpy), to
+    test what DistributedDataParallel does with a group; NCCL itself is checked above."""
+
+    def __init__(self, world):
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.slots = [None] * world
+
+    def member(self, rank):
+        group = self
+
+        class Member:
+            def all_reduce(self, t, op="avg"):
+                group.slots[rank] = t.numpy().astype(np.float64)
+                group.barrier.wait()
+                total = np.sum(group.slots, axis=0)
+                group.barrier.wait()
+                t.copy_from((total / group.world if op == "avg" else total).astype(np.float32))
+                return t
+
+            def broadcast(self, t, src=0):
+                if rank == src:
+                    group.slots[src] = t.numpy().copy()
+                group.barrier.wait()
+                value = group.slots[src].copy()
+                group.barrier.wait()
+                t.copy_from(value)
+                return t
+
+        return Member()
+
+
+def _small_net(seed):
+    import utensil_ffi as ut
+
+    ut.seed(seed)
+    return ut.Sequential(ut.Conv2d(1, 4, 3, padding=1), ut.ReLU(), ut.DWConv2d(4, 3, padding=1),
+                         ut.GlobalAvgPool2d(), ut.Linear(4, 3))
+
+
+def test_ddp_ranks_start_alike_and_match_one_process_on_the_whole_batch():
+    import utensil_ffi as ut
+
+    world, steps, b = 2, 3, 4
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal((world * b, 1, 6, 6)).astype(np.float32),
+             rng.integers(0, 3, world * b)) for _ in range(steps)]
+    # the reference: one process, rank 0's initial weights, the whole batch, mean loss
+    ref = _small_net(10)
+    opt = ut.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        logits = ref(ut.tensor(x))
+        opt.zero_grad()
+        ref.backward(ut.cross_entropy_backward(logits, y))
+        opt.step()
+    want = [p.numpy().copy() for p in ref.parameters()]
+
+    group = _ThreadGroup(world)
+    got, errors = {}, []
+    nets = [_small_net(10 + r) for r in range(world)]  # different weights: the broadcast aligns
+
+    def rank_main(r):
+        try:
+            net = nets[r]
+            with D.DistributedDataParallel(net, group.member(r)) as ddp:
+                opt = ut.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+                sampler = D.DistributedSampler(world * b, world, r, shuffle=False)
+                for x, y in data:
+                    idx = sampler.indices()
+                    logits = ddp(ut.tensor(x[idx]))
+                    opt.zero_grad()
+                    ddp.backward(ut.cross_entropy_backward(logits, y[idx]))
+                    opt.step()
+                got[r] = [p.numpy().copy() for p in ddp.parameters()]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in range(world):
+        for a, w in zip(got[r], want):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_ddp_broadcasts_buffers_in_training(broadcast):
+    # first forward: each rank's own batch moves its running statistics; second forward: the
+    # same batch on both. Broadcast first, both end equal; without it they keep differing.
+    import utensil_ffi as ut
+
+    group = _ThreadGroup(2)
+    seen = {}
+    nets = []
+    for r in range(2):
+        ut.seed(r)
+        nets.append(ut.Sequential(ut.Conv2d(1, 2, 1), ut.BatchNorm2d(2)))
+
+    def rank_main(r):
+        with D.DistributedDataParallel(nets[r], group.member(r), broadcast) as ddp:
+            own = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3) * (r + 1)
+            ddp(ut.tensor(own))
+            ddp(ut.tensor(np.linspace(-1, 1, 18, dtype=np.float32).reshape(2, 1, 3, 3)))
+            seen[r] = np.concatenate([b.numpy().ravel() for b in nets[r].buffers()])
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(seen) == {0, 1}
+    assert np.allclose(seen[0], seen[1], rtol=1e-6) == broadcast
