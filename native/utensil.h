@@ -831,6 +831,11 @@ static const ut__backend* ut__backend_for(ut_dev dev) {
   return &ut__cpu_backend;
 }
 static bool ut__is_device_backend(const ut__backend* be) { return be->mem_alloc != NULL; }
+/* For GPU ops that write a tensor without reading one (fill): the gate of ut__in. */
+static int ut__device_gate(const ut__backend* be, const char* who) {
+  ut__recording* r = ut__is_device_backend(be) ? ut__recording_now() : NULL;
+  return r ? ut__recording_gate(r, who) : UT_OK;
+}
 
 bool ut_cuda_available(void) { return ut__cuda_backend() != NULL; }
 const char* ut_backend_name(ut_dev dev) {
@@ -1545,6 +1550,7 @@ ut_tensor* ut_reshape(ut_tensor* t, int ndim, const int* shape) {
 int ut_fill(ut_tensor* t, float value) {
   UT__TRY(ut__check_tensor(t, "ut_fill", "t"));
   const ut__backend* be = ut__backend_for(t->dev);
+  UT__TRY(ut__device_gate(be, "ut_fill"));
   UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
   ut__wrote(t, be);
   return UT_OK;
@@ -2811,7 +2817,7 @@ int ut_fill_many(ut_tensor** ts, int count, float value) {
   int rc = UT_OK;
   for (int i = 0; rc >= 0 && i < count; i++) {
     const ut__backend* be = ut__backend_for(ts[i]->dev);
-    float* x = ut__out(ts[i], be);
+    float* x = ut__device_gate(be, who) < 0 ? NULL : ut__out(ts[i], be);
     if (!x) {
       rc = ut__err_status;
     } else {

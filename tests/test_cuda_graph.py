@@ -218,3 +218,38 @@ def test_closing_a_graph_while_recording_another_waits_for_the_end():
     np.testing.assert_array_equal(y2.numpy(), np.clip(np.arange(6) - 3, 0, 6))
     second.close()
     y1.close()
+
+
+@needs_gpu
+def test_fills_from_other_threads_are_refused_while_recording():
+    # zero_grad (fill_many) and fill write without reading: they pass the same gate
+    from utensil_ffi import functional as F
+
+    x = ut.tensor(np.ones(8, np.float32), "cuda")
+    ut.relu(x).close()
+    seen = []
+
+    def other():
+        for call in (lambda: F.fill_many([x], 0.0), lambda: lib_fill(x)):
+            try:
+                call()
+            except ut.ArgumentError as e:
+                seen.append(str(e))
+
+    def lib_fill(t):
+        from utensil_ffi._errors import check_status
+        from utensil_ffi._lib import lib
+
+        check_status(lib.ut_fill(t.ptr, 0.0), "fill")
+
+    g = ut.cuda.CUDAGraph()
+    with ut.cuda.graph(g):
+        y = ut.relu(x)
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+    assert len(seen) == 2 and all("another thread is recording" in m for m in seen), seen
+    g.replay()
+    np.testing.assert_array_equal(x.numpy(), 1.0)  # nothing zeroed it
+    np.testing.assert_array_equal(y.numpy(), 1.0)
+    g.close()
