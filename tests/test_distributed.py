@@ -218,12 +218,16 @@ def test_a_failing_rank_stops_the_others(tmp_path):
     r = _launch(tmp_path, """
         import os, subprocess, sys, time
         rank = int(os.environ["RANK"])
-        if rank == 1:
-            time.sleep(0.5)
+        if rank == 1:  # fails once rank 0 and its child are up
+            for _ in range(600):
+                if os.path.exists("pids"):
+                    break
+                time.sleep(0.05)
             sys.exit(3)
         # rank 0 hangs, with a child of its own: both must be stopped
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        open("pids", "w").write("%d %d" % (os.getpid(), child.pid))
+        open("pids.tmp", "w").write("%d %d" % (os.getpid(), child.pid))
+        os.replace("pids.tmp", "pids")
         time.sleep(120)
     """)
     assert r.returncode == 3
