@@ -2778,13 +2778,12 @@ static int ut__check_pack(ut_tensor* flat, ut_tensor** ts, int count, const char
 int ut_pack(ut_tensor* flat, ut_tensor** ts, int count) {
   UT__TRY(ut__check_pack(flat, ts, count, "ut_pack"));
   const ut__backend* be = ut__backend_for(flat->dev);
-  /* every source current on flat's side first: flat is then written only by the copies */
-  for (int i = 0; i < count; i++)
-    if (!ut__in(ts[i], be)) return ut__item_error("ut_pack", i);
   float* fp = ut__out(flat, be);
   ut__i64 off = 0;
   for (int i = 0; i < count; i++) {
-    UT__TRY(be->copy(fp + off, ut__in(ts[i], be), ts[i]->shape.nelem));
+    const float* src = ut__in(ts[i], be);
+    if (!src) return ut__item_error("ut_pack", i);
+    UT__TRY(be->copy(fp + off, src, ts[i]->shape.nelem));
     off += ts[i]->shape.nelem;
   }
   ut__wrote(flat, be);
