@@ -75,7 +75,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 5
+#define UT_VERSION 6
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -176,6 +176,12 @@ int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root); /* every rank's t = r
 /* status: an error when NCCL reported one in the background (a peer died, a network failure);
    poll it while waiting so a dead peer becomes an error, not a hang */
 int ut_dist_check(ut_dist* d);
+/* waits for the library's queued GPU work (collectives included) while polling NCCL's errors:
+   a peer that died or hangs makes it abort the group (every later call on d fails) and fail
+   with UT_ERR_DEVICE after at most timeout_s seconds, instead of blocking forever. The
+   collectives themselves return at once; call this where the host would wait anyway. */
+int ut_dist_wait(ut_dist* d, double timeout_s);
+int ut_dist_sum(void* d, ut_tensor* t); /* ut_dist_all_reduce(d, t, false) as a ut_reduce_fn */
 void ut_dist_free(ut_dist* d);  /* leaves the group, after its queued work */
 void ut_dist_abort(ut_dist* d); /* leaves at once, work in flight dropped (a peer is gone) */
 /* ---- matrix products on the GPU ----------------------------------------------------------
@@ -311,6 +317,7 @@ typedef struct ut_batchnorm2d_cache {
   ut_tensor* rstd;  /* [C] */
   bool training;    /* the mode of that forward pass */
   int activation;   /* and its activation: backward recomputes the pre-activation from input */
+  bool synced;      /* its statistics were every rank's (ut_batchnorm2d_forward_sync) */
 } ut_batchnorm2d_cache;
 
 /* Layer structs are returned by value; on failure weight is NULL and ut_last_error() says why.
@@ -371,6 +378,22 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
                                    ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db);
 void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c);
 void ut_batchnorm2d_free(ut_batchnorm2d* l);
+/* Synchronized batchnorm (PyTorch's SyncBatchNorm): in training mode the statistics are those
+   of every rank's batch together, which data-parallel training on small per-GPU batches needs.
+   reduce(ctx, t) must make t (a tensor on x's device) the sum of every rank's t and return a
+   status: ut_dist_sum with a ut_dist* as ctx is one. Forward calls it twice (the means, then
+   the spread around the common mean: no cancellation), backward once; every rank must make
+   the same calls in the same order. Ranks may hold batches of different sizes. dW and db get
+   this rank's share (a data-parallel wrapper averages them as any gradient); dx is exact for
+   the sum of the ranks' losses. reduce == NULL or eval mode: the plain layer. A cache filled by
+   one kind of forward is refused by the other kind of backward. */
+typedef int (*ut_reduce_fn)(void* ctx, ut_tensor* t);
+ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
+                                       ut_batchnorm2d_cache* cache, ut_reduce_fn reduce,
+                                       void* ctx);
+ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
+                                        ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db,
+                                        ut_reduce_fn reduce, void* ctx);
 
 /* x: [N, C, H, W] -> [N, C], the mean over H and W */
 ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x);
@@ -551,6 +574,24 @@ typedef struct ut__backend {
   int (*bn_bwd)(const float* go, const float* x, const float* mean, const float* rstd,
                 const float* gamma, const float* beta, float* dx, float* dgamma, float* dbeta,
                 int n, int c, ut__i64 inner, bool training, float act);
+  /* synchronized batchnorm, in the order the core calls them (a and b summed over the ranks
+     in between): a == NULL: out[j] = count mean[j], out[c] = count; else, with the common
+     mean M[j] = a[j] / a[c]: out[j] = count (var[j] + (mean[j] - M[j])^2) */
+  int (*bn_sync_pack)(const float* mean, const float* var, const float* a, float* out, int c,
+                      float count);
+  /* mean = a[j] / a[c], var = b[j] / a[c]; running statistics updated as bn_update_running,
+     the variance unbiased by the total count a[c] */
+  int (*bn_sync_unpack)(const float* a, const float* b, float* mean, float* var,
+                        float* running_mean, float* running_var, int c, float momentum);
+  /* bn_bwd in two halves around the sum over the ranks: sums[2j] = sum g, sums[2j+1] =
+     sum g xhat, sums[2c] = n inner, dgamma/dbeta += them (each may be NULL); then dx as bn_bwd
+     in training mode with the (summed) sums and count sums[2c] */
+  int (*bn_bwd_sums)(const float* go, const float* x, const float* mean, const float* rstd,
+                     const float* gamma, const float* beta, float* sums, float* dgamma,
+                     float* dbeta, int n, int c, ut__i64 inner, float act);
+  int (*bn_bwd_dx)(const float* go, const float* x, const float* mean, const float* rstd,
+                   const float* gamma, const float* beta, const float* sums, float* dx, int n,
+                   int c, ut__i64 inner, float act);
 
   /* out[0] = mean((p - t)^2);  g = 2 (p - t) / n */
   int (*mse_fwd)(const float* p, const float* t, float* out, ut__i64 n);
@@ -567,6 +608,8 @@ typedef struct ut__backend {
   int (*dist_all_reduce)(void* comm, float* x, ut__i64 n, bool average);
   int (*dist_broadcast)(void* comm, float* x, ut__i64 n, int root);
   int (*dist_check)(void* comm);
+  /* ut_dist_wait; on an error or the timeout the communicator is aborted, *aborted set */
+  int (*dist_wait)(void* comm, double timeout_s, bool* aborted);
   void (*dist_free)(void* comm, bool abort);
   const char* (*nccl_info)(void);
 
@@ -1499,9 +1542,24 @@ int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root) {
 }
 
 int ut_dist_check(ut_dist* d) {
-  UT__CHECK(d && d->comm, UT_ERR_ARG, "ut_dist_check: the group is NULL or freed");
+  UT__CHECK(d && d->comm, UT_ERR_ARG, "ut_dist_check: the group is NULL, freed or aborted");
   return ut__cuda_backend()->dist_check(d->comm);
 }
+
+int ut_dist_wait(ut_dist* d, double timeout_s) {
+  UT__CHECK(d && d->comm, UT_ERR_ARG, "ut_dist_wait: the group is NULL, freed or aborted");
+  UT__CHECK(timeout_s > 0.0 && timeout_s <= 1e9, UT_ERR_ARG,
+            "ut_dist_wait: timeout_s must be in (0, 1e9] seconds, got %g", timeout_s);
+  UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+            "ut_dist_wait: waiting for the GPU while a CUDA graph is recorded: the recorded "
+            "work has not run (wait after ut_cuda_graph_end, or after a replay)");
+  bool aborted = false;
+  int rc = ut__cuda_backend()->dist_wait(d->comm, timeout_s, &aborted);
+  if (aborted) d->comm = NULL; /* NCCL freed it; ut_dist_free then frees only d */
+  return rc;
+}
+
+int ut_dist_sum(void* d, ut_tensor* t) { return ut_dist_all_reduce((ut_dist*)d, t, false); }
 
 static void ut__dist_leave(ut_dist* d, bool abort) {
   if (!d) return;
@@ -2482,6 +2540,7 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   cache->rstd = rstd;
   cache->training = l->training;
   cache->activation = l->activation;
+  cache->synced = false;
   return y;
 }
 
@@ -2490,6 +2549,9 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   const char* who = "ut_batchnorm2d_backward";
   UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
                  "%s: the cache is empty (run forward with a cache first)", who);
+  UT__CHECK_NULL(!(cache->synced && cache->training), UT_ERR_ARG,
+                 "%s: the cache is from ut_batchnorm2d_forward_sync: use "
+                 "ut_batchnorm2d_backward_sync with the same reduce", who);
   ut_tensor* x = cache->input;
   if (ut__check_batchnorm2d(l, x, who) < 0 ||
       ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
@@ -2518,6 +2580,139 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   int rc = be->bn_bwd(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp, dbp, N, C, inner,
                       cache->training, ut__act_cap(cache->activation));
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+}
+
+/* reduce(ctx, t) on a tensor the core made: the callee sees t current on the device */
+static int ut__reduce_call(ut_reduce_fn reduce, void* ctx, ut_tensor* t, const ut__backend* be,
+                           const char* who) {
+  ut__wrote(t, be);
+  ut_clear_error();
+  int rc = reduce(ctx, t);
+  if (rc < 0) {
+    if (!ut__err_msg[0]) ut__set_error(rc, "%s: reduce failed with status %d", who, rc);
+    return rc;
+  }
+  return ut__inout(t, be) ? UT_OK : ut__err_status;
+}
+
+ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
+                                       ut_batchnorm2d_cache* cache, ut_reduce_fn reduce,
+                                       void* ctx) {
+  const char* who = "ut_batchnorm2d_forward_sync";
+  if (!reduce || (l && !l->training)) return ut_batchnorm2d_forward(l, x, cache);
+  if (ut__check_batchnorm2d(l, x, who) < 0) return NULL;
+  int N = x->shape.shape[0], C = l->c;
+  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
+  UT__CHECK_NULL(count > 1, UT_ERR_SHAPE,
+                 "%s: training needs more than one value per channel on each rank, got shape "
+                 "%s (N*H*W = 1)", who, ut__shape_text(x).s);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  if (!bp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  ut_tensor* mean = y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  ut_tensor* var = mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  ut_tensor* rstd = var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  ut_tensor* a = rstd ? ut__new(1, (int[]){C + 1}, x->dev, who) : NULL;
+  ut_tensor* b = a ? ut__new(1, (int[]){C + 1}, x->dev, who) : NULL;
+  int rc = b ? UT_OK : ut__err_status;
+  float *mp = NULL, *vp = NULL;
+  if (rc >= 0) {
+    mp = ut__out(mean, be);
+    vp = ut__out(var, be);
+    rc = be->bn_stats(xp, mp, vp, N, C, inner);
+  }
+  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, NULL, ut__out(a, be), C, (float)count);
+  if (rc >= 0) rc = ut__reduce_call(reduce, ctx, a, be, who);
+  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, ut__in(a, be), ut__out(b, be), C, (float)count);
+  if (rc >= 0) rc = ut__reduce_call(reduce, ctx, b, be, who);
+  float* rm = rc >= 0 ? ut__inout(l->running_mean, be) : NULL;
+  float* rv = rm ? ut__inout(l->running_var, be) : NULL;
+  if (rc >= 0 && !rv) rc = ut__err_status;
+  if (rc >= 0)
+    rc = be->bn_sync_unpack(ut__in(a, be), ut__in(b, be), mp, vp, rm, rv, C, l->momentum);
+  if (rc >= 0) {
+    ut__wrote(l->running_mean, be);
+    ut__wrote(l->running_var, be);
+    rc = be->bn_apply(xp, ut__out(y, be), mp, vp, wp, bp, ut__out(rstd, be), N, C, inner,
+                      l->eps, ut__act_cap(l->activation));
+  }
+  ut_free_all(var, a, b);
+  if (rc < 0 || !cache) {
+    ut_free_all(mean, rstd);
+    if (rc < 0) return ut__drop(y);
+    ut__wrote(y, be);
+    return y;
+  }
+  ut__wrote(y, be);
+  ut__wrote(mean, be);
+  ut__wrote(rstd, be);
+  cache->input = ut_retain(x);
+  cache->mean = mean;
+  cache->rstd = rstd;
+  cache->training = true;
+  cache->activation = l->activation;
+  cache->synced = true;
+  return y;
+}
+
+ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
+                                        ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db,
+                                        ut_reduce_fn reduce, void* ctx) {
+  const char* who = "ut_batchnorm2d_backward_sync";
+  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
+                 "%s: the cache is empty (run forward with a cache first)", who);
+  if (!cache->training || !reduce) {
+    UT__CHECK_NULL(!cache->synced || !cache->training, UT_ERR_ARG,
+                   "%s: the cache's statistics were every rank's: backward needs the reduce "
+                   "too (got NULL)", who);
+    return ut_batchnorm2d_backward(l, cache, grad_out, dW, db);
+  }
+  UT__CHECK_NULL(cache->synced, UT_ERR_ARG,
+                 "%s: the cache is from ut_batchnorm2d_forward (this rank's statistics only): "
+                 "a synchronized backward needs ut_batchnorm2d_forward_sync", who);
+  ut_tensor* x = cache->input;
+  if (ut__check_batchnorm2d(l, x, who) < 0 ||
+      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
+      ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
+      ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
+      (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
+      (db && ut__check_arg(db, x, l->c, who, "db") < 0))
+    return NULL;
+  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s, the forward output had %s", who,
+                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
+  int N = x->shape.shape[0], C = l->c;
+  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(x, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  const float* mp = bp ? ut__in(cache->mean, be) : NULL;
+  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
+  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
+  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
+  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut_tensor* sums = ut__new(1, (int[]){2 * C + 1}, x->dev, who);
+  ut_tensor* dx = sums ? ut__new_like(x, who) : NULL;
+  if (!dx) return ut__drop(sums);
+  float act = ut__act_cap(cache->activation);
+  int rc = be->bn_bwd_sums(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C, inner,
+                           act);
+  if (rc >= 0) {
+    /* this rank's share of dW and db is final: mark it before the reduce runs other code */
+    if (dWp) ut__wrote(dW, be);
+    if (dbp) ut__wrote(db, be);
+    rc = ut__reduce_call(reduce, ctx, sums, be, who);
+  }
+  if (rc >= 0)
+    rc = be->bn_bwd_dx(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C, inner,
+                       act);
+  ut_free(sums);
+  return ut__finish(dx, be, rc);
 }
 
 void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c) {
@@ -2909,7 +3104,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_batchnorm2d, activation), UT__FIELD(ut_batchnorm2d_cache, activation),
     UT__SIZE(ut_batchnorm2d_cache), UT__FIELD(ut_batchnorm2d_cache, input),
     UT__FIELD(ut_batchnorm2d_cache, mean), UT__FIELD(ut_batchnorm2d_cache, rstd),
-    UT__FIELD(ut_batchnorm2d_cache, training),
+    UT__FIELD(ut_batchnorm2d_cache, training), UT__FIELD(ut_batchnorm2d_cache, synced),
     UT__SIZE(ut_dev), UT__SIZE(ut_status),
 };
 
@@ -4764,6 +4959,8 @@ typedef struct {
   float eps;
   float act; /* bn_apply's and bn_bwd's */
   bool training;
+  float* sums_out;      /* bn_bwd_sums: the per-channel sums, no dx */
+  const float* sums_in; /* bn_bwd_dx: dx from these sums (and count sums_in[2c]) */
 } ut__cpu_bn_ctx;
 
 /* batchnorm's output before its activation, one expression for apply and for backward's mask
@@ -4921,7 +5118,7 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   int n = cx->n, c = cx->c;
   ut__i64 inner = cx->inner;
   bool training = cx->training;
-  double cnt = (double)n * inner;
+  double cnt = cx->sums_in ? (double)cx->sums_in[2 * c] : (double)n * inner;
   ut__i64 lo, hi;
   ut__cpu_part(c, tid, nt, &lo, &hi);
   const float act = cx->act;
@@ -4929,7 +5126,7 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
     float sc = rs * gm, bt = cx->beta ? cx->beta[j] : 0.0f; /* as bn_apply */
     double sg = 0.0, sgx = 0.0;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < (cx->sums_in ? 0 : n); i++) {
       const float* gp = go + ((ut__i64)i * c + j) * inner;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
@@ -4963,8 +5160,17 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
       }
     }
     sgx *= rs; /* sum(go * xhat) */
+    if (cx->sums_in) {
+      sg = cx->sums_in[2 * j];
+      sgx = cx->sums_in[2 * j + 1];
+    }
     if (dgamma) dgamma[j] += (float)sgx;
     if (dbeta) dbeta[j] += (float)sg;
+    if (cx->sums_out) {
+      cx->sums_out[2 * j] = (float)sg;
+      cx->sums_out[2 * j + 1] = (float)sgx;
+      continue;
+    }
     float k0 = gm * rs;
     float mg = training && cnt > 0 ? (float)(sg / cnt) : 0.0f;
     float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
@@ -5004,6 +5210,54 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
   cx.act = act;
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
   return UT_OK;
+}
+static int ut__cpu_bn_bwd_sums(const float* go, const float* x, const float* mean,
+                               const float* rstd, const float* gamma, const float* beta,
+                               float* sums, float* dgamma, float* dbeta, int n, int c,
+                               ut__i64 inner, float act) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  if (nt > c) nt = c;
+  ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
+                       .beta = beta, .dgamma = dgamma, .dbeta = dbeta, .n = n, .c = c,
+                       .inner = inner, .act = act, .training = true, .sums_out = sums};
+  ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  sums[2 * c] = (float)((double)n * inner);
+  return UT_OK;
+}
+static int ut__cpu_bn_bwd_dx(const float* go, const float* x, const float* mean,
+                             const float* rstd, const float* gamma, const float* beta,
+                             const float* sums, float* dx, int n, int c, ut__i64 inner,
+                             float act) {
+  int nt = ut__cpu_nt((double)n * c * inner);
+  if (nt > c) nt = c;
+  ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
+                       .beta = beta, .dx = dx, .n = n, .c = c, .inner = inner, .act = act,
+                       .training = true, .sums_in = sums};
+  ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  return UT_OK;
+}
+static int ut__cpu_bn_sync_pack(const float* mean, const float* var, const float* a, float* out,
+                                int c, float count) {
+  for (int j = 0; j < c; j++) {
+    if (!a) {
+      out[j] = count * mean[j];
+    } else {
+      float d = mean[j] - a[j] / a[c];
+      out[j] = count * (var[j] + d * d);
+    }
+  }
+  out[c] = count;
+  return UT_OK;
+}
+static int ut__cpu_bn_sync_unpack(const float* a, const float* b, float* mean, float* var,
+                                  float* running_mean, float* running_var, int c,
+                                  float momentum) {
+  float n = a[c], unbias = (float)((double)n / ((double)n - 1.0));
+  for (int j = 0; j < c; j++) {
+    mean[j] = a[j] / n;
+    var[j] = b[j] / n;
+  }
+  return ut__cpu_bn_update_running(running_mean, running_var, mean, var, c, momentum, unbias);
 }
 
 /* ---- losses --------------------------------------------------------------------------------
@@ -5311,6 +5565,10 @@ static const ut__backend ut__cpu_backend = {
     .bn_update_running = ut__cpu_bn_update_running,
     .bn_apply = ut__cpu_bn_apply,
     .bn_bwd = ut__cpu_bn_bwd,
+    .bn_sync_pack = ut__cpu_bn_sync_pack,
+    .bn_sync_unpack = ut__cpu_bn_sync_unpack,
+    .bn_bwd_sums = ut__cpu_bn_bwd_sums,
+    .bn_bwd_dx = ut__cpu_bn_bwd_dx,
     .mse_fwd = ut__cpu_mse_fwd,
     .mse_bwd = ut__cpu_mse_bwd,
     .ce_fwd = ut__cpu_ce_fwd,

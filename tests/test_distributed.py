@@ -17,6 +17,8 @@ import pytest
 from utensil_ffi import distributed as D
 from utensil_ffi._errors import ArgumentError, DistributedError
 
+from thread_group import ThreadGroup as _ThreadGroup
+
 GOOD = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5",
         "MASTER_PORT": "29500"}
 
@@ -351,6 +353,18 @@ def test_nccl_collectives_on_two_gpus(tmp_path, how):
     assert all((tmp_path / ("ok%d" % i)).exists() for i in range(n))
 
 
+@needs_gpus
+@pytest.mark.parametrize("how", ["hang", "exit"])
+def test_a_hung_or_dead_peer_is_an_error_within_the_timeout(tmp_path, how):
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_child.py")
+    r = subprocess.run([sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", "2",
+                        child, how], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = (tmp_path / "ok0").read_text()
+    assert "rank 0" in said, said
+    print(said)
+
+
 def test_without_nccl_the_group_says_why(tmp_path):
     # UTENSIL_NCCL_LIB set and empty: no NCCL; on a CPU-only machine there is no GPU either
     code = ("import os; os.environ['UTENSIL_NCCL_LIB'] = ''\n"
@@ -365,39 +379,6 @@ def test_without_nccl_the_group_says_why(tmp_path):
 
 
 # -- data-parallel training, on a group of threads ---------------------------------------------------------
-class _ThreadGroup:
-    """A stand-in for ProcessGroup over threads of this process (the collectives in numpy), to
-    test what DistributedDataParallel does with a group; NCCL itself is checked above."""
-
-    def __init__(self, world):
-        self.world = world
-        self.barrier = threading.Barrier(world)
-        self.slots = [None] * world
-
-    def member(self, rank):
-        group = self
-
-        class Member:
-            def all_reduce(self, t, op="avg"):
-                group.slots[rank] = t.numpy().astype(np.float64)
-                group.barrier.wait()
-                total = np.sum(group.slots, axis=0)
-                group.barrier.wait()
-                t.copy_from((total / group.world if op == "avg" else total).astype(np.float32))
-                return t
-
-            def broadcast(self, t, src=0):
-                if rank == src:
-                    group.slots[src] = t.numpy().copy()
-                group.barrier.wait()
-                value = group.slots[src].copy()
-                group.barrier.wait()
-                t.copy_from(value)
-                return t
-
-        return Member()
-
-
 def _small_net(seed):
     import utensil_ffi as ut
 

@@ -64,6 +64,7 @@ from .layers import (
     Sequential,
 )
 from .optim import SGD, Adam, Optimizer
+from .sync_batchnorm import SyncBatchNorm
 from .tensor import (
     Tensor,
     cuda_available,
@@ -95,7 +96,7 @@ __all__ = [
     "get_float32_matmul_precision",
     # layers
     "Module", "Parameter", "Conv2d", "DWConv2d", "BatchNorm2d", "LayerNorm", "Linear", "ReLU",
-    "ReLU6", "GlobalAvgPool2d", "Sequential",
+    "ReLU6", "GlobalAvgPool2d", "Sequential", "SyncBatchNorm",
     # functional forms and losses
     "functional", "relu", "relu6", "relu_backward", "relu6_backward", "matmul", "transpose",
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",

@@ -27,7 +27,16 @@ import weakref
 from ._errors import ClosedError, check, check_status
 from ._lib import ffi, lib
 
-__all__ = ["CUDAGraph", "graph"]
+__all__ = ["CUDAGraph", "graph", "is_current_stream_capturing"]
+
+# the thread recording now (the library allows one recording at a time), or None
+_RECORDING_THREAD = [None]
+
+
+def is_current_stream_capturing():
+    """True while the calling thread records a CUDA graph (PyTorch's name): code that would
+    wait for the GPU (reads, synchronize) must not run then."""
+    return _RECORDING_THREAD[0] == threading.get_ident()
 
 
 def _free(holder):
@@ -60,6 +69,7 @@ class CUDAGraph:
                                   "already; make a new CUDAGraph")
             check_status(lib.ut_cuda_graph_begin(), "CUDAGraph.capture_begin")
             self._recording = True
+            _RECORDING_THREAD[0] = threading.get_ident()
 
     def capture_end(self):
         """End the recording; raises DeviceError (and keeps nothing) when it failed."""
@@ -67,6 +77,7 @@ class CUDAGraph:
             if not self._recording:
                 raise ClosedError("CUDAGraph.capture_end: no recording was begun on this graph")
             self._recording = False
+            _RECORDING_THREAD[0] = None
             p = lib.ut_cuda_graph_end()
             if p == ffi.NULL:
                 check("CUDAGraph.capture_end")

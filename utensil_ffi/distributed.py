@@ -36,7 +36,8 @@ from . import functional as F
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DistributedError
 from ._errors import check, check_status
 from ._lib import ffi, lib
-from .tensor import Tensor, synchronize, zeros
+from . import cuda as _cuda
+from .tensor import Tensor, zeros
 
 __all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "ProcessGroup",
            "DistributedDataParallel", "GradientBuffer", "DistributedSampler", "nccl_info"]
@@ -232,9 +233,25 @@ class ProcessGroup:
     ``MASTER_ADDR`` and the port after ``MASTER_PORT``, through ``NCCL_COMM_ID``), a
     :class:`FileRendezvous` or a path for one, or ``"mpi"`` (mpi4py's broadcast). Joining blocks
     until every rank has joined. ``close()`` leaves after the queued work, ``abort()`` at once.
+
+    ``timeout`` (seconds; PyTorch's default, 10 minutes) bounds every wait on the group's work
+    (:meth:`wait`, :meth:`barrier`, :class:`DistributedDataParallel`'s step): a rank that died
+    or hangs makes the others raise :class:`DistributedError` within it, the group aborted,
+    instead of hanging. ``$UTENSIL_DIST_TIMEOUT`` overrides the default.
     """
 
-    def __init__(self, env=None, rendezvous=None):
+    def __init__(self, env=None, rendezvous=None, timeout=None):
+        if timeout is None:
+            timeout = os.environ.get("UTENSIL_DIST_TIMEOUT", "600")
+        try:
+            self.timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise ArgumentError("ProcessGroup: timeout must be a number of seconds, got %r"
+                                % (timeout,)) from None
+        if not 0 < self.timeout <= 1e9:
+            raise ArgumentError("ProcessGroup: timeout must be in (0, 1e9] seconds, got %r"
+                                % (timeout,))
+        self._p = None
         self.env = env = env if env is not None else env_from_environ()
         id_ = ffi.new("unsigned char[]", lib.UT_DIST_ID_BYTES)
         if rendezvous is None:
@@ -306,20 +323,42 @@ class ProcessGroup:
         while polling NCCL's errors)."""
         with zeros((1,), "cuda") as t:
             self.all_reduce(t, "sum")
-            synchronize()
-            self.check()
+            self.wait()
+
+    def wait(self, timeout=None):
+        """Wait for the GPU work queued so far (collectives included), at most ``timeout``
+        seconds (default: the group's). A dead or hung peer, or the timeout, aborts the group
+        and raises DistributedError; the group is then unusable (every rank should exit)."""
+        t = self.timeout if timeout is None else timeout
+        st = lib.ut_dist_wait(self._ptr("wait"), float(t))
+        if st < 0:
+            msg = ffi.string(lib.ut_last_error()).decode("utf-8", "replace")
+            lib.ut_dist_free(self._p)  # NCCL's side is already aborted
+            self._p = None
+            raise DistributedError("rank %d: %s" % (self.rank, msg))
+
+    def all_reduce_floats(self, values, op="sum"):
+        """Host numbers (a list or array) summed (or averaged) over the ranks: metrics such as
+        the correct count and the loss sum of an evaluation. Waits for the result."""
+        a = np.asarray(values, dtype=np.float32).ravel()
+        if a.size == 0:
+            return a
+        with Tensor(a, "cuda") as t:
+            self.all_reduce(t, op)
+            self.wait()
+            return t.numpy().copy()
 
     def check(self):
         """Raise DeviceError when NCCL reported an error in the background (a peer died)."""
         check_status(lib.ut_dist_check(self._ptr("check")), "ProcessGroup")
 
     def close(self):
-        if self._p is not None:
+        if getattr(self, "_p", None) is not None:
             lib.ut_dist_free(self._p)
             self._p = None
 
     def abort(self):
-        if self._p is not None:
+        if getattr(self, "_p", None) is not None:
             lib.ut_dist_abort(self._p)
             self._p = None
 
@@ -409,9 +448,14 @@ class DistributedDataParallel:
         return dx
 
     def sync_gradients(self):
-        """Average every parameter's gradient over the ranks (one all-reduce)."""
+        """Average every parameter's gradient over the ranks (one all-reduce); then, outside
+        a CUDA graph recording, wait for it within the group's timeout (a dead peer becomes
+        an error here, not a hang at the next read of the GPU)."""
         self.group.all_reduce(self._grads.pack(), "avg")
         self._grads.unpack()
+        wait = getattr(self.group, "wait", None)
+        if wait is not None and not _cuda.is_current_stream_capturing():
+            wait()
 
     def parameters(self):
         return self.module.parameters()

@@ -3,6 +3,7 @@
     python -m utensil_ffi.train                      # the digits scikit-learn ships, no download
     python -m utensil_ffi.train --data mnist.npz --epochs 5 --width 32
     python -m utensil_ffi.train --resume utensil_checkpoint.npz --epochs 30
+    python -m utensil_ffi.train --nproc-per-node 2  # data-parallel on 2 GPUs (train_dist.py)
 
 The network (utensil_ffi.models.mobilenet) is built only from utensil layers: a 3x3 stem convolution,
 blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d -> ReLU6],
@@ -30,6 +31,7 @@ import time
 import numpy as np
 
 from . import data as _data
+from . import train_dist as _dist
 from . import models as _models
 from ._errors import ArgumentError, ShapeError, UtensilError
 from .functional import cross_entropy, cross_entropy_backward
@@ -181,6 +183,13 @@ def build_parser():
                    help="CPU threads for utensil's ops (default: the library's default); auto: "
                    "1 when other processes keep every core busy, else the default. The "
                    "choice is printed; results do not depend on it, only speed does")
+    g.add_argument("--nproc-per-node", type=_POSITIVE_INT, default=None, metavar="N",
+                   help="train on N GPUs of this machine, one process each (data-parallel, "
+                   "NCCL; the same run as on one GPU: --batch-size stays the global batch). "
+                   "Under torchrun leave it out: the launcher's environment is read")
+    g.add_argument("--no-sync-bn", action="store_true",
+                   help="on several GPUs, normalize with each GPU's own batch statistics "
+                   "instead of the global batch's (SyncBatchNorm, the default)")
     g.add_argument("--eval-batch-size", type=_POSITIVE_INT, default=500, metavar="N",
                    help="images per evaluation step (default 500)")
     g = p.add_argument_group("checkpoints and output")
@@ -385,41 +394,53 @@ def _make_optimizer(run, net):
     return SGD(net.parameters(), lr=run["lr"], momentum=run["momentum"])
 
 
-def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None):
+def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, dist=None):
     """One pass over (x, y) in the order batches(seed, epoch); returns (mean loss, images, s).
 
-    ``progress``: None, or an object with wants_loss() and update(images, mean loss or None)."""
+    ``progress``: None, or an object with wants_loss() and update(images, mean loss or None).
+    ``dist`` (a train_dist.Dist, ``net`` its wrapped model): this rank's share of every batch;
+    the loss and the image count are the global batch's."""
     net.train()
     total = zeros((1,), device)
-    seen = 0
+    seen = images = 0
     t0 = time.perf_counter()
     try:
         for idx in _data.batches(len(x), batch_size, seed, epoch):
-            xb = Tensor(x[idx], device)
-            yb = Tensor(y[idx].astype(np.float32), device)
+            mine = idx if dist is None else dist.share(idx)
+            xb = Tensor(x[mine], device)
+            yb = Tensor(y[mine].astype(np.float32), device)
             logits = net(xb)
             loss = cross_entropy(logits, yb)
             grad = cross_entropy_backward(logits, yb)
+            if dist is not None:
+                grad.mul_(dist.grad_scale(len(mine), len(idx)))
             opt.zero_grad()
             net.backward(grad).close()
             opt.step()
-            loss.mul_(float(len(idx)))
+            loss.mul_(float(len(mine)))
             total.add_(loss)
-            seen += len(idx)
+            seen += len(mine)
+            images += len(idx)
             for t in (xb, yb, logits, loss, grad):
                 t.close()
             if progress is not None:
                 progress.update(len(idx), total.item() / seen if progress.wants_loss() else None)
-        mean_loss = total.item() / max(seen, 1)  # reading it waits for the device
-        return mean_loss, seen, time.perf_counter() - t0
+        loss_sum = total.item()  # reading it waits for the device
+        if dist is not None:
+            loss_sum, seen = dist.sum_floats([loss_sum, seen])
+        return loss_sum / max(seen, 1), images, time.perf_counter() - t0
     finally:
         total.close()
 
 
-def evaluate(net, x, y, batch_size, device):
-    """(mean cross-entropy, accuracy) over (x, y) in eval mode (BatchNorm running statistics)."""
+def evaluate(net, x, y, batch_size, device, dist=None):
+    """(mean cross-entropy, accuracy) over (x, y) in eval mode (BatchNorm running statistics);
+    with ``dist`` each rank evaluates its share and the sums are the ranks' together."""
     net.eval()
-    loss_sum, correct = 0.0, 0
+    loss_sum, correct, n = 0.0, 0, len(x)
+    if dist is not None:
+        mine = dist.share(np.arange(len(x)))
+        x, y = x[mine], y[mine]
     try:
         for i in range(0, len(x), batch_size):
             xb = Tensor(x[i:i + batch_size], device)
@@ -432,7 +453,9 @@ def evaluate(net, x, y, batch_size, device):
                 t.close()
     finally:
         net.train()
-    return loss_sum / max(len(x), 1), correct / max(len(x), 1)
+    if dist is not None:
+        loss_sum, correct = dist.sum_floats([loss_sum, correct])
+    return loss_sum / max(n, 1), correct / max(n, 1)
 
 
 def plot_history(history, path, title=""):
@@ -505,18 +528,40 @@ def _run(args, out):
 
 
 def _run_with_threads(args, out):
+    dist = None
+    if _dist.launched_world_size() > 1:
+        if args.device == "cpu":
+            raise _UsageError("training on several processes needs GPUs (NCCL); --device cpu "
+                              "runs one process")
+        dist = _dist.connect(sync_bn=not args.no_sync_bn)  # before any CUDA call: binds the GPU
+    ok = False
+    try:
+        status = _run_ranked(args, out, dist)
+        ok = status == 0  # interrupted (130): the others are being stopped, no barrier
+        return status
+    finally:
+        if dist is not None:
+            dist.close(ok)
+
+
+def _run_ranked(args, out, dist):
+    main_rank = dist is None or dist.is_main
+
     def say(*a):
-        if not args.quiet:
+        if not args.quiet and main_rank:
             print(*a, file=out, flush=True)
 
     # device
+    if dist is not None and not cuda_available():
+        raise _UsageError("rank %d: no GPU is visible to this process (CUDA_VISIBLE_DEVICES=%s)"
+                          % (dist.rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
     device = args.device or ("cuda" if cuda_available() else "cpu")
     if device == "cuda" and not cuda_available():
         raise _UsageError("--device cuda: no CUDA GPU is available (the library was built "
                           "without CUDA or no GPU is present); use --device cpu")
     if args.plot:
         _check_plot_available()
-    if not (args.no_progress or args.quiet):
+    if not (args.no_progress or args.quiet) and main_rank:
         _check_progress_available()
     threads_note = ""
     if args.threads == "auto":
@@ -534,7 +579,7 @@ def _run_with_threads(args, out):
         run = _resolve(args)
     epochs = args.epochs
     ckpt_path = None
-    if not args.no_checkpoint:
+    if not args.no_checkpoint and main_rank:
         ckpt_path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
 
     # data
@@ -548,6 +593,10 @@ def _run_with_threads(args, out):
             if saved.get(k) != data_info[k]:
                 raise CheckpointError("the data differ from the checkpoint's: %s is %s now, %s "
                                       "in the checkpoint" % (k, data_info[k], saved.get(k)))
+    if dist is not None:
+        why = dist.check_batches(len(ds.x_train), run["batch_size"])
+        if why:
+            raise _UsageError(why)
 
     # model and optimizer
     _seed_library(run["seed"])
@@ -577,15 +626,23 @@ def _run_with_threads(args, out):
                                       % (args.resume, e)) from None
             history = list(meta.get("history", []))
             start = int(meta["epoch"])
-        return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history,
-                           ckpt_path, say, out, threads_note)
+        model = net if dist is None else dist.wrap(net)
+        try:
+            return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start,
+                               history, ckpt_path, say, out, threads_note, dist, model)
+        finally:
+            if model is not net:
+                model.close()
     finally:
         opt.close()
         net.close()
 
 
 def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history, ckpt_path,
-                say, out, threads_note=""):
+                say, out, threads_note="", dist=None, model=None):
+    """``model`` is what trains (``net`` or its data-parallel wrapper); ``net`` is saved."""
+    model = net if model is None else model
+    main_rank = dist is None or dist.is_main
     say("%s" % ds.describe())
     threads = get_num_threads()
     say("model: depthwise-separable CNN, width %d, %d parameters, on %s%s"
@@ -596,29 +653,35 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     say("%s lr %g (%s), batch %d, seed %d%s" % (
         run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
         ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else ""))
+    if dist is not None:
+        say("data-parallel on %d GPUs (NCCL), global batch %d split over them, %s" % (
+            dist.world, run["batch_size"], "SyncBatchNorm" if dist.sync_bn
+            else "per-GPU BatchNorm statistics"))
     if start:
         say("resumed from %s after epoch %d" % (args.resume, start))
     if start >= epochs:
         say("the checkpoint has %d epochs done already; nothing to train (raise --epochs)" % start)
     t_start = time.perf_counter()
     train_images, train_seconds = 0, 0.0
-    show_progress = not (args.no_progress or args.quiet)
+    show_progress = not (args.no_progress or args.quiet) and main_rank
     epoch = start
     try:
         for epoch in range(start, epochs):
             opt.lr = _lr_at(run, epoch, epochs)
             bar = _Progress(len(ds.x_train), "epoch %d/%d" % (epoch + 1, epochs), show_progress)
             try:
-                loss, n, secs = train_epoch(net, opt, ds.x_train, ds.y_train, run["batch_size"],
-                                            run["seed"], epoch, device, bar)
+                loss, n, secs = train_epoch(model, opt, ds.x_train, ds.y_train,
+                                            run["batch_size"], run["seed"], epoch, device, bar,
+                                            dist)
             finally:
                 bar.close()
-            test_loss, acc = evaluate(net, ds.x_test, ds.y_test, args.eval_batch_size, device)
+            test_loss, acc = evaluate(model, ds.x_test, ds.y_test, args.eval_batch_size, device,
+                                      dist)
             train_images += n
             train_seconds += secs
             rec = {"epoch": epoch + 1, "train_loss": loss, "test_loss": test_loss,
                    "test_acc": acc, "images_per_s": n / max(secs, 1e-9), "seconds": secs,
-                   "lr": opt.lr, "device": device}
+                   "lr": opt.lr, "device": device, "gpus": dist.world if dist else 1}
             history.append(rec)
             say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%  %7.0f img/s  "
                 "(%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc,
@@ -631,11 +694,11 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
         print("\ninterrupted during epoch %d%s" % (
             epoch + 1, "; continue with: %s --resume %s --epochs %d"
             % (PROG, ckpt_path, epochs) if ckpt_path and history else ""), file=sys.stderr)
-        if args.plot and history:
+        if args.plot and history and main_rank:
             plot_history(history, args.plot, ds.name)
         return 130
     total = time.perf_counter() - t_start
-    if history:
+    if history and main_rank:
         last = history[-1]
         rate = train_images / train_seconds if train_seconds else float("nan")
         msg = "final test accuracy %.2f%% after %d epochs" % (100 * last["test_acc"], last["epoch"])
@@ -644,7 +707,7 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
         print(msg, file=out, flush=True)
     if ckpt_path and epochs > start:
         say("checkpoint: %s" % ckpt_path)
-    if args.plot and history:
+    if args.plot and history and main_rank:
         plot_history(history, args.plot, ds.name)
         say("curves: %s" % args.plot)
     return 0
@@ -653,9 +716,22 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
 def main(argv=None, out=None):
     """Run the program; returns the exit status (0: trained; 2: bad usage, data or checkpoint)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)  # exits with status 2 on bad flags
     _check_output_paths(parser, args)
     out = out or sys.stdout
+    if args.nproc_per_node is not None:
+        if _dist.launched_world_size():
+            parser.error("--nproc-per-node: this process was started by a launcher already "
+                         "(WORLD_SIZE is set); leave the flag out")
+        if args.nproc_per_node > 1:
+            if args.device == "cpu":
+                parser.error("--nproc-per-node %d: several processes train on GPUs (NCCL); "
+                             "--device cpu runs one" % args.nproc_per_node)
+            from .launch import run as launch
+
+            return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.train"]
+                          + _dist.strip_nproc_flag(argv))
     try:
         return _run(args, out)
     except CheckpointError as e:
@@ -667,7 +743,7 @@ def main(argv=None, out=None):
     except (_UsageError, _data.DataError) as e:
         print("%s: error: %s" % (PROG, e), file=sys.stderr)
         return 2
-    except UtensilError as e:
+    except UtensilError as e:  # DistributedError too: a peer died or hung
         print("%s: error: %s" % (PROG, e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:

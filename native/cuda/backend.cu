@@ -358,6 +358,10 @@ static void ut__cuda_init(void) {
   t->bn_update_running = ut__cuda_batchnorm2d_update_running;
   t->bn_apply = ut__cuda_batchnorm2d_apply;
   t->bn_bwd = ut__cuda_batchnorm2d_backward;
+  t->bn_sync_pack = ut__cuda_batchnorm2d_sync_pack;
+  t->bn_sync_unpack = ut__cuda_batchnorm2d_sync_unpack;
+  t->bn_bwd_sums = ut__cuda_batchnorm2d_backward_sums;
+  t->bn_bwd_dx = ut__cuda_batchnorm2d_backward_dx;
   t->mse_fwd = ut__cuda_mse_loss_forward;
   t->mse_bwd = ut__cuda_mse_loss_backward;
   t->ce_fwd = ut__cuda_cross_entropy_forward;

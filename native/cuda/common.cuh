@@ -234,6 +234,19 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
                                   const float* rstd, const float* gamma, const float* beta,
                                   float* dx, float* dgamma, float* dbeta, int n, int c,
                                   ut__i64 inner, bool training, float act);
+int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
+                                       const float* rstd, const float* gamma, const float* beta,
+                                       float* sums, float* dgamma, float* dbeta, int n, int c,
+                                       ut__i64 inner, float act);
+int ut__cuda_batchnorm2d_backward_dx(const float* go, const float* x, const float* mean,
+                                     const float* rstd, const float* gamma, const float* beta,
+                                     const float* sums, float* dx, int n, int c, ut__i64 inner,
+                                     float act);
+int ut__cuda_batchnorm2d_sync_pack(const float* mean, const float* var, const float* a,
+                                   float* out, int c, float count);
+int ut__cuda_batchnorm2d_sync_unpack(const float* a, const float* b, float* mean, float* var,
+                                     float* running_mean, float* running_var, int c,
+                                     float momentum);
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,

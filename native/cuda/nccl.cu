@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef void* ut__nccl_comm;
 typedef struct {
@@ -168,6 +170,53 @@ static int ut__cuda_dist_check(void* comm) {
   return UT_OK;
 }
 
+/* Wait for the stream's work by polling an event (a blocking wait could never return if a
+   peer is gone: NCCL's kernel would spin forever), checking NCCL's asynchronous error between
+   polls; on an error or the timeout abort the communicator, which ends the spinning kernel. */
+static int ut__cuda_dist_wait(void* comm, double timeout_s, bool* aborted) {
+  ut__nccl* n = ut__nccl_get("ut_dist_wait");
+  if (!n) return UT_ERR_DEVICE;
+  cudaEvent_t ev;
+  cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, ut__cuda_stream);
+  if (e != cudaSuccess) return ut__cuda_fail(e, "ut_dist_wait");
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  long pause_us = 20;
+  int rc = UT_OK;
+  for (;;) {
+    e = cudaEventQuery(ev);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      rc = ut__cuda_fail(e, "ut_dist_wait");
+      break;
+    }
+    int async = 0;
+    int st = n->get_async_error((ut__nccl_comm)comm, &async);
+    if (st || (async && async != 7)) {
+      rc = ut__nccl_fail(n, st ? st : async, "the group (a peer died or the network failed)");
+      break;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    double waited = (double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec);
+    if (waited > timeout_s) {
+      rc = ut__set_error(UT_ERR_DEVICE,
+                         "ut_dist_wait: the group's work did not finish in %g s: a peer rank "
+                         "is gone or hangs (the group is aborted)",
+                         timeout_s);
+      break;
+    }
+    usleep((useconds_t)pause_us);
+    if (pause_us < 2000) pause_us *= 2;
+  }
+  if (rc < 0) {
+    n->comm_abort((ut__nccl_comm)comm);
+    *aborted = true;
+  }
+  cudaEventDestroy(ev);
+  return rc;
+}
+
 static void ut__cuda_dist_free(void* comm, bool abort) {
   ut__nccl* n = ut__nccl_get("ut_dist_free");
   if (!n || !comm) return;
@@ -190,6 +239,7 @@ void ut__cuda_nccl_fill(ut__backend* t) {
   t->dist_all_reduce = ut__cuda_dist_all_reduce;
   t->dist_broadcast = ut__cuda_dist_broadcast;
   t->dist_check = ut__cuda_dist_check;
+  t->dist_wait = ut__cuda_dist_wait;
   t->dist_free = ut__cuda_dist_free;
   t->nccl_info = ut__cuda_nccl_info;
 }

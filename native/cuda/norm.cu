@@ -532,8 +532,9 @@ static __global__ void ut__cuda_batchnorm2d_backward_sums_kernel(const float* __
                                                                  float* __restrict__ sums,
                                                                  float* __restrict__ dgamma,
                                                                  float* __restrict__ dbeta, int c,
-                                                                 int chunks) {
+                                                                 int chunks, float count) {
   int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j == 0 && count > 0.f) sums[2 * c] = count; /* bn_bwd_sums: the count travels along */
   if (j >= c) return;
   double sb = 0.0, sg = 0.0;
   for (int q = 0; q < chunks; ++q) {
@@ -552,6 +553,7 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     const float* __restrict__ rstd, const float* __restrict__ gamma,
     const float* __restrict__ beta, const float* __restrict__ sums, float* __restrict__ dx,
     I groups, I row_groups, int c, float inv_m, int training, float act) {
+  if (training == 2) inv_m = 1.f / sums[2 * c]; /* bn_bwd_dx: the summed count */
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
     const int j = (int)((v / row_groups) % (I)c);
     const float rs = rstd[j], gm = gamma ? gamma[j] : 1.f, m = mean[j];
@@ -574,6 +576,46 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
   }
 }
 
+/* the per-channel sums [2c] (and count at sums[2c] when count > 0) into sums */
+static int ut__cuda_bn_sums(const float* go, const float* x, const float* mean, const float* rstd,
+                            const float* gamma, const float* beta, float* sums, float* ws,
+                            float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int chunks,
+                            ut__i64 chunk, float act, float count) {
+  int st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD>(
+      x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
+  if (st) return st;
+  ut__cuda_batchnorm2d_backward_sums_kernel
+      <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(ws, sums, dgamma, dbeta, c,
+                                                                    chunks, count);
+  UT__CUDA_LAUNCHED("bn_bwd sums");
+  return UT_OK;
+}
+
+/* dx; training: 0 eval, 1 training (count n inner), 2 training with the count at sums[2c] */
+static void ut__cuda_bn_dx(const float* go, const float* x, const float* mean, const float* rstd,
+                           const float* gamma, const float* beta, const float* sums, float* dx,
+                           int n, int c, ut__i64 inner, int tr, float act) {
+  const ut__i64 m = (ut__i64)n * inner, total = m * c;
+  const int w = ut__cuda_bn_width(inner, go, x, dx);
+  const ut__i64 groups = total / w, row_groups = inner / w;
+  const unsigned blocks = ut__cuda_grid_for(groups, 256);
+  const float inv_m = 1.f / (float)m;
+  if (w == 4 && total < INT_MAX)
+    ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
+        inv_m, tr, act);
+  else if (w == 4)
+    ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+  else if (total < INT_MAX)
+    ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
+        inv_m, tr, act);
+  else
+    ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+}
+
 int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
                                   const float* rstd, const float* gamma, const float* beta,
                                   float* dx, float* dgamma, float* dbeta, int n, int c,
@@ -592,36 +634,89 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
         ut__cuda_workspace_acquire(((size_t)c * chunks * 2 + (size_t)c * 2) * sizeof(float), &ws);
     if (st) return st;
     sums = ws + (size_t)c * chunks * 2;
-    st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD>(
-        x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
+    st = ut__cuda_bn_sums(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
+                          chunks, chunk, act, 0.f);
     if (st) return st;
-    ut__cuda_batchnorm2d_backward_sums_kernel
-        <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
-        ws, sums, dgamma, dbeta, c, chunks);
-    UT__CUDA_LAUNCHED("bn_bwd sums");
   }
   if (dx) {
-    const ut__i64 total = m * c;
-    const int w = ut__cuda_bn_width(inner, go, x, dx);
-    const ut__i64 groups = total / w, row_groups = inner / w;
-    const unsigned blocks = ut__cuda_grid_for(groups, 256);
-    const float inv_m = 1.f / (float)m;
-    const int tr = training ? 1 : 0;
-    if (w == 4 && total < INT_MAX)
-      ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-          go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
-          inv_m, tr, act);
-    else if (w == 4)
-      ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-          go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
-    else if (total < INT_MAX)
-      ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-          go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
-          inv_m, tr, act);
-    else
-      ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-          go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+    ut__cuda_bn_dx(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, training ? 1 : 0, act);
     UT__CUDA_LAUNCHED("bn_bwd dx");
   }
+  return UT_OK;
+}
+
+int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
+                                       const float* rstd, const float* gamma, const float* beta,
+                                       float* sums, float* dgamma, float* dbeta, int n, int c,
+                                       ut__i64 inner, float act) {
+  const ut__i64 m = (ut__i64)n * inner;
+  if (c <= 0 || m <= 0) return UT_OK;
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  ut__i64 chunk;
+  int chunks = ut__cuda_channel_chunks(c, m, &chunk);
+  float* ws = NULL;
+  int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
+  if (st) return st;
+  return ut__cuda_bn_sums(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
+                          chunks, chunk, act, (float)m);
+}
+
+int ut__cuda_batchnorm2d_backward_dx(const float* go, const float* x, const float* mean,
+                                     const float* rstd, const float* gamma, const float* beta,
+                                     const float* sums, float* dx, int n, int c, ut__i64 inner,
+                                     float act) {
+  if (c <= 0 || (ut__i64)n * inner <= 0) return UT_OK;
+  ut__cuda_bn_dx(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, 2, act);
+  UT__CUDA_LAUNCHED("bn_bwd_dx");
+  return UT_OK;
+}
+
+/* synchronized batchnorm's statistics (the core's order: pack, sum, pack, sum, unpack) */
+static __global__ void ut__cuda_bn_sync_pack_kernel(const float* __restrict__ mean,
+                                                    const float* __restrict__ var,
+                                                    const float* __restrict__ a,
+                                                    float* __restrict__ out, int c, float count) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j == c) out[c] = count;
+  if (j >= c) return;
+  if (!a) {
+    out[j] = count * mean[j];
+  } else {
+    float d = mean[j] - a[j] / a[c];
+    out[j] = count * (var[j] + d * d);
+  }
+}
+
+int ut__cuda_batchnorm2d_sync_pack(const float* mean, const float* var, const float* a,
+                                   float* out, int c, float count) {
+  ut__cuda_bn_sync_pack_kernel<<<(unsigned)ut__cuda_cdiv(c + 1, 128), 128, 0, ut__cuda_stream>>>(
+      mean, var, a, out, c, count);
+  UT__CUDA_LAUNCHED("bn_sync_pack");
+  return UT_OK;
+}
+
+static __global__ void ut__cuda_bn_sync_unpack_kernel(const float* __restrict__ a,
+                                                      const float* __restrict__ b,
+                                                      float* __restrict__ mean,
+                                                      float* __restrict__ var,
+                                                      float* __restrict__ rm,
+                                                      float* __restrict__ rv, int c,
+                                                      float momentum) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= c) return;
+  const float n = a[c], unbias = (float)((double)n / ((double)n - 1.0));
+  const float m = a[j] / n, v = b[j] / n;
+  mean[j] = m;
+  var[j] = v;
+  rm[j] = (1.f - momentum) * rm[j] + momentum * m;
+  rv[j] = (1.f - momentum) * rv[j] + momentum * (v * unbias);
+}
+
+int ut__cuda_batchnorm2d_sync_unpack(const float* a, const float* b, float* mean, float* var,
+                                     float* running_mean, float* running_var, int c,
+                                     float momentum) {
+  ut__cuda_bn_sync_unpack_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
+      a, b, mean, var, running_mean, running_var, c, momentum);
+  UT__CUDA_LAUNCHED("bn_sync_unpack");
   return UT_OK;
 }
