@@ -32,8 +32,10 @@ from ._errors import (
 )
 from ._lib import HEADER_VERSION as __c_version__
 from ._lib import LIB_PATH as library_path
+from .blocks import Residual
 from .functional import (
     adam_step,
+    add,
     cross_entropy,
     cross_entropy_backward,
     global_avg_pool2d,
@@ -96,9 +98,9 @@ __all__ = [
     "get_float32_matmul_precision",
     # layers
     "Module", "Parameter", "Conv2d", "DWConv2d", "BatchNorm2d", "LayerNorm", "Linear", "ReLU",
-    "ReLU6", "GlobalAvgPool2d", "Sequential", "SyncBatchNorm",
+    "ReLU6", "GlobalAvgPool2d", "Sequential", "SyncBatchNorm", "Residual",
     # functional forms and losses
-    "functional", "relu", "relu6", "relu_backward", "relu6_backward", "matmul", "transpose",
+    "functional", "add", "relu", "relu6", "relu_backward", "relu6_backward", "matmul", "transpose",
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
     "cross_entropy", "cross_entropy_backward", "MSELoss", "CrossEntropyLoss", "sgd_step",
     "adam_step",

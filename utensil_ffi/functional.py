@@ -429,3 +429,43 @@ def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8
     _inplace("adam_step", lib.ut_adam_step, ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
              step, lr, beta1, beta2, eps)
     return param
+
+
+# -- residual add ---------------------------------------------------------------------------------
+# Built from two existing C calls (ut_copy, then ut_add_into) rather than a new op: ut_add_into
+# checks only the element count, so the shape rule of an out-of-place add is checked here.
+__all__ += ["add", "add_backward"]
+
+
+def add(a, b):
+    """a + b as a new tensor: a and b of one shape on one device (a residual connection).
+
+    Neither input changes. ShapeError when the shapes differ (even with the same element count:
+    a silent reshape would hide a wrong block); DeviceError when the devices differ."""
+    with _Args("add") as args:
+        ap, bp = args.ptrs((a, "a"), (b, "b"))
+        if ap.dev != bp.dev:
+            raise DeviceError("add: a is on %s but b is on %s (move one with .to())"
+                              % (_args.device_name(ap.dev), _args.device_name(bp.dev)))
+        sa, sb = (tuple(ffi.unpack(p.shape.shape, p.shape.ndim)) for p in (ap, bp))
+        if sa != sb:
+            raise ShapeError("add: a has shape %s but b has shape %s (they must match)"
+                             % (list(sa), list(sb)))
+        r = lib.ut_copy(ap)
+        if r == _NULL:
+            fail("add", ap)
+        if lib.ut_add_into(r, bp) < 0:
+            try:
+                fail("add", r, bp)
+            finally:
+                lib.ut_free(r)  # after fail() has read the C error
+        return _wrap(r)
+
+
+def add_backward(grad_out):
+    """The gradients of ``add(a, b)``: (d a, d b), each a copy of grad_out (the sum is the
+    identity to both inputs); two copies, so that closing one leaves the other."""
+    if not isinstance(grad_out, Tensor):
+        grad_out = Tensor(_args.to_float_array(grad_out, "add_backward: grad_out"))
+        return grad_out, grad_out.clone()
+    return grad_out.clone(), grad_out.clone()

@@ -1,0 +1,80 @@
+"""Modules made of other modules: Residual (a skip connection around a block).
+
+    block = ut.Sequential(ut.Conv2d(8, 8, 3, padding=1), ut.BatchNorm2d(8))
+    res = ut.Residual(block)            # y = x + block(x)
+    y = res(x)
+    dx = res.backward(dy)               # dy + block.backward(dy)
+
+The block is the public attribute ``block``, so its parameters are named ``block.<...>`` in
+``named_parameters()`` and ``state_dict()`` (``block.0.weight``...), as a PyTorch module with a
+``self.block`` would name them.
+"""
+
+from . import _args
+from ._errors import ArgumentTypeError, ShapeError
+from .functional import add
+from .layers import Module, _in_pass, _public_state, _rebuild_module
+from .tensor import Tensor
+
+__all__ = ["Residual"]
+
+
+class Residual(Module):
+    """``x + block(x)``: block's output must have the shape of its input (ShapeError otherwise).
+
+    backward(g) is ``g + block.backward(g)``: the sum passes the gradient to both branches.
+    The residual keeps nothing of its own for backward (the block keeps what it needs), so it
+    behaves in train and eval mode, across threads and when used twice as its block does.
+    """
+
+    def __init__(self, block):
+        if not isinstance(block, Module):
+            raise ArgumentTypeError("Residual: block must be a Module, got %s"
+                                    % type(block).__name__)
+        self.block = block
+
+    def forward(self, x):
+        # one outer call even when forward is called directly (see layers._in_pass)
+        return _in_pass(self._forward, (x,))
+
+    def _forward(self, x):
+        y = self.block(x)
+        try:
+            xs = x.shape if isinstance(x, Tensor) else _args.to_float_array(x).shape
+            if tuple(y.shape) != tuple(xs):
+                raise ShapeError("Residual: the block maps %s to %s; x + block(x) needs the "
+                                 "shape unchanged" % (list(xs), list(y.shape)))
+            return add(x, y)
+        finally:
+            if y is not x:  # the block's output is ours; the caller's input is not
+                y.close()
+
+    def backward(self, grad_out):
+        g = self.block.backward(grad_out)
+        try:
+            return add(grad_out, g)
+        finally:
+            if g is not grad_out:
+                g.close()
+
+    def train(self, mode=True):
+        self.training = _args.to_bool(mode, "mode")
+        self.block.train(mode)
+        return self
+
+    def to(self, device):
+        self.block.to(device)
+        return self
+
+    def close(self):
+        self.block.close()
+
+    def __reduce_ex__(self, protocol):
+        # copy, deepcopy and pickle rebuild through __init__ with a copy of the block (a block
+        # shared with other modules stays shared in the copy: copy's and pickle's memo)
+        state = _public_state(self)
+        return (_rebuild_module, (type(self), Residual, (state.pop("block"),), state))
+
+    def __repr__(self):
+        inner = repr(self.block).replace("\n", "\n  ")
+        return "Residual(\n  (block): %s\n)" % inner
