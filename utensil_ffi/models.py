@@ -130,11 +130,11 @@ def mobilenet_v2(num_classes=1000, width_mult=1.0, in_channels=3, device="cpu", 
     State dict keys: ``"0.weight"`` (stem conv), ``"1.*"`` (its BatchNorm), then block i
     (from 0) at index 3 + i: ``"3.0.weight"`` for a plain block, ``"5.block.0.weight"`` for a
     residual one; the head's conv, BatchNorm, pooling and Linear are the last entries
-    (``"24.weight"`` for the Linear). With ``fused=True`` the indices shift (block i at 2 + i). In order and shape they match torchvision's keys one to one
-    (``features.0.0.weight``...``classifier.1.bias``), so ``zip`` over the two state dicts
-    loads torchvision's weights. ``fused=True`` folds each ReLU6 into the BatchNorm2d before it
-    (``activation="relu6"``), as ``mobilenet`` does: the same function, fewer layers, other
-    indices, the same order of tensors."""
+    (``"24.weight"`` for the Linear). In order and shape they match torchvision's keys one to
+    one (``features.0.0.weight`` ... ``classifier.1.bias``), so pairing the two state dicts in
+    order loads torchvision's weights. ``fused=True`` folds each ReLU6 into the BatchNorm2d
+    before it (``activation="relu6"``), as ``mobilenet`` does: the same function and the same
+    order of tensors, but fewer layers, so other indices (block i at 2 + i)."""
     width_mult = float(width_mult)
     if not width_mult > 0:
         raise ValueError("width_mult must be > 0, got %r" % (width_mult,))
