@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:
@@ -37,6 +37,14 @@ class build_py_with_library(build_py):
         shutil.copy2(ROOT / "native" / "utensil.h", dest / "utensil.h")
 
 
+class BinaryDistribution(Distribution):
+    """A distribution with a native library: installed to platlib (the wheel's root), which
+    auditwheel requires to make it a manylinux wheel."""
+
+    def has_ext_modules(self):
+        return True
+
+
 class bdist_wheel_platform(bdist_wheel):
     def finalize_options(self):
         super().finalize_options()
@@ -47,4 +55,5 @@ class bdist_wheel_platform(bdist_wheel):
         return "py3", "none", plat
 
 
-setup(cmdclass={"build_py": build_py_with_library, "bdist_wheel": bdist_wheel_platform})
+setup(distclass=BinaryDistribution,
+      cmdclass={"build_py": build_py_with_library, "bdist_wheel": bdist_wheel_platform})
