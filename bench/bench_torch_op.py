@@ -122,14 +122,26 @@ def train_step(model, opt, x, y, seed=None):
 
 def run(device="cpu", threads=2, size=224, batch=16, width=1.0, steps=3, rounds=3,
         compile=False, num_classes=1000):
-    """Images/s of both networks (median round) and the first step's losses."""
+    """Images/s of both networks (median round) and the first step's losses. On the CPU both
+    libraries run ``threads`` threads (their settings are restored after)."""
+    import torch
+
+    saved = torch.get_num_threads(), ut.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(threads)
+        ut.set_num_threads(threads)
+    try:
+        return _run(device, size, batch, width, steps, rounds, compile, num_classes)
+    finally:
+        torch.set_num_threads(saved[0])
+        ut.set_num_threads(saved[1])
+
+
+def _run(device, size, batch, width, steps, rounds, compile, num_classes):
     import torch
 
     import utensil_ffi.torch as utt
 
-    if device == "cpu":
-        torch.set_num_threads(threads)
-        ut.set_num_threads(threads)
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
