@@ -45,6 +45,7 @@ class Dataset:
     num_classes: int
     mean: np.ndarray = field(default=None)  # per-channel normalization that was applied
     std: np.ndarray = field(default=None)
+    class_names: tuple = field(default=None)  # a name per class index, when the data have them
 
     @property
     def image_shape(self):

@@ -50,7 +50,9 @@ DEFAULT_CHECKPOINT = "utensil_checkpoint.npz"
 # value explicitly is an error (a resumed run continues the saved one).
 RUN_DEFAULTS = {
     "data": None,
+    "arch": "digits",
     "width": 32,
+    "width_mult": 1.0,
     "batch_size": 64,
     "lr": None,  # per optimizer, see LR_DEFAULTS
     "optimizer": "adam",
@@ -59,6 +61,9 @@ RUN_DEFAULTS = {
     "seed": 0,
 }
 LR_DEFAULTS = {"adam": 1e-2, "sgd": 0.1}
+# settings added after checkpoints existed: a checkpoint without one ran with this value
+SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0}
+ARCHS = ("digits", "mobilenet_v1", "mobilenet_v2")
 DEFAULT_EPOCHS = 20
 
 
@@ -156,6 +161,13 @@ def build_parser():
                    help="how --data's 4-D images are laid out: nchw, nhwc, or auto (default): "
                    "NCHW, and an error when the last axis has 1 or 3 entries (then it could "
                    "be NHWC channels; say which with --layout)")
+    g.add_argument("--arch", choices=ARCHS, default=None,
+                   help="the network: digits (the small depthwise-separable CNN sized by "
+                   "--width, default), mobilenet_v1 (Howard et al. 2017) or mobilenet_v2 "
+                   "(Sandler et al. 2018), both sized by --width-mult; images under 96 pixels "
+                   "keep the stem at stride 1")
+    g.add_argument("--width-mult", type=_POSITIVE_FLOAT, default=None, metavar="M",
+                   help="channel multiplier of mobilenet_v1/v2 (default 1.0)")
     g.add_argument("--width", type=_POSITIVE_INT, default=None, metavar="C",
                    help="channels of the stem; the blocks use 2C and 4C (default %d)"
                    % RUN_DEFAULTS["width"])
@@ -215,6 +227,8 @@ def _resolve(args, saved=None):
     for k, default in RUN_DEFAULTS.items():
         given = getattr(args, k)
         if saved is not None:
+            if k not in saved and k in SAVED_DEFAULTS:
+                saved = dict(saved, **{k: SAVED_DEFAULTS[k]})
             if k not in saved:
                 raise CheckpointError("the checkpoint does not record the setting %r" % k)
             if given is not None and given != saved[k] and not (
@@ -239,6 +253,8 @@ def _saved_setting(k, v):
     integer = isinstance(v, int) and not isinstance(v, bool)
     ok = {
         "width": integer and v >= 1,
+        "arch": v in ARCHS,
+        "width_mult": num and math.isfinite(v) and v > 0,
         "batch_size": integer and v >= 1,
         "seed": integer and 0 <= v < 2**63,
         "lr": v is None or (num and math.isfinite(v) and v > 0),
@@ -382,6 +398,26 @@ def _check_progress_available():
 
 
 # -- training -------------------------------------------------------------------------------------
+def build_network(run, image_shape, num_classes, device):
+    """The network a run's settings describe (train, utensil-export and utensil-predict build
+    it alike, so a checkpoint's state_dict fits)."""
+    c, h, w = image_shape
+    if run.get("arch", "digits") == "digits":
+        return _models.mobilenet(c, num_classes, run["width"], device=device)
+    stem = 1 if min(h, w) < 96 else 2  # small images would shrink to 1x1 long before the head
+    if run["arch"] == "mobilenet_v1":  # models.mobilenet_v1 with the stem's stride chosen
+        return _models.mobilenet(c, num_classes, int(round(32 * run["width_mult"])),
+                                 _models.V1_BLOCKS, device=device, stem_stride=stem, fused=True)
+    return _models.mobilenet_v2(num_classes, run["width_mult"], c, device=device, fused=True,
+                                stem_stride=stem)
+
+
+def describe_network(run):
+    if run.get("arch", "digits") == "digits":
+        return "depthwise-separable CNN, width %d" % run["width"]
+    return "%s, width multiplier %g" % (run["arch"], run["width_mult"])
+
+
 def _lr_at(run, epoch, epochs):
     if run["lr_schedule"] == "constant":
         return run["lr"]
@@ -436,8 +472,17 @@ def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, 
 def evaluate(net, x, y, batch_size, device, dist=None):
     """(mean cross-entropy, accuracy) over (x, y) in eval mode (BatchNorm running statistics);
     with ``dist`` each rank evaluates its share and the sums are the ranks' together."""
+    r = evaluate_full(net, x, y, batch_size, device, dist)
+    return r["loss"], r["top1"]
+
+
+def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
+    """{"loss", "top1", "top5", "confusion"} over (x, y) in eval mode: the mean cross-entropy,
+    the share whose label is the first (or among the first 5) of the logits, and the confusion
+    matrix (rows: true class, columns: predicted; num_classes defaults to the logits' width)."""
     net.eval()
-    loss_sum, correct, n = 0.0, 0, len(x)
+    loss_sum, top1, top5, n = 0.0, 0, 0, len(x)
+    confusion = None
     if dist is not None:
         mine = dist.share(np.arange(len(x)))
         x, y = x[mine], y[mine]
@@ -448,24 +493,42 @@ def evaluate(net, x, y, batch_size, device, dist=None):
             logits = net(xb)
             loss = cross_entropy(logits, yb)
             loss_sum += loss.item() * len(yb)
-            correct += int((logits.numpy().argmax(axis=1) == yb).sum())
+            z = logits.numpy()
+            k = z.shape[1]
+            if confusion is None:
+                confusion = np.zeros((num_classes or k, num_classes or k), np.int64)
+            pred = z.argmax(axis=1)
+            top1 += int((pred == yb).sum())
+            # the label's rank: how many logits beat it (ties count against it)
+            beat = (z > z[np.arange(len(yb)), yb][:, None]).sum(axis=1)
+            top5 += int((beat < min(5, k)).sum())
+            np.add.at(confusion, (yb, pred), 1)
             for t in (xb, logits, loss):
                 t.close()
     finally:
         net.train()
+    if confusion is None:  # no test images here (with dist, callers give num_classes)
+        confusion = np.zeros((num_classes or 0,) * 2, np.int64)
     if dist is not None:
-        loss_sum, correct = dist.sum_floats([loss_sum, correct])
-    return loss_sum / max(n, 1), correct / max(n, 1)
+        sums = dist.sum_floats(np.concatenate([[loss_sum, top1, top5], confusion.ravel()]))
+        loss_sum, top1, top5 = float(sums[0]), int(round(sums[1])), int(round(sums[2]))
+        confusion = np.rint(sums[3:]).astype(np.int64).reshape(confusion.shape)
+    m = max(n, 1)
+    return {"loss": loss_sum / m, "top1": top1 / m, "top5": top5 / m, "confusion": confusion}
 
 
-def plot_history(history, path, title=""):
+def plot_history(history, path, title="", confusion=None, class_names=None):
+    """The loss and accuracy curves, and beside them the confusion matrix when given (the last
+    evaluation's: rows the true class, columns the predicted one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ep = [h["epoch"] for h in history]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    panels = 3 if confusion is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    a, b = axes[0], axes[1]
     a.plot(ep, [h["train_loss"] for h in history], "o-", label="train")
     a.plot(ep, [h["test_loss"] for h in history], "s-", label="test")
     a.set_xlabel("epoch")
@@ -483,11 +546,36 @@ def plot_history(history, path, title=""):
 
     for ax in (a, b):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if confusion is not None:
+        _plot_confusion(axes[2], np.asarray(confusion), class_names)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_confusion(ax, confusion, class_names):
+    k = confusion.shape[0]
+    rows = confusion.sum(axis=1, keepdims=True)
+    share = confusion / np.maximum(rows, 1)  # each true class's row sums to 1: small classes show
+    im = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title("confusion (last evaluation)")
+    if k <= 20:
+        names = list(class_names) if class_names is not None and len(class_names) == k \
+            else [str(i) for i in range(k)]
+        ax.set_xticks(range(k))
+        ax.set_yticks(range(k))
+        ax.set_xticklabels(names, rotation=90 if max(map(len, names)) > 2 else 0, fontsize=7)
+        ax.set_yticklabels(names, fontsize=7)
+        for i in range(k):
+            for j in range(k):
+                if confusion[i, j]:
+                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=6,
+                            color="white" if share[i, j] > 0.5 else "black")
+    ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
 
 
 def _check_plot_available():
@@ -586,7 +674,11 @@ def _run_ranked(args, out, dist):
     ds = _data.load_npz(run["data"], args.layout) if run["data"] else _data.load_digits()
     data_info = {"name": ds.name, "image_shape": list(ds.image_shape),
                  "num_classes": ds.num_classes, "n_train": len(ds.x_train),
-                 "n_test": len(ds.x_test)}
+                 "n_test": len(ds.x_test),
+                 # what utensil-predict needs to prepare an image as training saw it
+                 "mean": None if ds.mean is None else [float(v) for v in ds.mean],
+                 "std": None if ds.std is None else [float(v) for v in ds.std],
+                 "class_names": None if ds.class_names is None else list(ds.class_names)}
     if resumed is not None:
         saved = resumed[0].get("data_info", {})
         for k in ("image_shape", "num_classes", "n_train", "n_test"):
@@ -600,7 +692,7 @@ def _run_ranked(args, out, dist):
 
     # model and optimizer
     _seed_library(run["seed"])
-    net = _models.mobilenet(ds.in_channels, ds.num_classes, run["width"], device=device)
+    net = build_network(run, ds.image_shape, ds.num_classes, device)
     opt = _make_optimizer(run, net)
     history, start = [], 0
     try:
@@ -645,8 +737,8 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     main_rank = dist is None or dist.is_main
     say("%s" % ds.describe())
     threads = get_num_threads()
-    say("model: depthwise-separable CNN, width %d, %d parameters, on %s%s"
-        % (run["width"], _models.count_parameters(net), device,
+    say("model: %s, %d parameters, on %s%s"
+        % (describe_network(run), _models.count_parameters(net), device,
            " (%d CPU thread%s%s)" % (threads, "s" * (threads != 1),
                                      ": " + threads_note if threads_note else "")
            if device == "cpu" else ""))
@@ -665,6 +757,7 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     train_images, train_seconds = 0, 0.0
     show_progress = not (args.no_progress or args.quiet) and main_rank
     epoch = start
+    confusion = None  # the last evaluation's, for the plot
     try:
         for epoch in range(start, epochs):
             opt.lr = _lr_at(run, epoch, epochs)
@@ -675,17 +768,19 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
                                             dist)
             finally:
                 bar.close()
-            test_loss, acc = evaluate(model, ds.x_test, ds.y_test, args.eval_batch_size, device,
-                                      dist)
+            ev = evaluate_full(model, ds.x_test, ds.y_test, args.eval_batch_size, device, dist,
+                               ds.num_classes)
+            test_loss, acc, confusion = ev["loss"], ev["top1"], ev["confusion"]
             train_images += n
             train_seconds += secs
             rec = {"epoch": epoch + 1, "train_loss": loss, "test_loss": test_loss,
-                   "test_acc": acc, "images_per_s": n / max(secs, 1e-9), "seconds": secs,
+                   "test_acc": acc, "test_top5": ev["top5"], "images_per_s": n / max(secs, 1e-9), "seconds": secs,
                    "lr": opt.lr, "device": device, "gpus": dist.world if dist else 1}
             history.append(rec)
-            say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%  %7.0f img/s  "
-                "(%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc,
-                              rec["images_per_s"], secs))
+            top5 = "  top-5 %6.2f%%" % (100 * ev["top5"]) if ds.num_classes > 5 else ""
+            say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%%s  %7.0f img/s"
+                "  (%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc, top5,
+                                rec["images_per_s"], secs))
             if ckpt_path:
                 save_checkpoint(ckpt_path, net, opt, {
                     "epoch": epoch + 1, "run": run, "epochs": epochs, "history": history,
@@ -695,7 +790,7 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
             epoch + 1, "; continue with: %s --resume %s --epochs %d"
             % (PROG, ckpt_path, epochs) if ckpt_path and history else ""), file=sys.stderr)
         if args.plot and history and main_rank:
-            plot_history(history, args.plot, ds.name)
+            plot_history(history, args.plot, ds.name, confusion, ds.class_names)
         return 130
     total = time.perf_counter() - t_start
     if history and main_rank:
@@ -708,8 +803,9 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     if ckpt_path and epochs > start:
         say("checkpoint: %s" % ckpt_path)
     if args.plot and history and main_rank:
-        plot_history(history, args.plot, ds.name)
-        say("curves: %s" % args.plot)
+        plot_history(history, args.plot, ds.name, confusion, ds.class_names)
+        say("curves%s: %s" % (" and confusion matrix" if confusion is not None else "",
+                               args.plot))
     return 0
 
 
