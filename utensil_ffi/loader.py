@@ -1,0 +1,449 @@
+"""Batches of a data set, epoch by epoch, in utensil-train's order, optionally decoded in the
+background by worker processes.
+
+    from utensil_ffi.loader import Loader
+    with Loader(folder, batch_size=64, seed=0, workers=2) as loader:
+        for epoch in range(epochs):
+            for x, y in loader.epoch(epoch):      # x float32 [B, C, H, W], y int64 [B]
+                ...
+
+Order: epoch e visits ``data.batches(n, batch_size, seed, e)`` (over ``indices`` when given), the
+order utensil-train uses for in-memory arrays, so an image folder and the same images in an .npz
+train in the same order. ``shuffle=False`` visits every sample in order (for evaluation; the last
+batch may be short, even a single sample). Sample i of epoch e is ``dataset.load(i, rng)`` with
+``rng = np.random.default_rng((seed, epoch, i))`` (``dataset[i]`` for data sets without ``load``),
+so batches are bitwise the same for any number of workers.
+
+Workers: ``workers=W > 0`` starts W processes on the first epoch and keeps them for later ones.
+Batch k goes to worker k % W; each worker holds up to ``prefetch`` batches ahead of the consumer;
+batches come back in order. Workers are started with multiprocessing's "spawn" method: a fresh
+interpreter inherits no threads, locks or GPU state from the parent (fork would copy a CUDA
+context and the library's thread pool, neither of which survives in a child) and behaves the
+same on Linux, macOS and Windows; forkserver would save part of the start-up, but its server and
+preload list are process-wide state shared with whatever else uses multiprocessing. The price,
+a new interpreter per worker (about a second), is paid once per Loader. So the data set and its
+transforms must be picklable, and a script that makes a Loader needs the usual
+``if __name__ == "__main__":`` guard. Workers import utensil_ffi (the library initializes no GPU
+until a GPU op runs), never call into it, and hide the GPUs from themselves
+(CUDA_VISIBLE_DEVICES="") before loading anything; they ignore SIGINT: Ctrl-C is the parent's.
+
+Shutdown: ``close()``, leaving a ``with`` block, or garbage collection stops the workers. An epoch
+that does not run to its end (the consumer raised or broke out of the loop, Ctrl-C, a worker
+error) stops them too, so no process outlives an interrupted loop; the next epoch starts new ones.
+A worker's exception is re-raised in the parent as itself (a DataError naming the file), with the
+worker's traceback as its cause; a worker that dies, or sends nothing within ``timeout`` seconds,
+is a LoaderError that says which and how. Workers read their end of a pipe from the parent and
+exit when it closes, so they also go when the parent is killed.
+"""
+
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing import connection
+
+import numpy as np
+
+from ._errors import UtensilError
+from .data import DataError
+from .data import batches as _batches
+
+__all__ = ["Loader", "LoaderError", "load_batch"]
+
+START_METHODS = ("spawn", "forkserver")
+_GRACE_S = 1.0  # how long stopping waits for idle workers to leave before it terminates them
+
+
+class LoaderError(UtensilError, RuntimeError):
+    """A loader worker died, sent nothing within the timeout, or failed in a way that cannot be
+    re-raised as itself."""
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker (the re-raised exception's cause)."""
+
+    def __init__(self, tb):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self):
+        return "\n\n(in the loader worker)\n" + self.tb
+
+
+def _where(dataset, index):
+    samples = getattr(dataset, "samples", None)
+    try:
+        return "sample %d (%s)" % (index, samples[index][0])
+    except (TypeError, IndexError, KeyError):
+        return "sample %d" % index
+
+
+def load_batch(dataset, indices, seed, epoch):
+    """(x float32 [B, C, H, W], y int64 [B]): ``dataset``'s samples ``indices`` for ``epoch``,
+    each with ``np.random.default_rng((seed, epoch, index))``. What a worker computes."""
+    if len(indices) == 0:
+        raise ValueError("load_batch: an empty batch")
+    load = getattr(dataset, "load", None)
+    xs, ys = [], []
+    for i in indices:
+        i = int(i)
+        if load is not None:
+            x, y = load(i, np.random.default_rng((seed, epoch, i)))
+        else:
+            x, y = dataset[i]
+        xs.append(np.asarray(x))
+        ys.append(y)
+    first = xs[0].shape
+    if len(first) != 3:
+        raise DataError("%s is an array of shape %s; a sample must be one [C, H, W] image"
+                        % (_where(dataset, int(indices[0])), first))
+    for i, x in zip(indices, xs):
+        if x.shape != first:
+            raise DataError("images of one batch differ in shape: %s is %s but %s is %s; give "
+                            "the data set a transform that makes every image one size (e.g. "
+                            "Resize(S) then CenterCrop(S))" % (_where(dataset, int(indices[0])),
+                                                               first, _where(dataset, int(i)),
+                                                               x.shape))
+    out = np.empty((len(xs),) + first, np.float32)
+    for j, x in enumerate(xs):
+        out[j] = x
+    return out, np.asarray(ys, dtype=np.int64)
+
+
+# -- the worker process ---------------------------------------------------------------------------
+def _pack_error(e):
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        blob = pickle.dumps(e)
+        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt; find out here
+    except Exception:
+        blob = None
+    return blob, "%s: %s" % (type(e).__name__, e), tb
+
+
+def _worker_main(dataset, tasks, results):
+    """Serve (k, seed, epoch, indices) tasks until the parent closes ``tasks``."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = queue.SimpleQueue()
+
+    # A separate sender: a batch larger than the pipe's buffer blocks send() until the parent
+    # reads it, and the worker should meanwhile decode the next one (up to `prefetch` ahead).
+    def send():
+        while True:
+            item = out.get()
+            if item is None:
+                return
+            try:
+                results.send(item)
+            except (OSError, ValueError):  # the parent closed its end: it is stopping us
+                return
+
+    sender = threading.Thread(target=send, name="utensil-loader-send", daemon=True)
+    sender.start()
+    while True:
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):
+            break
+        k, seed, epoch, idx = task
+        try:
+            x, y = load_batch(dataset, idx, seed, epoch)
+            out.put((k, x, y, None))
+        except Exception as e:
+            out.put((k, None, None, _pack_error(e)))
+    out.put(None)
+
+
+# -- the parent's side of the workers ------------------------------------------------------------
+def _stop(procs, conns):
+    """Close the pipes (idle workers see EOF and leave), then terminate, then kill what stays."""
+    for c in conns:
+        try:
+            c.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+        p.close()
+    procs.clear()
+    conns.clear()
+
+
+def _exit_text(code):
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal %d" % -code
+        hint = " (out of memory?)" if -code == getattr(signal, "SIGKILL", None) else ""
+        return "was killed by %s%s" % (name, hint)
+    return "exited with status %d (its error output above says why; a script that starts " \
+           "workers needs an `if __name__ == \"__main__\":` guard)" % code
+
+
+class _Workers:
+    """W processes, each with a task pipe (parent -> worker) and a result pipe (worker -> parent)."""
+
+    def __init__(self, dataset, n, method):
+        ctx = multiprocessing.get_context(method)
+        self.procs, self.tasks, self.results = [], [], []
+        self._conns = []
+        # stops the processes when this object is collected, or at exit, whichever comes first
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._conns)
+        try:
+            for w in range(n):
+                task_r, task_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker_main, args=(dataset, task_r, res_w), daemon=True,
+                                name="utensil-loader-%d" % w)
+                self._conns += [task_w, res_r]
+                try:
+                    p.start()
+                except BaseException as e:
+                    task_r.close()
+                    res_w.close()
+                    if not isinstance(e, (pickle.PicklingError, TypeError, AttributeError)):
+                        raise
+                    raise TypeError("Loader(workers=%d): the data set cannot be sent to a worker "
+                                    "process (%s); its class and transforms must be picklable "
+                                    "(defined at module level, no lambdas), or use workers=0"
+                                    % (n, e)) from None
+                # the child holds its own copies; closing ours lets each side see EOF when the
+                # other goes
+                task_r.close()
+                res_w.close()
+                self.procs.append(p)
+                self.tasks.append(task_w)
+                self.results.append(res_r)
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def _died(self, w, k, epoch):
+        p = self.procs[w]
+        p.join(1.0)  # a worker whose pipe closed is exiting: let its exit status arrive
+        return LoaderError("loader worker %d (pid %d) %s while loading batch %d of epoch %d"
+                           % (w, p.pid, _exit_text(p.exitcode), k, epoch))
+
+    def submit(self, w, task):
+        try:
+            self.tasks[w].send(task)
+        except OSError:
+            raise self._died(w, task[0], task[2]) from None
+
+    def receive(self, w, k, epoch, timeout):
+        conn, p = self.results[w], self.procs[w]
+        ready = connection.wait([conn, p.sentinel], timeout)
+        if not ready:
+            raise LoaderError("loader worker %d (pid %d) sent nothing for %g s while loading "
+                              "batch %d of epoch %d (Loader timeout=%g); it may be stuck reading "
+                              "a file" % (w, p.pid, timeout, k, epoch, timeout))
+        try:
+            # data sent before a worker died is still in the pipe: read it first
+            msg = conn.recv() if conn in ready or conn.poll() else None
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:
+            raise self._died(w, k, epoch)
+        got, x, y, err = msg
+        if got != k:
+            raise LoaderError("loader worker %d sent batch %d, expected %d" % (w, got, k))
+        if err is not None:
+            blob, text, tb = err
+            exc = None
+            if blob is not None:
+                try:
+                    exc = pickle.loads(blob)
+                except Exception:
+                    exc = None
+            if not isinstance(exc, BaseException):
+                exc = LoaderError("loader worker %d raised %s" % (w, text))
+            raise exc from _RemoteTraceback(tb)
+        return x, y
+
+    def close(self):
+        self._finalizer()
+
+
+# -- the loader -----------------------------------------------------------------------------------
+def _count(v, what, low):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+        raise ValueError("Loader: %s must be an integer >= %d, got %r" % (what, low, v))
+    return int(v)
+
+
+class Loader:
+    """``Loader(dataset, batch_size, shuffle=True, seed=0, workers=0, prefetch=2,
+    drop_last=False, indices=None, share=None, timeout=None, start_method="spawn")``
+
+    ``dataset``: ``len()`` and ``load(i, rng)`` or ``[i]`` -> (float32 [C, H, W], int label)
+    (an ImageFolder). ``indices``: the samples to use (the epoch's order is over their positions).
+    ``drop_last``: leave out a last batch shorter than ``batch_size``. ``share``: a function from
+    each batch's index array to the part this process loads (data-parallel training:
+    train_dist's ``Dist.share``); ``batch_indices(e)`` still gives the whole batches. ``timeout``:
+    seconds to wait for one batch from a worker before a LoaderError (None: no limit).
+
+    ``for x, y in loader`` runs the epoch set by ``set_epoch(e)`` (0 at first); ``loader.epoch(e)``
+    runs epoch e. One epoch at a time per loader: starting another abandons an unfinished one (its
+    iterator then raises) and stops the workers. Not thread-safe.
+    """
+
+    def __init__(self, dataset, batch_size, shuffle=True, seed=0, workers=0, prefetch=2,
+                 drop_last=False, indices=None, share=None, timeout=None, start_method="spawn"):
+        self.batch_size = _count(batch_size, "batch_size", 1)
+        self.workers = _count(workers, "workers", 0)
+        self.prefetch = _count(prefetch, "prefetch", 1)
+        self.seed = _count(seed, "seed", 0)
+        if start_method not in START_METHODS:
+            raise ValueError("Loader: start_method must be one of %s, got %r (fork is unsafe once "
+                             "the parent runs threads or a GPU)" % (", ".join(START_METHODS),
+                                                                    start_method))
+        if timeout is not None and not timeout > 0:
+            raise ValueError("Loader: timeout must be None or > 0 seconds, got %r" % (timeout,))
+        if share is not None and not callable(share):
+            raise TypeError("Loader: share must be a function of a batch's indices, got %r"
+                            % (share,))
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise TypeError("Loader: the data set needs len() and load(i, rng) or [i], got %s"
+                            % type(dataset).__name__) from None
+        if indices is not None:
+            indices = np.asarray(indices)
+            if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
+                raise ValueError("Loader: indices must be a 1-D array of integer sample indices")
+            indices = indices.astype(np.int64)
+            if indices.size and (indices.min() < 0 or indices.max() >= n):
+                raise IndexError("Loader: indices must lie in [0, %d) (the data set's length), "
+                                 "got values from %d to %d" % (n, indices.min(), indices.max()))
+            n = len(indices)
+        if n == 0:
+            raise DataError("Loader: no samples to load (an empty data set or indices)")
+        self.dataset = dataset
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.indices = indices
+        self.share = share
+        self.timeout = timeout
+        self.start_method = start_method
+        self._n = n
+        self._epoch = 0
+        self._pool = None
+        self._active = None  # the token of the epoch being iterated
+        self._closed = False
+
+    # -- the order ----------------------------------------------------------------------------
+    def batch_indices(self, epoch):
+        """The data set's index arrays of ``epoch``'s batches, in order (whole batches)."""
+        n, bs = self._n, self.batch_size
+        if self.shuffle:
+            out = _batches(n, bs, self.seed, int(epoch))
+        else:
+            out = [np.arange(i, min(i + bs, n)) for i in range(0, n, bs)]
+        if self.drop_last and out and len(out[-1]) < bs:
+            out.pop()
+        if self.indices is not None:
+            out = [self.indices[b] for b in out]
+        return out
+
+    def __len__(self):
+        """Batches per epoch (the same for every epoch)."""
+        return len(self.batch_indices(0))
+
+    def set_epoch(self, epoch):
+        """The epoch that ``iter(loader)`` runs next (as a DistributedSampler's set_epoch)."""
+        self._epoch = int(epoch)
+
+    def __iter__(self):
+        return self.epoch(self._epoch)
+
+    def epoch(self, epoch):
+        """An iterator over epoch ``epoch``'s (x, y) batches."""
+        if self._closed:
+            raise ValueError("Loader: used after close()")
+        return self._run(int(epoch))
+
+    def worker_pids(self):
+        """The worker processes' ids (empty while none run)."""
+        return self._pool.pids() if self._pool is not None else []
+
+    # -- running an epoch ---------------------------------------------------------------------
+    def _run(self, epoch):
+        if self._active is not None:  # an earlier epoch's iterator was left unfinished
+            self._stop_workers()
+        token = self._active = object()
+        finished = False
+        try:
+            plan = self.batch_indices(epoch)
+            if self.share is not None:
+                plan = [np.asarray(self.share(b)) for b in plan]
+            if self.workers == 0:
+                for b in plan:
+                    self._check(token)
+                    yield load_batch(self.dataset, b, self.seed, epoch)
+            else:
+                if self._pool is None:
+                    self._pool = _Workers(self.dataset, self.workers, self.start_method)
+                pool, w_n = self._pool, self.workers
+                depth, sent = w_n * self.prefetch, 0
+                for k in range(len(plan)):
+                    self._check(token)
+                    while sent < len(plan) and sent < k + depth:
+                        pool.submit(sent % w_n, (sent, self.seed, epoch, plan[sent]))
+                        sent += 1
+                    yield pool.receive(k % w_n, k, epoch, self.timeout)
+            finished = True
+        finally:
+            if self._active is token:
+                self._active = None
+                if not finished:  # the outstanding batches go with the workers
+                    self._stop_workers()
+
+    def _check(self, token):
+        if self._closed:
+            raise ValueError("Loader: used after close()")
+        if self._active is not token:
+            raise RuntimeError("Loader: this epoch's iterator was abandoned (another epoch "
+                               "started on the same Loader before it finished)")
+
+    def _stop_workers(self):
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def close(self):
+        """Stop the workers now (idempotent); the loader cannot be used afterwards."""
+        self._closed = True
+        self._active = None
+        self._stop_workers()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "Loader(%d samples, batch_size=%d, shuffle=%s, seed=%d, workers=%d%s)" % (
+            self._n, self.batch_size, self.shuffle, self.seed, self.workers,
+            ", closed" if self._closed else "")
