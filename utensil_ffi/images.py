@@ -140,7 +140,10 @@ class ImageFolder:
             if not files:
                 raise DataError("%s: the class folder has no images (looked for %s files); add "
                                 "images or remove the folder" % (folder, "/".join(self.extensions)))
-            kept = [p for p in files if self._readable(p, check, Image)]
+            kept = []
+            for p in files:  # a loop, not a comprehension: the warning's stacklevel counts frames
+                if self._readable(p, check, Image):
+                    kept.append(p)
             if not kept:
                 raise DataError("%s: every image in this class folder was unreadable and skipped; "
                                 "a class without images cannot be trained" % folder)
