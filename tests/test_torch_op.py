@@ -180,6 +180,17 @@ def test_non_contiguous_inputs_are_copied_contiguous(dev):
         _assert_close(got, want, what)
 
 
+def test_contiguous_views_at_an_offset_are_read_in_place(dev):
+    """A contiguous view 4 bytes into its storage (not 64-byte aligned) is lent as it is."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(2 * 3 * 9 * 8 + 1, generator=g).to(dev)
+    wbase = torch.randn(6 * 3 * 3 + 1, generator=g).to(dev)
+    x, w = base[1:].view(2, 3, 9, 8), wbase[1:].view(6, 1, 3, 3)
+    assert x.is_contiguous() and x.storage_offset() == 1
+    ref, _, _, _ = _reference(x, w, None, 2, 1, 1)
+    _assert_close(utt.depthwise_conv2d(x, w, None, 2, 1, 1), ref, "y")
+
+
 def test_refuses_other_dtypes_and_bad_shapes(dev):
     x = torch.randn(1, 2, 5, 5, device=dev)
     w = torch.randn(2, 1, 3, 3, device=dev)

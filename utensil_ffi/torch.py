@@ -57,7 +57,6 @@ from torch import nn
 from ._errors import check_ptr, check_status
 from ._lib import ffi, lib
 from .tensor import Tensor
-from .tensor import from_dlpack as _ut_from_dlpack
 
 __all__ = ["depthwise_conv2d", "depthwise_conv2d_backward", "DepthwiseConv2d", "convert",
            "eligible"]
@@ -103,19 +102,30 @@ def _geometry(x, weight, bias, stride, padding, dilation, who=_OP):
 
 
 # -- the exchange with utensil ----------------------------------------------------------------------
-class _Call:
-    """One call into utensil: the device checks, and the ordering on PyTorch's current stream.
+_INT_MAX = 2**31 - 1
 
-    ``with _Call(x):`` makes utensil's stream (the legacy default stream) wait for the work queued
-    so far on PyTorch's current stream, and on leaving makes that stream wait for what utensil
-    queued, so the op behaves as if it ran on the current stream. Nothing is done on the CPU or
-    when the current stream is PyTorch's default stream (which is utensil's).
+
+class _Call:
+    """One call into utensil: the device checks, the inputs lent to C, and the ordering on
+    PyTorch's current CUDA stream.
+
+    ``call.lend(t)`` is a C tensor over ``t``'s memory (``ut_wrap``, zero-copy; a contiguous copy
+    first when ``t`` is not contiguous), valid inside the ``with`` block: the call holds ``t`` (or
+    its copy) and frees the C tensor on leaving. It is the wrap that importing ``t`` through
+    DLPack ends in, without the capsule's per-tensor cost (about 30 us, five times per training
+    step of each layer); the results go back through DLPack (``_export``).
+
+    On a CUDA stream other than the default one, entering makes utensil's stream (the legacy
+    default stream) wait for the work queued so far on PyTorch's current stream, and leaving
+    makes that stream wait for what utensil queued (CUDA events, no host wait): the op behaves
+    as if it ran on the current stream. Nothing is done on the CPU, nor on PyTorch's default
+    stream, which is utensil's.
     """
 
-    __slots__ = ("cuda", "stream", "guard")
+    __slots__ = ("dev", "stream", "guard", "held", "lent")
 
     def __init__(self, x):
-        self.cuda, self.stream, self.guard = False, 0, None
+        self.dev, self.stream, self.guard, self.held, self.lent = lib.UT_CPU, 0, None, [], []
         dev = x.device
         if dev.type == "cpu":
             return
@@ -127,23 +137,39 @@ class _Call:
                                "lists what it has)" % (_OP, dev))
         if (dev.index or 0) != 0:
             raise RuntimeError("%s: utensil uses one GPU, cuda:0; x is on %s" % (_OP, dev))
-        self.cuda = True
-        if torch.cuda.current_device() != 0:  # PyTorch exports a tensor on its own device only
+        self.dev = lib.UT_CUDA
+        if torch.cuda.current_device() != 0:  # the current stream below is device 0's
             self.guard = torch.cuda.device(0)
 
     def __enter__(self):
         if self.guard is not None:
             self.guard.__enter__()
-        if self.cuda:
+        if self.dev == lib.UT_CUDA:
             s = torch.cuda.current_stream().cuda_stream
             if s != 0:  # not the legacy default stream: utensil's stream waits for this one
                 self.stream = s
                 check_status(lib.ut_cuda_stream_wait(ffi.NULL, ffi.cast("void*", s)), _OP)
         return self
 
+    def lend(self, t):
+        if t is None:
+            return ffi.NULL
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel() > _INT_MAX:
+            raise ValueError("%s: utensil's tensors hold at most 2^31 - 1 elements, got %s"
+                             % (_OP, tuple(t.shape)))
+        self.held.append(t)
+        p = lib.ut_wrap(t.dim(), ffi.new("int[]", tuple(t.shape)), self.dev,
+                        ffi.cast("void*", t.data_ptr()), ffi.NULL, ffi.NULL)
+        self.lent.append(check_ptr(p, _OP))
+        return p
+
     def __exit__(self, *exc):
         try:
-            if self.stream:  # and this stream for utensil's
+            for p in self.lent:  # the C tensors only: the memory stays PyTorch's
+                lib.ut_free(p)
+            if self.stream:  # PyTorch's stream waits for utensil's work
                 check_status(lib.ut_cuda_stream_wait(ffi.cast("void*", self.stream), ffi.NULL),
                              _OP)
         finally:
@@ -151,25 +177,17 @@ class _Call:
                 self.guard.__exit__(*exc)
 
 
-def _import(t):
-    """A utensil Tensor sharing ``t``'s memory (DLPack; a contiguous copy first if needed)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return _ut_from_dlpack(t)
-
-
 def _export(p, who):
-    """The PyTorch tensor over the C tensor ``p`` a utensil op returned (DLPack, no copy)."""
+    """The PyTorch tensor over the C tensor ``p`` a utensil op returned (DLPack, no copy;
+    PyTorch's deleter gives it back to utensil)."""
     return torch.from_dlpack(Tensor._wrap(check_ptr(p, who)))
 
 
 def _layer(c, oc, kh, kw, stride, padding, dilation, weight, bias):
-    """A ut_dwconv2d whose weight and bias are the given Tensors (borrowed: never freed here)."""
+    """A ut_dwconv2d over the lent C tensors weight and bias (never freed through it)."""
     return ffi.new("ut_dwconv2d *", {
-        "weight": weight.ptr, "bias": bias.ptr if bias is not None else ffi.NULL, "c": c,
-        "kh": kh, "kw": kw, "stride": stride, "pad": padding, "dilation": dilation,
-        "mult": oc // c})
+        "weight": weight, "bias": bias, "c": c, "kh": kh, "kw": kw, "stride": stride,
+        "pad": padding, "dilation": dilation, "mult": oc // c})
 
 
 # -- the ops ----------------------------------------------------------------------------------------
@@ -183,11 +201,10 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     n, c, h, w, oc, kh, kw, ho, wo = _geometry(x, weight, bias, stride, padding, dilation)
     if n == 0:  # utensil has no empty tensors
         return x.new_zeros((0, oc, ho, wo))
-    with _Call(x):
-        xt, wt = _import(x), _import(weight)
-        bt = _import(bias) if bias is not None else None
-        layer = _layer(c, oc, kh, kw, stride, padding, dilation, wt, bt)
-        return _export(lib.ut_dwconv2d_forward(layer, xt.ptr, ffi.NULL), _OP)
+    with _Call(x) as call:
+        layer = _layer(c, oc, kh, kw, stride, padding, dilation, call.lend(weight),
+                       call.lend(bias))
+        return _export(lib.ut_dwconv2d_forward(layer, call.lend(x), ffi.NULL), _OP)
 
 
 @depthwise_conv2d.register_fake
@@ -213,14 +230,13 @@ def depthwise_conv2d_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     db = weight.new_zeros((oc,) if has_bias else (0,))
     if n == 0:
         return x.new_zeros(x.shape), dw, db
-    with _Call(x):
-        gt, xt, wt, dwt = _import(grad_out), _import(x), _import(weight), _import(dw)
-        dbt = _import(db) if has_bias else None
+    with _Call(x) as call:
+        dbp = call.lend(db) if has_bias else ffi.NULL
         # the bias slot only tells the C backward to compute db: it reads db's shape, not values
-        layer = _layer(c, oc, kh, kw, stride, padding, dilation, wt, dbt)
-        cache = ffi.new("ut_dwconv2d_cache *", {"input": xt.ptr})  # borrowed: never freed here
-        dx = _export(lib.ut_dwconv2d_backward(layer, cache, gt.ptr, dwt.ptr,
-                                              dbt.ptr if dbt is not None else ffi.NULL), who)
+        layer = _layer(c, oc, kh, kw, stride, padding, dilation, call.lend(weight), dbp)
+        cache = ffi.new("ut_dwconv2d_cache *", {"input": call.lend(x)})
+        dx = _export(lib.ut_dwconv2d_backward(layer, cache, call.lend(grad_out), call.lend(dw),
+                                              dbp), who)
     return dx, dw, db
 
 
