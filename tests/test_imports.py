@@ -1,8 +1,10 @@
 """The package's import graph: data flows one way (STYLE.md section 7).
 
-    CLI (train, selftest) -> package facade (__init__) -> models, data -> optim -> layers
-    -> functional -> tensor -> dlpack -> _args -> _errors -> _lib; reference (float64 numpy
-    references of the ops, for selftest and the tests) imports nothing of the package
+    CLIs (predict -> export -> train, selftest) -> train_dist -> distributed, launch, torch
+    -> package facade (__init__) -> onnx_export, images, loader -> models, data, transforms
+    -> optim, blocks, sync_batchnorm -> layers -> functional -> tensor -> dlpack -> _args
+    -> _errors -> _lib; reference (float64 numpy references of the ops, for selftest and the
+    tests) imports nothing of the package
 
 Every import of a package module, at the top of a file or inside a function (a lazy import is
 still an import), must name a module strictly below the importer; so there is no upward import
@@ -27,10 +29,15 @@ LAYERS = [
     ["tensor"],
     ["functional"],
     ["layers"],
-    ["optim"],
-    ["models", "data"],
+    ["optim", "blocks", "sync_batchnorm"],
+    ["models", "data", "transforms"],
+    ["onnx_export", "images", "loader"],
     ["__init__"],
-    ["train", "selftest", "launch", "distributed"],
+    ["distributed", "launch", "torch"],
+    ["train_dist"],
+    ["train", "selftest"],
+    ["export"],
+    ["predict"],
 ]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
