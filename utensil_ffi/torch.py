@@ -34,10 +34,12 @@ Policies:
 - Eligible for ``convert``: a module whose type is exactly ``nn.Conv2d`` (subclasses have their
   own forward) with ``groups == in_channels > 1`` and equal strides and dilations in both
   directions. Everything else is left alone.
-- Memory: zero-copy through DLPack both ways on the tensors' device: the inputs are wrapped by
-  ``utensil_ffi.from_dlpack`` (each keeps its PyTorch tensor alive), the outputs are utensil
-  tensors handed to ``torch.from_dlpack`` (PyTorch keeps them alive and frees them into
-  utensil's memory cache). dW and db are PyTorch zeros that utensil adds into.
+- Memory: zero-copy both ways, on the tensors' device. The outputs are utensil tensors handed
+  to ``torch.from_dlpack`` (PyTorch keeps them alive and frees them into utensil's memory
+  cache). The inputs are lent to C for the call only (``ut_wrap`` over the PyTorch tensor's
+  memory, which the call holds): what a DLPack import ends in, without a capsule per input
+  (about 30 us each, five per layer and training step). dW and db are PyTorch zeros that
+  utensil adds into.
 - CUDA streams: utensil queues its GPU work on the legacy default stream, which is PyTorch's
   default stream too, so in the usual case nothing is synchronized. On another current stream
   the op is ordered on it: utensil's stream waits for the work queued so far on PyTorch's
