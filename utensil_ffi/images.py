@@ -26,7 +26,8 @@ left out, each with one ``warnings.warn`` naming it (``ds.skipped`` lists them);
 no images is still an error, since dropping it would renumber the classes after it.
 
 Random transforms draw from ``np.random.default_rng((seed, epoch, index))`` (see transforms.py):
-``ds.load(index, rng)`` takes the generator; ``ds[index]`` uses seed 0, epoch 0.
+``ds.load(index, rng)`` takes the generator; ``ds[index]`` uses seed 0, epoch 0. ``ds.random``
+says whether the transform draws at all (when not, the loader passes ``rng=None``).
 
 ``load_folder(root, image_size)`` is what utensil-train's ``--data DIR`` builds: train/val (or
 train/test) sub-folders, or one class folder split by ``stratified_split``, with training and
@@ -42,7 +43,7 @@ import numpy as np
 
 from .data import DataError
 from .transforms import CenterCrop, Compose, Normalize, RandomHorizontalFlip
-from .transforms import RandomResizedCrop, Resize, ToArray
+from .transforms import RandomResizedCrop, Resize, ToArray, is_random
 
 __all__ = ["ImageFolder", "IMG_EXTENSIONS", "IMAGES_HINT", "stratified_split", "channel_stats",
            "load_folder", "FolderData"]
@@ -78,8 +79,11 @@ def _reason(e):
 
 
 def _to_mode(img, mode, Image):
-    """A loaded copy of ``img`` in ``mode`` (L or RGB); ValueError for a mode with no 8-bit map."""
+    """``img`` loaded, in ``mode`` (L or RGB); ValueError for a mode with no 8-bit map."""
     m = img.mode
+    if m == mode:
+        img.load()
+        return img
     if m not in _CONVERTIBLE:
         raise ValueError("image mode %s cannot be converted to %s" % (m, mode))
     if m in _SIXTEEN_BIT:  # Pillow's own conversion clips 16-bit values at 255
@@ -207,6 +211,11 @@ class ImageFolder:
         except Exception as e:
             raise DataError("%s: cannot decode this image (%s); ImageFolder(check='decode') finds "
                             "every such file before training" % (path, _reason(e))) from None
+
+    @property
+    def random(self):
+        """Whether the transform draws from the rng (see transforms.is_random)."""
+        return self.transform is not None and is_random(self.transform)
 
     def load(self, index, rng):
         """(float32 [C, H, W] array, label) of sample ``index``, transformed with ``rng``."""

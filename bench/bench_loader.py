@@ -1,0 +1,233 @@
+"""Images/s from an image folder through utensil_ffi.loader, against slicing in-memory arrays.
+
+    python bench/bench_loader.py [--images 2000] [--classes 10] [--size 32] [--batch 128]
+        [--workers 0,1,2] [--epochs 3] [--device cpu] [--threads 2] [--width 16]
+        [--augment] [--no-train] [--dir DIR]
+
+Writes ``--images`` PNGs of ``--size``^2 (smooth random colour fields, ``--classes`` class
+folders) into a temporary folder (or ``--dir``, reused when it holds them), then measures:
+
+- load: the images/s one epoch of ``Loader(ImageFolder)`` delivers at each worker count (after
+  a warm-up epoch that starts the workers), next to indexing an in-memory float32 array in the
+  same ``data.batches`` order;
+- train (unless ``--no-train``, when utensil loads): images/s of training steps of
+  ``models.mobilenet(3, classes, width, stem_stride=1)`` (Adam, cross-entropy, as utensil-train)
+  fed from the folder at each worker count, and fed from in-memory arrays, with their ratio (the
+  issue's target: folder >= 90% of in-memory at 32x32). Rounds alternate between the feeds so
+  a change of machine load hits all of them; the median round is printed.
+
+The folder's transform is ToArray + Normalize (``--augment``: RandomResizedCrop +
+RandomHorizontalFlip first); the in-memory arrays are the same images through the same
+(non-random) transform, so without ``--augment`` both feeds give bitwise the same batches and,
+on the CPU, the same losses: ``run()`` returns them for bench/test_bench_loader.py.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from utensil_ffi import data, images  # noqa: E402
+from utensil_ffi import transforms as T  # noqa: E402
+from utensil_ffi.loader import Loader  # noqa: E402
+
+
+def write_folder(root, n, classes, size, seed=0):
+    """``n`` PNGs of size^2 in ``classes`` folders (bilinear upsampled 4x4 colour noise, so the
+    files compress like photographs more than like noise); kept when already there."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        c = i % classes
+        path = os.path.join(root, "class%02d" % c, "%05d.png" % i)
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+        small[..., c % 3] = np.maximum(small[..., c % 3], 160)  # something to learn
+        Image.fromarray(small).resize((size, size), Image.BILINEAR).save(path)
+    return root
+
+
+def _transform(mean, std, size, augment):
+    steps = [T.ToArray(), T.Normalize(mean, std)]
+    if augment:
+        steps = [T.RandomResizedCrop(size, scale=(0.25, 1.0)), T.RandomHorizontalFlip()] + steps
+    return T.Compose(steps)
+
+
+def load_rates(ds, x, y, batch, workers, epochs, seed=0):
+    """{feed: images/s} of the loader at each worker count and of in-memory indexing; and
+    whether every loader's batches equal the first one's."""
+    out, same = {}, True
+    n = len(ds)
+    t0 = time.perf_counter()
+    for e in range(epochs):
+        for idx in data.batches(n, batch, seed, e):
+            xb, yb = np.ascontiguousarray(x[idx]), y[idx]
+    out["memory"] = epochs * n / (time.perf_counter() - t0)
+    first = None
+    for w in workers:
+        with Loader(ds, batch, seed=seed, workers=w) as loader:
+            got = list(loader.epoch(0))  # warm-up: starts the workers
+            if first is None:
+                first = got
+            else:
+                same = same and all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+                                    for a, b in zip(first, got))
+            t0 = time.perf_counter()
+            for e in range(1, epochs + 1):
+                for xb, yb in loader.epoch(e):
+                    pass
+            out["folder w=%d" % w] = epochs * n / (time.perf_counter() - t0)
+    return out, same
+
+
+def _train_round(net, opt, feed, device):
+    """Train on every (x, y) of ``feed``; (images/s, list of losses)."""
+    import utensil_ffi as ut
+
+    losses, seen = [], 0
+    t0 = time.perf_counter()
+    for xb, yb in feed:
+        xt = ut.Tensor(xb, device)
+        yt = ut.Tensor(yb.astype(np.float32), device)
+        logits = net(xt)
+        loss = ut.cross_entropy(logits, yt)
+        grad = ut.cross_entropy_backward(logits, yt)
+        opt.zero_grad()
+        net.backward(grad).close()
+        opt.step()
+        losses.append(loss)
+        seen += len(yb)
+        for t in (xt, yt, logits, grad):
+            t.close()
+    values = [t.item() for t in losses]  # reading the last waits for the device
+    elapsed = time.perf_counter() - t0
+    for t in losses:
+        t.close()
+    return seen / elapsed, values
+
+
+def train_rates(ds, x, y, classes, batch, workers, epochs, device, width, seed=0):
+    """{feed: images/s (median round)}, {feed: the first round's losses}: one fresh network
+    per feed (same initial weights), ``epochs`` rounds of one epoch each, alternating feeds."""
+    import utensil_ffi as ut
+    from utensil_ffi import models
+
+    feeds = ["memory"] + ["folder w=%d" % w for w in workers]
+    nets, opts, loaders = {}, {}, {}
+    for f in feeds:
+        ut.seed(seed)
+        nets[f] = models.mobilenet(3, classes, width, device=device, stem_stride=1)
+        opts[f] = ut.Adam(nets[f].parameters(), lr=1e-2)
+    for w in workers:
+        loaders[w] = Loader(ds, batch, seed=seed, workers=w)
+        for _ in loaders[w].epoch(0):  # warm-up: start the workers
+            pass
+    rates = {f: [] for f in feeds}
+    losses = {}
+    try:
+        for e in range(epochs):
+            for f in feeds:
+                if f == "memory":
+                    feed = ((x[idx], y[idx]) for idx in data.batches(len(y), batch, seed, e))
+                else:
+                    feed = loaders[int(f.split("=")[1])].epoch(e)
+                rate, values = _train_round(nets[f], opts[f], feed, device)
+                rates[f].append(rate)
+                losses.setdefault(f, values)
+    finally:
+        for loader in loaders.values():
+            loader.close()
+        for f in feeds:
+            nets[f].close()
+    return {f: statistics.median(r) for f, r in rates.items()}, losses
+
+
+def run(images_n=2000, classes=10, size=32, batch=128, workers=(0, 1, 2), epochs=3,
+        device="cpu", threads=2, width=16, augment=False, train=True, folder=None):
+    """Everything the command line prints, as a dict."""
+    tmp = None
+    if folder is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
+        folder = tmp.name
+    try:
+        write_folder(folder, images_n, classes, size)
+        plain = images.ImageFolder(folder)
+        mean, std = images.channel_stats(plain)
+        ds = plain.with_transform(_transform(mean, std, size, augment))
+        # in memory: the same images through the same transform (without the random steps)
+        fixed = plain.with_transform(_transform(mean, std, size, False))
+        x = np.stack([fixed[i][0] for i in range(len(fixed))])
+        y = np.asarray(fixed.targets, dtype=np.int64)
+        out = {"images": len(ds), "size": size, "batch": batch, "augment": augment}
+        out["load"], out["same_batches"] = load_rates(ds, x, y, batch, workers, epochs)
+        if train:
+            import utensil_ffi as ut
+
+            saved = ut.get_num_threads()
+            if device == "cpu":
+                ut.set_num_threads(threads)
+            try:
+                out["train"], out["losses"] = train_rates(ds, x, y, classes, batch, workers,
+                                                          epochs, device, width)
+            finally:
+                ut.set_num_threads(saved)
+        return out
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python bench/bench_loader.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs (rounds) per feed")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=2, help="utensil's CPU threads")
+    p.add_argument("--width", type=int, default=16, help="the network's width")
+    p.add_argument("--augment", action="store_true", help="RandomResizedCrop + flip")
+    p.add_argument("--no-train", action="store_true", help="loading only")
+    p.add_argument("--dir", default=None, help="the folder to write (and reuse) the images in")
+    a = p.parse_args(argv)
+    workers = [int(w) for w in a.workers.split(",")]
+    train = not a.no_train
+    if train:
+        try:
+            import utensil_ffi  # noqa: F401
+        except ImportError as e:
+            print("utensil cannot be loaded (%s): loading only" % e)
+            train = False
+    r = run(a.images, a.classes, a.size, a.batch, workers, a.epochs, a.device, a.threads,
+            a.width, a.augment, train, a.dir)
+    print("%d PNGs of %dx%d, batch %d%s; %d CPUs" % (
+        r["images"], a.size, a.size, a.batch, ", augmented" if a.augment else "",
+        len(os.sched_getaffinity(0))))
+    print("load only (img/s):  " + "  ".join("%s %.0f" % kv for kv in r["load"].items()))
+    print("batches bitwise equal across worker counts: %s" % r["same_batches"])
+    if train:
+        base = r["train"]["memory"]
+        print("training %s, mobilenet width %d (img/s, median of %d epochs):"
+              % (a.device if a.device == "cuda" else "cpu %d threads" % a.threads, a.width,
+                 a.epochs))
+        for f, rate in r["train"].items():
+            print("  %-12s %8.0f  %5.1f%% of in-memory" % (f, rate, 100.0 * rate / base))
+    return r
+
+
+if __name__ == "__main__":
+    main()

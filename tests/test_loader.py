@@ -1,0 +1,291 @@
+"""utensil_ffi.loader.Loader: the order of utensil-train's in-memory batches, bitwise the same
+batches for any number of workers, errors from workers, and no process left behind however an
+epoch ends. Worker tests use 2 spawned workers (about a second to start) and tiny data."""
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from utensil_ffi import data, images
+from utensil_ffi import transforms as T
+from utensil_ffi.data import DataError
+from utensil_ffi.loader import Loader, LoaderError, load_batch
+
+
+class Samples:
+    """n samples [2, 3, 3]: value i plus noise from the sample's rng; label i % 3. ``fail_at``
+    raises a DataError naming a file, ``die_at`` ends the worker process, ``sleep`` slows each."""
+
+    def __init__(self, n, fail_at=None, die_at=None, kill_at=None, sleep=0.0):
+        self.n, self.fail_at, self.die_at, self.kill_at, self.sleep = n, fail_at, die_at, kill_at, sleep
+
+    def __len__(self):
+        return self.n
+
+    def load(self, i, rng):
+        if i == self.fail_at:
+            raise DataError("/data/broken-%d.png: cannot decode this image" % i)
+        if i == self.die_at:
+            os._exit(7)
+        if i == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.sleep:
+            time.sleep(self.sleep)
+        return np.full((2, 3, 3), i, np.float32) + rng.random((2, 3, 3), np.float32), i % 3
+
+
+class Env:
+    """What a worker sees: its CUDA_VISIBLE_DEVICES as the label (1: hidden)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return np.zeros((1, 1, 1), np.float32), int(os.environ.get("CUDA_VISIBLE_DEVICES") == "")
+
+
+def _gone(pids):
+    assert pids, "the test meant to start workers"
+    alive = [p.pid for p in mp.active_children() if p.pid in pids]
+    assert not alive, "worker processes still running: %s" % alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # reaped too, not a zombie
+            os.kill(pid, 0)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert xa.dtype == np.float32 and ya.dtype == np.int64
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+
+
+# -- order (no workers) --------------------------------------------------------------------------
+@pytest.mark.parametrize("n,bs", [(10, 3), (9, 4), (7, 7), (1, 4)])
+def test_order_is_data_batches(n, bs):
+    ds = Samples(n)
+    loader = Loader(ds, bs, seed=5)
+    for epoch in (0, 3):
+        want = data.batches(n, bs, 5, epoch)
+        got = list(loader.epoch(epoch))
+        assert len(got) == len(want) == len(loader)
+        for (x, y), idx in zip(got, want):
+            assert x.shape == (len(idx), 2, 3, 3) and x.flags.c_contiguous
+            np.testing.assert_array_equal(np.floor(x[:, 0, 0, 0]), idx)
+            np.testing.assert_array_equal(y, idx % 3)
+            ref = load_batch(ds, idx, 5, epoch)[0]
+            np.testing.assert_array_equal(x, ref)
+    loader.set_epoch(3)
+    _same(list(loader), list(loader.epoch(3)))
+
+
+def test_indices_drop_last_and_sequential():
+    ds = Samples(20)
+    sub = np.array([3, 9, 4, 15, 11, 0, 7])
+    loader = Loader(ds, 3, seed=1, indices=sub)
+    assert [b.tolist() for b in loader.batch_indices(2)] == [
+        sub[b].tolist() for b in data.batches(7, 3, 1, 2)]
+    for (x, _), idx in zip(loader.epoch(2), loader.batch_indices(2)):
+        np.testing.assert_array_equal(np.floor(x[:, 0, 0, 0]), idx)
+    assert [len(b) for b in Loader(ds, 6, drop_last=True).batch_indices(0)] == [6, 6, 6]
+    seq = Loader(ds, 6, shuffle=False)  # evaluation: every sample, in order, short last batch
+    assert [b.tolist() for b in seq.batch_indices(4)] == [
+        list(range(0, 6)), list(range(6, 12)), list(range(12, 18)), [18, 19]]
+    assert len(seq) == 4 and [len(y) for _, y in seq] == [6, 6, 6, 2]
+    assert len(Loader(Samples(7), 3, shuffle=False)) == 3  # a single last sample is kept
+    halves = Loader(ds, 4, share=lambda b: b[::2])
+    for (x, _), idx in zip(halves.epoch(1), halves.batch_indices(1)):
+        np.testing.assert_array_equal(np.floor(x[:, 0, 0, 0]), idx[::2])
+
+
+def test_arguments_are_checked():
+    ds = Samples(5)
+    for kw, match in ((dict(batch_size=0), "batch_size"), (dict(workers=-1), "workers"),
+                      (dict(prefetch=0), "prefetch"), (dict(seed=-1), "seed"),
+                      (dict(timeout=0), "timeout"), (dict(start_method="fork"), "fork"),
+                      (dict(indices=[[1]]), "1-D")):
+        args = dict(batch_size=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            Loader(ds, **args)
+    with pytest.raises(IndexError, match=r"\[0, 5\)"):
+        Loader(ds, 2, indices=[0, 5])
+    with pytest.raises(DataError, match="no samples"):
+        Loader(ds, 2, indices=[])
+    with pytest.raises(TypeError, match="len"):
+        Loader(object(), 2)
+
+
+def test_batch_of_mixed_shapes_names_both_samples(tmp_path):
+    from PIL import Image
+
+    for c, size in (("a", (6, 6)), ("b", (6, 8))):
+        os.makedirs(tmp_path / c)
+        Image.new("RGB", size).save(str(tmp_path / c / "x.png"))
+    ds = images.ImageFolder(tmp_path)
+    with pytest.raises(DataError, match="differ in shape") as e:
+        list(Loader(ds, 2, shuffle=False))
+    assert "a/x.png" in str(e.value) and "b/x.png" in str(e.value) and "CenterCrop" in str(e.value)
+
+
+def test_abandoned_epoch_iterator_raises():
+    loader = Loader(Samples(8), 2)
+    first = loader.epoch(0)
+    next(first)
+    second = loader.epoch(1)
+    next(second)
+    with pytest.raises(RuntimeError, match="abandoned"):
+        next(first)
+    assert len(list(second)) == 3
+    third = loader.epoch(2)
+    next(third)
+    loader.close()
+    with pytest.raises(ValueError, match="close"):
+        loader.epoch(0)
+    with pytest.raises(ValueError, match="close"):
+        next(third)
+
+
+# -- workers -------------------------------------------------------------------------------------
+def test_workers_give_bitwise_the_same_batches(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b", "c"):
+        os.makedirs(tmp_path / c)
+        for i in range(7):
+            Image.fromarray(rng.integers(0, 256, (14, 12, 3), dtype=np.uint8)).save(
+                str(tmp_path / c / ("%d.png" % i)))
+    aug = T.Compose([T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.ToArray(),
+                     T.Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))])
+    ds = images.ImageFolder(tmp_path, transform=aug)
+    train, _ = images.stratified_split(ds.targets, 0.2, seed=0)
+    ref = Loader(ds, 4, seed=3, indices=train)
+    want = [list(ref.epoch(e)) for e in (0, 1)]
+    assert not np.array_equal(want[0][0][0], want[1][0][0])  # epochs differ (order and crops)
+    with Loader(ds, 4, seed=3, indices=train, workers=2, prefetch=1) as loader:
+        for e in (0, 1):  # the same workers serve both epochs
+            _same(list(loader.epoch(e)), want[e])
+        pids = loader.worker_pids()
+        assert len(pids) == 2
+        loader.set_epoch(1)
+        _same(list(loader), want[1])
+        assert loader.worker_pids() == pids
+    _gone(pids)
+    with Loader(Env(), 2, workers=2) as loader:  # workers hide the GPUs from themselves
+        assert [y.tolist() for _, y in loader.epoch(0)] == [[1, 1], [1, 1]]
+
+
+def test_worker_error_is_reraised_naming_the_file():
+    loader = Loader(Samples(12, fail_at=9), 3, workers=2, shuffle=False)
+    it = loader.epoch(0)
+    got = [next(it) for _ in range(3)]
+    pids = loader.worker_pids()
+    with pytest.raises(DataError, match="/data/broken-9.png: cannot decode") as e:
+        next(it)
+    assert "in the loader worker" in str(e.value.__cause__)
+    assert "raise DataError" in str(e.value.__cause__)  # the worker's traceback
+    assert len(got) == 3
+    _gone(pids)  # an epoch ended by an error stops its workers
+    loader.close()
+
+
+@pytest.mark.parametrize("kw,match", [(dict(die_at=5), "exited with status 7"),
+                                      (dict(kill_at=5), "killed by SIGKILL")])
+def test_dead_worker_is_an_error_not_a_hang(kw, match):
+    # prefetch=1: worker 0 gets batch 2 (samples 4, 5) only after it has sent batch 0
+    loader = Loader(Samples(12, **kw), 2, workers=2, shuffle=False, prefetch=1)
+    it = loader.epoch(0)
+    next(it)
+    pids = loader.worker_pids()
+    with pytest.raises(LoaderError, match=match) as e:
+        list(it)
+    assert "worker 0 (pid %d)" % pids[0] in str(e.value)
+    assert "before sending batch 2 of epoch 0" in str(e.value)
+    _gone(pids)
+
+
+def test_timeout():
+    loader = Loader(Samples(4, sleep=3.0), 2, workers=2, timeout=0.3)
+    it = loader.epoch(0)
+    with pytest.raises(LoaderError, match="sent nothing for 0.3 s"):
+        next(it)
+    assert loader.worker_pids() == []
+
+
+def test_unpicklable_data_set():
+    ds = images.ImageFolder.__new__(images.ImageFolder)  # no scan needed: it never gets there
+    ds.samples, ds.transform = [("x.png", 0)] * 4, T.Lambda(lambda img: img)
+    with pytest.raises(TypeError, match="picklable"):
+        list(Loader(ds, 2, workers=1))
+    assert not mp.active_children()
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+def _started(loader):
+    it = loader.epoch(0)
+    next(it)
+    pids = loader.worker_pids()
+    assert len(pids) == 2
+    return it, pids
+
+
+def test_close_with_and_collection_stop_workers():
+    loader = Loader(Samples(40), 2, workers=2)
+    it, pids = _started(loader)
+    loader.close()
+    loader.close()  # idempotent
+    _gone(pids)
+    with pytest.raises(ValueError, match="close"):
+        next(it)
+
+    with Loader(Samples(40), 2, workers=2) as loader:
+        it, pids = _started(loader)
+    _gone(pids)
+
+    loader = Loader(Samples(40), 2, workers=2)
+    for _ in loader.epoch(0):
+        break  # an unfinished epoch stops its workers as soon as its iterator goes
+    assert loader.worker_pids() == []
+    list(loader.epoch(1))  # a finished epoch keeps them for the next...
+    pids = loader.worker_pids()
+    del loader
+    gc.collect()  # ...until the loader is collected
+    _gone(pids)
+
+
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_exception_in_the_consumer_loop_stops_workers(exc):
+    loader = Loader(Samples(40), 2, workers=2)
+    pids = []
+    with pytest.raises(exc):
+        for i, (x, y) in enumerate(loader):
+            pids = loader.worker_pids()
+            if i == 2:
+                raise exc("stop")
+    _gone(pids)
+    assert len(list(loader.epoch(0))) == 20  # the loader still works afterwards
+    loader.close()
+
+
+def test_ctrl_c_while_waiting_for_a_worker():
+    loader = Loader(Samples(8, sleep=0.4), 2, workers=2)
+    it, pids = _started(loader)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(it)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 5.0
+    _gone(pids)
+    loader.close()
