@@ -289,3 +289,67 @@ def test_ctrl_c_while_waiting_for_a_worker():
     assert time.monotonic() - t0 < 5.0
     _gone(pids)
     loader.close()
+
+
+# -- a real terminal's Ctrl-C, and a parent killed outright ---------------------------------------
+SCRIPT = """
+import sys, time
+import numpy as np
+from utensil_ffi.loader import Loader
+
+class Slow:
+    def __len__(self):
+        return 100000
+
+    def load(self, i, rng):
+        time.sleep(0.005)
+        return np.zeros((1, 2, 2), np.float32), 0
+
+if __name__ == "__main__":
+    loader = Loader(Slow(), 4, workers=2)
+    for k, (x, y) in enumerate(loader):
+        if k == 0:
+            print("PIDS", *loader.worker_pids(), flush=True)
+"""
+
+
+def _running(pid):
+    """Alive and not a zombie (an orphan's zombie waits for a reaper this test does not own)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+def test_no_worker_outlives_its_parent(tmp_path, how):
+    import subprocess
+    import sys
+
+    path = tmp_path / "loop.py"
+    path.write_text(SCRIPT)
+    # a session of its own: the group's Ctrl-C reaches the parent and its workers, as a terminal's
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), (line, proc.stderr.read() if proc.poll() else "")
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.kill()
+        _, err = proc.communicate(timeout=20)
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if _running(p)], err
+        if how == "ctrl-c":  # the parent's KeyboardInterrupt, none from the workers
+            assert err.count("KeyboardInterrupt") == 1, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
