@@ -204,6 +204,20 @@ def test_truncated_jpeg_found_by_decode_check_or_at_load(tmp_path):
     assert len(images.ImageFolder(root, check="none")) == 3
 
 
+def test_open_image(tmp_path):
+    gray = _save(str(tmp_path / "g.png"), np.arange(12, dtype=np.uint8).reshape(3, 4))
+    img = images.open_image(gray)
+    assert img.mode == "RGB" and img.size == (4, 3) and img.getpixel((1, 0)) == (1, 1, 1)
+    assert images.open_image(gray, "L").mode == "L"
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG not really")
+    with pytest.raises(DataError, match="bad.png: cannot decode this image .*; see") as e:
+        images.open_image(str(bad), hint="; see")
+    assert str(bad) in str(e.value)
+    with pytest.raises(ValueError, match="mode"):
+        images.open_image(gray, "RGBA")
+
+
 def test_unsupported_mode_is_refused(tmp_path):
     root = _folder(tmp_path, {"a": 1, "b": 1})
     path = str(tmp_path / "b" / "float.tif")

@@ -45,8 +45,8 @@ from .data import DataError
 from .transforms import CenterCrop, Compose, Normalize, RandomHorizontalFlip
 from .transforms import RandomResizedCrop, Resize, ToArray, is_random
 
-__all__ = ["ImageFolder", "IMG_EXTENSIONS", "IMAGES_HINT", "stratified_split", "channel_stats",
-           "load_folder", "FolderData"]
+__all__ = ["ImageFolder", "IMG_EXTENSIONS", "IMAGES_HINT", "open_image", "stratified_split",
+           "channel_stats", "load_folder", "FolderData"]
 
 IMAGES_HINT = "pip install 'utensil[images]'"
 IMG_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
@@ -92,6 +92,20 @@ def _to_mode(img, mode, Image):
     elif m == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     return img.convert(mode)
+
+
+def open_image(path, mode="RGB", hint=""):
+    """The image file at ``path`` as a loaded PIL image in ``mode`` ("RGB" or "L"), converted as
+    the module doc says; a file that cannot be decoded is a DataError naming it (``hint`` is
+    appended to the message)."""
+    if mode not in MODES:
+        raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
+    Image = _pil()
+    try:
+        with Image.open(path) as im:
+            return _to_mode(im, mode, Image)
+    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error...)
+        raise DataError("%s: cannot decode this image (%s)%s" % (path, _reason(e), hint)) from None
 
 
 def _files(folder, extensions):
@@ -203,14 +217,8 @@ class ImageFolder:
 
     def image(self, index):
         """The PIL image of sample ``index`` in ``mode``, before the transform."""
-        path = self.samples[index][0]
-        Image = _pil()
-        try:
-            with Image.open(path) as im:
-                return _to_mode(im, self.mode, Image)
-        except Exception as e:
-            raise DataError("%s: cannot decode this image (%s); ImageFolder(check='decode') finds "
-                            "every such file before training" % (path, _reason(e))) from None
+        return open_image(self.samples[index][0], self.mode,
+                          "; ImageFolder(check='decode') finds every such file before training")
 
     @property
     def random(self):
@@ -228,7 +236,7 @@ class ImageFolder:
 
     def __getitem__(self, index):
         index = range(len(self.samples))[index]  # negative indices, and IndexError past the end
-        return self.load(index, np.random.default_rng((0, 0, index)))
+        return self.load(index, np.random.default_rng((0, 0, index)) if self.random else None)
 
     def with_transform(self, transform):
         """A copy with another transform, sharing the scanned file list (no new scan)."""
