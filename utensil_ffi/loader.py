@@ -88,7 +88,8 @@ def _where(dataset, index):
 
 def load_batch(dataset, indices, seed, epoch):
     """(x float32 [B, C, H, W], y int64 [B]): ``dataset``'s samples ``indices`` for ``epoch``,
-    each with ``np.random.default_rng((seed, epoch, index))``. What a worker computes."""
+    each loaded with ``np.random.default_rng((seed, epoch, index))`` (None when the data set says
+    its transform draws nothing: ``dataset.random`` false). What a worker computes."""
     if len(indices) == 0:
         raise ValueError("load_batch: an empty batch")
     load = getattr(dataset, "load", None)
@@ -315,7 +316,8 @@ class Loader:
     ``drop_last``: leave out a last batch shorter than ``batch_size``. ``share``: a function from
     each batch's index array to the part this process loads (data-parallel training:
     train_dist's ``Dist.share``); ``batch_indices(e)`` still gives the whole batches. ``timeout``:
-    seconds to wait for one batch from a worker before a LoaderError (None: no limit).
+    seconds to wait for one batch from a worker before a LoaderError (None: no limit; the first
+    batches of new workers wait for their start-up too, a second or more).
 
     ``for x, y in loader`` runs the epoch set by ``set_epoch(e)`` (0 at first); ``loader.epoch(e)``
     runs epoch e. One epoch at a time per loader: starting another abandons an unfinished one (its
