@@ -9,7 +9,8 @@ with TF32 off and cudnn.benchmark on). Two copies of one network: PyTorch's own 
 the same weights after ``convert`` ("converted": its 17 depthwise convolutions on utensil, the
 rest PyTorch's). First one step of each on the same batch, whose losses must agree; then rounds
 alternate between the two so a change of machine load hits both. Prints images/s per side (the
-median round) and converted/torch. ``--compile`` wraps both in ``torch.compile`` (inductor).
+median round; on Linux leaving out rounds in which other processes took over 10% of the CPUs,
+when some rounds were quieter) and converted/torch. ``--compile`` wraps both in ``torch.compile`` (inductor).
 On the CPU both libraries get --threads threads.
 """
 
@@ -86,6 +87,27 @@ def mobilenet_v2(num_classes=1000, width=1.0, dropout=0.2):
 
 
 # -- the comparison ---------------------------------------------------------------------------------
+def _cpu_ticks():
+    """(CPU time of every process, of this one) in clock ticks, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            mine = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # all but idle and iowait
+    return busy, int(mine[11]) + int(mine[12])  # utime + stime
+
+
+def _others_share(before, after, seconds):
+    """The share of all CPUs that other processes used between two _cpu_ticks() (or None)."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") * seconds * (os.cpu_count() or 1)
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
+
+
 def _sync(device):
     import torch
 
@@ -159,16 +181,23 @@ def _run(device, size, batch, width, steps, rounds, compile, num_classes):
         train_step(m, o, x, y)
         _sync(device)
     rates = {k: [] for k in sides}
+    others = []
     for _ in range(rounds):
+        t_round, ticks = time.perf_counter(), _cpu_ticks()
         for k, (m, o) in sides.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 train_step(m, o, x, y)
             _sync(device)
             rates[k].append(steps * batch / (time.perf_counter() - t0))
-    ips = {k: statistics.median(v) for k, v in rates.items()}
+        others.append(_others_share(ticks, _cpu_ticks(), time.perf_counter() - t_round))
+    # rounds during which other processes took more than 10% of the CPUs are left out when
+    # some were quieter (a shared machine); "rounds" keeps them all
+    quiet = [i for i, v in enumerate(others) if v is None or v <= 0.1] or list(range(rounds))
+    ips = {k: statistics.median([v[i] for i in quiet]) for k, v in rates.items()}
     return {"img_s": ips, "ratio": ips["converted"] / ips["torch"], "losses": losses,
-            "rounds": rates, "depthwise_converted": n_dw}
+            "rounds": rates, "others_cpu": others, "quiet_rounds": quiet,
+            "depthwise_converted": n_dw}
 
 
 def main(argv=None):
@@ -194,6 +223,10 @@ def main(argv=None):
         print("  %-10s %9.1f img/s   (rounds: %s)" % (
             k, r["img_s"][k], ", ".join("%.1f" % v for v in r["rounds"][k])))
     print("  converted/torch %.2fx" % r["ratio"])
+    if r["others_cpu"][0] is not None:
+        print("  other processes' share of the CPUs per round: %s; median of rounds %s" % (
+            ", ".join("%.0f%%" % (100 * v) for v in r["others_cpu"]),
+            ", ".join(str(i + 1) for i in r["quiet_rounds"])))
 
 
 if __name__ == "__main__":
