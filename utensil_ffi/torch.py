@@ -60,6 +60,10 @@ from ._errors import check_ptr, check_status
 from ._lib import ffi, lib
 from .tensor import Tensor
 
+if not hasattr(torch.library, "custom_op"):  # torch.library.custom_op came with PyTorch 2.4
+    raise ImportError("utensil_ffi.torch needs PyTorch 2.4 or newer (torch.library.custom_op); "
+                      "this is PyTorch %s" % torch.__version__)
+
 __all__ = ["depthwise_conv2d", "depthwise_conv2d_backward", "DepthwiseConv2d", "convert",
            "eligible"]
 
