@@ -393,6 +393,29 @@ def test_folder_applies_transform_with_its_rng(tmp_path):
     assert ds.transform is t
 
 
+def test_cached_serves_the_same_images_from_memory(tmp_path):
+    root = _folder(tmp_path, {"a": 3, "b": 2})
+    t = T.Compose([T.RandomResizedCrop(6), T.RandomHorizontalFlip(), T.ToArray()])
+    ds = images.ImageFolder(root, transform=t)
+    cached = ds.cached()
+    assert cached.samples is ds.samples and "cached" in repr(cached)
+    with pytest.raises(DataError, match="more than max_bytes=1000 bytes"):
+        ds.cached(max_bytes=1000)  # 12 x 10 x 3 bytes each: 2 fit
+    os.remove(ds.samples[0][0])  # served from memory now
+    assert cached[0][0].shape == (3, 6, 6)
+    for i in range(len(ds)):
+        for e in (0, 1):
+            rng = (0, e, i)
+            if i:
+                np.testing.assert_array_equal(cached.load(i, np.random.default_rng(rng))[0],
+                                              ds.load(i, np.random.default_rng(rng))[0])
+    a = cached.image(1)
+    a.paste(0, (0, 0, 10, 12))  # a transform that writes into its image cannot reach the cache
+    assert np.asarray(cached.image(1)).max() > 0
+    fd = images.load_folder(root, 6, val_fraction=0.4, cache=True)
+    assert fd.train._cache is fd.test._cache and fd.train._cache is not None
+
+
 # -- splits, statistics, load_folder -------------------------------------------------------------
 def test_stratified_split_properties():
     y = np.array([0] * 10 + [1] * 3 + [2] * 2 + [3] * 1 + [4] * 50)
