@@ -33,7 +33,7 @@ LAYERS = [
     ["models", "data", "transforms"],
     ["onnx_export", "images", "loader"],
     ["__init__"],
-    ["distributed", "launch", "torch"],
+    ["distributed", "launch", "torch", "train_data"],
     ["train_dist"],
     ["train", "selftest"],
     ["export"],

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from . import data as _data
+from . import train_data as _train_data
 from . import train_dist as _dist
 from . import models as _models
 from ._errors import ArgumentError, ShapeError, UtensilError
@@ -53,6 +54,8 @@ RUN_DEFAULTS = {
     "arch": "digits",
     "width": 32,
     "width_mult": 1.0,
+    "image_size": None,  # an image folder's images become squares of this size (None: as read)
+    "augment": True,     # an image folder's training images: random resized crops and flips
     "batch_size": 64,
     "lr": None,  # per optimizer, see LR_DEFAULTS
     "optimizer": "adam",
@@ -62,7 +65,7 @@ RUN_DEFAULTS = {
 }
 LR_DEFAULTS = {"adam": 1e-2, "sgd": 0.1}
 # settings added after checkpoints existed: a checkpoint without one ran with this value
-SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0}
+SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True}
 ARCHS = ("digits", "mobilenet_v1", "mobilenet_v2")
 DEFAULT_EPOCHS = 20
 
@@ -92,6 +95,7 @@ def _number(kind, what, ok):
 
 
 _POSITIVE_INT = _number(int, "a positive integer", lambda v: v >= 1)
+_NONNEG_INT = _number(int, "an integer >= 0", lambda v: v >= 0)
 _POSITIVE_FLOAT = _number(float, "a positive number", lambda v: v > 0)
 _SEED = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
 _MOMENTUM = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
@@ -154,9 +158,23 @@ def build_parser():
         epilog="Optional extras: pip install 'utensil[examples]' (scikit-learn, tqdm, matplotlib).",
     )
     g = p.add_argument_group("data and model")
-    g.add_argument("--data", metavar="FILE.npz", default=None,
-                   help="train on your own data: an .npz with x_train, y_train, x_test, y_test "
-                   "(images NCHW or NHW, integer labels); default: scikit-learn's digits")
+    g.add_argument("--data", metavar="DIR|FILE.npz", default=None,
+                   help="train on your own data: a folder of images with one sub-folder per "
+                   "class (PNG/JPEG...; with train/ and val/ sub-folders, or else 10%% of each "
+                   "class held out), or an .npz with x_train, y_train, x_test, y_test (images "
+                   "NCHW or NHW, integer labels); default: scikit-learn's digits")
+    g.add_argument("--image-size", type=_POSITIVE_INT, default=None, metavar="S",
+                   help="an image folder's images become S x S (resized, then cropped; default: "
+                   "the first training image's size)")
+    g.add_argument("--no-augment", dest="augment", action="store_const", const=False,
+                   default=None, help="no random resized crops and flips of a folder's "
+                   "training images")
+    g.add_argument("--workers", type=_NONNEG_INT, default=2, metavar="N",
+                   help="background processes decoding an image folder (default 2; 0: in the "
+                   "training process)")
+    g.add_argument("--skip-bad-images", action="store_true",
+                   help="leave out, with a warning each, the files of an image folder that "
+                   "cannot be read (default: stop with an error naming the first one)")
     g.add_argument("--layout", choices=_data.LAYOUTS, default="auto",
                    help="how --data's 4-D images are laid out: nchw, nhwc, or auto (default): "
                    "NCHW, and an error when the last axis has 1 or 3 entries (then it could "
@@ -254,6 +272,8 @@ def _saved_setting(k, v):
     ok = {
         "width": integer and v >= 1,
         "arch": v in ARCHS,
+        "image_size": v is None or (integer and v >= 1),
+        "augment": isinstance(v, bool),
         "width_mult": num and math.isfinite(v) and v > 0,
         "batch_size": integer and v >= 1,
         "seed": integer and 0 <= v < 2**63,
@@ -439,28 +459,29 @@ def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, 
     net.train()
     total = zeros((1,), device)
     seen = images = 0
+    share = None if dist is None else dist.share
+    feed = x if isinstance(x, _train_data.TrainData) else _train_data.arrays(x, y)
     t0 = time.perf_counter()
     try:
-        for idx in _data.batches(len(x), batch_size, seed, epoch):
-            mine = idx if dist is None else dist.share(idx)
-            xb = Tensor(x[mine], device)
-            yb = Tensor(y[mine].astype(np.float32), device)
+        for whole, xs, ys in feed.train_batches(batch_size, seed, epoch, share):
+            xb = Tensor(xs, device)
+            yb = Tensor(ys.astype(np.float32), device)
             logits = net(xb)
             loss = cross_entropy(logits, yb)
             grad = cross_entropy_backward(logits, yb)
             if dist is not None:
-                grad.mul_(dist.grad_scale(len(mine), len(idx)))
+                grad.mul_(dist.grad_scale(len(ys), whole))
             opt.zero_grad()
             net.backward(grad).close()
             opt.step()
-            loss.mul_(float(len(mine)))
+            loss.mul_(float(len(ys)))
             total.add_(loss)
-            seen += len(mine)
-            images += len(idx)
+            seen += len(ys)
+            images += whole
             for t in (xb, yb, logits, loss, grad):
                 t.close()
             if progress is not None:
-                progress.update(len(idx), total.item() / seen if progress.wants_loss() else None)
+                progress.update(whole, total.item() / seen if progress.wants_loss() else None)
         loss_sum = total.item()  # reading it waits for the device
         if dist is not None:
             loss_sum, seen = dist.sum_floats([loss_sum, seen])
@@ -481,15 +502,15 @@ def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
     the share whose label is the first (or among the first 5) of the logits, and the confusion
     matrix (rows: true class, columns: predicted; num_classes defaults to the logits' width)."""
     net.eval()
-    loss_sum, top1, top5, n = 0.0, 0, 0, len(x)
+    loss_sum, top1, top5 = 0.0, 0, 0
     confusion = None
-    if dist is not None:
-        mine = dist.share(np.arange(len(x)))
-        x, y = x[mine], y[mine]
+    if isinstance(x, _train_data.TrainData):
+        feed, n = x, x.n_test
+    else:
+        feed, n = _train_data.arrays(x[:0], y[:0], x, y), len(x)
     try:
-        for i in range(0, len(x), batch_size):
-            xb = Tensor(x[i:i + batch_size], device)
-            yb = y[i:i + batch_size]
+        for xs, yb in feed.test_batches(batch_size, None if dist is None else dist.share):
+            xb = Tensor(xs, device)
             logits = net(xb)
             loss = cross_entropy(logits, yb)
             loss_sum += loss.item() * len(yb)
@@ -671,10 +692,19 @@ def _run_ranked(args, out, dist):
         ckpt_path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
 
     # data
-    ds = _data.load_npz(run["data"], args.layout) if run["data"] else _data.load_digits()
+    ds = _train_data.open_data(run["data"], args.layout, run["image_size"], run["augment"],
+                               args.workers, "skip" if args.skip_bad_images else "raise")
+    try:
+        return _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, say,
+                            threads_note)
+    finally:
+        ds.close()  # an image folder's loader workers
+
+
+def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, say,
+                 threads_note):
     data_info = {"name": ds.name, "image_shape": list(ds.image_shape),
-                 "num_classes": ds.num_classes, "n_train": len(ds.x_train),
-                 "n_test": len(ds.x_test),
+                 "num_classes": ds.num_classes, "n_train": ds.n_train, "n_test": ds.n_test,
                  # what utensil-predict needs to prepare an image as training saw it
                  "mean": None if ds.mean is None else [float(v) for v in ds.mean],
                  "std": None if ds.std is None else [float(v) for v in ds.std],
@@ -686,7 +716,7 @@ def _run_ranked(args, out, dist):
                 raise CheckpointError("the data differ from the checkpoint's: %s is %s now, %s "
                                       "in the checkpoint" % (k, data_info[k], saved.get(k)))
     if dist is not None:
-        why = dist.check_batches(len(ds.x_train), run["batch_size"])
+        why = dist.check_batches(ds.n_train, run["batch_size"])
         if why:
             raise _UsageError(why)
 
@@ -761,14 +791,14 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     try:
         for epoch in range(start, epochs):
             opt.lr = _lr_at(run, epoch, epochs)
-            bar = _Progress(len(ds.x_train), "epoch %d/%d" % (epoch + 1, epochs), show_progress)
+            bar = _Progress(ds.n_train, "epoch %d/%d" % (epoch + 1, epochs), show_progress)
             try:
-                loss, n, secs = train_epoch(model, opt, ds.x_train, ds.y_train,
+                loss, n, secs = train_epoch(model, opt, ds, None,
                                             run["batch_size"], run["seed"], epoch, device, bar,
                                             dist)
             finally:
                 bar.close()
-            ev = evaluate_full(model, ds.x_test, ds.y_test, args.eval_batch_size, device, dist,
+            ev = evaluate_full(model, ds, None, args.eval_batch_size, device, dist,
                                ds.num_classes)
             test_loss, acc, confusion = ev["loss"], ev["top1"], ev["confusion"]
             train_images += n

@@ -1,0 +1,128 @@
+"""What utensil-train reads: in-memory arrays (the digits, a .npz) or an image folder decoded as
+it goes, behind one interface, so the training loop does not care which.
+
+Both give the batches of epoch e in the order ``data.batches(n, batch_size, seed, e)``, whole
+batches split over the ranks of a data-parallel run by ``share``; an image folder's batches are
+decoded (with augmentation drawn from ``(seed, epoch, index)``) by ``workers`` background
+processes of a :class:`utensil_ffi.loader.Loader`, so the result does not depend on the number
+of workers.
+"""
+
+import os
+
+import numpy as np
+
+from . import data as _data
+
+__all__ = ["TrainData", "open_data", "arrays"]
+
+
+class TrainData:
+    """name, image_shape (C, H, W), num_classes, n_train, n_test, mean/std (the per-channel
+    normalization applied), class_names (or None); ``train_batches`` and ``test_batches``."""
+
+    def __init__(self, name, image_shape, num_classes, n_train, n_test, mean, std, class_names,
+                 describe):
+        self.name, self.image_shape, self.num_classes = name, tuple(image_shape), num_classes
+        self.n_train, self.n_test = n_train, n_test
+        self.mean, self.std, self.class_names = mean, std, class_names
+        self._describe = describe
+
+    @property
+    def in_channels(self):
+        return self.image_shape[0]
+
+    def describe(self):
+        return self._describe
+
+    def train_batches(self, batch_size, seed, epoch, share=None):
+        """(images in the whole batch, x, y) per batch of the epoch: x float32 [b, C, H, W] and
+        y int64 [b] of this rank's share."""
+        raise NotImplementedError
+
+    def test_batches(self, batch_size, share=None):
+        """(x, y) batches of this rank's share of the test images."""
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class _Arrays(TrainData):
+    def __init__(self, ds):
+        super().__init__(ds.name, ds.image_shape, ds.num_classes, len(ds.x_train),
+                         len(ds.x_test), ds.mean, ds.std, ds.class_names, ds.describe())
+        self.ds = ds
+
+    def train_batches(self, batch_size, seed, epoch, share=None):
+        x, y = self.ds.x_train, self.ds.y_train
+        for idx in _data.batches(len(x), batch_size, seed, epoch):
+            mine = idx if share is None else share(idx)
+            yield len(idx), x[mine], y[mine]
+
+    def test_batches(self, batch_size, share=None):
+        x, y = self.ds.x_test, self.ds.y_test
+        if share is not None:
+            mine = share(np.arange(len(x)))
+            x, y = x[mine], y[mine]
+        for i in range(0, len(x), batch_size):
+            yield x[i:i + batch_size], y[i:i + batch_size]
+
+
+class _Folder(TrainData):
+    def __init__(self, fd, workers, timeout):
+        super().__init__(fd.name, fd.image_shape, fd.num_classes, len(fd.train_indices),
+                         len(fd.test_indices), fd.mean, fd.std, tuple(fd.classes), fd.describe())
+        self.fd, self.workers, self.timeout = fd, workers, timeout
+        self._loaders = {}
+
+    def _loader(self, which, batch_size, seed, share):
+        from .loader import Loader
+
+        key = (which, batch_size, seed)
+        if key not in self._loaders:  # kept across epochs: the workers are started once
+            train = which == "train"
+            self._loaders[key] = Loader(
+                self.fd.train if train else self.fd.test, batch_size, shuffle=train, seed=seed,
+                workers=self.workers, indices=self.fd.train_indices if train
+                else self.fd.test_indices, share=share, timeout=self.timeout)
+        return self._loaders[key]
+
+    def train_batches(self, batch_size, seed, epoch, share=None):
+        loader = self._loader("train", batch_size, seed, share)
+        sizes = [len(b) for b in loader.batch_indices(epoch)]
+        for whole, (x, y) in zip(sizes, loader.epoch(epoch)):
+            yield whole, x, y
+
+    def test_batches(self, batch_size, share=None):
+        for x, y in self._loader("test", batch_size, 0, share).epoch(0):
+            yield x, y
+
+    def close(self):
+        for loader in self._loaders.values():
+            loader.close()
+        self._loaders.clear()
+
+
+def arrays(x_train, y_train, x_test=None, y_test=None, name="arrays"):
+    """In-memory arrays (float32 [N, C, H, W], int labels) as TrainData, used as they are."""
+    x_test = x_train[:0] if x_test is None else x_test
+    y_test = y_train[:0] if y_test is None else y_test
+    return _Arrays(_data.Dataset(name, x_train, y_train, x_test, y_test, 0))
+
+
+def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_error="raise",
+              timeout=None):
+    """The data of ``--data PATH``: a folder of class folders (or train/ and val/ ones), a .npz,
+    or the digits when ``path`` is None."""
+    if path is None:
+        return _Arrays(_data.load_digits())
+    if os.path.isdir(path):
+        from .images import load_folder
+
+        return _Folder(load_folder(path, image_size=image_size, augment=augment,
+                                   on_error=on_error), workers, timeout)
+    if image_size is not None:
+        raise _data.DataError("--image-size resizes the images of a folder; %s is a file (its "
+                              "arrays are used as they are)" % path)
+    return _Arrays(_data.load_npz(path, layout))
