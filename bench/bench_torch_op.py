@@ -1,7 +1,7 @@
 """A PyTorch MobileNetV2 training step with and without ``utensil_ffi.torch.convert``.
 
     python bench/bench_torch_op.py [--device cpu|cuda] [--threads 2] [--size 224] [--batch 16]
-                                   [--width 1.0] [--steps 3] [--rounds 3] [--compile]
+                                   [--width 1.0] [--kernel 3] [--steps 3] [--rounds 3] [--compile]
 
 MobileNetV2 (torchvision's architecture and parameter names, defined here: torchvision is not
 needed; 1000 classes) on random images, SGD with momentum 0.9 and cross-entropy, fp32 (on CUDA
@@ -33,8 +33,10 @@ def _divisible(v, divisor=8):
     return new + divisor if new < 0.9 * v else new
 
 
-def mobilenet_v2(num_classes=1000, width=1.0, dropout=0.2):
-    """torchvision's MobileNetV2: the same modules and state_dict keys (features.N..., classifier)."""
+def mobilenet_v2(num_classes=1000, width=1.0, dropout=0.2, kernel=3):
+    """torchvision's MobileNetV2: the same modules and state_dict keys (features.N..., classifier).
+    ``kernel`` sets the depthwise filters' size (3 in MobileNetV2; 5 as in MnasNet's and
+    EfficientNet's larger blocks)."""
     from torch import nn
 
     def conv_bn_act(inp, out, k=3, stride=1, groups=1):
@@ -48,7 +50,7 @@ def mobilenet_v2(num_classes=1000, width=1.0, dropout=0.2):
             hidden = int(round(inp * expand))
             self.use_res_connect = stride == 1 and inp == out
             layers = [conv_bn_act(inp, hidden, 1)] if expand != 1 else []
-            layers += [conv_bn_act(hidden, hidden, 3, stride, groups=hidden),  # the depthwise
+            layers += [conv_bn_act(hidden, hidden, kernel, stride, groups=hidden),  # the depthwise
                        nn.Conv2d(hidden, out, 1, bias=False), nn.BatchNorm2d(out)]
             self.conv = nn.Sequential(*layers)
 
@@ -115,14 +117,14 @@ def _sync(device):
         torch.cuda.synchronize()  # utensil's GPU work is on the default stream: this waits for it
 
 
-def make_pair(device="cpu", width=1.0, num_classes=1000, seed=0, lr=0.01, dropout=0.2):
+def make_pair(device="cpu", width=1.0, num_classes=1000, seed=0, lr=0.01, dropout=0.2, kernel=3):
     """(torch model, converted model, their SGD optimizers): the same weights on ``device``."""
     import torch
 
     import utensil_ffi.torch as utt
 
     torch.manual_seed(seed)
-    ref = mobilenet_v2(num_classes, width, dropout).to(device)
+    ref = mobilenet_v2(num_classes, width, dropout, kernel).to(device)
     conv = utt.convert(copy.deepcopy(ref))
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (ref, conv)]
     return ref, conv, opts[0], opts[1]
@@ -143,7 +145,7 @@ def train_step(model, opt, x, y, seed=None):
 
 
 def run(device="cpu", threads=2, size=224, batch=16, width=1.0, steps=3, rounds=3,
-        compile=False, num_classes=1000):
+        compile=False, num_classes=1000, kernel=3):
     """Images/s of both networks (median round) and the first step's losses. On the CPU both
     libraries run ``threads`` threads (their settings are restored after)."""
     import torch
@@ -153,13 +155,13 @@ def run(device="cpu", threads=2, size=224, batch=16, width=1.0, steps=3, rounds=
         torch.set_num_threads(threads)
         ut.set_num_threads(threads)
     try:
-        return _run(device, size, batch, width, steps, rounds, compile, num_classes)
+        return _run(device, size, batch, width, steps, rounds, compile, num_classes, kernel)
     finally:
         torch.set_num_threads(saved[0])
         ut.set_num_threads(saved[1])
 
 
-def _run(device, size, batch, width, steps, rounds, compile, num_classes):
+def _run(device, size, batch, width, steps, rounds, compile, num_classes, kernel):
     import torch
 
     import utensil_ffi.torch as utt
@@ -167,7 +169,7 @@ def _run(device, size, batch, width, steps, rounds, compile, num_classes):
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref, conv, opt_ref, opt_conv = make_pair(device, width, num_classes)
+    ref, conv, opt_ref, opt_conv = make_pair(device, width, num_classes, kernel=kernel)
     n_dw = sum(isinstance(m, utt.DepthwiseConv2d) for m in conv.modules())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, size, size, generator=g).to(device)
@@ -208,14 +210,16 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--width", type=float, default=1.0)
+    p.add_argument("--kernel", type=int, default=3, help="depthwise kernel size (MobileNetV2: 3)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="torch.compile both networks")
     a = p.parse_args(argv)
-    r = run(a.device, a.threads, a.size, a.batch, a.width, a.steps, a.rounds, a.compile)
+    r = run(a.device, a.threads, a.size, a.batch, a.width, a.steps, a.rounds, a.compile,
+            kernel=a.kernel)
     where = "%d threads" % a.threads if a.device == "cpu" else "fp32, TF32 off"
-    print("MobileNetV2 x%g %s %d^2 batch %d (%s%s), %d depthwise convs converted" % (
-        a.width, a.device, a.size, a.batch, where, ", torch.compile" if a.compile else "",
+    print("MobileNetV2 x%g%s %s %d^2 batch %d (%s%s), %d depthwise convs converted" % (
+        a.width, "" if a.kernel == 3 else " (%dx%d depthwise)" % (a.kernel, a.kernel), a.device, a.size, a.batch, where, ", torch.compile" if a.compile else "",
         r["depthwise_converted"]))
     print("  first-step loss: torch %.6f, converted %.6f" % (r["losses"]["torch"],
                                                              r["losses"]["converted"]))
