@@ -102,7 +102,8 @@ def _mode_folder(tmp_path):
 def test_mixed_modes_become_rgb_or_l(tmp_path):
     root, rgb, gray16 = _mode_folder(tmp_path)
     modes = {os.path.basename(p): Image.open(p).mode for p, _ in images.ImageFolder(root).samples}
-    assert modes["i16.png"].startswith("I") and modes["p.png"] == "P" and modes["rgba.png"] == "RGBA"
+    assert modes["i16.png"].startswith("I") and modes["p.png"] == "P"
+    assert modes["rgba.png"] == "RGBA"
     for mode, c in (("RGB", 3), ("L", 1)):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. Pillow's palette-transparency warning

@@ -23,7 +23,8 @@ class Samples:
     raises a DataError naming a file, ``die_at`` ends the worker process, ``sleep`` slows each."""
 
     def __init__(self, n, fail_at=None, die_at=None, kill_at=None, sleep=0.0):
-        self.n, self.fail_at, self.die_at, self.kill_at, self.sleep = n, fail_at, die_at, kill_at, sleep
+        self.n, self.fail_at, self.die_at, self.kill_at = n, fail_at, die_at, kill_at
+        self.sleep = sleep
 
     def __len__(self):
         return self.n

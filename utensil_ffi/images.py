@@ -203,7 +203,8 @@ class ImageFolder:
         try:
             with Image.open(path) as im:
                 if im.mode not in _CONVERTIBLE:
-                    raise ValueError("image mode %s cannot be converted to %s" % (im.mode, self.mode))
+                    raise ValueError("image mode %s cannot be converted to %s"
+                                     % (im.mode, self.mode))
                 if check == "decode":
                     _to_mode(im, self.mode, Image)
                 else:

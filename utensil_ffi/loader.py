@@ -26,7 +26,8 @@ a new interpreter per worker (about a second), is paid once per Loader. So the d
 transforms must be picklable, and a script that makes a Loader needs the usual
 ``if __name__ == "__main__":`` guard. Workers import utensil_ffi (the library initializes no GPU
 until a GPU op runs), never call into it, and hide the GPUs from themselves
-(CUDA_VISIBLE_DEVICES="") before loading anything; they ignore SIGINT: Ctrl-C is the parent's.
+(CUDA_VISIBLE_DEVICES="") before loading anything; they ignore SIGINT (blocked from their start
+until then): Ctrl-C is the parent's.
 
 Shutdown: ``close()``, leaving a ``with`` block, or garbage collection stops the workers. An epoch
 that does not run to its end (the consumer raised or broke out of the loop, Ctrl-C, a worker
@@ -135,6 +136,8 @@ def _worker_main(dataset, tasks, results):
     """Serve (k, seed, epoch, indices) tasks until the parent closes ``tasks``."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent until now: see _start
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     out = queue.SimpleQueue()
 
     # A separate sender: a batch larger than the pipe's buffer blocks send() until the parent
@@ -194,6 +197,21 @@ def _stop(procs, conns):
     conns.clear()
 
 
+def _start(process):
+    """``process.start()`` with SIGINT blocked, a mask the new process inherits: a Ctrl-C that
+    reaches the process group while the worker is still importing (before it can ignore SIGINT)
+    then waits in the worker until it is ignored, instead of printing its traceback. The parent
+    gets its KeyboardInterrupt as soon as the mask is restored."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not \
+            threading.main_thread():
+        return process.start()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _exit_text(code):
     if code is None:
         return "is still running"
@@ -209,7 +227,8 @@ def _exit_text(code):
 
 
 class _Workers:
-    """W processes, each with a task pipe (parent -> worker) and a result pipe (worker -> parent)."""
+    """W processes, each with a task pipe (parent -> worker) and a result pipe (worker ->
+    parent)."""
 
     def __init__(self, dataset, n, method):
         ctx = multiprocessing.get_context(method)
@@ -226,7 +245,7 @@ class _Workers:
                                 name="utensil-loader-%d" % w)
                 self._conns += [task_w, res_r]
                 try:
-                    p.start()
+                    _start(p)
                 except BaseException as e:
                     task_r.close()
                     res_w.close()

@@ -99,7 +99,8 @@ class Compose:
 
 
 class Lambda:
-    """A one-argument function ``fn(img)`` as a transform (it gets no rng: keep it deterministic)."""
+    """A one-argument function ``fn(img)`` as a transform (it gets no rng: keep it
+    deterministic)."""
 
     random = False
 
