@@ -104,6 +104,9 @@ def test_indices_drop_last_and_sequential():
     halves = Loader(ds, 4, share=lambda b: b[::2])
     for (x, _), idx in zip(halves.epoch(1), halves.batch_indices(1)):
         np.testing.assert_array_equal(np.floor(x[:, 0, 0, 0]), idx[::2])
+    second_halves = Loader(Samples(5), 4, shuffle=False, share=lambda b: b[2:])
+    with pytest.raises(ValueError, match="batch 1 of epoch 0 \\(1 samples\\) empty"):
+        list(second_halves.epoch(0))
 
 
 def test_arguments_are_checked():

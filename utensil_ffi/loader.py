@@ -432,6 +432,13 @@ class Loader:
             plan = self.batch_indices(epoch)
             if self.share is not None:
                 plan = [np.asarray(self.share(b)) for b in plan]
+                for k, b in enumerate(plan):
+                    if len(b) == 0:
+                        raise ValueError(
+                            "Loader: share() leaves batch %d of epoch %d (%d samples) empty for "
+                            "this process; to spread an evaluation over processes, give each its "
+                            "part of the samples (indices=share(all)) instead"
+                            % (k, epoch, len(self.batch_indices(epoch)[k])))
             if self.workers == 0:
                 for b in plan:
                     self._check(token)
