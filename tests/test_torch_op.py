@@ -31,14 +31,18 @@ def dev(request):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: one thread for both libraries (restored after)."""
+def one_thread_fp32():
+    """Tiny ops: one thread for both libraries; PyTorch's references in fp32 on the GPU too (no
+    TF32). Restored after."""
     n, m = torch.get_num_threads(), ut.get_num_threads()
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.set_num_threads(1)
     ut.set_num_threads(1)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.set_num_threads(n)
     ut.set_num_threads(m)
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _reference(x, w, b, stride, padding, dilation):
@@ -344,9 +348,11 @@ def test_converted_model_trains_like_the_original(dev):
         losses.append(run)
         logs.append(log.utensil)
     assert logs == [0, 4 * 4 * 2]  # 4 steps of 4 depthwise convs, forward and backward
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    # on the GPU PyTorch's own conv backward sums in an order that varies run to run
+    rtol = 1e-4 if dev == "cpu" else 1e-3
+    np.testing.assert_allclose(losses[1], losses[0], rtol=rtol, atol=1e-5)
     for (k, a), (_, b) in zip(ref.state_dict().items(), conv.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: k + ": " + m)
+        torch.testing.assert_close(a, b, rtol=10 * rtol, atol=1e-4, msg=lambda m: k + ": " + m)
 
 
 def test_torch_compile_has_no_graph_break(dev):
