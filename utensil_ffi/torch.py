@@ -50,6 +50,7 @@ Policies:
   time), so set both to the same count: ``ut.set_num_threads(torch.get_num_threads())``.
 """
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -69,7 +70,10 @@ __all__ = ["depthwise_conv2d", "depthwise_conv2d_backward", "DepthwiseConv2d", "
 
 # Read once: DepthwiseConv2d's forward must not call into C while torch.compile traces it.
 _UT_CUDA = bool(lib.ut_cuda_available())
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# Not capturable in PyTorch's CUDA graphs (utensil launches on the legacy default stream): say so
+# where this PyTorch knows the tag (custom_op takes tags from 2.5 on)
+_TAGS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") and (
+    "tags" in inspect.signature(torch.library.custom_op).parameters) else {}
 _OP = "utensil::depthwise_conv2d"
 
 
@@ -197,7 +201,7 @@ def _layer(c, oc, kh, kw, stride, padding, dilation, weight, bias):
 
 
 # -- the ops ----------------------------------------------------------------------------------------
-@torch.library.custom_op(_OP, mutates_args=(), device_types=("cpu", "cuda"), tags=_TAGS)
+@torch.library.custom_op(_OP, mutates_args=(), device_types=("cpu", "cuda"), **_TAGS)
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      stride: int = 1, padding: int = 0, dilation: int = 1) -> torch.Tensor:
     """x: [N, C, H, W], weight: [m*C, 1, kh, kw], bias: [m*C] or None -> [N, m*C, Ho, Wo],
@@ -220,7 +224,7 @@ def _depthwise_conv2d_fake(x, weight, bias=None, stride=1, padding=0, dilation=1
 
 
 @torch.library.custom_op(_OP + "_backward", mutates_args=(), device_types=("cpu", "cuda"),
-                         tags=_TAGS)
+                         **_TAGS)
 def depthwise_conv2d_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                               has_bias: bool, stride: int, padding: int,
                               dilation: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
