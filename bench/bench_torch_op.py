@@ -10,7 +10,8 @@ the same weights after ``convert`` ("converted": its 17 depthwise convolutions o
 rest PyTorch's). First one step of each on the same batch, whose losses must agree; then rounds
 alternate between the two so a change of machine load hits both. Prints images/s per side (the
 median round; on Linux leaving out rounds in which other processes took over 10% of the CPUs,
-when some rounds were quieter) and converted/torch. ``--compile`` wraps both in ``torch.compile`` (inductor).
+when some rounds were quieter) and converted/torch. ``--compile`` wraps both in
+``torch.compile`` (inductor).
 On the CPU both libraries get --threads threads.
 """
 
@@ -27,7 +28,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 import utensil_ffi as ut  # noqa: E402
 
 
-# -- MobileNetV2 (Sandler et al. 2018; torchvision.models.mobilenet_v2's layout) -------------------
+# -- MobileNetV2 (Sandler et al. 2018; torchvision.models.mobilenet_v2's layout) ------------------
 def _divisible(v, divisor=8):
     new = max(divisor, int(v + divisor / 2) // divisor * divisor)
     return new + divisor if new < 0.9 * v else new
@@ -88,7 +89,7 @@ def mobilenet_v2(num_classes=1000, width=1.0, dropout=0.2, kernel=3):
     return MobileNetV2()
 
 
-# -- the comparison ---------------------------------------------------------------------------------
+# -- the comparison -------------------------------------------------------------------------------
 def _cpu_ticks():
     """(CPU time of every process, of this one) in clock ticks, or None off Linux."""
     try:
@@ -218,8 +219,9 @@ def main(argv=None):
     r = run(a.device, a.threads, a.size, a.batch, a.width, a.steps, a.rounds, a.compile,
             kernel=a.kernel)
     where = "%d threads" % a.threads if a.device == "cpu" else "fp32, TF32 off"
+    kernel = "" if a.kernel == 3 else " (%dx%d depthwise)" % (a.kernel, a.kernel)
     print("MobileNetV2 x%g%s %s %d^2 batch %d (%s%s), %d depthwise convs converted" % (
-        a.width, "" if a.kernel == 3 else " (%dx%d depthwise)" % (a.kernel, a.kernel), a.device, a.size, a.batch, where, ", torch.compile" if a.compile else "",
+        a.width, kernel, a.device, a.size, a.batch, where, ", torch.compile" if a.compile else "",
         r["depthwise_converted"]))
     print("  first-step loss: torch %.6f, converted %.6f" % (r["losses"]["torch"],
                                                              r["losses"]["converted"]))

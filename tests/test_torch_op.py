@@ -22,7 +22,8 @@ utt = pytest.importorskip("utensil_ffi.torch")
 HAVE_CUDA = "cuda" in ut.devices() and torch.cuda.is_available()
 
 
-NEEDS_CUDA = pytest.mark.skipif(not HAVE_CUDA, reason="needs a GPU seen by both utensil and PyTorch")
+NEEDS_CUDA = pytest.mark.skipif(not HAVE_CUDA,
+                                reason="needs a GPU seen by both utensil and PyTorch")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
@@ -47,7 +48,8 @@ def one_thread_fp32():
 
 def _reference(x, w, b, stride, padding, dilation):
     """PyTorch's depthwise conv in float64 on the CPU: output and (dx, dw, db) for grad g."""
-    x64, w64 = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
     b64 = b.detach().double().cpu().requires_grad_() if b is not None else None
     y = F.conv2d(x64, w64, b64, stride, padding, dilation, groups=x.shape[1])
     return y, x64, w64, b64
@@ -72,10 +74,11 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 def _assert_close(got, ref, what, rtol=1e-4):
     got, ref = got.detach().double().cpu(), ref.detach().double()
     scale = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * scale, msg=lambda m: what + ": " + m)
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * scale,
+                               msg=lambda m: what + ": " + m)
 
 
-# -- the import boundary ----------------------------------------------------------------------------
+# -- the import boundary --------------------------------------------------------------------------
 def test_import_utensil_ffi_does_not_import_torch():
     """torch stays optional: `import utensil_ffi` imports neither torch nor utensil_ffi.torch, and
     without torch `import utensil_ffi.torch` is a plain ImportError."""
@@ -92,7 +95,11 @@ def test_import_utensil_ffi_does_not_import_torch():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-# -- the op -----------------------------------------------------------------------------------------
+# -- the op ---------------------------------------------------------------------------------------
+def _case_id(c):
+    return "N%dC%dm%d-%dx%d-k%dx%d-s%dp%dd%d-b%d" % c
+
+
 # (N, C, mult, H, W, kh, kw, stride, padding, dilation, bias)
 OPCHECK_CASES = [
     (2, 3, 1, 9, 11, 3, 5, 2, 1, 1, True),   # stride 2, padding, kh != kw, odd sizes
@@ -100,7 +107,7 @@ OPCHECK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: "N%dC%dm%d-%dx%d-k%dx%d-s%dp%dd%d-b%d" % c)
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=_case_id)
 def test_opcheck(case, dev):
     n, c, m, h, w, kh, kw, s, p, d, bias = case
     g = torch.Generator().manual_seed(0)
@@ -110,7 +117,8 @@ def test_opcheck(case, dev):
     torch.library.opcheck(utt.depthwise_conv2d, (x, wt, b, s, p, d))
     y = utt.depthwise_conv2d(x, wt, b, s, p, d)
     go = torch.randn(y.shape, generator=g).to(dev)
-    torch.library.opcheck(utt.depthwise_conv2d_backward, (go, x.detach(), wt.detach(), bias, s, p, d))
+    torch.library.opcheck(utt.depthwise_conv2d_backward,
+                          (go, x.detach(), wt.detach(), bias, s, p, d))
 
 
 def _random_case(rng):
@@ -120,7 +128,8 @@ def _random_case(rng):
         s, p, d = rng.integers(1, 4), rng.integers(0, 3), rng.integers(1, 3)
         h, w = rng.integers(1, 14, size=2) | 1  # odd sizes
         if h + 2 * p >= d * (kh - 1) + 1 and w + 2 * p >= d * (kw - 1) + 1:
-            return tuple(int(v) for v in (n, c, m, h, w, kh, kw, s, p, d)) + (bool(rng.integers(2)),)
+            case = tuple(int(v) for v in (n, c, m, h, w, kh, kw, s, p, d))
+            return case + (bool(rng.integers(2)),)
 
 
 # the issue's shapes first (stride 2, padding, kh != kw, batch > 1, odd sizes), then random ones
@@ -129,7 +138,7 @@ GRAD_CASES = [(3, 4, 1, 9, 7, 3, 5, 2, 1, 1, True), (2, 3, 2, 11, 13, 5, 3, 2, 2
 GRAD_CASES += [_random_case(np.random.default_rng(seed)) for seed in range(10)]
 
 
-@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "N%dC%dm%d-%dx%d-k%dx%d-s%dp%dd%d-b%d" % c)
+@pytest.mark.parametrize("case", GRAD_CASES, ids=_case_id)
 def test_forward_and_gradients_match_torch(case, dev):
     n, c, m, h, w, kh, kw, s, p, d, bias = case
     g = torch.Generator().manual_seed(hash(case) % 2**31)
@@ -221,7 +230,7 @@ def test_empty_batch(dev):
     assert x.grad.shape == x.shape and float(w.grad.abs().sum()) == 0.0
 
 
-# -- DepthwiseConv2d and convert ----------------------------------------------------------------------
+# -- DepthwiseConv2d and convert ------------------------------------------------------------------
 MODULE_CASES = [  # nn.Conv2d arguments besides (in, out, kernel); all must match nn.Conv2d
     dict(stride=2, padding=1),
     dict(padding=(1, 2)),                      # asymmetric: F.pad, then the op unpadded
@@ -233,7 +242,8 @@ MODULE_CASES = [  # nn.Conv2d arguments besides (in, out, kernel); all must matc
 ]
 
 
-@pytest.mark.parametrize("kw", MODULE_CASES, ids=lambda kw: ",".join("%s=%s" % i for i in kw.items()))
+@pytest.mark.parametrize("kw", MODULE_CASES,
+                         ids=lambda kw: ",".join("%s=%s" % i for i in kw.items()))
 def test_module_matches_conv2d(kw, dev):
     torch.manual_seed(0)
     k = (3, 4) if kw.get("padding") == "same" else (3, 5)
@@ -377,7 +387,7 @@ def test_torch_compile_has_no_graph_break(dev):
     torch._dynamo.reset()
 
 
-# -- CUDA streams -------------------------------------------------------------------------------------
+# -- CUDA streams ---------------------------------------------------------------------------------
 @NEEDS_CUDA
 def test_side_stream_ordering():
     """On a side stream the op waits for the work queued before it there, and what comes after

@@ -111,7 +111,7 @@ def _geometry(x, weight, bias, stride, padding, dilation, who=_OP):
     return n, c, h, w, oc, kh, kw, ho, wo
 
 
-# -- the exchange with utensil ----------------------------------------------------------------------
+# -- the exchange with utensil --------------------------------------------------------------------
 _INT_MAX = 2**31 - 1
 
 
@@ -200,7 +200,7 @@ def _layer(c, oc, kh, kw, stride, padding, dilation, weight, bias):
         "pad": padding, "dilation": dilation, "mult": oc // c})
 
 
-# -- the ops ----------------------------------------------------------------------------------------
+# -- the ops --------------------------------------------------------------------------------------
 @torch.library.custom_op(_OP, mutates_args=(), device_types=("cpu", "cuda"), **_TAGS)
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      stride: int = 1, padding: int = 0, dilation: int = 1) -> torch.Tensor:
@@ -275,7 +275,7 @@ def _backward(ctx, grad):
 depthwise_conv2d.register_autograd(_backward, setup_context=_setup_context)
 
 
-# -- the module -------------------------------------------------------------------------------------
+# -- the module -----------------------------------------------------------------------------------
 def _runs_on_utensil(x, weight, bias):
     """Whether utensil takes this call (else DepthwiseConv2d runs PyTorch's conv2d)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
