@@ -95,5 +95,5 @@ def test_predict_reports_unreadable_files_and_goes_on(ckpt, tmp_path, capsys):
     junk.write_text("not an image")
     assert pr.main([ckpt, str(junk), str(tmp_path / "missing.png"), str(good)]) == 1
     cap = capsys.readouterr()
-    assert "junk.png: not an image" in cap.err and "missing.png" in cap.err
+    assert "junk.png: cannot decode this image" in cap.err and "missing.png" in cap.err
     assert cap.out.startswith(str(good))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi._errors import ArgumentError, ArgumentTypeError
+from utensil_ffi._errors import ArgumentTypeError
 from utensil_ffi._lib import ffi, lib
 
 from thread_group import run_ranks

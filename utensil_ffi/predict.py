@@ -29,15 +29,10 @@ PROG = "utensil-predict"
 def prepare(path, data_info):
     """The image at ``path`` as a float32 [C, H, W] array, prepared as in training."""
     from . import transforms as T
-    from .images import _pil, _reason, _to_mode
+    from .images import open_image
 
-    Image = _pil()
     c, h, w = data_info["image_shape"]
-    try:
-        with Image.open(path) as img:
-            img = _to_mode(img, "L" if c == 1 else "RGB", Image)
-    except (OSError, ValueError, SyntaxError) as e:
-        raise DataError("%s: %s" % (path, _reason(e))) from None
+    img = open_image(path, "L" if c == 1 else "RGB")
     steps = [T.Resize(h), T.CenterCrop(h)] if h == w else [T.Resize((h, w))]
     steps.append(T.ToArray())
     if data_info.get("mean") is not None:

@@ -172,6 +172,10 @@ def build_parser():
     g.add_argument("--workers", type=_NONNEG_INT, default=2, metavar="N",
                    help="background processes decoding an image folder (default 2; 0: in the "
                    "training process)")
+    g.add_argument("--cache-images", action="store_true",
+                   help="decode an image folder once and keep the decoded images in memory (up "
+                   "to 1 GiB; augmentation still runs per sample): for folders that fit, when "
+                   "decoding cannot keep up with training")
     g.add_argument("--skip-bad-images", action="store_true",
                    help="leave out, with a warning each, the files of an image folder that "
                    "cannot be read (default: stop with an error naming the first one)")
@@ -693,7 +697,8 @@ def _run_ranked(args, out, dist):
 
     # data
     ds = _train_data.open_data(run["data"], args.layout, run["image_size"], run["augment"],
-                               args.workers, "skip" if args.skip_bad_images else "raise")
+                               args.workers, "skip" if args.skip_bad_images else "raise",
+                               cache=args.cache_images)
     try:
         return _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, say,
                             threads_note)

@@ -81,11 +81,16 @@ class _Folder(TrainData):
 
         key = (which, batch_size, seed)
         if key not in self._loaders:  # kept across epochs: the workers are started once
-            train = which == "train"
-            self._loaders[key] = Loader(
-                self.fd.train if train else self.fd.test, batch_size, shuffle=train, seed=seed,
-                workers=self.workers, indices=self.fd.train_indices if train
-                else self.fd.test_indices, share=share, timeout=self.timeout)
+            if which == "train":  # whole batches in data.batches order, each rank its share
+                loader = Loader(self.fd.train, batch_size, shuffle=True, seed=seed,
+                                workers=self.workers, indices=self.fd.train_indices,
+                                share=share, timeout=self.timeout)
+            else:  # each rank its share of the test set, in order
+                idx = self.fd.test_indices if share is None else share(self.fd.test_indices)
+                loader = None if len(idx) == 0 else Loader(
+                    self.fd.test, batch_size, shuffle=False, workers=self.workers, indices=idx,
+                    timeout=self.timeout)
+            self._loaders[key] = loader
         return self._loaders[key]
 
     def train_batches(self, batch_size, seed, epoch, share=None):
@@ -95,12 +100,14 @@ class _Folder(TrainData):
             yield whole, x, y
 
     def test_batches(self, batch_size, share=None):
-        for x, y in self._loader("test", batch_size, 0, share).epoch(0):
-            yield x, y
+        loader = self._loader("test", batch_size, 0, share)
+        if loader is not None:
+            yield from loader.epoch(0)
 
     def close(self):
         for loader in self._loaders.values():
-            loader.close()
+            if loader is not None:
+                loader.close()
         self._loaders.clear()
 
 
@@ -112,7 +119,7 @@ def arrays(x_train, y_train, x_test=None, y_test=None, name="arrays"):
 
 
 def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_error="raise",
-              timeout=None):
+              timeout=None, cache=False):
     """The data of ``--data PATH``: a folder of class folders (or train/ and val/ ones), a .npz,
     or the digits when ``path`` is None."""
     if path is None:
@@ -121,7 +128,7 @@ def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_
         from .images import load_folder
 
         return _Folder(load_folder(path, image_size=image_size, augment=augment,
-                                   on_error=on_error), workers, timeout)
+                                   on_error=on_error, cache=cache), workers, timeout)
     if image_size is not None:
         raise _data.DataError("--image-size resizes the images of a folder; %s is a file (its "
                               "arrays are used as they are)" % path)
