@@ -1,11 +1,13 @@
 """A PyTorch MobileNetV2 training step with and without ``utensil_ffi.torch.convert``.
 
-    python bench/bench_torch_op.py [--device cpu|cuda] [--threads 2] [--size 224] [--batch 16]
-                                   [--width 1.0] [--kernel 3] [--steps 3] [--rounds 3] [--compile]
+    python bench/bench_torch_op.py [--device all|cpu|cuda|cpu,cuda] [--threads 2] [--size 224]
+                                   [--batch 16 (CPU), 64 (CUDA)] [--width 1.0] [--kernel 3]
+                                   [--steps 3] [--rounds 3] [--compile]
 
 MobileNetV2 (torchvision's architecture and parameter names, defined here: torchvision is not
-needed; 1000 classes) on random images, SGD with momentum 0.9 and cross-entropy, fp32 (on CUDA
-with TF32 off and cudnn.benchmark on). Two copies of one network: PyTorch's own ("torch") and
+needed; 1000 classes) on random images, on the CPU and (by default, where present) CUDA, SGD
+with momentum 0.9 and cross-entropy, fp32 (on CUDA with TF32 off and cudnn.benchmark on).
+Two copies of one network: PyTorch's own ("torch") and
 the same weights after ``convert`` ("converted": its 17 depthwise convolutions on utensil, the
 rest PyTorch's). First one step of each on the same batch, whose losses must agree; then rounds
 alternate between the two so a change of machine load hits both. Prints images/s per side (the
@@ -203,25 +205,29 @@ def _run(device, size, batch, width, steps, rounds, compile, num_classes, kernel
             "depthwise_converted": n_dw}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python bench/bench_torch_op.py",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--width", type=float, default=1.0)
-    p.add_argument("--kernel", type=int, default=3, help="depthwise kernel size (MobileNetV2: 3)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--compile", action="store_true", help="torch.compile both networks")
-    a = p.parse_args(argv)
-    r = run(a.device, a.threads, a.size, a.batch, a.width, a.steps, a.rounds, a.compile,
-            kernel=a.kernel)
-    where = "%d threads" % a.threads if a.device == "cpu" else "fp32, TF32 off"
+def _devices(spec):
+    """--device: "cpu", "cuda", "cpu,cuda", or "all" (the CPU, and CUDA where both PyTorch and
+    utensil have a GPU)."""
+    import torch
+
+    have = "cuda" in ut.devices() and torch.cuda.is_available()
+    if spec == "all":
+        return ["cpu", "cuda"] if have else ["cpu"]
+    out = [d for d in spec.split(",") if d]
+    for d in out:
+        if d not in ("cpu", "cuda"):
+            raise SystemExit("bench_torch_op: unknown device %r (cpu, cuda, cpu,cuda or all)" % d)
+        if d == "cuda" and not have:
+            raise SystemExit("bench_torch_op: no GPU for both libraries (utensil: %s, PyTorch "
+                             "sees one: %s)" % (ut.devices(), torch.cuda.is_available()))
+    return out
+
+
+def report(r, device, a, batch):
+    where = "%d threads" % a.threads if device == "cpu" else "fp32, TF32 off"
     kernel = "" if a.kernel == 3 else " (%dx%d depthwise)" % (a.kernel, a.kernel)
     print("MobileNetV2 x%g%s %s %d^2 batch %d (%s%s), %d depthwise convs converted" % (
-        a.width, kernel, a.device, a.size, a.batch, where, ", torch.compile" if a.compile else "",
+        a.width, kernel, device, a.size, batch, where, ", torch.compile" if a.compile else "",
         r["depthwise_converted"]))
     print("  first-step loss: torch %.6f, converted %.6f" % (r["losses"]["torch"],
                                                              r["losses"]["converted"]))
@@ -233,6 +239,27 @@ def main(argv=None):
         print("  other processes' share of the CPUs per round: %s; median of rounds %s" % (
             ", ".join("%.0f%%" % (100 * v) for v in r["others_cpu"]),
             ", ".join(str(i + 1) for i in r["quiet_rounds"])))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python bench/bench_torch_op.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="all",
+                   help="cpu, cuda, cpu,cuda, or all (default: the CPU, and CUDA where present)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of both libraries")
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--batch", type=int, default=None, help="default: 16 on the CPU, 64 on CUDA")
+    p.add_argument("--width", type=float, default=1.0)
+    p.add_argument("--kernel", type=int, default=3, help="depthwise kernel size (MobileNetV2: 3)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile both networks")
+    a = p.parse_args(argv)
+    for device in _devices(a.device):
+        batch = a.batch or (16 if device == "cpu" else 64)
+        r = run(device, a.threads, a.size, batch, a.width, a.steps, a.rounds, a.compile,
+                kernel=a.kernel)
+        report(r, device, a, batch)
 
 
 if __name__ == "__main__":
