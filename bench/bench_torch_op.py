@@ -5,16 +5,16 @@
                                    [--steps 3] [--rounds 3] [--compile]
 
 MobileNetV2 (torchvision's architecture and parameter names, defined here: torchvision is not
-needed; 1000 classes) on random images, on the CPU and (by default, where present) CUDA, SGD
-with momentum 0.9 and cross-entropy, fp32 (on CUDA with TF32 off and cudnn.benchmark on).
-Two copies of one network: PyTorch's own ("torch") and
-the same weights after ``convert`` ("converted": its 17 depthwise convolutions on utensil, the
-rest PyTorch's). First one step of each on the same batch, whose losses must agree; then rounds
-alternate between the two so a change of machine load hits both. Prints images/s per side (the
-median round; on Linux leaving out rounds in which other processes took over 10% of the CPUs,
-when some rounds were quieter) and converted/torch. ``--compile`` wraps both in
-``torch.compile`` (inductor).
-On the CPU both libraries get --threads threads.
+needed; 1000 classes) on random images, on the CPU and (by default, where present) CUDA, SGD with
+momentum 0.9 and cross-entropy, fp32 (on CUDA with TF32 off and cudnn.benchmark on). Two copies of
+one network: PyTorch's own ("torch") and the same weights after ``convert`` ("converted": its 17
+depthwise convolutions on utensil, the rest PyTorch's). First one step of each on the same batch,
+whose losses must agree; then rounds alternate between the two so a change of machine load hits
+both. Prints images/s per side (the median round; on Linux leaving out rounds in which other
+processes took over 10% of the CPUs, when some rounds were quieter) and converted/torch.
+``--compile`` wraps both in ``torch.compile`` (inductor). On the CPU both libraries get --threads
+threads. The first-step losses differ by float32 rounding only (the depthwise sums run in
+another order); the ratio is converted/torch images/s.
 """
 
 import argparse
