@@ -35,6 +35,8 @@ def _utensil_rank(a):
     from utensil_ffi import distributed as D
     from utensil_ffi import models
 
+    from bench.bench_networks import utensil_step
+
     env = D.env_from_environ()
     pg = D.ProcessGroup(env)
     ut.seed(0)
@@ -47,21 +49,12 @@ def _utensil_rank(a):
     with D.DistributedDataParallel(net, pg, broadcast_buffers=not a.sync_bn) as ddp:
         opt = ut.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
-        def step():
-            logits = ddp(x)
-            grad = ut.cross_entropy_backward(logits, y)
-            opt.zero_grad()
-            ddp.backward(grad).close()
-            opt.step()
-            logits.close()
-            grad.close()
-
         for _ in range(a.warmup):
-            step()
+            utensil_step(ddp, opt, x, y)
         pg.barrier()
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            step()
+            utensil_step(ddp, opt, x, y)
         pg.wait()
         secs = time.perf_counter() - t0
     pg.barrier()

@@ -17,7 +17,7 @@ import pytest
 from utensil_ffi import distributed as D
 from utensil_ffi._errors import ArgumentError, DistributedError
 
-from thread_group import ThreadGroup as _ThreadGroup
+from thread_group import run_ranks
 
 GOOD = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5",
         "MASTER_PORT": "29500"}
@@ -404,33 +404,21 @@ def test_ddp_ranks_start_alike_and_match_one_process_on_the_whole_batch():
         opt.step()
     want = [p.numpy().copy() for p in ref.parameters()]
 
-    group = _ThreadGroup(world)
-    got, errors = {}, []
     nets = [_small_net(10 + r) for r in range(world)]  # different weights: the broadcast aligns
 
-    def rank_main(r):
-        try:
-            net = nets[r]
-            with D.DistributedDataParallel(net, group.member(r)) as ddp:
-                opt = ut.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-                sampler = D.DistributedSampler(world * b, world, r, shuffle=False)
-                for x, y in data:
-                    idx = sampler.indices()
-                    logits = ddp(ut.tensor(x[idx]))
-                    opt.zero_grad()
-                    ddp.backward(ut.cross_entropy_backward(logits, y[idx]))
-                    opt.step()
-                got[r] = [p.numpy().copy() for p in ddp.parameters()]
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-            group.barrier.abort()
+    def rank_main(r, group):
+        with D.DistributedDataParallel(nets[r], group) as ddp:
+            opt = ut.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            sampler = D.DistributedSampler(world * b, world, r, shuffle=False)
+            for x, y in data:
+                idx = sampler.indices()
+                logits = ddp(ut.tensor(x[idx]))
+                opt.zero_grad()
+                ddp.backward(ut.cross_entropy_backward(logits, y[idx]))
+                opt.step()
+            return [p.numpy().copy() for p in ddp.parameters()]
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    got = run_ranks(world, rank_main)
     for r in range(world):
         for a, w in zip(got[r], want):
             np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)
@@ -442,24 +430,18 @@ def test_ddp_broadcasts_buffers_in_training(broadcast):
     # same batch on both. Broadcast first, both end equal; without it they keep differing.
     import utensil_ffi as ut
 
-    group = _ThreadGroup(2)
-    seen = {}
     nets = []
     for r in range(2):
         ut.seed(r)
         nets.append(ut.Sequential(ut.Conv2d(1, 2, 1), ut.BatchNorm2d(2)))
 
-    def rank_main(r):
-        with D.DistributedDataParallel(nets[r], group.member(r), broadcast) as ddp:
+    def rank_main(r, group):
+        with D.DistributedDataParallel(nets[r], group, broadcast) as ddp:
             own = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3) * (r + 1)
             ddp(ut.tensor(own))
             ddp(ut.tensor(np.linspace(-1, 1, 18, dtype=np.float32).reshape(2, 1, 3, 3)))
-            seen[r] = np.concatenate([b.numpy().ravel() for b in nets[r].buffers()])
+            return np.concatenate([b.numpy().ravel() for b in nets[r].buffers()])
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    seen = run_ranks(2, rank_main)
     assert set(seen) == {0, 1}
     assert np.allclose(seen[0], seen[1], rtol=1e-6) == broadcast
