@@ -88,6 +88,18 @@ typedef enum ut_status {
   UT_ERR_DEVICE = -4   /* the GPU or its runtime reported an error */
 } ut_status;
 
+/* Element types. UT_F32 (float32) is the default. UT_BF16 (bfloat16: float32's sign and
+   exponent, 8 significant bits) is for the activations of mixed-precision training: a UT_BF16
+   tensor keeps 2 bytes per value on the GPU, and its host copy `data` stays float32, holding
+   values bf16 represents exactly (the library rounds what it writes to the nearest even bf16;
+   values written through `data` are rounded when they are uploaded). So `data` is float* for
+   every tensor. Ops compute in float32 and round their bf16 outputs: on the GPU in native bf16
+   kernels (half the memory traffic, tensor cores for GEMMs), on the CPU on the float host copy
+   (an emulation: the same numbers, no faster than float32). Which arguments may be bf16 is said
+   per op below ("bf16: ..."); an op given a bf16 tensor elsewhere fails with UT_ERR_ARG.
+   Parameters, their gradients, optimizer state, batchnorm statistics and losses stay float32. */
+typedef enum ut_dtype { UT_F32 = 0, UT_BF16 = 1 } ut_dtype;
+
 typedef struct ut_shape {
   int ndim;
   int shape[UT_MAX_DIMS];
@@ -112,6 +124,8 @@ typedef struct ut_tensor {
      steps) and by ut_sync_cpu, which hands the host a writable copy; the bindings compare it to
      refuse a backward whose saved input was changed after its forward. Wraps around. */
   unsigned int version;
+  ut_dtype dtype;  /* UT_F32 unless made bf16 (ut_alloc_dtype, ut_to_dtype); last, so a zeroed
+                      struct is float32 */
 } ut_tensor;
 
 /* ---- library ---------------------------------------------------------------------------- */
@@ -222,6 +236,11 @@ ut_tensor* ut_randn(int ndim, const int* shape, float mean, float std, ut_dev de
    (release may be NULL). On failure release is not called. */
 ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*release)(void* ctx),
                    void* ctx);
+ut_tensor* ut_alloc_dtype(int ndim, const int* shape, ut_dev dev, ut_dtype dtype); /* zeroed */
+/* a new tensor with t's shape, device and values, as dtype (to bf16: rounded to nearest even;
+   NaN stays NaN, overflow goes to infinity as in PyTorch) */
+ut_tensor* ut_to_dtype(ut_tensor* t, ut_dtype dtype);
+const char* ut_dtype_name(ut_dtype dtype); /* "float32", "bfloat16"; "?" if invalid */
 ut_tensor* ut_retain(ut_tensor* t);   /* rc += 1, returns t */
 void ut_free(ut_tensor* t);           /* rc -= 1, frees at 0; NULL is ignored */
 void ut_free_n(ut_tensor** ts, int n);
@@ -230,7 +249,9 @@ int ut_sync_cpu_readonly(ut_tensor* t); /* host copy current, device copy stays 
 int ut_sync_gpu(ut_tensor* t);        /* device copy current (no-op without one) */
 int ut_to_device(ut_tensor* t, ut_dev dev); /* retag in place, moving data as needed */
 ut_tensor* ut_copy(ut_tensor* t);     /* a new tensor with the same shape, device and values */
-int ut_copy_into(ut_tensor* dst, ut_tensor* src); /* dst = src (same nelem, same device) */
+/* dst = src (same nelem, same device); dtypes may differ: the values are converted (the step
+   that writes a bf16 copy of float32 master weights) */
+int ut_copy_into(ut_tensor* dst, ut_tensor* src);
 ut_tensor* ut_reshape(ut_tensor* t, int ndim, const int* shape); /* copy with a new shape */
 int ut_fill(ut_tensor* t, float value);
 ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1); /* new tensor with dims d0, d1 swapped */
@@ -475,9 +496,13 @@ typedef struct ut__conv_geom {
    A_i = a + i*stride_a is [m, k] with row stride lda, or [k, m] when trans_a (likewise B).
    With sum_batch the products of all batch items are summed into one C (stride_c ignored):
      C = alpha * sum_i op(A_i) op(B_i) + beta * C.
-   beta == 0 means C is not read (it may hold garbage). */
+   beta == 0 means C is not read (it may hold garbage).
+   type_ab, type_c: the element types of A and B (both the same) and of C. Anything but UT_F32
+   only reaches a device backend (the pointers then point at bf16 values); the products and
+   sums are float32 either way. */
 typedef struct ut__gemm_args {
   bool trans_a, trans_b, sum_batch;
+  ut_dtype type_ab, type_c;
   int m, n, k, batch;
   float alpha, beta;
   const float* a;
@@ -618,6 +643,47 @@ typedef struct ut__backend {
   int (*blas_enable)(bool on);
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
+
+  /* bf16 activations (device backends only: NULL in the CPU backend, whose bf16 tensors are
+     computed on their float32 host copies by the functions above). Each is the float32
+     function of the same name with the activation buffers (void*) holding bf16 values, read
+     into float32, computed as there and rounded to nearest even when stored. Parameters (w,
+     bias, gamma, beta), statistics, sums and gradient accumulators (dw, dgamma, dbeta, out of
+     channel_sum) stay float32. gemm takes bf16 through ut__gemm_args' types. */
+  /* dst[i] = src[i] converted; the types are ut_dtype values (any pair, also equal) */
+  int (*cast)(const void* src, int src_type, void* dst, int dst_type, ut__i64 n);
+  int (*fill_bf16)(void* x, ut__i64 n, float v);
+  int (*axpy_bf16)(void* y, const void* x, ut__i64 n, float alpha);
+  int (*scale_bf16)(void* x, ut__i64 n, float alpha);
+  int (*relu_fwd_bf16)(const void* x, void* y, ut__i64 n, float cap);
+  int (*relu_bwd_bf16)(const void* go, const void* x, void* gi, ut__i64 n, float cap);
+  int (*transpose_bf16)(const void* in, void* out, int outer, int d0, int mid, int d1,
+                        int inner);
+  int (*bias_add_bf16)(void* x, const float* bias, int n, int c, ut__i64 inner);
+  int (*channel_sum_bf16)(const void* x, float* out, int n, int c, ut__i64 inner, float beta);
+  int (*row_mean_bf16)(const void* x, void* y, int rows, ut__i64 cols);
+  int (*row_mean_bwd_bf16)(const void* go, void* dx, int rows, ut__i64 cols);
+  int (*im2col_bf16)(const void* x, void* col, const ut__conv_geom* g);
+  int (*col2im_bf16)(const void* col, void* dx, const ut__conv_geom* g);
+  int (*dw_fwd_bf16)(const void* x, const float* w, const float* bias, void* y,
+                     const ut__conv_geom* g);
+  int (*dw_bwd_dx_bf16)(const void* go, const float* w, void* dx, const ut__conv_geom* g);
+  int (*dw_bwd_dw_bf16)(const void* go, const void* x, float* dw, const ut__conv_geom* g);
+  int (*chan_repeat_bf16)(const void* x, void* y, int n, int c, int m, ut__i64 inner);
+  int (*chan_group_sum_bf16)(const void* x, void* y, int n, int c, int m, ut__i64 inner);
+  int (*bn_stats_bf16)(const void* x, float* mean, float* var, int n, int c, ut__i64 inner);
+  int (*bn_apply_bf16)(const void* x, void* y, const float* mean, const float* var,
+                       const float* gamma, const float* beta, float* rstd, int n, int c,
+                       ut__i64 inner, float eps, float act);
+  int (*bn_bwd_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
+                     const float* gamma, const float* beta, void* dx, float* dgamma,
+                     float* dbeta, int n, int c, ut__i64 inner, bool training, float act);
+  int (*bn_bwd_sums_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
+                          const float* gamma, const float* beta, float* sums, float* dgamma,
+                          float* dbeta, int n, int c, ut__i64 inner, float act);
+  int (*bn_bwd_dx_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
+                        const float* gamma, const float* beta, const float* sums, void* dx,
+                        int n, int c, ut__i64 inner, float act);
 
   /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
   int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);

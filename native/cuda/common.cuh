@@ -48,6 +48,7 @@
 #define UT_BACKEND_INTERFACE
 #include "../utensil.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -91,6 +92,20 @@ static inline unsigned ut__cuda_grid_for(ut__i64 n, int threads) {
    old buffer (rare: only when a larger size is first needed). */
 extern std::mutex ut__cuda_workspace_lock;
 int ut__cuda_workspace_acquire(size_t bytes, float** out);
+
+/* ---- bf16 activations ----
+   A kernel that serves float32 and bf16 activations is a template over the element type T
+   (float or __nv_bfloat16) that reads through ut__cuda_ld and writes through ut__cuda_st: the
+   arithmetic is float32 in both, and a bf16 store rounds to nearest even. */
+typedef __nv_bfloat16 ut__cuda_bf16;
+static __device__ __forceinline__ float ut__cuda_ld(const float* p) { return *p; }
+static __device__ __forceinline__ float ut__cuda_ld(const ut__cuda_bf16* p) {
+  return __bfloat162float(*p);
+}
+static __device__ __forceinline__ void ut__cuda_st(float* p, float v) { *p = v; }
+static __device__ __forceinline__ void ut__cuda_st(ut__cuda_bf16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
 
 /* ---- block reductions (blockDim.x a multiple of 32, at most 1024) ---- */
 
@@ -247,6 +262,54 @@ int ut__cuda_batchnorm2d_sync_pack(const float* mean, const float* var, const fl
 int ut__cuda_batchnorm2d_sync_unpack(const float* a, const float* b, float* mean, float* var,
                                      float* running_mean, float* running_var, int c,
                                      float momentum);
+
+/* bf16 activations (the ut__backend fields of the same names without the ut__cuda_ prefix
+   and with _bf16; see there) */
+/* elementwise.cu */
+int ut__cuda_cast(const void* src, int src_type, void* dst, int dst_type, ut__i64 n);
+int ut__cuda_fill_bf16(void* x, ut__i64 n, float v);
+int ut__cuda_axpy_bf16(void* y, const void* x, ut__i64 n, float alpha);
+int ut__cuda_scale_bf16(void* x, ut__i64 n, float alpha);
+int ut__cuda_relu_forward_bf16(const void* x, void* y, ut__i64 n, float cap);
+int ut__cuda_relu_backward_bf16(const void* go, const void* x, void* gi, ut__i64 n, float cap);
+int ut__cuda_transpose_bf16(const void* in, void* out, int outer, int d0, int mid, int d1,
+                            int inner);
+int ut__cuda_bias_add_bf16(void* x, const float* bias, int n, int c, ut__i64 inner);
+int ut__cuda_chan_repeat_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner);
+int ut__cuda_chan_group_sum_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner);
+int ut__cuda_global_avgpool2d_forward_bf16(const void* x, void* y, int rows, ut__i64 cols);
+int ut__cuda_global_avgpool2d_backward_bf16(const void* go, void* dx, int rows, ut__i64 cols);
+/* gemm.cu */
+int ut__cuda_conv2d_im2col_bf16(const void* x, void* col, const ut__conv_geom* g);
+int ut__cuda_conv2d_col2im_bf16(const void* col, void* dx, const ut__conv_geom* g);
+/* depthwise.cu */
+int ut__cuda_dwconv2d_forward_bf16(const void* x, const float* w, const float* bias, void* y,
+                                   const ut__conv_geom* g);
+int ut__cuda_dwconv2d_backward_dx_bf16(const void* go, const float* w, void* dx,
+                                       const ut__conv_geom* g);
+int ut__cuda_dwconv2d_backward_dw_bf16(const void* go, const void* x, float* dw,
+                                       const ut__conv_geom* g);
+/* norm.cu */
+int ut__cuda_channel_sum_bf16(const void* x, float* out, int n, int c, ut__i64 inner,
+                              float beta);
+int ut__cuda_batchnorm2d_stats_bf16(const void* x, float* mean, float* var, int n, int c,
+                                    ut__i64 inner);
+int ut__cuda_batchnorm2d_apply_bf16(const void* x, void* y, const float* mean, const float* var,
+                                    const float* gamma, const float* beta, float* rstd, int n,
+                                    int c, ut__i64 inner, float eps, float act);
+int ut__cuda_batchnorm2d_backward_bf16(const void* go, const void* x, const float* mean,
+                                       const float* rstd, const float* gamma, const float* beta,
+                                       void* dx, float* dgamma, float* dbeta, int n, int c,
+                                       ut__i64 inner, bool training, float act);
+int ut__cuda_batchnorm2d_backward_sums_bf16(const void* go, const void* x, const float* mean,
+                                            const float* rstd, const float* gamma,
+                                            const float* beta, float* sums, float* dgamma,
+                                            float* dbeta, int n, int c, ut__i64 inner,
+                                            float act);
+int ut__cuda_batchnorm2d_backward_dx_bf16(const void* go, const void* x, const float* mean,
+                                          const float* rstd, const float* gamma,
+                                          const float* beta, const float* sums, void* dx, int n,
+                                          int c, ut__i64 inner, float act);
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
