@@ -1,7 +1,15 @@
 /* norm.cu — per-channel reductions (channel_sum, the bias gradient and batchnorm2d's backward
    share one kernel; batchnorm2d's statistics have their own one-pass kernel), batchnorm2d and
    layernorm. The files and the naming:
-   common.cuh. */
+   common.cuh.
+
+   bf16 activations: channel_sum and batchnorm2d's kernels are templates over the activation
+   element type T (float or ut__cuda_bf16, common.cuh), instantiated for both; each entry point
+   and its _bf16 twin call one ut__cuda_<op>_impl<T>. x, y, go and dx are T; statistics, sums,
+   parameters and their gradients are float32 in both. The arithmetic, the element-to-thread
+   walk and the workspace are the same for both types, so a bf16 call gives bit for bit what
+   the float32 call gives on the same values widened to float (up to the rounding of the bf16
+   outputs). What differs is the width of the loads: see UT__CUDA_UNROLL and ut__cuda_vec. */
 #include "common.cuh"
 
 /* ============================================================================================
@@ -29,15 +37,29 @@ static __device__ __forceinline__ float ut__cuda_act_grad(float g, float z, floa
   return stop ? 0.f : g;
 }
 
-template <int KIND>
+/* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
+   float32 kernels have always loaded them with __ldg */
+static __device__ __forceinline__ float ut__cuda_ldg(const float* p) { return __ldg(p); }
+static __device__ __forceinline__ float ut__cuda_ldg(const ut__cuda_bf16* p) {
+  return __bfloat162float(__ldg(p));
+}
+
+/* Elements per trip of a reduction kernel's walk, their loads issued together: 16 bytes per
+   thread in flight for either type (4 floats, 8 bf16), so a bf16 pass keeps as many bytes
+   in flight as a float32 one instead of half (it would then wait on latency, not bandwidth).
+   Each thread still adds its elements in the same order, whatever the unroll. */
+#define UT__CUDA_UNROLL(T) ((int)(16 / sizeof(T)))
+
+template <int KIND, typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_channel_partial_kernel(const float* __restrict__ x, const float* __restrict__ go,
+    ut__cuda_channel_partial_kernel(const T* __restrict__ x, const T* __restrict__ go,
                                     const float* __restrict__ mean, const float* __restrict__ rstd,
                                     const float* __restrict__ gamma,
                                     const float* __restrict__ beta, float act, int c,
                                     ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
                                     float* __restrict__ ws) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
+  constexpr int U = UT__CUDA_UNROLL(T);
   __shared__ float sh[32 * NV];
   const int j = blockIdx.x / chunks;
   const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
@@ -56,26 +78,27 @@ static __global__ void __launch_bounds__(256)
 
   ut__i64 e = e0 + threadIdx.x;
   ut__i64 i = e / inner, k = e % inner;
-  /* four elements per trip, their loads issued together */
-  for (; e < e1; e += 4 * bd) {
-    ut__i64 addr[4];
-    bool ok[4];
+  /* U elements per trip, their loads issued together */
+  for (; e < e1; e += U * bd) {
+    ut__i64 addr[U];
+    bool ok[U];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       ok[u] = e + u * bd < e1;
       addr[u] = (i * c + j) * inner + k;
       i += si;
       k += sk;
       if (k >= inner) { k -= inner; ++i; }
     }
-    float xv[4], gv[4];
+    float xv[U], gv[U];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      xv[u] = ok[u] ? __ldg(x + addr[u]) : 0.f;
-      if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) gv[u] = ok[u] ? __ldg(go + addr[u]) : 0.f;
+    for (int u = 0; u < U; ++u) {
+      xv[u] = ok[u] ? ut__cuda_ldg(x + addr[u]) : 0.f;
+      if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD)
+        gv[u] = ok[u] ? ut__cuda_ldg(go + addr[u]) : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (!ok[u]) continue;
       if (KIND == UT__CUDA_CHANNEL_SUM) {
         acc[0] += xv[u];
@@ -93,13 +116,13 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
-template <int KIND>
-static int ut__cuda_channel_partial_launch(const float* x, const float* go, const float* mean,
+template <int KIND, typename T>
+static int ut__cuda_channel_partial_launch(const T* x, const T* go, const float* mean,
                                            const float* rstd, int n, int c, ut__i64 inner,
                                            float* ws, int chunks, ut__i64 chunk,
                                            const float* gamma = NULL, const float* beta = NULL,
                                            float act = -1.f) {
-  ut__cuda_channel_partial_kernel<KIND>
+  ut__cuda_channel_partial_kernel<KIND, T>
       <<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(
       x, go, mean, rstd, gamma, beta, act, c, inner, (ut__i64)n * inner, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("channel reduction");
@@ -118,7 +141,9 @@ static __global__ void ut__cuda_channel_final_kernel(const float* __restrict__ w
   out[j] = beta != 0.f ? beta * out[j] + r : r;
 }
 
-int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta) {
+template <typename T>
+static int ut__cuda_channel_sum_impl(const T* x, float* out, int n, int c, ut__i64 inner,
+                                     float beta) {
   if (c <= 0) return UT_OK;
   ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) {
@@ -131,13 +156,22 @@ int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * sizeof(float), &ws);
   if (st) return st;
-  st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM>(x, NULL, NULL, NULL, n, c, inner, ws,
-                                                             chunks, chunk);
+  st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM, T>(x, NULL, NULL, NULL, n, c, inner,
+                                                                ws, chunks, chunk);
   if (st) return st;
   ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       ws, out, c, chunks, 1, 0, beta, 1.0);
   UT__CUDA_LAUNCHED("channel_sum final");
   return UT_OK;
+}
+
+int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta) {
+  return ut__cuda_channel_sum_impl<float>(x, out, n, c, inner, beta);
+}
+
+int ut__cuda_channel_sum_bf16(const void* x, float* out, int n, int c, ut__i64 inner,
+                              float beta) {
+  return ut__cuda_channel_sum_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, out, n, c, inner, beta);
 }
 
 /* ============================================================================================
@@ -312,10 +346,12 @@ static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_shfl(ut__cud
   return r;
 }
 
+template <typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_batchnorm2d_moments_kernel(const float* __restrict__ x, int c, ut__i64 inner,
+    ut__cuda_batchnorm2d_moments_kernel(const T* __restrict__ x, int c, ut__i64 inner,
                                         ut__i64 m, ut__i64 chunk, int chunks,
                                         float* __restrict__ ws) {
+  constexpr int U = UT__CUDA_UNROLL(T);
   __shared__ ut__cuda_moments sh[32];
   const int j = blockIdx.x / chunks;
   const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
@@ -325,22 +361,22 @@ static __global__ void __launch_bounds__(256)
   ut__cuda_moments acc = {0.f, 0.f, 0.f};
   ut__i64 e = e0 + threadIdx.x;
   ut__i64 i = e / inner, k = e % inner;
-  for (; e < e1; e += 4 * bd) {
-    ut__i64 addr[4];
-    bool ok[4];
+  for (; e < e1; e += U * bd) {
+    ut__i64 addr[U];
+    bool ok[U];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       ok[u] = e + u * bd < e1;
       addr[u] = (i * c + j) * inner + k;
       i += si;
       k += sk;
       if (k >= inner) { k -= inner; ++i; }
     }
-    float xv[4];
+    float xv[U];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) xv[u] = ok[u] ? __ldg(x + addr[u]) : 0.f;
+    for (int u = 0; u < U; ++u) xv[u] = ok[u] ? ut__cuda_ldg(x + addr[u]) : 0.f;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (!ok[u]) continue;
       acc.n += 1.f;
       if (!isfinite(acc.mean)) { /* a NaN or inf seen: the mean follows a sum's rules */
@@ -398,8 +434,9 @@ static __global__ void ut__cuda_batchnorm2d_moments_final_kernel(const float* __
   var[j] = (float)(n > 0.0 ? m2 / n : 0.0);
 }
 
-int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
-                               ut__i64 inner) {
+template <typename T>
+static int ut__cuda_batchnorm2d_stats_impl(const T* x, float* mean, float* var, int n, int c,
+                                           ut__i64 inner) {
   if (c <= 0) return UT_OK;
   ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) {
@@ -412,14 +449,26 @@ int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, i
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_batchnorm2d_moments_kernel<<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(
-      x, c, inner, m, chunk, chunks, ws);
+  ut__cuda_batchnorm2d_moments_kernel<T>
+      <<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(x, c, inner, m, chunk, chunks,
+                                                                     ws);
   UT__CUDA_LAUNCHED("bn_stats moments");
   ut__cuda_batchnorm2d_moments_final_kernel
       <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       ws, mean, var, c, chunks, chunk, m);
   UT__CUDA_LAUNCHED("bn_stats final");
   return UT_OK;
+}
+
+int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
+                               ut__i64 inner) {
+  return ut__cuda_batchnorm2d_stats_impl<float>(x, mean, var, n, c, inner);
+}
+
+int ut__cuda_batchnorm2d_stats_bf16(const void* x, float* mean, float* var, int n, int c,
+                                    ut__i64 inner) {
+  return ut__cuda_batchnorm2d_stats_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, mean, var, n, c,
+                                                        inner);
 }
 
 static __global__ void ut__cuda_batchnorm2d_running_kernel(float* __restrict__ rm,
@@ -449,19 +498,21 @@ static __global__ void ut__cuda_batchnorm2d_rstd_kernel(const float* __restrict_
   if (j < c) rstd[j] = 1.0f / sqrtf(var[j] + eps);
 }
 
-/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row (W = 4,
-   float4 loads, when rows are a multiple of 4 long and the buffers 16-byte aligned), indexed
-   with I = 32-bit integers when the tensor allows: the channel of a group costs one division,
-   which 64-bit integers make the kernels' largest cost. */
-template <int W>
-struct ut__cuda_vec;
-template <>
-struct ut__cuda_vec<1> {
-  static __device__ __forceinline__ void load(const float* p, float* e) { e[0] = __ldg(p); }
-  static __device__ __forceinline__ void store(float* p, const float* e) { p[0] = e[0]; }
+/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row, each
+   group loaded and stored as one vector when the rows are a multiple of W long and every buffer
+   is aligned to the vector: float32 W = 4 (float4, 16 bytes); bf16 W = 8 (16 bytes) or, where
+   rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
+   per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
+   in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
+   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
+template <int W, typename T>
+struct ut__cuda_vec {
+  static_assert(W == 1, "no vector load of this width for this type");
+  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
+  static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
 };
 template <>
-struct ut__cuda_vec<4> {
+struct ut__cuda_vec<4, float> {
   static __device__ __forceinline__ void load(const float* p, float* e) {
     float4 v = __ldg(reinterpret_cast<const float4*>(p));
     e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
@@ -470,10 +521,59 @@ struct ut__cuda_vec<4> {
     *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
   }
 };
+/* Two bf16 in 32 bits, the first at the lower address (little-endian). A bf16 is the upper
+   half of a float32, so widening is a shift or a mask (exactly ut__cuda_ld's value), and
+   narrowing is one cvt.rn.bf16x2.f32 (__floats2bfloat162_rn: each rounded to nearest even,
+   exactly ut__cuda_st's value). */
+static __device__ __forceinline__ void ut__cuda_bf16x2_unpack(unsigned u, float* e) {
+  e[0] = __uint_as_float(u << 16);
+  e[1] = __uint_as_float(u & 0xffff0000u);
+}
+static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(e[0], e[1]);
+  return (unsigned)__bfloat16_as_ushort(h.x) | (unsigned)__bfloat16_as_ushort(h.y) << 16;
+}
+template <>
+struct ut__cuda_vec<4, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
+  }
+};
+template <>
+struct ut__cuda_vec<8, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+    ut__cuda_bf16x2_unpack(v.z, e + 4);
+    ut__cuda_bf16x2_unpack(v.w, e + 6);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),
+                                              ut__cuda_bf16x2_pack(e + 4),
+                                              ut__cuda_bf16x2_pack(e + 6));
+  }
+};
 
-template <int W, typename I>
+/* W for an elementwise batchnorm kernel over [n*c rows, inner] of T (see ut__cuda_vec); the
+   pointers (NULL allowed) must all be aligned to its vector */
+template <typename T>
+static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b, const void* c3) {
+  uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c3;
+  const int wide = 16 / (int)sizeof(T);
+  if (inner % wide == 0 && any % 16 == 0) return wide;
+  if (sizeof(T) == 2 && inner % 4 == 0 && any % 8 == 0) return 4; /* bf16's 8-byte vector */
+  return 1;
+}
+
+template <int W, typename I, typename T>
 static __global__ void ut__cuda_batchnorm2d_apply_kernel(
-    const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ mean,
+    const T* __restrict__ x, T* __restrict__ y, const float* __restrict__ mean,
     const float* __restrict__ var, const float* __restrict__ rstd, const float* __restrict__ gamma,
     const float* __restrict__ beta, I groups, I row_groups, int c, float eps, float act) {
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
@@ -481,25 +581,34 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
     const float rs = rstd ? rstd[j] : 1.0f / sqrtf(var[j] + eps);
     const float sc = rs * (gamma ? gamma[j] : 1.f), m = mean[j], bt = beta ? beta[j] : 0.f;
     float e[W];
-    ut__cuda_vec<W>::load(x + (ut__i64)v * W, e);
+    ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, e);
 #pragma unroll
     for (int u = 0; u < W; ++u) {
-      float z = ut__cuda_bn_z(e[u], m, sc, bt);
+      float z = ut__cuda_bn_z(e[u], m, sc, bt); /* bf16: rounded only after act, as y */
       e[u] = act < 0.f ? z : ut__cuda_act_fwd(z, act);
     }
-    ut__cuda_vec<W>::store(y + (ut__i64)v * W, e);
+    ut__cuda_vec<W, T>::store(y + (ut__i64)v * W, e);
   }
 }
 
-/* W and I for an elementwise batchnorm kernel over [n*c rows, inner]; ptrs must all be aligned */
-static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b, const void* c3) {
-  uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c3;
-  return inner % 4 == 0 && any % 16 == 0 ? 4 : 1;
+template <int W, typename T>
+static void ut__cuda_bn_apply_launch(const T* x, T* y, const float* mean, const float* var,
+                                     const float* rstd, const float* gamma, const float* beta,
+                                     ut__i64 total, ut__i64 inner, int c, float eps, float act) {
+  const ut__i64 groups = total / W, row_groups = inner / W;
+  const unsigned blocks = ut__cuda_grid_for(groups, 256);
+  if (total < INT_MAX)
+    ut__cuda_batchnorm2d_apply_kernel<W, unsigned, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
+  else
+    ut__cuda_batchnorm2d_apply_kernel<W, ut__i64, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
 }
 
-int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
-                               const float* gamma, const float* beta, float* rstd, int n, int c,
-                               ut__i64 inner, float eps, float act) {
+template <typename T>
+static int ut__cuda_batchnorm2d_apply_impl(const T* x, T* y, const float* mean, const float* var,
+                                           const float* gamma, const float* beta, float* rstd,
+                                           int n, int c, ut__i64 inner, float eps, float act) {
   if (c <= 0) return UT_OK;
   if (rstd) {
     ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
@@ -508,23 +617,37 @@ int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, cons
   }
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  const int w = ut__cuda_bn_width(inner, x, y, NULL);
-  const ut__i64 groups = total / w, row_groups = inner / w;
-  const unsigned blocks = ut__cuda_grid_for(groups, 256);
-  if (w == 4 && total < INT_MAX)
-    ut__cuda_batchnorm2d_apply_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
-  else if (w == 4)
-    ut__cuda_batchnorm2d_apply_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
-  else if (total < INT_MAX)
-    ut__cuda_batchnorm2d_apply_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
-  else
-    ut__cuda_batchnorm2d_apply_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
+  const int w = ut__cuda_bn_width<T>(inner, x, y, NULL);
+  if constexpr (sizeof(T) == 2) {
+    if (w == 8)
+      ut__cuda_bn_apply_launch<8, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
+    else if (w == 4)
+      ut__cuda_bn_apply_launch<4, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
+    else
+      ut__cuda_bn_apply_launch<1, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
+  } else {
+    if (w == 4)
+      ut__cuda_bn_apply_launch<4, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
+    else
+      ut__cuda_bn_apply_launch<1, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
+  }
   UT__CUDA_LAUNCHED("bn_apply");
   return UT_OK;
+}
+
+int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
+                               const float* gamma, const float* beta, float* rstd, int n, int c,
+                               ut__i64 inner, float eps, float act) {
+  return ut__cuda_batchnorm2d_apply_impl<float>(x, y, mean, var, gamma, beta, rstd, n, c, inner,
+                                                eps, act);
+}
+
+int ut__cuda_batchnorm2d_apply_bf16(const void* x, void* y, const float* mean, const float* var,
+                                    const float* gamma, const float* beta, float* rstd, int n,
+                                    int c, ut__i64 inner, float eps, float act) {
+  return ut__cuda_batchnorm2d_apply_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x,
+                                                        (ut__cuda_bf16*)y, mean, var, gamma, beta,
+                                                        rstd, n, c, inner, eps, act);
 }
 
 /* sums[j] = (sum go, sum go*xhat) of channel j; dgamma/dbeta += them */
@@ -547,11 +670,11 @@ static __global__ void ut__cuda_batchnorm2d_backward_sums_kernel(const float* __
   if (dbeta) dbeta[j] += (float)sb;
 }
 
-template <int W, typename I>
+template <int W, typename I, typename T>
 static __global__ void ut__cuda_batchnorm2d_dx_kernel(
-    const float* __restrict__ go, const float* __restrict__ x, const float* __restrict__ mean,
+    const T* __restrict__ go, const T* __restrict__ x, const float* __restrict__ mean,
     const float* __restrict__ rstd, const float* __restrict__ gamma,
-    const float* __restrict__ beta, const float* __restrict__ sums, float* __restrict__ dx,
+    const float* __restrict__ beta, const float* __restrict__ sums, T* __restrict__ dx,
     I groups, I row_groups, int c, float inv_m, int training, float act) {
   if (training == 2) inv_m = 1.f / sums[2 * c]; /* bn_bwd_dx: the summed count */
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
@@ -561,8 +684,8 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     const float mg = training ? sums[2 * j] * inv_m : 0.f;
     const float mgx = training ? sums[2 * j + 1] * inv_m : 0.f;
     float g[W], xv[W];
-    ut__cuda_vec<W>::load(go + (ut__i64)v * W, g);
-    if (training || act >= 0.f) ut__cuda_vec<W>::load(x + (ut__i64)v * W, xv);
+    ut__cuda_vec<W, T>::load(go + (ut__i64)v * W, g);
+    if (training || act >= 0.f) ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, xv);
 #pragma unroll
     for (int u = 0; u < W; ++u) {
       float gu = act >= 0.f ? ut__cuda_act_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act) : g[u];
@@ -572,16 +695,17 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
       }
       g[u] = gm * rs * gu;
     }
-    ut__cuda_vec<W>::store(dx + (ut__i64)v * W, g);
+    ut__cuda_vec<W, T>::store(dx + (ut__i64)v * W, g);
   }
 }
 
 /* the per-channel sums [2c] (and count at sums[2c] when count > 0) into sums */
-static int ut__cuda_bn_sums(const float* go, const float* x, const float* mean, const float* rstd,
+template <typename T>
+static int ut__cuda_bn_sums(const T* go, const T* x, const float* mean, const float* rstd,
                             const float* gamma, const float* beta, float* sums, float* ws,
                             float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int chunks,
                             ut__i64 chunk, float act, float count) {
-  int st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD>(
+  int st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD, T>(
       x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
   if (st) return st;
   ut__cuda_batchnorm2d_backward_sums_kernel
@@ -591,35 +715,56 @@ static int ut__cuda_bn_sums(const float* go, const float* x, const float* mean, 
   return UT_OK;
 }
 
-/* dx; training: 0 eval, 1 training (count n inner), 2 training with the count at sums[2c] */
-static void ut__cuda_bn_dx(const float* go, const float* x, const float* mean, const float* rstd,
-                           const float* gamma, const float* beta, const float* sums, float* dx,
-                           int n, int c, ut__i64 inner, int tr, float act) {
-  const ut__i64 m = (ut__i64)n * inner, total = m * c;
-  const int w = ut__cuda_bn_width(inner, go, x, dx);
-  const ut__i64 groups = total / w, row_groups = inner / w;
+template <int W, typename T>
+static void ut__cuda_bn_dx_launch(const T* go, const T* x, const float* mean, const float* rstd,
+                                  const float* gamma, const float* beta, const float* sums, T* dx,
+                                  ut__i64 total, ut__i64 inner, int c, float inv_m, int tr,
+                                  float act) {
+  const ut__i64 groups = total / W, row_groups = inner / W;
   const unsigned blocks = ut__cuda_grid_for(groups, 256);
-  const float inv_m = 1.f / (float)m;
-  if (w == 4 && total < INT_MAX)
-    ut__cuda_batchnorm2d_dx_kernel<4, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-        go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
-        inv_m, tr, act);
-  else if (w == 4)
-    ut__cuda_batchnorm2d_dx_kernel<4, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-        go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
-  else if (total < INT_MAX)
-    ut__cuda_batchnorm2d_dx_kernel<1, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+  if (total < INT_MAX)
+    ut__cuda_batchnorm2d_dx_kernel<W, unsigned, T><<<blocks, 256, 0, ut__cuda_stream>>>(
         go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
         inv_m, tr, act);
   else
-    ut__cuda_batchnorm2d_dx_kernel<1, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_batchnorm2d_dx_kernel<W, ut__i64, T><<<blocks, 256, 0, ut__cuda_stream>>>(
         go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
 }
 
-int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
-                                  const float* rstd, const float* gamma, const float* beta,
-                                  float* dx, float* dgamma, float* dbeta, int n, int c,
-                                  ut__i64 inner, bool training, float act) {
+/* dx; training: 0 eval, 1 training (count n inner), 2 training with the count at sums[2c] */
+template <typename T>
+static void ut__cuda_bn_dx(const T* go, const T* x, const float* mean, const float* rstd,
+                           const float* gamma, const float* beta, const float* sums, T* dx,
+                           int n, int c, ut__i64 inner, int tr, float act) {
+  const ut__i64 m = (ut__i64)n * inner, total = m * c;
+  const int w = ut__cuda_bn_width<T>(inner, go, x, dx);
+  const float inv_m = 1.f / (float)m;
+  if constexpr (sizeof(T) == 2) {
+    if (w == 8)
+      ut__cuda_bn_dx_launch<8, T>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                  inv_m, tr, act);
+    else if (w == 4)
+      ut__cuda_bn_dx_launch<4, T>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                  inv_m, tr, act);
+    else
+      ut__cuda_bn_dx_launch<1, T>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                  inv_m, tr, act);
+  } else {
+    if (w == 4)
+      ut__cuda_bn_dx_launch<4, T>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                  inv_m, tr, act);
+    else
+      ut__cuda_bn_dx_launch<1, T>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                  inv_m, tr, act);
+  }
+}
+
+template <typename T>
+static int ut__cuda_batchnorm2d_backward_impl(const T* go, const T* x, const float* mean,
+                                              const float* rstd, const float* gamma,
+                                              const float* beta, T* dx, float* dgamma,
+                                              float* dbeta, int n, int c, ut__i64 inner,
+                                              bool training, float act) {
   if (c <= 0) return UT_OK;
   const ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) return UT_OK;
@@ -634,21 +779,41 @@ int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* 
         ut__cuda_workspace_acquire(((size_t)c * chunks * 2 + (size_t)c * 2) * sizeof(float), &ws);
     if (st) return st;
     sums = ws + (size_t)c * chunks * 2;
-    st = ut__cuda_bn_sums(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
-                          chunks, chunk, act, 0.f);
+    st = ut__cuda_bn_sums<T>(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
+                             chunks, chunk, act, 0.f);
     if (st) return st;
   }
   if (dx) {
-    ut__cuda_bn_dx(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, training ? 1 : 0, act);
+    ut__cuda_bn_dx<T>(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, training ? 1 : 0,
+                      act);
     UT__CUDA_LAUNCHED("bn_bwd dx");
   }
   return UT_OK;
 }
 
-int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
+int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
+                                  const float* rstd, const float* gamma, const float* beta,
+                                  float* dx, float* dgamma, float* dbeta, int n, int c,
+                                  ut__i64 inner, bool training, float act) {
+  return ut__cuda_batchnorm2d_backward_impl<float>(go, x, mean, rstd, gamma, beta, dx, dgamma,
+                                                   dbeta, n, c, inner, training, act);
+}
+
+int ut__cuda_batchnorm2d_backward_bf16(const void* go, const void* x, const float* mean,
                                        const float* rstd, const float* gamma, const float* beta,
-                                       float* sums, float* dgamma, float* dbeta, int n, int c,
-                                       ut__i64 inner, float act) {
+                                       void* dx, float* dgamma, float* dbeta, int n, int c,
+                                       ut__i64 inner, bool training, float act) {
+  return ut__cuda_batchnorm2d_backward_impl<ut__cuda_bf16>(
+      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta,
+      (ut__cuda_bf16*)dx, dgamma, dbeta, n, c, inner, training, act);
+}
+
+template <typename T>
+static int ut__cuda_batchnorm2d_backward_sums_impl(const T* go, const T* x, const float* mean,
+                                                   const float* rstd, const float* gamma,
+                                                   const float* beta, float* sums, float* dgamma,
+                                                   float* dbeta, int n, int c, ut__i64 inner,
+                                                   float act) {
   const ut__i64 m = (ut__i64)n * inner;
   if (c <= 0 || m <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
@@ -657,18 +822,54 @@ int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const fl
   float* ws = NULL;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
-  return ut__cuda_bn_sums(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
-                          chunks, chunk, act, (float)m);
+  return ut__cuda_bn_sums<T>(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
+                             chunks, chunk, act, (float)m);
+}
+
+int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
+                                       const float* rstd, const float* gamma, const float* beta,
+                                       float* sums, float* dgamma, float* dbeta, int n, int c,
+                                       ut__i64 inner, float act) {
+  return ut__cuda_batchnorm2d_backward_sums_impl<float>(go, x, mean, rstd, gamma, beta, sums,
+                                                        dgamma, dbeta, n, c, inner, act);
+}
+
+int ut__cuda_batchnorm2d_backward_sums_bf16(const void* go, const void* x, const float* mean,
+                                            const float* rstd, const float* gamma,
+                                            const float* beta, float* sums, float* dgamma,
+                                            float* dbeta, int n, int c, ut__i64 inner,
+                                            float act) {
+  return ut__cuda_batchnorm2d_backward_sums_impl<ut__cuda_bf16>(
+      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums, dgamma,
+      dbeta, n, c, inner, act);
+}
+
+template <typename T>
+static int ut__cuda_batchnorm2d_backward_dx_impl(const T* go, const T* x, const float* mean,
+                                                 const float* rstd, const float* gamma,
+                                                 const float* beta, const float* sums, T* dx,
+                                                 int n, int c, ut__i64 inner, float act) {
+  if (c <= 0 || (ut__i64)n * inner <= 0) return UT_OK;
+  ut__cuda_bn_dx<T>(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, 2, act);
+  UT__CUDA_LAUNCHED("bn_bwd_dx");
+  return UT_OK;
 }
 
 int ut__cuda_batchnorm2d_backward_dx(const float* go, const float* x, const float* mean,
                                      const float* rstd, const float* gamma, const float* beta,
                                      const float* sums, float* dx, int n, int c, ut__i64 inner,
                                      float act) {
-  if (c <= 0 || (ut__i64)n * inner <= 0) return UT_OK;
-  ut__cuda_bn_dx(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, 2, act);
-  UT__CUDA_LAUNCHED("bn_bwd_dx");
-  return UT_OK;
+  return ut__cuda_batchnorm2d_backward_dx_impl<float>(go, x, mean, rstd, gamma, beta, sums, dx, n,
+                                                      c, inner, act);
+}
+
+int ut__cuda_batchnorm2d_backward_dx_bf16(const void* go, const void* x, const float* mean,
+                                          const float* rstd, const float* gamma,
+                                          const float* beta, const float* sums, void* dx, int n,
+                                          int c, ut__i64 inner, float act) {
+  return ut__cuda_batchnorm2d_backward_dx_impl<ut__cuda_bf16>(
+      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
+      (ut__cuda_bf16*)dx, n, c, inner, act);
 }
 
 /* synchronized batchnorm's statistics (the core's order: pack, sum, pack, sum, unpack) */
