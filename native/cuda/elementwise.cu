@@ -1,49 +1,187 @@
-/* elementwise.cu — fill, copy, axpy, scale, relu; transpose and bias_add; global_avgpool2d;
-   mse_loss and cross_entropy. The files and the naming: common.cuh. */
+/* elementwise.cu — fill, copy, cast, axpy, scale, relu; transpose and bias_add;
+   global_avgpool2d; mse_loss and cross_entropy. The files and the naming: common.cuh.
+
+   The activation ops are templates over the element type T (float or ut__cuda_bf16, see
+   common.cuh "bf16 activations"): float32 arithmetic either way, a bf16 store rounds to nearest
+   even. The streaming ones (cast, axpy, scale, relu, bias_add) move bf16 8 values per 16-byte
+   access when every buffer they touch is 16-byte aligned (the rest, and unaligned buffers, one
+   value at a time): bf16 is there to halve the bytes, so the accesses must stay wide. */
 #include "common.cuh"
+
+#include <type_traits>
+
+/* ============================================================================================
+   bf16 streaming: 8 values per 16-byte access
+   ============================================================================================ */
+
+static __device__ __forceinline__ void ut__cuda_ld8(const ut__cuda_bf16* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) { /* little endian: the lower half is the first value */
+    f[2 * j] = __uint_as_float(w[j] << 16);
+    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+static __device__ __forceinline__ void ut__cuda_ld8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+static __device__ __forceinline__ unsigned ut__cuda_bf16_pack2(float lo, float hi) {
+  return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+         ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+static __device__ __forceinline__ void ut__cuda_st8(ut__cuda_bf16* p, const float (&f)[8]) {
+  uint4 u;
+  u.x = ut__cuda_bf16_pack2(f[0], f[1]);
+  u.y = ut__cuda_bf16_pack2(f[2], f[3]);
+  u.z = ut__cuda_bf16_pack2(f[4], f[5]);
+  u.w = ut__cuda_bf16_pack2(f[6], f[7]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+static __device__ __forceinline__ void ut__cuda_st8(float* p, const float (&f)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+static inline bool ut__cuda_aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+/* 8-value groups of a streaming op over n values: n / 8 when the buffers allow it (only bf16
+   ones are vectorized: float32 keeps its one-value-per-thread kernels, to the bit as before) */
+template <typename T>
+static inline ut__i64 ut__cuda_groups8(ut__i64 n, bool aligned) {
+  return std::is_same<T, float>::value || !aligned ? 0 : n / 8;
+}
+
+/* blocks for a streaming op: one thread per group, or per value when there are none */
+static inline unsigned ut__cuda_grid_stream(ut__i64 n, ut__i64 nv) {
+  return ut__cuda_grid_for(nv > 0 ? nv : n, 256);
+}
+
+/* y[i] = f(x[i]) for i < n (y may be x). nv groups of 8 first (0: none), then the values from
+   8 nv on, one at a time. */
+template <typename Tx, typename Ty, class F>
+static __global__ void ut__cuda_map1_kernel(const Tx* x, Ty* y, ut__i64 n, ut__i64 nv, F f) {
+  const ut__i64 start = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const ut__i64 step = (ut__i64)gridDim.x * blockDim.x;
+  if constexpr (!std::is_same<Tx, float>::value || !std::is_same<Ty, float>::value) {
+    for (ut__i64 v = start; v < nv; v += step) {
+      float a[8];
+      ut__cuda_ld8(x + v * 8, a);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = f(a[j]);
+      ut__cuda_st8(y + v * 8, a);
+    }
+  }
+  for (ut__i64 i = nv * 8 + start; i < n; i += step) ut__cuda_st(y + i, f(ut__cuda_ld(x + i)));
+}
+
+/* y[i] = f(a[i], b[i]) for i < n (y may be a or b); groups as ut__cuda_map1_kernel */
+template <typename T, class F>
+static __global__ void ut__cuda_map2_kernel(const T* a, const T* b, T* y, ut__i64 n, ut__i64 nv,
+                                            F f) {
+  const ut__i64 start = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const ut__i64 step = (ut__i64)gridDim.x * blockDim.x;
+  if constexpr (!std::is_same<T, float>::value) {
+    for (ut__i64 v = start; v < nv; v += step) {
+      float fa[8], fb[8];
+      ut__cuda_ld8(a + v * 8, fa);
+      ut__cuda_ld8(b + v * 8, fb);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) fa[j] = f(fa[j], fb[j]);
+      ut__cuda_st8(y + v * 8, fa);
+    }
+  }
+  for (ut__i64 i = nv * 8 + start; i < n; i += step)
+    ut__cuda_st(y + i, f(ut__cuda_ld(a + i), ut__cuda_ld(b + i)));
+}
+
+template <typename Tx, typename Ty, class F>
+static int ut__cuda_map1(const Tx* x, Ty* y, ut__i64 n, F f, const char* what) {
+  if (n <= 0) return UT_OK;
+  const ut__i64 nv = std::is_same<Tx, float>::value && std::is_same<Ty, float>::value
+                         ? 0
+                         : ut__cuda_aligned16(x) && ut__cuda_aligned16(y) ? n / 8 : 0;
+  ut__cuda_map1_kernel<<<ut__cuda_grid_stream(n, nv), 256, 0, ut__cuda_stream>>>(x, y, n, nv, f);
+  UT__CUDA_LAUNCHED(what);
+  return UT_OK;
+}
+
+template <typename T, class F>
+static int ut__cuda_map2(const T* a, const T* b, T* y, ut__i64 n, F f, const char* what) {
+  if (n <= 0) return UT_OK;
+  const ut__i64 nv = ut__cuda_groups8<T>(
+      n, ut__cuda_aligned16(a) && ut__cuda_aligned16(b) && ut__cuda_aligned16(y));
+  ut__cuda_map2_kernel<<<ut__cuda_grid_stream(n, nv), 256, 0, ut__cuda_stream>>>(a, b, y, n, nv,
+                                                                                 f);
+  UT__CUDA_LAUNCHED(what);
+  return UT_OK;
+}
 
 /* ============================================================================================
    Elementwise
    ============================================================================================ */
 
+/* the ops, one value at a time (float32 in, float32 out; the kernels above load and store) */
+struct ut__cuda_cast_fn {
+  __device__ float operator()(float v) const { return v; }
+};
+struct ut__cuda_axpy_fn { /* (y, x) -> y + a x */
+  float a;
+  __device__ float operator()(float y, float x) const { return y + a * x; }
+};
+struct ut__cuda_scale_fn {
+  float a;
+  __device__ float operator()(float x) const { return x * a; }
+};
+struct ut__cuda_relu_fn {
+  float cap;
+  __device__ float operator()(float v) const {
+    v = v > 0.f ? v : 0.f;
+    if (cap > 0.f && v > cap) v = cap;
+    return v;
+  }
+};
+struct ut__cuda_relu_backward_fn { /* (go, x) -> gi */
+  float cap;
+  __device__ float operator()(float go, float v) const {
+    bool stop = v <= 0.f || (cap > 0.f && v >= cap); /* false for NaN: passes go, like PyTorch */
+    bool pass = !stop;
+    return pass ? go : 0.f;
+  }
+};
+
 __global__ void ut__cuda_fill_kernel(float* __restrict__ x, ut__i64 n, float v) {
   UT__CUDA_GRID_STRIDE(i, n) x[i] = v;
 }
 
-static __global__ void ut__cuda_axpy_kernel(float* __restrict__ y, const float* __restrict__ x,
-                                            ut__i64 n, float a) {
-  UT__CUDA_GRID_STRIDE(i, n) y[i] += a * x[i];
-}
-
-static __global__ void ut__cuda_scale_kernel(float* __restrict__ x, ut__i64 n, float a) {
-  UT__CUDA_GRID_STRIDE(i, n) x[i] *= a;
-}
-
-static __global__ void ut__cuda_relu_kernel(const float* __restrict__ x, float* __restrict__ y,
-                                            ut__i64 n, float cap) {
-  UT__CUDA_GRID_STRIDE(i, n) {
-    float v = x[i];
-    v = v > 0.f ? v : 0.f;
-    if (cap > 0.f && v > cap) v = cap;
-    y[i] = v;
-  }
-}
-
-static __global__ void ut__cuda_relu_backward_kernel(const float* __restrict__ go,
-                                                     const float* __restrict__ x,
-                                                     float* __restrict__ gi, ut__i64 n, float cap) {
-  UT__CUDA_GRID_STRIDE(i, n) {
-    float v = x[i];
-    bool stop = v <= 0.f || (cap > 0.f && v >= cap); /* false for NaN: passes go, like PyTorch */
-    bool pass = !stop;
-    gi[i] = pass ? go[i] : 0.f;
-  }
+/* x[i] = v (bits: v rounded to bf16) for i < n, 8 per store in the first nv groups */
+static __global__ void ut__cuda_fill_bf16_kernel(ut__cuda_bf16* __restrict__ x, ut__i64 n,
+                                                 ut__i64 nv, unsigned short bits) {
+  const ut__i64 start = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const ut__i64 step = (ut__i64)gridDim.x * blockDim.x;
+  const unsigned w = (unsigned)bits | ((unsigned)bits << 16);
+  for (ut__i64 v = start; v < nv; v += step)
+    reinterpret_cast<uint4*>(x)[v] = make_uint4(w, w, w, w);
+  for (ut__i64 i = nv * 8 + start; i < n; i += step) x[i] = __ushort_as_bfloat16(bits);
 }
 
 int ut__cuda_fill(float* x, ut__i64 n, float v) {
   if (n <= 0) return UT_OK;
   ut__cuda_fill_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, v);
   UT__CUDA_LAUNCHED("fill");
+  return UT_OK;
+}
+
+int ut__cuda_fill_bf16(void* x, ut__i64 n, float v) {
+  if (n <= 0) return UT_OK;
+  const ut__i64 nv = ut__cuda_aligned16(x) ? n / 8 : 0;
+  const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  ut__cuda_fill_bf16_kernel<<<ut__cuda_grid_stream(n, nv), 256, 0, ut__cuda_stream>>>(
+      (ut__cuda_bf16*)x, n, nv, bits);
+  UT__CUDA_LAUNCHED("fill_bf16");
   return UT_OK;
 }
 
@@ -55,33 +193,55 @@ int ut__cuda_copy(float* dst, const float* src, ut__i64 n) {
   return UT_OK;
 }
 
-int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha) {
+int ut__cuda_cast(const void* src, int src_type, void* dst, int dst_type, ut__i64 n) {
+  if ((src_type != UT_F32 && src_type != UT_BF16) || (dst_type != UT_F32 && dst_type != UT_BF16))
+    return ut__set_error(UT_ERR_ARG, "cast: invalid dtype (%d -> %d)", src_type, dst_type);
   if (n <= 0) return UT_OK;
-  ut__cuda_axpy_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(y, x, n, alpha);
-  UT__CUDA_LAUNCHED("axpy");
-  return UT_OK;
+  if (src_type == dst_type) {
+    if (src == dst) return UT_OK;
+    size_t bytes = (size_t)n * (src_type == UT_BF16 ? sizeof(ut__cuda_bf16) : sizeof(float));
+    UT__CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ut__cuda_stream),
+                   "cast");
+    return UT_OK;
+  }
+  if (src_type == UT_F32)
+    return ut__cuda_map1((const float*)src, (ut__cuda_bf16*)dst, n, ut__cuda_cast_fn{},
+                         "cast to bf16");
+  return ut__cuda_map1((const ut__cuda_bf16*)src, (float*)dst, n, ut__cuda_cast_fn{},
+                       "cast to float32");
+}
+
+int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha) {
+  return ut__cuda_map2<float>(y, x, y, n, ut__cuda_axpy_fn{alpha}, "axpy");
+}
+int ut__cuda_axpy_bf16(void* y, const void* x, ut__i64 n, float alpha) {
+  return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)y, (const ut__cuda_bf16*)x,
+                                      (ut__cuda_bf16*)y, n, ut__cuda_axpy_fn{alpha}, "axpy_bf16");
 }
 
 int ut__cuda_scale(float* x, ut__i64 n, float alpha) {
-  if (n <= 0) return UT_OK;
-  ut__cuda_scale_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, alpha);
-  UT__CUDA_LAUNCHED("scale");
-  return UT_OK;
+  return ut__cuda_map1<float, float>(x, x, n, ut__cuda_scale_fn{alpha}, "scale");
+}
+int ut__cuda_scale_bf16(void* x, ut__i64 n, float alpha) {
+  return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
+      (const ut__cuda_bf16*)x, (ut__cuda_bf16*)x, n, ut__cuda_scale_fn{alpha}, "scale_bf16");
 }
 
 int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap) {
-  if (n <= 0) return UT_OK;
-  ut__cuda_relu_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, y, n, cap);
-  UT__CUDA_LAUNCHED("relu");
-  return UT_OK;
+  return ut__cuda_map1<float, float>(x, y, n, ut__cuda_relu_fn{cap}, "relu");
+}
+int ut__cuda_relu_forward_bf16(const void* x, void* y, ut__i64 n, float cap) {
+  return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
+      (const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, ut__cuda_relu_fn{cap}, "relu_bf16");
 }
 
 int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap) {
-  if (n <= 0) return UT_OK;
-  ut__cuda_relu_backward_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
-      go, x, gi, n, cap);
-  UT__CUDA_LAUNCHED("relu_bwd");
-  return UT_OK;
+  return ut__cuda_map2<float>(go, x, gi, n, ut__cuda_relu_backward_fn{cap}, "relu_bwd");
+}
+int ut__cuda_relu_backward_bf16(const void* go, const void* x, void* gi, ut__i64 n, float cap) {
+  return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x,
+                                      (ut__cuda_bf16*)gi, n, ut__cuda_relu_backward_fn{cap},
+                                      "relu_bwd_bf16");
 }
 
 /* ============================================================================================
@@ -89,9 +249,10 @@ int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n
    ============================================================================================ */
 
 /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner]; one thread per output */
-static __global__ void ut__cuda_transpose_kernel(const float* __restrict__ in,
-                                                 float* __restrict__ out, ut__i64 total, int d0,
-                                                 int mid, int d1, ut__i64 inner) {
+template <typename T>
+static __global__ void ut__cuda_transpose_kernel(const T* __restrict__ in, T* __restrict__ out,
+                                                 ut__i64 total, int d0, int mid, int d1,
+                                                 ut__i64 inner) {
   UT__CUDA_GRID_STRIDE(i, total) {
     ut__i64 t = i;
     ut__i64 e = t % inner; t /= inner;
@@ -99,70 +260,132 @@ static __global__ void ut__cuda_transpose_kernel(const float* __restrict__ in,
     ut__i64 m = t % mid; t /= mid;
     ut__i64 i1 = t % d1;
     ut__i64 o = t / d1;
-    out[i] = in[(((o * d0 + i0) * mid + m) * d1 + i1) * inner + e];
+    out[i] = in[(((o * d0 + i0) * mid + m) * d1 + i1) * inner + e]; /* a move: no rounding */
   }
 }
 
-int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner) {
+template <typename T>
+static int ut__cuda_transpose_t(const T* in, T* out, int outer, int d0, int mid, int d1,
+                                int inner, const char* what) {
   ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_transpose_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+  ut__cuda_transpose_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       in, out, total, d0, mid, d1, inner);
-  UT__CUDA_LAUNCHED("transpose");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-
-static __global__ void ut__cuda_bias_add_kernel(float* __restrict__ x,
-                                                const float* __restrict__ bias, ut__i64 total,
-                                                int c, ut__i64 inner) {
-  UT__CUDA_GRID_STRIDE(i, total) x[i] += bias[(i / inner) % c];
+int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner) {
+  return ut__cuda_transpose_t(in, out, outer, d0, mid, d1, inner, "transpose");
+}
+int ut__cuda_transpose_bf16(const void* in, void* out, int outer, int d0, int mid, int d1,
+                            int inner) {
+  return ut__cuda_transpose_t((const ut__cuda_bf16*)in, (ut__cuda_bf16*)out, outer, d0, mid, d1,
+                              inner, "transpose_bf16");
 }
 
-int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
+/* x: [n, c, inner]; x[i, j, :] += bias[j] (bias float32). bf16: nv groups of 8 values first,
+   each walking its channel index on from the first value's (inner need not be a multiple of
+   8), then the rest one at a time. */
+template <typename T>
+static __global__ void ut__cuda_bias_add_kernel(T* __restrict__ x, const float* __restrict__ bias,
+                                                ut__i64 total, ut__i64 nv, int c,
+                                                ut__i64 inner) {
+  const ut__i64 start = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const ut__i64 step = (ut__i64)gridDim.x * blockDim.x;
+  if constexpr (!std::is_same<T, float>::value) {
+    for (ut__i64 v = start; v < nv; v += step) {
+      const ut__i64 i0 = v * 8;
+      ut__i64 row = i0 / inner, e = i0 - row * inner;
+      float b = bias[row % c];
+      float f[8];
+      ut__cuda_ld8(x + i0, f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        f[j] += b;
+        if (++e == inner) {
+          e = 0;
+          b = bias[++row % c]; /* past the last row only when j == 7: an index still < c */
+        }
+      }
+      ut__cuda_st8(x + i0, f);
+    }
+  }
+  for (ut__i64 i = nv * 8 + start; i < total; i += step)
+    ut__cuda_st(x + i, ut__cuda_ld(x + i) + bias[(i / inner) % c]);
+}
+
+template <typename T>
+static int ut__cuda_bias_add_t(T* x, const float* bias, int n, int c, ut__i64 inner,
+                               const char* what) {
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_bias_add_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      x, bias, total, c, inner);
-  UT__CUDA_LAUNCHED("bias_add");
+  const ut__i64 nv = ut__cuda_groups8<T>(total, ut__cuda_aligned16(x));
+  ut__cuda_bias_add_kernel<T><<<ut__cuda_grid_stream(total, nv), 256, 0, ut__cuda_stream>>>(
+      x, bias, total, nv, c, inner);
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
+}
+int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
+  return ut__cuda_bias_add_t(x, bias, n, c, inner, "bias_add");
+}
+int ut__cuda_bias_add_bf16(void* x, const float* bias, int n, int c, ut__i64 inner) {
+  return ut__cuda_bias_add_t((ut__cuda_bf16*)x, bias, n, c, inner, "bias_add_bf16");
 }
 
 /* The depthwise channel multiplier's repeat and its adjoint (see ut__dw_repeat in utensil.h):
    [n, c, inner] <-> [n, c*m, inner]; the sum adds the m copies in order, deterministic. */
-static __global__ void ut__cuda_chan_repeat_kernel(const float* __restrict__ x,
-                                                   float* __restrict__ y, ut__i64 total, int m,
-                                                   ut__i64 inner) {
+template <typename T>
+static __global__ void ut__cuda_chan_repeat_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                   ut__i64 total, int m, ut__i64 inner) {
   UT__CUDA_GRID_STRIDE(i, total) { /* i indexes y */
     ut__i64 row = i / inner;
     y[i] = __ldg(x + (row / m) * inner + (i - row * inner));
   }
 }
-static __global__ void ut__cuda_chan_group_sum_kernel(const float* __restrict__ x,
-                                                      float* __restrict__ y, ut__i64 total, int m,
-                                                      ut__i64 inner) {
+template <typename T>
+static __global__ void ut__cuda_chan_group_sum_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                      ut__i64 total, int m, ut__i64 inner) {
   UT__CUDA_GRID_STRIDE(i, total) { /* i indexes y */
     ut__i64 row = i / inner;
-    const float* p = x + row * m * inner + (i - row * inner);
-    float s = p[0];
-    for (int k = 1; k < m; k++) s += p[k * inner];
-    y[i] = s;
+    const T* p = x + row * m * inner + (i - row * inner);
+    float s = ut__cuda_ld(p);
+    for (int k = 1; k < m; k++) s += ut__cuda_ld(p + k * inner);
+    ut__cuda_st(y + i, s);
   }
 }
-int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+template <typename T>
+static int ut__cuda_chan_repeat_t(const T* x, T* y, int n, int c, int m, ut__i64 inner,
+                                  const char* what) {
   ut__i64 total = (ut__i64)n * c * m * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_chan_repeat_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+  ut__cuda_chan_repeat_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       x, y, total, m, inner);
-  UT__CUDA_LAUNCHED("chan_repeat");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+template <typename T>
+static int ut__cuda_chan_group_sum_t(const T* x, T* y, int n, int c, int m, ut__i64 inner,
+                                     const char* what) {
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_chan_group_sum_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+  ut__cuda_chan_group_sum_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       x, y, total, m, inner);
-  UT__CUDA_LAUNCHED("chan_group_sum");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
+}
+int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  return ut__cuda_chan_repeat_t(x, y, n, c, m, inner, "chan_repeat");
+}
+int ut__cuda_chan_repeat_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner) {
+  return ut__cuda_chan_repeat_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
+                                "chan_repeat_bf16");
+}
+int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+  return ut__cuda_chan_group_sum_t(x, y, n, c, m, inner, "chan_group_sum");
+}
+int ut__cuda_chan_group_sum_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner) {
+  return ut__cuda_chan_group_sum_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
+                                   "chan_group_sum_bf16");
 }
 
 /* ============================================================================================
@@ -170,40 +393,63 @@ int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i
    ============================================================================================ */
 
 /* x: [rows, cols] -> y[r] = mean of row r; one block per row */
-static __global__ void ut__cuda_global_avgpool2d_kernel(const float* __restrict__ x,
-                                                        float* __restrict__ y, ut__i64 cols) {
+template <typename T>
+static __global__ void ut__cuda_global_avgpool2d_kernel(const T* __restrict__ x,
+                                                        T* __restrict__ y, ut__i64 cols) {
   __shared__ float sh[32];
-  const float* row = x + (ut__i64)blockIdx.x * cols;
+  const T* row = x + (ut__i64)blockIdx.x * cols;
   float acc[1] = {0.f};
-  for (ut__i64 i = threadIdx.x; i < cols; i += blockDim.x) acc[0] += row[i];
+  for (ut__i64 i = threadIdx.x; i < cols; i += blockDim.x) acc[0] += ut__cuda_ld(row + i);
   ut__cuda_block_sum<1>(acc, sh);
-  if (threadIdx.x == 0) y[blockIdx.x] = acc[0] / (float)cols;
+  if (threadIdx.x == 0) ut__cuda_st(y + blockIdx.x, acc[0] / (float)cols);
 }
 
+template <typename T>
+static int ut__cuda_global_avgpool2d_forward_t(const T* x, T* y, int rows, ut__i64 cols,
+                                               const char* what) {
+  ut__cuda_global_avgpool2d_kernel<T>
+      <<<(unsigned)rows, ut__cuda_row_threads(cols), 0, ut__cuda_stream>>>(
+      x, y, cols);
+  UT__CUDA_LAUNCHED(what);
+  return UT_OK;
+}
 int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols) {
   if (rows <= 0) return UT_OK;
   if (cols <= 0) return ut__cuda_fill(y, rows, 0.f);
-  ut__cuda_global_avgpool2d_kernel
-      <<<(unsigned)rows, ut__cuda_row_threads(cols), 0, ut__cuda_stream>>>(
-      x, y, cols);
-  UT__CUDA_LAUNCHED("row_mean");
-  return UT_OK;
+  return ut__cuda_global_avgpool2d_forward_t(x, y, rows, cols, "row_mean");
+}
+int ut__cuda_global_avgpool2d_forward_bf16(const void* x, void* y, int rows, ut__i64 cols) {
+  if (rows <= 0) return UT_OK;
+  if (cols <= 0) return ut__cuda_fill_bf16(y, rows, 0.f);
+  return ut__cuda_global_avgpool2d_forward_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, rows,
+                                             cols, "row_mean_bf16");
 }
 
-static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const float* __restrict__ go,
-                                                                 float* __restrict__ dx,
+template <typename T>
+static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const T* __restrict__ go,
+                                                                 T* __restrict__ dx,
                                                                  ut__i64 total, ut__i64 cols) {
-  UT__CUDA_GRID_STRIDE(i, total) dx[i] = (float)((double)go[i / cols] / (double)cols);
+  UT__CUDA_GRID_STRIDE(i, total)
+    ut__cuda_st(dx + i, (float)((double)ut__cuda_ld(go + i / cols) / (double)cols));
 }
 
-int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols) {
+template <typename T>
+static int ut__cuda_global_avgpool2d_backward_t(const T* go, T* dx, int rows, ut__i64 cols,
+                                                const char* what) {
   ut__i64 total = (ut__i64)rows * cols;
   if (total <= 0) return UT_OK;
-  ut__cuda_global_avgpool2d_backward_kernel
+  ut__cuda_global_avgpool2d_backward_kernel<T>
       <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       go, dx, total, cols);
-  UT__CUDA_LAUNCHED("row_mean_bwd");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
+}
+int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols) {
+  return ut__cuda_global_avgpool2d_backward_t(go, dx, rows, cols, "row_mean_bwd");
+}
+int ut__cuda_global_avgpool2d_backward_bf16(const void* go, void* dx, int rows, ut__i64 cols) {
+  return ut__cuda_global_avgpool2d_backward_t((const ut__cuda_bf16*)go, (ut__cuda_bf16*)dx, rows,
+                                              cols, "row_mean_bwd_bf16");
 }
 
 /* ============================================================================================

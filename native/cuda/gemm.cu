@@ -195,11 +195,56 @@ static int ut__cuda_gemm_dispatch(const ut__cuda_gemm_params& p, bool big, bool 
   return ut__cuda_gemm_launch<128, 128, 8, 8, 1>(p, ta, tb, grid);
 }
 
+/* k = 0: C_i = beta C_i (C bf16; with beta == 0 C is not read) */
+template <typename T>
+static __global__ void ut__cuda_gemm_beta_kernel(T* __restrict__ c, int n, int ldc, ut__i64 sc,
+                                                 ut__i64 mn, ut__i64 total, float beta) {
+  UT__CUDA_GRID_STRIDE(i, total) {
+    ut__i64 item = i / mn, rc = i % mn;
+    T* cp = c + item * sc + (rc / n) * ldc + rc % n;
+    ut__cuda_st(cp, beta != 0.f ? beta * ut__cuda_ld(cp) : 0.f);
+  }
+}
+
+/* A GEMM with bf16 operands that cuBLAS did not take: k = 0 is C = beta C; anything else is
+   an error, since the kernels above are float32 only (they would read bf16 as float). */
+static int ut__cuda_gemm_bf16_declined(const ut__gemm_args* g) {
+  if (g->k <= 0) {
+    const ut__i64 items = g->sum_batch ? 1 : g->batch, mn = (ut__i64)g->m * g->n;
+    const ut__i64 total = items * mn;
+    if (g->type_c == UT_BF16)
+      ut__cuda_gemm_beta_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+          (ut__cuda_bf16*)g->c, g->n, g->ldc, g->stride_c, mn, total, g->beta);
+    else
+      ut__cuda_gemm_beta_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+          g->c, g->n, g->ldc, g->stride_c, mn, total, g->beta);
+    UT__CUDA_LAUNCHED("gemm_bf16 (k = 0)");
+    return UT_OK;
+  }
+  if (ut__cuda_blas_active())
+    return ut__set_error(UT_ERR_DEVICE,
+                         "gemm: bf16 matrix products on the GPU need cuBLAS (utensil's own GEMM "
+                         "kernels are float32 only), and cuBLAS cannot take this one: m %d, n "
+                         "%d, k %d with lda %d, ldb %d, ldc %d",
+                         g->m, g->n, g->k, g->lda, g->ldb, g->ldc);
+  return ut__set_error(UT_ERR_DEVICE,
+                       "gemm: bf16 matrix products on the GPU need cuBLAS (utensil's own GEMM "
+                       "kernels are float32 only), and it is not in use: %s. Load it "
+                       "(ut_cublas_load, ut_cublas_enable) or keep these activations float32",
+                       ut__cuda_blas_info());
+}
+
 int ut__cuda_gemm(const ut__gemm_args* g) {
   if (!g) return ut__set_error(UT_ERR_ARG, "gemm: NULL arguments");
+  const bool bf16 = g->type_ab != UT_F32 || g->type_c != UT_F32;
+  /* the pairs there are: float32 throughout, bf16 A and B into a bf16 or a float32 C */
+  if (bf16 && (g->type_ab != UT_BF16 || (g->type_c != UT_F32 && g->type_c != UT_BF16)))
+    return ut__set_error(UT_ERR_ARG, "gemm: A and B of type %d with C of type %d are not supported",
+                         (int)g->type_ab, (int)g->type_c);
   if (g->m <= 0 || g->n <= 0 || g->batch <= 0) return UT_OK;
   int blas = ut__cuda_blas_gemm(g);
   if (blas != UT__CUDA_BLAS_DECLINED) return blas;
+  if (bf16) return ut__cuda_gemm_bf16_declined(g);
   ut__cuda_gemm_params p;
   p.a = g->a; p.b = g->b; p.c = g->c; p.ws = NULL;
   p.sa = g->stride_a; p.sb = g->stride_b; p.sc = g->stride_c;
@@ -263,8 +308,9 @@ int ut__cuda_gemm(const ut__gemm_args* g) {
    conv2d: im2col / col2im
    ============================================================================================ */
 
-static __global__ void ut__cuda_conv2d_im2col_kernel(const float* __restrict__ x,
-                                                     float* __restrict__ col, ut__conv_geom g,
+template <typename T>
+static __global__ void ut__cuda_conv2d_im2col_kernel(const T* __restrict__ x,
+                                                     T* __restrict__ col, ut__conv_geom g,
                                                      ut__i64 total) {
   const ut__i64 hw = (ut__i64)g.ho * g.wo;
   const int rows = g.c * g.kh * g.kw;
@@ -276,16 +322,18 @@ static __global__ void ut__cuda_conv2d_im2col_kernel(const float* __restrict__ x
     int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
     int oy = pos / g.wo, ox = pos % g.wo;
     int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
-    float v = 0.f;
+    T v = T(0.f); /* a move: bf16 values are copied, not rounded */
     if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
       v = x[((ni * g.c + ci) * g.h + iy) * (ut__i64)g.w + ix];
     col[i] = v;
   }
 }
 
-/* the adjoint of im2col as a gather: one thread per dx element sums the columns that read it */
-static __global__ void ut__cuda_conv2d_col2im_kernel(const float* __restrict__ col,
-                                                     float* __restrict__ dx, ut__conv_geom g,
+/* the adjoint of im2col as a gather: one thread per dx element sums the columns that read it
+   (in float32; a bf16 dx is rounded once, at the store) */
+template <typename T>
+static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
+                                                     T* __restrict__ dx, ut__conv_geom g,
                                                      ut__i64 total) {
   const ut__i64 hw = (ut__i64)g.ho * g.wo;
   const int rows = g.c * g.kh * g.kw;
@@ -307,27 +355,48 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const float* __restrict__ c
         if (tx < 0 || tx % g.stride) continue;
         int ox = tx / g.stride;
         if (ox >= g.wo) continue;
-        s += col[(ni * rows + (ci * g.kh + ky) * g.kw + kx) * hw + (ut__i64)oy * g.wo + ox];
+        s += ut__cuda_ld(col + (ni * rows + (ci * g.kh + ky) * g.kw + kx) * hw +
+                         (ut__i64)oy * g.wo + ox);
       }
     }
-    dx[i] = s;
+    ut__cuda_st(dx + i, s);
   }
 }
 
-int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
+template <typename T>
+static int ut__cuda_conv2d_im2col_t(const T* x, T* col, const ut__conv_geom* g,
+                                    const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_im2col_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+  ut__cuda_conv2d_im2col_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       x, col, *g, total);
-  UT__CUDA_LAUNCHED("im2col");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
 
-int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g) {
+template <typename T>
+static int ut__cuda_conv2d_col2im_t(const T* col, T* dx, const ut__conv_geom* g,
+                                    const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_col2im_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
+  ut__cuda_conv2d_col2im_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
       col, dx, *g, total);
-  UT__CUDA_LAUNCHED("col2im");
+  UT__CUDA_LAUNCHED(what);
   return UT_OK;
+}
+
+int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
+  return ut__cuda_conv2d_im2col_t(x, col, g, "im2col");
+}
+int ut__cuda_conv2d_im2col_bf16(const void* x, void* col, const ut__conv_geom* g) {
+  return ut__cuda_conv2d_im2col_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)col, g,
+                                  "im2col_bf16");
+}
+
+int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g) {
+  return ut__cuda_conv2d_col2im_t(col, dx, g, "col2im");
+}
+int ut__cuda_conv2d_col2im_bf16(const void* col, void* dx, const ut__conv_geom* g) {
+  return ut__cuda_conv2d_col2im_t((const ut__cuda_bf16*)col, (ut__cuda_bf16*)dx, g,
+                                  "col2im_bf16");
 }
