@@ -75,7 +75,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 6
+#define UT_VERSION 7
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -1054,10 +1054,42 @@ ut_shape ut_shape_new(int ndim, const int* shape) {
 
 static bool ut__dev_valid(ut_dev dev) { return dev == UT_CPU || dev == UT_CUDA; }
 
+static bool ut__dtype_valid(ut_dtype d) { return d == UT_F32 || d == UT_BF16; }
+/* bytes of one value in device memory (the host copy is always float) */
+static size_t ut__dtype_bytes(ut_dtype d) { return d == UT_BF16 ? 2 : sizeof(float); }
+/* device bytes of t, rounded up as the allocator rounds */
+static size_t ut__dev_bytes(const ut_tensor* t) {
+  return ((size_t)t->shape.nelem * ut__dtype_bytes(t->dtype) + 63) & ~(size_t)63;
+}
+const char* ut_dtype_name(ut_dtype dtype) {
+  return dtype == UT_F32 ? "float32" : dtype == UT_BF16 ? "bfloat16" : "?";
+}
+
+/* bf16 on the host: round a float to the nearest even bf16 and back (NaN stays a quiet NaN,
+   overflow goes to infinity: what __float2bfloat16_rn does on the GPU). */
+static inline uint16_t ut__bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float ut__bf16_float(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static void ut__bf16_round(float* x, ut__i64 n) {
+  for (ut__i64 i = 0; i < n; i++) x[i] = ut__bf16_float(ut__bf16_bits(x[i]));
+}
+
 /* A tensor with uninitialized contents. Its host copy is allocated but not touched, so large
    GPU-resident intermediates cost no host memory until someone reads them. */
-static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* who) {
+static ut_tensor* ut__new_typed(int ndim, const int* shape, ut_dev dev, ut_dtype dtype,
+                                const char* who) {
   UT__CHECK_NULL(ut__dev_valid(dev), UT_ERR_ARG, "%s: invalid device %d", who, (int)dev);
+  UT__CHECK_NULL(ut__dtype_valid(dtype), UT_ERR_ARG, "%s: invalid dtype %d", who, (int)dtype);
   ut_shape s;
   if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
   size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
@@ -1072,6 +1104,7 @@ static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* wh
   t->shape = s;
   t->data = data;
   t->dev = dev;
+  t->dtype = dtype;
   t->rc = 1;
   const ut__backend* be = ut__backend_for(dev);
   ut__recording* r = ut__is_device_backend(be) ? ut__recording_now() : NULL;
@@ -1081,7 +1114,7 @@ static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* wh
     return NULL;
   }
   if (ut__is_device_backend(be)) {
-    t->gpu_buf = be->mem_alloc(bytes);
+    t->gpu_buf = be->mem_alloc(ut__dev_bytes(t));
     if (!t->gpu_buf) {
       free(data);
       free(t);
@@ -1092,8 +1125,12 @@ static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* wh
   if (r) ut__recording_note(r, t, UT__SEEN_BORN);
   return t;
 }
+static ut_tensor* ut__new(int ndim, const int* shape, ut_dev dev, const char* who) {
+  return ut__new_typed(ndim, shape, dev, UT_F32, who);
+}
+/* same shape, device and dtype */
 static ut_tensor* ut__new_like(const ut_tensor* t, const char* who) {
-  return ut__new(t->shape.ndim, t->shape.shape, t->dev, who);
+  return ut__new_typed(t->shape.ndim, t->shape.shape, t->dev, t->dtype, who);
 }
 /* A tensor whose host copy the caller just filled: the host owns the values. */
 static void ut__host_wrote(ut_tensor* t) {
@@ -1103,7 +1140,10 @@ static void ut__host_wrote(ut_tensor* t) {
 }
 
 ut_tensor* ut_alloc(int ndim, const int* shape, ut_dev dev) {
-  ut_tensor* t = ut__new(ndim, shape, dev, "ut_alloc");
+  return ut_alloc_dtype(ndim, shape, dev, UT_F32);
+}
+ut_tensor* ut_alloc_dtype(int ndim, const int* shape, ut_dev dev, ut_dtype dtype) {
+  ut_tensor* t = ut__new_typed(ndim, shape, dev, dtype, dtype == UT_F32 ? "ut_alloc" : "ut_alloc_dtype");
   if (!t) return NULL;
   memset(t->data, 0, (size_t)t->shape.nelem * sizeof(float));
   ut__host_wrote(t);
@@ -1229,6 +1269,27 @@ static int ut__check_arg(const ut_tensor* t, const ut_tensor* ref, long long nel
             "%s: %s must have %lld elements, got %d", who, name, nelem, t->shape.nelem);
   return UT_OK;
 }
+/* bf16 (see ut_dtype): an op whose activations are bf16 calls the backend's _bf16 function on
+   a device backend; on the CPU it calls the float function on the float host copies, and
+   ut__wrote rounds what it wrote. Arguments that must be float32 (parameters, gradients,
+   statistics, what an op does not take in bf16) are checked with ut__check_f32. */
+static bool ut__bf16_on(const ut_tensor* t, const ut__backend* be) {
+  return t->dtype == UT_BF16 && ut__is_device_backend(be);
+}
+static int ut__check_f32(const ut_tensor* t, const char* who, const char* name) {
+  UT__CHECK(!t || t->dtype == UT_F32, UT_ERR_ARG,
+            "%s: %s is %s, and it must be float32 here (bfloat16 is for activations: convert "
+            "with ut_to_dtype)", who, name, ut_dtype_name(t->dtype));
+  return UT_OK;
+}
+/* the activations of one op (input, grad_out, a cache's input) share their dtype */
+static int ut__check_dtype_as(const ut_tensor* t, const ut_tensor* ref, const char* who,
+                              const char* name, const char* ref_name) {
+  UT__CHECK(!t || !ref || t->dtype == ref->dtype, UT_ERR_ARG,
+            "%s: %s is %s but %s is %s (they must match)", who, name, ut_dtype_name(t->dtype),
+            ref_name, ut_dtype_name(ref->dtype));
+  return UT_OK;
+}
 static bool ut__same_shape(const ut_tensor* a, const ut_tensor* b) {
   if (a->shape.ndim != b->shape.ndim) return false;
   for (int i = 0; i < a->shape.ndim; i++)
@@ -1251,6 +1312,29 @@ static ut__shape_str ut__shape_text(const ut_tensor* t) {
 }
 
 /* ---- the host/device mirror --------------------------------------------------------------- */
+/* A bf16 tensor's values cross as bf16 (half the bytes) and are widened or rounded on the host
+   in a staging buffer; float32 values cross as they are. */
+static int ut__download_values(const ut__backend* gpu, ut_tensor* t) {
+  size_t n = (size_t)t->shape.nelem;
+  if (t->dtype == UT_F32) return gpu->download(t->data, t->gpu_buf, n * sizeof(float));
+  uint16_t* h = (uint16_t*)malloc(n * 2 + 2);
+  UT__CHECK(h, UT_ERR_MEMORY, "downloading a bfloat16 tensor: out of host memory");
+  int rc = gpu->download((float*)h, t->gpu_buf, n * 2);
+  if (rc >= 0)
+    for (size_t i = 0; i < n; i++) t->data[i] = ut__bf16_float(h[i]);
+  free(h);
+  return rc;
+}
+static int ut__upload_values(const ut__backend* gpu, ut_tensor* t) {
+  size_t n = (size_t)t->shape.nelem;
+  if (t->dtype == UT_F32) return gpu->upload(t->gpu_buf, t->data, n * sizeof(float));
+  uint16_t* h = (uint16_t*)malloc(n * 2 + 2);
+  UT__CHECK(h, UT_ERR_MEMORY, "uploading a bfloat16 tensor: out of host memory");
+  for (size_t i = 0; i < n; i++) h[i] = ut__bf16_bits(t->data[i]);
+  int rc = gpu->upload(t->gpu_buf, (const float*)h, n * 2);
+  free(h);
+  return rc;
+}
 static int ut__download(ut_tensor* t) {
   /* A shared device copy may have been written behind the mirror's back: read it again, unless
      the host holds a write not yet pushed. */
@@ -1260,7 +1344,7 @@ static int ut__download(ut_tensor* t) {
     UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
               "reading a GPU tensor on the host while a CUDA graph is recorded: its value is "
               "not computed yet (read it after ut_cuda_graph_end, or after a replay)");
-    UT__TRY(gpu->download(t->data, t->gpu_buf, (size_t)t->shape.nelem * sizeof(float)));
+    UT__TRY(ut__download_values(gpu, t));
     atomic_fetch_add(&ut__downloads, 1);
     t->dirty_cpu = false;
   }
@@ -1285,7 +1369,7 @@ int ut_sync_gpu(ut_tensor* t) {
               "uploading a tensor written on the host while a CUDA graph is recorded: a replay "
               "would not repeat it (put inputs on the GPU before ut_cuda_graph_begin; a replay "
               "uploads recorded tensors changed on the host)");
-    UT__TRY(gpu->upload(t->gpu_buf, t->data, (size_t)t->shape.nelem * sizeof(float)));
+    UT__TRY(ut__upload_values(gpu, t));
     atomic_fetch_add(&ut__uploads, 1);
     t->dirty_gpu = false;
   }
@@ -1299,8 +1383,7 @@ int ut_to_device(ut_tensor* t, ut_dev dev) {
             "ut_to_device: a tensor over borrowed memory (ut_wrap) cannot change device; copy it");
   const ut__backend* be = ut__backend_for(dev);
   if (ut__is_device_backend(be)) {
-    size_t bytes = ((size_t)t->shape.nelem * sizeof(float) + 63) & ~(size_t)63;
-    void* buf = be->mem_alloc(bytes);
+    void* buf = be->mem_alloc(ut__dev_bytes(t));
     if (!buf) return ut__err_status;
     t->gpu_buf = buf;
     t->dirty_gpu = true;
@@ -1343,6 +1426,8 @@ static void ut__wrote(ut_tensor* t, const ut__backend* be) {
     t->dirty_cpu = true;
     t->dirty_gpu = false;
   } else {
+    /* the CPU computes a bf16 tensor's values in float: store what bf16 holds */
+    if (t->dtype == UT_BF16) ut__bf16_round(t->data, t->shape.nelem);
     t->dirty_cpu = false;
     t->dirty_gpu = t->gpu_buf != NULL;
   }
@@ -1580,6 +1665,7 @@ static int ut__dist_tensor(ut_dist* d, ut_tensor* t, const char* who, const ut__
   UT__TRY(ut__check_tensor(t, who, "t"));
   UT__CHECK(t->dev == UT_CUDA, UT_ERR_DEVICE, "%s: t must be a GPU tensor (NCCL moves GPU memory)",
             who);
+  UT__TRY(ut__check_f32(t, who, "t"));
   *gpu = ut__cuda_backend();
   UT__CHECK(*gpu, UT_ERR_DEVICE, "%s: no CUDA device is available", who);
   return UT_OK;
@@ -1637,26 +1723,36 @@ void ut_dist_free(ut_dist* d) { ut__dist_leave(d, false); }
 void ut_dist_abort(ut_dist* d) { ut__dist_leave(d, true); }
 
 /* ---- whole-tensor utilities --------------------------------------------------------------- */
+/* dst = src converted to dst's dtype, both checked, on dst's backend */
+static int ut__convert(ut_tensor* dst, ut_tensor* src, const ut__backend* be) {
+  const float* s = ut__in(src, be);
+  if (!s) return ut__err_status;
+  if (ut__is_device_backend(be) && (src->dtype != UT_F32 || dst->dtype != UT_F32))
+    UT__TRY(be->cast(s, src->dtype, ut__out(dst, be), dst->dtype, dst->shape.nelem));
+  else
+    UT__TRY(be->copy(ut__out(dst, be), s, dst->shape.nelem)); /* ut__wrote rounds to bf16 */
+  ut__wrote(dst, be);
+  return UT_OK;
+}
+
+static ut_tensor* ut__to_dtype(ut_tensor* t, ut_dtype dtype, const char* who) {
+  if (ut__check_tensor(t, who, "t") < 0) return NULL;
+  ut_tensor* out = ut__new_typed(t->shape.ndim, t->shape.shape, t->dev, dtype, who);
+  if (!out) return NULL;
+  if (ut__convert(out, t, ut__backend_for(t->dev)) < 0) return ut__drop(out);
+  return out;
+}
+ut_tensor* ut_to_dtype(ut_tensor* t, ut_dtype dtype) { return ut__to_dtype(t, dtype, "ut_to_dtype"); }
 ut_tensor* ut_copy(ut_tensor* t) {
   if (ut__check_tensor(t, "ut_copy", "t") < 0) return NULL;
-  const ut__backend* be = ut__backend_for(t->dev);
-  const float* src = ut__in(t, be);
-  if (!src) return NULL;
-  ut_tensor* out = ut__new_like(t, "ut_copy");
-  if (!out) return NULL;
-  return ut__finish(out, be, be->copy(ut__out(out, be), src, t->shape.nelem));
+  return ut__to_dtype(t, t->dtype, "ut_copy");
 }
 
 int ut_copy_into(ut_tensor* dst, ut_tensor* src) {
   UT__TRY(ut__check_tensor(dst, "ut_copy_into", "dst"));
   UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_copy_into", "src"));
   if (dst == src) return UT_OK;
-  const ut__backend* be = ut__backend_for(dst->dev);
-  const float* s = ut__in(src, be);
-  if (!s) return ut__err_status;
-  UT__TRY(be->copy(ut__out(dst, be), s, dst->shape.nelem));
-  ut__wrote(dst, be);
-  return UT_OK;
+  return ut__convert(dst, src, ut__backend_for(dst->dev));
 }
 
 ut_tensor* ut_reshape(ut_tensor* t, int ndim, const int* shape) {
@@ -1675,7 +1771,10 @@ int ut_fill(ut_tensor* t, float value) {
   UT__TRY(ut__check_tensor(t, "ut_fill", "t"));
   const ut__backend* be = ut__backend_for(t->dev);
   UT__TRY(ut__device_gate(be, "ut_fill"));
-  UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
+  if (ut__bf16_on(t, be))
+    UT__TRY(be->fill_bf16(ut__out(t, be), t->shape.nelem, value));
+  else
+    UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
   ut__wrote(t, be);
   return UT_OK;
 }
@@ -1703,10 +1802,13 @@ ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
   const ut__backend* be = ut__backend_for(t->dev);
   const float* src = ut__in(t, be);
   if (!src) return NULL;
-  ut_tensor* out = ut__new(nd, oshape, t->dev, "ut_transpose");
+  ut_tensor* out = ut__new_typed(nd, oshape, t->dev, t->dtype, "ut_transpose");
   if (!out) return NULL;
-  return ut__finish(out, be,
-                    be->transpose(src, ut__out(out, be), outer, sh[d0], mid, sh[d1], inner));
+  return ut__finish(out, be, ut__bf16_on(t, be)
+                                 ? be->transpose_bf16(src, ut__out(out, be), outer, sh[d0], mid,
+                                                      sh[d1], inner)
+                                 : be->transpose(src, ut__out(out, be), outer, sh[d0], mid,
+                                                 sh[d1], inner));
 }
 
 /* ---- elementwise -------------------------------------------------------------------------- */
@@ -1717,7 +1819,9 @@ static ut_tensor* ut__relu_fwd(ut_tensor* x, float cap, const char* who) {
   if (!xp) return NULL;
   ut_tensor* y = ut__new_like(x, who);
   if (!y) return NULL;
-  return ut__finish(y, be, be->relu_fwd(xp, ut__out(y, be), x->shape.nelem, cap));
+  return ut__finish(y, be, ut__bf16_on(x, be)
+                               ? be->relu_fwd_bf16(xp, ut__out(y, be), x->shape.nelem, cap)
+                               : be->relu_fwd(xp, ut__out(y, be), x->shape.nelem, cap));
 }
 ut_tensor* ut_relu(ut_tensor* x) { return ut__relu_fwd(x, 0.f, "ut_relu"); }
 ut_tensor* ut_relu6(ut_tensor* x) { return ut__relu_fwd(x, 6.f, "ut_relu6"); }
@@ -1728,13 +1832,16 @@ static ut_tensor* ut__relu_bwd(ut_tensor* go, ut_tensor* x, float cap, const cha
   UT__CHECK_NULL(ut__same_shape(go, x), UT_ERR_SHAPE,
                  "%s: grad_out has shape %s but fwd_input has shape %s (they must match)", who,
                  ut__shape_text(go).s, ut__shape_text(x).s);
+  if (ut__check_dtype_as(x, go, who, "fwd_input", "grad_out") < 0) return NULL;
   const ut__backend* be = ut__backend_for(go->dev);
   const float* gp = ut__in(go, be);
   const float* xp = gp ? ut__in(x, be) : NULL;
   if (!xp) return NULL;
   ut_tensor* gi = ut__new_like(go, who);
   if (!gi) return NULL;
-  return ut__finish(gi, be, be->relu_bwd(gp, xp, ut__out(gi, be), go->shape.nelem, cap));
+  return ut__finish(gi, be, ut__bf16_on(go, be)
+                                ? be->relu_bwd_bf16(gp, xp, ut__out(gi, be), go->shape.nelem, cap)
+                                : be->relu_bwd(gp, xp, ut__out(gi, be), go->shape.nelem, cap));
 }
 ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
   return ut__relu_bwd(grad_out, fwd_input, 0.f, "ut_relu_backward");
@@ -1746,11 +1853,15 @@ ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
 int ut_add_into(ut_tensor* dst, ut_tensor* src) {
   UT__TRY(ut__check_tensor(dst, "ut_add_into", "dst"));
   UT__TRY(ut__check_arg(src, dst, dst->shape.nelem, "ut_add_into", "src"));
+  UT__TRY(ut__check_dtype_as(src, dst, "ut_add_into", "src", "dst"));
   const ut__backend* be = ut__backend_for(dst->dev);
   const float* s = ut__in(src, be);
   float* d = s ? ut__inout(dst, be) : NULL;
   if (!d) return ut__err_status;
-  UT__TRY(be->axpy(d, s, dst->shape.nelem, 1.f));
+  if (ut__bf16_on(dst, be))
+    UT__TRY(be->axpy_bf16(d, s, dst->shape.nelem, 1.f));
+  else
+    UT__TRY(be->axpy(d, s, dst->shape.nelem, 1.f));
   ut__wrote(dst, be);
   return UT_OK;
 }
@@ -1760,7 +1871,10 @@ int ut_scale(ut_tensor* t, float alpha) {
   const ut__backend* be = ut__backend_for(t->dev);
   float* p = ut__inout(t, be);
   if (!p) return ut__err_status;
-  UT__TRY(be->scale(p, t->shape.nelem, alpha));
+  if (ut__bf16_on(t, be))
+    UT__TRY(be->scale_bf16(p, t->shape.nelem, alpha));
+  else
+    UT__TRY(be->scale(p, t->shape.nelem, alpha));
   ut__wrote(t, be);
   return UT_OK;
 }
@@ -1768,7 +1882,9 @@ int ut_scale(ut_tensor* t, float alpha) {
 /* ---- dense -------------------------------------------------------------------------------- */
 ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
   const char* who = "ut_matmul";
-  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0) return NULL;
+  if (ut__check_tensor(a, who, "a") < 0 || ut__check_arg(b, a, -1, who, "b") < 0 ||
+      ut__check_f32(a, who, "a") < 0 || ut__check_f32(b, who, "b") < 0)
+    return NULL;
   UT__CHECK_NULL(a->shape.ndim == 2 && b->shape.ndim == 2 && b->shape.shape[0] == a->shape.shape[1],
                  UT_ERR_SHAPE, "%s: cannot multiply a %s by b %s (a must be [M, K], b [K, N])",
                  who, ut__shape_text(a).s, ut__shape_text(b).s);
@@ -1791,12 +1907,16 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
             ut__shape_text(x).s);
   int C = x->shape.shape[1];
   UT__TRY(ut__check_arg(bias, x, C, who, "bias"));
+  UT__TRY(ut__check_f32(bias, who, "bias"));
   const ut__backend* be = ut__backend_for(x->dev);
   const float* bp = ut__in(bias, be);
   float* xp = bp ? ut__inout(x, be) : NULL;
   if (!xp) return ut__err_status;
-  UT__TRY(be->bias_add(xp, bp, x->shape.shape[0], C,
-                       (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * C)));
+  ut__i64 inner = (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * C);
+  if (ut__bf16_on(x, be))
+    UT__TRY(be->bias_add_bf16(xp, bp, x->shape.shape[0], C, inner));
+  else
+    UT__TRY(be->bias_add(xp, bp, x->shape.shape[0], C, inner));
   ut__wrote(x, be);
   return UT_OK;
 }
@@ -1857,8 +1977,18 @@ static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int ou
 static int ut__check_params(const ut_tensor* w, const ut_tensor* b, long long wn, long long bn,
                             const char* who) {
   UT__TRY(ut__check_arg(w, NULL, wn, who, "the layer's weight"));
+  UT__TRY(ut__check_f32(w, who, "the layer's weight"));
   if (b) UT__TRY(ut__check_arg(b, w, bn, who, "the layer's bias"));
+  if (b) UT__TRY(ut__check_f32(b, who, "the layer's bias"));
   return UT_OK;
+}
+/* A GEMM layer (conv2d, linear) on bf16 activations multiplies by a bf16 copy of its float32
+   weight, made per call: the weight is small next to the activations, and the optimizer keeps
+   updating the float32 master. NULL + error on failure; on float32 activations the weight
+   itself, retained. */
+static ut_tensor* ut__gemm_weight(ut_tensor* w, const ut_tensor* x, const char* who) {
+  if (x->dtype == UT_F32) return ut_retain(w);
+  return ut__to_dtype(w, x->dtype, who);
 }
 static int ut__check_kernel_args(int kh, int kw, int stride, int pad, const char* who) {
   UT__CHECK(kh >= 1 && kw >= 1, UT_ERR_ARG, "%s: kernel size must be positive, got %dx%d", who, kh,
@@ -1919,8 +2049,11 @@ static int ut__check_conv_backward(ut__conv_geom* g, const ut_tensor* w, bool ha
   UT__TRY(ut__check_arg(input, w, -1, who, "cache->input"));
   UT__TRY(ut__conv_geometry(g, input, in_c, out_c, kh, kw, stride, pad, dil, who));
   UT__TRY(ut__check_arg(grad_out, w, -1, who, "grad_out"));
+  UT__TRY(ut__check_dtype_as(grad_out, input, who, "grad_out", "cache->input"));
   UT__TRY(ut__check_arg(dW, w, w->shape.nelem, who, "dW"));
+  UT__TRY(ut__check_f32(dW, who, "dW"));
   if (db && has_bias) UT__TRY(ut__check_arg(db, w, out_c, who, "db"));
+  if (db && has_bias) UT__TRY(ut__check_f32(db, who, "db"));
   UT__TRY(ut__check_distinct(dW, w, who, "dW", "the layer's weight"));
   UT__TRY(ut__check_distinct(dW, grad_out, who, "dW", "grad_out"));
   UT__TRY(ut__check_distinct(dW, input, who, "dW", "cache->input"));
@@ -1948,9 +2081,10 @@ static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be)
 }
 /* The merged GEMM's columns: x [n, c, P] regrouped [c, n, P]; NULL on failure. */
 static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
-                                         const ut__conv_geom* g, ut_dev dev, const char* who) {
+                                         const ut__conv_geom* g, const ut_tensor* x,
+                                         const char* who) {
   int P = g->ho * g->wo;
-  ut_tensor* col = xp ? ut__new(3, (int[]){g->c, g->n, P}, dev, who) : NULL;
+  ut_tensor* col = xp ? ut__new_typed(3, (int[]){g->c, g->n, P}, x->dev, x->dtype, who) : NULL;
   if (!col) return NULL;
   return ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g->n, 1, g->c, P));
 }
@@ -1973,23 +2107,33 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
+  bool h = ut__bf16_on(x, be);
+  ut_dtype gt = h ? UT_BF16 : UT_F32; /* the GEMMs' element type */
   const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  ut_tensor* wt = xp ? ut__gemm_weight(l->weight, x, who) : NULL;
+  const float* wp = wt ? ut__in(wt, be) : NULL;
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
+  if (!wp || (l->bias && !bp)) return ut__drop(wt);
 
   bool merged = ut__conv_merges_batch(&g, be);
   ut_tensor* col;
   if (merged) { /* backward reuses the regrouped columns */
-    if (!(col = ut__conv_batch_columns(be, xp, &g, x->dev, who))) return NULL;
+    col = ut__conv_batch_columns(be, xp, &g, x, who);
   } else if (ut__conv_is_pointwise(&g)) {
     col = ut_retain(x); /* a 1x1 window's columns are the input itself */
   } else {
-    col = ut__new(3, (int[]){g.n, K, P}, x->dev, who);
-    if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
+    col = ut__new_typed(3, (int[]){g.n, K, P}, x->dev, x->dtype, who);
+    if (col)
+      col = ut__finish(col, be, h ? be->im2col_bf16(xp, ut__out(col, be), &g)
+                                  : be->im2col(xp, ut__out(col, be), &g));
   }
-  ut_tensor* out = ut__new(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, who);
-  if (!out) return ut__drop(col);
+  ut_tensor* out = col ? ut__new_typed(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, x->dtype,
+                                       who)
+                       : NULL;
+  if (!out) {
+    ut_free(wt);
+    return ut__drop(col);
+  }
   float* op = ut__out(out, be);
   int rc;
   if (merged) { /* Y [out_c, n*P] = W . X, then back to [n, out_c, P] */
@@ -2005,17 +2149,20 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     if (rc >= 0) rc = be->transpose(ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free(yt);
   } else {
-    ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
+    ut__gemm_args mm = {.type_ab = gt, .type_c = gt,
+                        .m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
                         .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
                         .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
     rc = be->gemm(&mm);
   }
-  if (rc >= 0 && bp) rc = be->bias_add(op, bp, g.n, l->out_c, P);
+  if (rc >= 0 && bp)
+    rc = h ? be->bias_add_bf16(op, bp, g.n, l->out_c, P) : be->bias_add(op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
   if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
       !ut__cpu_all_finite(wp, l->weight->shape.nelem))
     ut__cpu_conv_exact(UT__CONV_Y, xp, NULL, wp, bp, op, l->out_c, false, &g);
+  ut_free(wt);
   if (rc < 0) {
     ut_free(col);
     return ut__drop(out);
@@ -2043,38 +2190,46 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
   bool pointwise = ut__conv_is_pointwise(&g), merged = ut__conv_merges_batch(&g, be);
+  bool h = ut__bf16_on(grad_out, be);
+  ut_dtype gt = h ? UT_BF16 : UT_F32;
+  ut_dtype at = grad_out->dtype; /* dx's and the columns' */
 
   ut_tensor* col = cache->col;
   bool own_col = false;
   /* a pointwise conv's columns are the input itself (4-D) or, merged, regrouped (3-D) */
   if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev ||
-      merged != (pointwise && col->shape.ndim == 3)) {
+      col->dtype != at || merged != (pointwise && col->shape.ndim == 3)) {
     /* the cache lost its columns (or holds another layout): rebuild them from the input */
     own_col = true;
     if (merged) {
-      if (!(col = ut__conv_batch_columns(be, ut__in(cache->input, be), &g, grad_out->dev, who)))
+      if (!(col = ut__conv_batch_columns(be, ut__in(cache->input, be), &g, cache->input, who)))
         return NULL;
     } else if (pointwise) {
       col = ut_retain(cache->input);
     } else {
       const float* xp = ut__in(cache->input, be);
-      col = xp ? ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who) : NULL;
-      if (!col || !ut__finish(col, be, be->im2col(xp, ut__out(col, be), &g))) return NULL;
+      col = xp ? ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who) : NULL;
+      if (!col || !ut__finish(col, be, h ? be->im2col_bf16(xp, ut__out(col, be), &g)
+                                         : be->im2col(xp, ut__out(col, be), &g)))
+        return NULL;
     }
   }
   ut_tensor *dx = NULL, *dcol = NULL;
   const float* gop = ut__in(grad_out, be);
   const float* colp = gop ? ut__in(col, be) : NULL;
-  const float* wp = colp ? ut__in(l->weight, be) : NULL;
+  ut_tensor* wt = colp ? ut__gemm_weight(l->weight, grad_out, who) : NULL;
+  const float* wp = wt ? ut__in(wt, be) : NULL;
   float* dWp = wp ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
   int rc = (!dWp || (db && l->bias && !dbp)) ? ut__err_status : UT_OK;
   if (rc >= 0) {
-    dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
-    if (!pointwise && dx) dcol = ut__new(3, (int[]){g.n, K, P}, grad_out->dev, who);
+    dx = ut__new_typed(4, cache->input->shape.shape, grad_out->dev, at, who);
+    if (!pointwise && dx) dcol = ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who);
     if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
   }
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
+  if (rc >= 0 && dbp)
+    rc = h ? be->channel_sum_bf16(gop, dbp, g.n, l->out_c, P, 1.f)
+           : be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
   if (rc >= 0 && merged) {
     /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
     ut_tensor* gt = ut__new(3, (int[]){l->out_c, g.n, P}, grad_out->dev, who);
@@ -2095,8 +2250,8 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     ut_free(dxt);
   } else if (rc >= 0) {
     /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
-    ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .m = l->out_c, .n = K, .k = P,
-                        .batch = g.n, .alpha = 1.f, .beta = 1.f,
+    ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .type_ab = gt, .type_c = UT_F32,
+                        .m = l->out_c, .n = K, .k = P, .batch = g.n, .alpha = 1.f, .beta = 1.f,
                         .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
                         .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
                         .c = dWp, .ldc = K};
@@ -2113,14 +2268,16 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   if (rc >= 0 && !merged) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
     float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
-    ut__gemm_args mm = {.trans_a = true, .m = K, .n = P, .k = l->out_c, .batch = g.n,
-                        .alpha = 1.f, .beta = 0.f,
+    ut__gemm_args mm = {.trans_a = true, .type_ab = gt, .type_c = gt,
+                        .m = K, .n = P, .k = l->out_c, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
                         .b = gop, .ldb = P, .stride_b = (ut__i64)l->out_c * P,
                         .c = dst, .ldc = P, .stride_c = (ut__i64)K * P};
     rc = be->gemm(&mm);
-    if (rc >= 0 && !pointwise) rc = be->col2im(dst, ut__out(dx, be), &g);
+    if (rc >= 0 && !pointwise)
+      rc = h ? be->col2im_bf16(dst, ut__out(dx, be), &g) : be->col2im(dst, ut__out(dx, be), &g);
   }
+  ut_free(wt);
   if (own_col) ut_free(col);
   ut_free(dcol);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
@@ -2191,10 +2348,12 @@ static int ut__check_dwconv2d(const ut_dwconv2d* l, const char* who) {
 static ut_tensor* ut__dw_repeat(ut_tensor* x, const float* xp, int m, const ut__backend* be,
                                 const char* who) {
   const int* s = x->shape.shape;
-  ut_tensor* r = ut__new(4, (int[]){s[0], s[1] * m, s[2], s[3]}, x->dev, who);
+  ut_tensor* r = ut__new_typed(4, (int[]){s[0], s[1] * m, s[2], s[3]}, x->dev, x->dtype, who);
   if (!r) return NULL;
-  return ut__finish(r, be, be->chan_repeat(xp, ut__out(r, be), s[0], s[1], m,
-                                           (ut__i64)s[2] * s[3]));
+  ut__i64 inner = (ut__i64)s[2] * s[3];
+  return ut__finish(r, be, ut__bf16_on(x, be)
+                               ? be->chan_repeat_bf16(xp, ut__out(r, be), s[0], s[1], m, inner)
+                               : be->chan_repeat(xp, ut__out(r, be), s[0], s[1], m, inner));
 }
 
 ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
@@ -2216,8 +2375,11 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
     xp = ut__out(xr, be);
     g.c *= m;
   }
-  ut_tensor* out = ut__new(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, who);
-  if (out) out = ut__finish(out, be, be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
+  ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
+  if (out)
+    out = ut__finish(out, be, ut__bf16_on(x, be)
+                                  ? be->dw_fwd_bf16(xp, wp, bp, ut__out(out, be), &g)
+                                  : be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
   ut_free(xr);
   if (out && cache) cache->input = ut_retain(x);
   return out;
@@ -2240,15 +2402,15 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   float* dWp = wp ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
   if (!dWp || (db && l->bias && !dbp)) return NULL;
-  ut_tensor* dx = ut__new(4, cache->input->shape.shape, grad_out->dev, who);
+  bool h = ut__bf16_on(grad_out, be);
+  ut_tensor* dx = ut__new_like(cache->input, who);
   if (!dx) return NULL;
   ut_tensor *xr = NULL, *dxr = NULL;
   int rc = UT_OK;
   float* dxp = ut__out(dx, be);
   if (m > 1) { /* the forward's repeated input, again, and dx over its c*m channels */
     xr = ut__dw_repeat(cache->input, xp, m, be, who);
-    const int* s = cache->input->shape.shape;
-    dxr = xr ? ut__new(4, (int[]){s[0], s[1] * m, s[2], s[3]}, grad_out->dev, who) : NULL;
+    dxr = xr ? ut__new_like(xr, who) : NULL;
     if (!dxr) rc = ut__err_status;
     else {
       xp = ut__out(xr, be);
@@ -2256,11 +2418,15 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
       g.c *= m;
     }
   }
-  if (rc >= 0) rc = be->dw_bwd_dw(gop, xp, dWp, &g);
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, g.n, g.c, (ut__i64)g.ho * g.wo, 1.f);
-  if (rc >= 0) rc = be->dw_bwd_dx(gop, wp, dxp, &g);
+  ut__i64 P = (ut__i64)g.ho * g.wo, HW = (ut__i64)g.h * g.w;
+  if (rc >= 0) rc = h ? be->dw_bwd_dw_bf16(gop, xp, dWp, &g) : be->dw_bwd_dw(gop, xp, dWp, &g);
+  if (rc >= 0 && dbp)
+    rc = h ? be->channel_sum_bf16(gop, dbp, g.n, g.c, P, 1.f)
+           : be->channel_sum(gop, dbp, g.n, g.c, P, 1.f);
+  if (rc >= 0) rc = h ? be->dw_bwd_dx_bf16(gop, wp, dxp, &g) : be->dw_bwd_dx(gop, wp, dxp, &g);
   if (rc >= 0 && dxr)
-    rc = be->chan_group_sum(dxp, ut__out(dx, be), g.n, l->c, m, (ut__i64)g.h * g.w);
+    rc = h ? be->chan_group_sum_bf16(dxp, ut__out(dx, be), g.n, l->c, m, HW)
+           : be->chan_group_sum(dxp, ut__out(dx, be), g.n, l->c, m, HW);
   ut_free_all(xr, dxr);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
@@ -2314,18 +2480,25 @@ ut_tensor* ut_linear_forward(ut_linear* l, ut_tensor* x, ut_linear_cache* cache)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int N = x->shape.shape[0];
+  bool h = ut__bf16_on(x, be);
+  ut_dtype gt = h ? UT_BF16 : UT_F32;
   const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  ut_tensor* wt = xp ? ut__gemm_weight(l->weight, x, who) : NULL;
+  const float* wp = wt ? ut__in(wt, be) : NULL;
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
-  ut_tensor* y = ut__new(2, (int[]){N, l->out_f}, x->dev, who);
-  if (!y) return NULL;
+  ut_tensor* y = wp && (!l->bias || bp)
+                     ? ut__new_typed(2, (int[]){N, l->out_f}, x->dev, x->dtype, who)
+                     : NULL;
+  if (!y) return ut__drop(wt);
   float* yp = ut__out(y, be);
-  ut__gemm_args mm = {.trans_b = true, .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
+  ut__gemm_args mm = {.trans_b = true, .type_ab = gt, .type_c = gt,
+                      .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
                       .alpha = 1.f, .beta = 0.f, .a = xp, .lda = l->in_f, .b = wp,
                       .ldb = l->in_f, .c = yp, .ldc = l->out_f};
   int rc = be->gemm(&mm);
-  if (rc >= 0 && bp) rc = be->bias_add(yp, bp, N, l->out_f, 1);
+  if (rc >= 0 && bp)
+    rc = h ? be->bias_add_bf16(yp, bp, N, l->out_f, 1) : be->bias_add(yp, bp, N, l->out_f, 1);
+  ut_free(wt);
   y = ut__finish(y, be, rc);
   if (y && cache) cache->input = ut_retain(x);
   return y;
@@ -2342,8 +2515,11 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
       ut__check_rows(x, l->in_f, who, "cache->input") < 0 ||
       ut__check_arg(grad_out, l->weight, -1, who, "grad_out") < 0 ||
       ut__check_rows(grad_out, l->out_f, who, "grad_out") < 0 ||
+      ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input") < 0 ||
       ut__check_arg(dW, l->weight, l->weight->shape.nelem, who, "dW") < 0 ||
-      (db && l->bias && ut__check_arg(db, l->weight, l->out_f, who, "db") < 0))
+      ut__check_f32(dW, who, "dW") < 0 ||
+      (db && l->bias && ut__check_arg(db, l->weight, l->out_f, who, "db") < 0) ||
+      (db && l->bias && ut__check_f32(db, who, "db") < 0))
     return NULL;
   int N = x->shape.shape[0];
   UT__CHECK_NULL(grad_out->shape.shape[0] == N, UT_ERR_SHAPE,
@@ -2355,24 +2531,33 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
       (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
+  bool h = ut__bf16_on(grad_out, be);
+  ut_dtype gt = h ? UT_BF16 : UT_F32;
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  ut_tensor* wt = xp ? ut__gemm_weight(l->weight, grad_out, who) : NULL;
+  const float* wp = wt ? ut__in(wt, be) : NULL;
   float* dWp = wp ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
-  if (!dWp || (db && l->bias && !dbp)) return NULL;
-  ut_tensor* dx = ut__new(2, (int[]){N, l->in_f}, grad_out->dev, who);
-  if (!dx) return NULL;
+  ut_tensor* dx = dWp && (!db || !l->bias || dbp)
+                      ? ut__new_typed(2, (int[]){N, l->in_f}, grad_out->dev, grad_out->dtype, who)
+                      : NULL;
+  if (!dx) return ut__drop(wt);
   /* dW += grad_out^T [out, N] . x [N, in];  dx = grad_out [N, out] . W [out, in] */
-  ut__gemm_args dw = {.trans_a = true, .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
+  ut__gemm_args dw = {.trans_a = true, .type_ab = gt, .type_c = UT_F32,
+                      .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
                       .alpha = 1.f, .beta = 1.f, .a = gop, .lda = l->out_f, .b = xp,
                       .ldb = l->in_f, .c = dWp, .ldc = l->in_f};
-  ut__gemm_args dxa = {.m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
+  ut__gemm_args dxa = {.type_ab = gt, .type_c = gt,
+                       .m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
                        .beta = 0.f, .a = gop, .lda = l->out_f, .b = wp, .ldb = l->in_f,
                        .c = ut__out(dx, be), .ldc = l->in_f};
   int rc = be->gemm(&dw);
-  if (rc >= 0 && dbp) rc = be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
+  if (rc >= 0 && dbp)
+    rc = h ? be->channel_sum_bf16(gop, dbp, N, l->out_f, 1, 1.f)
+           : be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
   if (rc >= 0) rc = be->gemm(&dxa);
+  ut_free(wt);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
@@ -2423,6 +2608,7 @@ static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const 
   UT__CHECK(l->bias, UT_ERR_ARG, "%s: the layer's bias is NULL", who);
   UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
+  UT__TRY(ut__check_f32(x, who, "x"));
   UT__CHECK(x->shape.shape[x->shape.ndim - 1] == l->dim, UT_ERR_SHAPE,
             "%s: x must be [..., %d], got shape %s", who, l->dim, ut__shape_text(x).s);
   return UT_OK;
@@ -2465,7 +2651,8 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
                  "%s: the cache is empty (run forward with a cache first)", who);
   ut_tensor* x = cache->input;
   if (ut__check_layernorm(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0)
+      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
+      ut__check_f32(grad_out, who, "grad_out") < 0)
     return NULL;
   int rows = x->shape.nelem / l->dim;
   if (ut__check_arg(cache->mean, x, rows, who, "cache->mean") < 0 ||
@@ -2544,6 +2731,8 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   UT__TRY(ut__check_params(l->weight, l->bias, l->c, l->c, who));
   UT__TRY(ut__check_arg(l->running_mean, l->weight, l->c, who, "running_mean"));
   UT__TRY(ut__check_arg(l->running_var, l->weight, l->c, who, "running_var"));
+  UT__TRY(ut__check_f32(l->running_mean, who, "running_mean"));
+  UT__TRY(ut__check_f32(l->running_var, who, "running_var"));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
   UT__CHECK(l->activation >= UT_ACT_NONE && l->activation <= UT_ACT_RELU6, UT_ERR_ARG,
             "%s: activation must be UT_ACT_NONE, UT_ACT_RELU or UT_ACT_RELU6, got %d", who,
@@ -2551,6 +2740,26 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
             "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
   return UT_OK;
+}
+
+/* bn_stats, bn_apply and bn_bwd on x's element type (see ut__bf16_on) */
+static int ut__bn_stats(const ut__backend* be, const ut_tensor* x, const float* xp, float* mean,
+                        float* var) {
+  const int* s = x->shape.shape;
+  ut__i64 inner = (ut__i64)s[2] * s[3];
+  return ut__bf16_on(x, be) ? be->bn_stats_bf16(xp, mean, var, s[0], s[1], inner)
+                            : be->bn_stats(xp, mean, var, s[0], s[1], inner);
+}
+static int ut__bn_apply(const ut__backend* be, const ut_tensor* x, const float* xp, ut_tensor* y,
+                        const float* mean, const float* var, const float* gamma,
+                        const float* beta, float* rstd, float eps, int activation) {
+  const int* s = x->shape.shape;
+  ut__i64 inner = (ut__i64)s[2] * s[3];
+  float act = ut__act_cap(activation);
+  return ut__bf16_on(x, be) ? be->bn_apply_bf16(xp, ut__out(y, be), mean, var, gamma, beta, rstd,
+                                                s[0], s[1], inner, eps, act)
+                            : be->bn_apply(xp, ut__out(y, be), mean, var, gamma, beta, rstd,
+                                           s[0], s[1], inner, eps, act);
 }
 
 ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
@@ -2574,7 +2783,7 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   if (rc >= 0 && l->training) {
     float* rm = ut__inout(l->running_mean, be);
     float* rv = rm ? ut__inout(l->running_var, be) : NULL;
-    rc = rv ? be->bn_stats(xp, ut__out(mean, be), ut__out(var, be), N, C, inner) : ut__err_status;
+    rc = rv ? ut__bn_stats(be, x, xp, ut__out(mean, be), ut__out(var, be)) : ut__err_status;
     if (rc >= 0)
       rc = be->bn_update_running(rm, rv, ut__out(mean, be), ut__out(var, be), C, l->momentum,
                                  (float)((double)count / (double)(count - 1)));
@@ -2589,8 +2798,8 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
     if (rc >= 0) rc = be->copy(ut__out(var, be), rv, C);
   }
   if (rc >= 0)
-    rc = be->bn_apply(xp, ut__out(y, be), ut__out(mean, be), ut__out(var, be), wp, bp,
-                      ut__out(rstd, be), N, C, inner, l->eps, ut__act_cap(l->activation));
+    rc = ut__bn_apply(be, x, xp, y, ut__out(mean, be), ut__out(var, be), wp, bp,
+                      ut__out(rstd, be), l->eps, l->activation);
   ut_free(var);
   if (rc < 0 || !cache) {
     ut_free_all(mean, rstd);
@@ -2621,10 +2830,12 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   ut_tensor* x = cache->input;
   if (ut__check_batchnorm2d(l, x, who) < 0 ||
       ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
+      ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input") < 0 ||
       ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
       ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
       (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->c, who, "db") < 0))
+      (db && ut__check_arg(db, x, l->c, who, "db") < 0) ||
+      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
     return NULL;
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
                  "%s: grad_out has shape %s, the forward output had %s", who,
@@ -2643,8 +2854,11 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  int rc = be->bn_bwd(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp, dbp, N, C, inner,
-                      cache->training, ut__act_cap(cache->activation));
+  float act = ut__act_cap(cache->activation);
+  int rc = ut__bf16_on(x, be) ? be->bn_bwd_bf16(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp,
+                                                dbp, N, C, inner, cache->training, act)
+                              : be->bn_bwd(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp, dbp,
+                                           N, C, inner, cache->training, act);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
@@ -2688,7 +2902,7 @@ ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
   if (rc >= 0) {
     mp = ut__out(mean, be);
     vp = ut__out(var, be);
-    rc = be->bn_stats(xp, mp, vp, N, C, inner);
+    rc = ut__bn_stats(be, x, xp, mp, vp);
   }
   if (rc >= 0) rc = be->bn_sync_pack(mp, vp, NULL, ut__out(a, be), C, (float)count);
   if (rc >= 0) rc = ut__reduce_call(reduce, ctx, a, be, who);
@@ -2702,8 +2916,7 @@ ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
   if (rc >= 0) {
     ut__wrote(l->running_mean, be);
     ut__wrote(l->running_var, be);
-    rc = be->bn_apply(xp, ut__out(y, be), mp, vp, wp, bp, ut__out(rstd, be), N, C, inner,
-                      l->eps, ut__act_cap(l->activation));
+    rc = ut__bn_apply(be, x, xp, y, mp, vp, wp, bp, ut__out(rstd, be), l->eps, l->activation);
   }
   ut_free_all(var, a, b);
   if (rc < 0 || !cache) {
@@ -2742,10 +2955,12 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
   ut_tensor* x = cache->input;
   if (ut__check_batchnorm2d(l, x, who) < 0 ||
       ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
+      ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input") < 0 ||
       ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
       ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
       (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->c, who, "db") < 0))
+      (db && ut__check_arg(db, x, l->c, who, "db") < 0) ||
+      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
     return NULL;
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
                  "%s: grad_out has shape %s, the forward output had %s", who,
@@ -2766,8 +2981,11 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
   ut_tensor* dx = sums ? ut__new_like(x, who) : NULL;
   if (!dx) return ut__drop(sums);
   float act = ut__act_cap(cache->activation);
-  int rc = be->bn_bwd_sums(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C, inner,
-                           act);
+  bool h = ut__bf16_on(x, be);
+  int rc = h ? be->bn_bwd_sums_bf16(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C,
+                                    inner, act)
+             : be->bn_bwd_sums(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C, inner,
+                               act);
   if (rc >= 0) {
     /* this rank's share of dW and db is final: mark it before the reduce runs other code */
     if (dWp) ut__wrote(dW, be);
@@ -2775,8 +2993,10 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
     rc = ut__reduce_call(reduce, ctx, sums, be, who);
   }
   if (rc >= 0)
-    rc = be->bn_bwd_dx(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C, inner,
-                       act);
+    rc = h ? be->bn_bwd_dx_bf16(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C,
+                                inner, act)
+           : be->bn_bwd_dx(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C,
+                           inner, act);
   ut_free(sums);
   return ut__finish(dx, be, rc);
 }
@@ -2802,10 +3022,11 @@ ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
   const ut__backend* be = ut__backend_for(x->dev);
   const float* xp = ut__in(x, be);
   if (!xp) return NULL;
-  ut_tensor* y = ut__new(2, (int[]){N, C}, x->dev, who);
+  ut_tensor* y = ut__new_typed(2, (int[]){N, C}, x->dev, x->dtype, who);
   if (!y) return NULL;
-  return ut__finish(y, be, be->row_mean(xp, ut__out(y, be), N * C,
-                                        (ut__i64)x->shape.shape[2] * x->shape.shape[3]));
+  ut__i64 hw = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
+  return ut__finish(y, be, ut__bf16_on(x, be) ? be->row_mean_bf16(xp, ut__out(y, be), N * C, hw)
+                                              : be->row_mean(xp, ut__out(y, be), N * C, hw));
 }
 
 ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
@@ -2819,15 +3040,20 @@ ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
   const ut__backend* be = ut__backend_for(grad_out->dev);
   const float* gp = ut__in(grad_out, be);
   if (!gp) return NULL;
-  ut_tensor* dx = ut__new(4, (int[]){N, C, h, w}, grad_out->dev, who);
+  ut_tensor* dx = ut__new_typed(4, (int[]){N, C, h, w}, grad_out->dev, grad_out->dtype, who);
   if (!dx) return NULL;
-  return ut__finish(dx, be, be->row_mean_bwd(gp, ut__out(dx, be), N * C, (ut__i64)h * w));
+  ut__i64 hw = (ut__i64)h * w;
+  return ut__finish(dx, be, ut__bf16_on(grad_out, be)
+                                ? be->row_mean_bwd_bf16(gp, ut__out(dx, be), N * C, hw)
+                                : be->row_mean_bwd(gp, ut__out(dx, be), N * C, hw));
 }
 
 /* ---- losses ------------------------------------------------------------------------------- */
 static int ut__check_pair(ut_tensor* pred, ut_tensor* target, const char* who) {
   UT__TRY(ut__check_tensor(pred, who, "pred"));
   UT__TRY(ut__check_arg(target, pred, -1, who, "target"));
+  UT__TRY(ut__check_f32(pred, who, "pred"));
+  UT__TRY(ut__check_f32(target, who, "target"));
   UT__CHECK(ut__same_shape(pred, target), UT_ERR_SHAPE,
             "%s: pred has shape %s but target has shape %s (they must match)", who,
             ut__shape_text(pred).s, ut__shape_text(target).s);
@@ -2864,6 +3090,7 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
             ut__shape_text(logits).s);
   int N = logits->shape.shape[0], K = logits->shape.shape[1];
   UT__TRY(ut__check_arg(labels, logits, -1, who, "labels"));
+  UT__TRY(ut__check_f32(labels, who, "labels"));
   UT__CHECK(labels->shape.ndim == 1 && labels->shape.shape[0] == N, UT_ERR_SHAPE,
             "%s: labels must be [N] = [%d] (one class index per row of logits), got shape %s", who,
             N, ut__shape_text(labels).s);
@@ -2877,30 +3104,39 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
   return UT_OK;
 }
 
+/* The loss is float32 math whatever the logits' type (bf16 logits are widened first: a
+   [N, K] copy, small next to the network's activations); the gradient has the logits' type. */
 ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
   const char* who = "ut_cross_entropy_loss";
   if (ut__check_ce(logits, labels, who) < 0) return NULL;
+  ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
-  const float* lp = ut__in(logits, be);
+  const float* lp = lf ? ut__in(lf, be) : NULL;
   const float* yp = lp ? ut__in(labels, be) : NULL;
-  if (!yp) return NULL;
-  ut_tensor* out = ut__new(1, (int[]){1}, logits->dev, who);
-  if (!out) return NULL;
-  return ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
-                                        logits->shape.shape[1]));
+  ut_tensor* out = yp ? ut__new(1, (int[]){1}, logits->dev, who) : NULL;
+  if (out)
+    out = ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
+                                         logits->shape.shape[1]));
+  ut_free(lf);
+  return out;
 }
 
 ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
   const char* who = "ut_cross_entropy_backward";
   if (ut__check_ce(logits, labels, who) < 0) return NULL;
+  ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
-  const float* lp = ut__in(logits, be);
+  const float* lp = lf ? ut__in(lf, be) : NULL;
   const float* yp = lp ? ut__in(labels, be) : NULL;
-  if (!yp) return NULL;
-  ut_tensor* g = ut__new_like(logits, who);
-  if (!g) return NULL;
-  return ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
-                                      logits->shape.shape[1]));
+  ut_tensor* g = yp ? ut__new(2, logits->shape.shape, logits->dev, who) : NULL;
+  if (g)
+    g = ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
+                                     logits->shape.shape[1]));
+  ut_free(lf);
+  if (!g || logits->dtype == UT_F32) return g;
+  ut_tensor* gb = ut__to_dtype(g, logits->dtype, who);
+  ut_free(g);
+  return gb;
 }
 
 /* ---- optimizers --------------------------------------------------------------------------- */
@@ -2909,6 +3145,9 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   UT__TRY(ut__check_tensor(param, who, "param"));
   UT__TRY(ut__check_arg(grad, param, param->shape.nelem, who, "grad"));
   if (velocity) UT__TRY(ut__check_arg(velocity, param, param->shape.nelem, who, "velocity"));
+  UT__TRY(ut__check_f32(param, who, "param"));
+  UT__TRY(ut__check_f32(grad, who, "grad"));
+  UT__TRY(ut__check_f32(velocity, who, "velocity"));
   UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
   UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
   UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
@@ -2981,6 +3220,8 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     if (ut__check_tensor(p, who, "param") < 0 ||
         ut__check_arg(g, p, p->shape.nelem, who, "grad") < 0 ||
         (velocities && ut__check_arg(v, p, p->shape.nelem, who, "velocity") < 0) ||
+        ut__check_f32(p, who, "param") < 0 || ut__check_f32(g, who, "grad") < 0 ||
+        ut__check_f32(v, who, "velocity") < 0 ||
         ut__check_distinct(v, p, who, "velocity", "param") < 0 ||
         ut__check_distinct(v, g, who, "velocity", "grad") < 0)
       return ut__item_error(who, i);
@@ -3021,11 +3262,12 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
 
 static int ut__check_pack(ut_tensor* flat, ut_tensor** ts, int count, const char* who) {
   UT__TRY(ut__check_tensor(flat, who, "flat"));
+  UT__TRY(ut__check_f32(flat, who, "flat"));
   UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
   UT__CHECK(count == 0 || ts, UT_ERR_ARG, "%s: NULL tensors", who);
   long long total = 0;
   for (int i = 0; i < count; i++) {
-    if (ut__check_arg(ts[i], flat, -1, who, "t") < 0 ||
+    if (ut__check_arg(ts[i], flat, -1, who, "t") < 0 || ut__check_f32(ts[i], who, "t") < 0 ||
         ut__check_distinct(ts[i], flat, who, "t", "flat") < 0)
       return ut__item_error(who, i);
     total += ts[i]->shape.nelem;
@@ -3071,7 +3313,8 @@ int ut_fill_many(ut_tensor** ts, int count, float value) {
   UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
   UT__CHECK(count == 0 || ts, UT_ERR_ARG, "%s: NULL tensors", who);
   for (int i = 0; i < count; i++)
-    if (ut__check_tensor(ts[i], who, "t") < 0) return ut__item_error(who, i);
+    if (ut__check_tensor(ts[i], who, "t") < 0 || ut__check_f32(ts[i], who, "t") < 0)
+      return ut__item_error(who, i);
   ut__many m[2];
   UT__TRY(ut__many_pair_alloc(m, count, who));
   int rc = UT_OK;
@@ -3108,6 +3351,7 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   UT__TRY(ut__check_arg(v, param, n, who, "v"));
   const ut_tensor* four[4] = {param, grad, m, v};
   const char* names[4] = {"param", "grad", "m", "v"};
+  for (int i = 0; i < 4; i++) UT__TRY(ut__check_f32(four[i], who, names[i]));
   for (int i = 0; i < 4; i++)
     for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
@@ -3146,7 +3390,7 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
     UT__FIELD(ut_tensor, shared),
     UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
-    UT__FIELD(ut_tensor, version),
+    UT__FIELD(ut_tensor, version), UT__FIELD(ut_tensor, dtype),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
     UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
     UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),

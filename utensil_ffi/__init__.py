@@ -65,6 +65,8 @@ from .layers import (
     ReLU6,
     Sequential,
 )
+from .amp import MixedPrecision
+from .dtypes import bfloat16, dtype, float32
 from .optim import SGD, Adam, Optimizer
 from .sync_batchnorm import SyncBatchNorm
 from .tensor import (
@@ -92,6 +94,8 @@ __all__ = [
     "from_dlpack",
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
+    # element types, and mixed-precision training
+    "dtype", "float32", "bfloat16", "MixedPrecision",
     # the GPU's matrix products, and recorded GPU work (ut.cuda.CUDAGraph, ut.cuda.graph)
     "cuda",
     "backends", "load_cublas", "preferred_blas_library", "set_float32_matmul_precision",

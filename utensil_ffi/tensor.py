@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _args
 from . import dlpack as _dlpack
+from . import dtypes as _dtypes
 from ._errors import ArgumentTypeError, ClosedError, ShapeError, check_ptr, check_status
 from ._lib import ffi, lib
 
@@ -107,23 +108,30 @@ _new_object = object.__new__
 
 
 class Tensor:
-    """A float32 tensor on "cpu" or "cuda".
+    """A float32 (or bfloat16, see utensil.dtypes) tensor on "cpu" or "cuda".
 
-    ``Tensor(data, device="cpu")`` copies array-like ``data`` (any real dtype, converted to
-    float32). The Python object owns exactly one reference to the C tensor; ``close()`` (or
-    leaving a ``with`` block) drops it now, otherwise the garbage collector does. Methods on a
-    closed tensor raise ClosedError (a ValueError).
+    ``Tensor(data, device="cpu", dtype=None)`` copies array-like ``data`` (any real dtype,
+    converted to float32, or rounded to bfloat16 with ``dtype=utensil.bfloat16``). The Python
+    object owns exactly one reference to the C tensor; ``close()`` (or leaving a ``with`` block)
+    drops it now, otherwise the garbage collector does. Methods on a closed tensor raise
+    ClosedError (a ValueError).
     """
 
     __slots__ = ("_ptr", "__weakref__")
 
-    def __init__(self, data, device="cpu"):
+    def __init__(self, data, device="cpu", dtype=None):
         self._ptr = None
         dev = _args.parse_device(device)
+        dt = _dtypes.float32 if dtype is None else _dtypes.parse_dtype(dtype)
         arr = _args.to_float_array(data)
         shape = ffi.new("int[]", arr.shape)
-        p = lib.ut_from_data(arr.ndim, shape, ffi.from_buffer("float[]", arr), dev)
-        self._ptr = check_ptr(p, "Tensor")
+        p = check_ptr(lib.ut_from_data(arr.ndim, shape, ffi.from_buffer("float[]", arr), dev),
+                      "Tensor")
+        if dt is not _dtypes.float32:
+            q = lib.ut_to_dtype(p, dt.code)
+            lib.ut_free(p)
+            p = check_ptr(q, "Tensor")
+        self._ptr = p
 
     # -- ownership ------------------------------------------------------------------------------
     # The object owns one C reference in _ptr (None once closed). A plain __del__ rather than
@@ -227,7 +235,15 @@ class Tensor:
 
     @property
     def dtype(self):
-        return np.dtype(np.float32)
+        """utensil.float32 or utensil.bfloat16 (utensil.float32 == numpy.float32)."""
+        p = _hold(self)
+        try:
+            return _dtypes.from_code(p.dtype)
+        finally:
+            _let_go(p)
+
+    def is_floating_point(self):
+        return True
 
     @property
     def device(self):
@@ -252,6 +268,8 @@ class Tensor:
         CPU tensors: a writable view; writes are seen by later ops.
         CUDA tensors: the host copy is brought up to date first and the view is READ-ONLY: a
         snapshot valid until the next GPU op writes this tensor. Use copy_from() to write.
+        bfloat16 tensors: a float32 view of the values (numpy has no bfloat16), READ-ONLY
+        everywhere, so that every value stays a bfloat16 one; copy_from() rounds.
         The view keeps the memory alive by itself, even after this Tensor is closed or deleted.
         """
         p = _hold(self)
@@ -260,7 +278,7 @@ class Tensor:
             # the version alone: reading (print, item, np.asarray) between a layer's forward and
             # backward is fine, and writes through the view are not tracked anyway.
             check_status(lib.ut_sync_cpu_readonly(p), "Tensor.numpy")
-            owner = _HostView(p, readonly=p.dev != lib.UT_CPU)  # its own reference
+            owner = _HostView(p, readonly=p.dev != lib.UT_CPU or p.dtype != lib.UT_F32)
         finally:
             _let_go(p)
         return np.asarray(owner)
@@ -273,8 +291,8 @@ class Tensor:
                 dtype = np.dtype(dtype)
             except TypeError:
                 raise ArgumentTypeError("__array__: %r is not a numpy dtype" % (dtype,)) from None
-        if copy is False and self.device != "cpu":
-            raise ValueError("a CUDA tensor cannot be viewed writable without a copy")
+        if copy is False and (self.device != "cpu" or self.dtype is not _dtypes.float32):
+            raise ValueError("a CUDA or bfloat16 tensor cannot be viewed writable without a copy")
         a = self.numpy()
         if dtype is not None and dtype != a.dtype:
             return a.astype(dtype)
@@ -325,6 +343,8 @@ class Tensor:
         try:
             if arr.shape != _shape(p):
                 raise ShapeError("copy_from: shape %s into %s" % (arr.shape, _shape(p)))
+            if p.dtype != lib.UT_F32:
+                arr = _dtypes.round_bf16(arr)
             check_status(lib.ut_sync_cpu(p), "copy_from")
             ffi.memmove(p.data, ffi.from_buffer("float[]", arr), arr.nbytes)
             if p.shared:  # others read the device memory directly: they must see the write now
@@ -334,21 +354,37 @@ class Tensor:
         return self
 
     # -- devices --------------------------------------------------------------------------------
-    def to(self, device):
-        """This tensor on ``device``: ``self`` if it is there already, else a new copy."""
-        dev = _args.parse_device(device)
+    def to(self, *args, device=None, dtype=None):
+        """This tensor on a device and/or as a dtype, as in PyTorch: ``t.to("cuda")``,
+        ``t.to(utensil.bfloat16)``, ``t.to("cuda", utensil.bfloat16)``. ``self`` when nothing
+        changes, else a new tensor (bfloat16 from float32: rounded to nearest even)."""
+        if len(args) > 2:
+            raise ArgumentTypeError("Tensor.to: at most a device and a dtype, got %d arguments"
+                                    % len(args))
+        for a in args:
+            if _dtypes.is_dtype_like(a):
+                if dtype is not None:
+                    raise ArgumentTypeError("Tensor.to: two dtypes given")
+                dtype = a
+            else:
+                if device is not None:
+                    raise ArgumentTypeError("Tensor.to: two devices given")
+                device = a
         p = _hold(self)
         try:
-            if p.dev == dev:
+            dev = p.dev if device is None else _args.parse_device(device)
+            dt = p.dtype if dtype is None else _dtypes.parse_dtype(dtype).code
+            if p.dev == dev and p.dtype == dt:
                 return self
-            out = Tensor._wrap(check_ptr(lib.ut_copy(p), "Tensor.to"))
+            out = Tensor._wrap(check_ptr(lib.ut_to_dtype(p, dt), "Tensor.to"))
         finally:
             _let_go(p)
-        try:
-            check_status(lib.ut_to_device(out.ptr, dev), "Tensor.to")
-        except BaseException:
-            out.close()
-            raise
+        if dev != out.ptr.dev:
+            try:
+                check_status(lib.ut_to_device(out.ptr, dev), "Tensor.to")
+            except BaseException:
+                out.close()
+                raise
         return out
 
     def cpu(self):
@@ -356,6 +392,14 @@ class Tensor:
 
     def cuda(self):
         return self.to("cuda")
+
+    def float(self):
+        """This tensor as float32 (``self`` when it is)."""
+        return self.to(dtype=_dtypes.float32)
+
+    def bfloat16(self):
+        """This tensor as bfloat16 (``self`` when it is)."""
+        return self.to(dtype=_dtypes.bfloat16)
 
     def sync(self):
         """Wait for the tensor's device data and bring the host copy up to date (read-only)."""
@@ -472,9 +516,11 @@ class Tensor:
         return new
 
     def __reduce_ex__(self, protocol):
-        """Pickle the values, shape and device (float32); a CUDA tensor unpickles onto the GPU and
+        """Pickle the values, shape, device and dtype; a CUDA tensor unpickles onto the GPU and
         raises DeviceError where there is none. A closed tensor raises ClosedError."""
-        return (_rebuild_tensor, (_host_copy(self), self.device))
+        if self.dtype is _dtypes.float32:
+            return (_rebuild_tensor, (_host_copy(self), self.device))
+        return (_rebuild_tensor, (_host_copy(self), self.device, self.dtype.name))
 
 
 def _shape(p):
@@ -504,10 +550,10 @@ def _unpickle_device(device):
     return _args.parse_device(device)
 
 
-def _rebuild_tensor(data, device):
+def _rebuild_tensor(data, device, dtype=None):
     """Unpickle a Tensor (see Tensor.__reduce_ex__)."""
     _unpickle_device(device)
-    return Tensor(data, device)
+    return Tensor(data, device, dtype)
 
 
 # -- construction -------------------------------------------------------------------------------
@@ -542,9 +588,9 @@ def from_dlpack(obj, device=None, copy=None):
     return t
 
 
-def tensor(data, device="cpu"):
-    """A new tensor holding a float32 copy of array-like ``data`` on ``device``."""
-    return Tensor(data, device)
+def tensor(data, device="cpu", dtype=None):
+    """A new tensor holding a float32 (or ``dtype``) copy of array-like ``data`` on ``device``."""
+    return Tensor(data, device, dtype)
 
 
 def from_numpy(array, device="cpu"):
@@ -552,23 +598,24 @@ def from_numpy(array, device="cpu"):
     return Tensor(array, device)
 
 
-def zeros(shape, device="cpu"):
+def zeros(shape, device="cpu", dtype=None):
     dims = _args.to_shape(shape)
     dev = _args.parse_device(device)
+    dt = _dtypes.float32 if dtype is None else _dtypes.parse_dtype(dtype)
     c = ffi.new("int[]", dims)
-    return Tensor._wrap(check_ptr(lib.ut_alloc(len(dims), c, dev), "zeros"))
+    return Tensor._wrap(check_ptr(lib.ut_alloc_dtype(len(dims), c, dev, dt.code), "zeros"))
 
 
-def full(shape, value, device="cpu"):
+def full(shape, value, device="cpu", dtype=None):
     value = _args.to_float(value, "value", finite=False)
-    t = zeros(shape, device)
+    t = zeros(shape, device, dtype)
     if value != 0.0:
         t.fill_(value)
     return t
 
 
-def ones(shape, device="cpu"):
-    return full(shape, 1.0, device)
+def ones(shape, device="cpu", dtype=None):
+    return full(shape, 1.0, device, dtype)
 
 
 def randn(shape, mean=0.0, std=1.0, device="cpu"):
