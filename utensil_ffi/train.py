@@ -35,6 +35,8 @@ from . import train_data as _train_data
 from . import train_dist as _dist
 from . import models as _models
 from ._errors import ArgumentError, ShapeError, UtensilError
+from .amp import MixedPrecision
+from .blas import get_float32_matmul_precision, set_float32_matmul_precision
 from .functional import cross_entropy, cross_entropy_backward
 from .optim import SGD, Adam
 from .tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
@@ -67,6 +69,7 @@ LR_DEFAULTS = {"adam": 1e-2, "sgd": 0.1}
 # settings added after checkpoints existed: a checkpoint without one ran with this value
 SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True}
 ARCHS = ("digits", "mobilenet_v1", "mobilenet_v2")
+PRECISIONS = ("fp32", "tf32", "bf16")
 DEFAULT_EPOCHS = 20
 
 
@@ -224,6 +227,12 @@ def build_parser():
     g.add_argument("--no-sync-bn", action="store_true",
                    help="on several GPUs, normalize with each GPU's own batch statistics "
                    "instead of the global batch's (SyncBatchNorm, the default)")
+    g.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (default); tf32: float32 with the GPU's GEMMs on TF32 tensor cores "
+                        "(set_float32_matmul_precision('high')); bf16: mixed precision, "
+                        "bfloat16 activations with float32 weights (utensil.MixedPrecision; "
+                        "emulated, not faster, on the CPU). Not a run setting: a resumed run "
+                        "may change it")
     g.add_argument("--eval-batch-size", type=_POSITIVE_INT, default=500, metavar="N",
                    help="images per evaluation step (default 500)")
     g = p.add_argument_group("checkpoints and output")
@@ -633,11 +642,17 @@ def _auto_threads():
 
 def _run(args, out):
     threads = get_num_threads()
+    matmul = get_float32_matmul_precision()
+    if args.precision == "tf32":
+        set_float32_matmul_precision("high")
     try:
         return _run_with_threads(args, out)
     finally:
-        if get_num_threads() != threads:  # main() leaves the library as it found it
+        # main() leaves the library as it found it
+        if get_num_threads() != threads:
             set_num_threads(threads)
+        if get_float32_matmul_precision() != matmul:
+            set_float32_matmul_precision(matmul)
 
 
 def _run_with_threads(args, out):
@@ -753,7 +768,10 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
                                       % (args.resume, e)) from None
             history = list(meta.get("history", []))
             start = int(meta["epoch"])
-        model = net if dist is None else dist.wrap(net)
+        # bf16: the layers compute on bfloat16 activations while net (saved, and what the
+        # optimizer updates) keeps float32 weights
+        trained = MixedPrecision(net) if args.precision == "bf16" else net
+        model = trained if dist is None else dist.wrap(trained)
         try:
             return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start,
                                history, ckpt_path, say, out, threads_note, dist, model)
@@ -777,9 +795,10 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
            " (%d CPU thread%s%s)" % (threads, "s" * (threads != 1),
                                      ": " + threads_note if threads_note else "")
            if device == "cpu" else ""))
-    say("%s lr %g (%s), batch %d, seed %d%s" % (
+    say("%s lr %g (%s), batch %d, seed %d%s%s" % (
         run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
-        ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else ""))
+        ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else "",
+        "" if args.precision == "fp32" else ", precision %s" % args.precision))
     if dist is not None:
         say("data-parallel on %d GPUs (NCCL), global batch %d split over them, %s" % (
             dist.world, run["batch_size"], "SyncBatchNorm" if dist.sync_bn

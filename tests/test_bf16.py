@@ -1,0 +1,249 @@
+"""bfloat16 tensors on every device: the dtype API, rounding, which arguments may be bf16, the
+layers on bf16 activations against the float32 layers, and mixed-precision training.
+
+References are independent of the library: rounding is checked against a bit-pattern rule
+written here (``nearest_even``), and every bf16 layer against the float32 layer run on the same
+bf16-exact inputs and weights. On the CPU, bf16 is float32 arithmetic with every bf16 output
+rounded, so there the comparison is exact: bits equal ``nearest_even`` of the float32 result.
+On the GPU the bf16 kernels may round intermediates (a GEMM's output before its bias add) and
+sum in another order, so results agree within a few bf16 steps (U = 2**-8 relative) of the
+largest value; tests/test_bf16_ops.py and test_bf16_norm.py hold the GPU's kernel-level checks.
+"""
+
+import pickle
+
+import numpy as np
+import pytest
+
+import utensil_ffi as ut
+from utensil_ffi import functional as F
+from utensil_ffi.train import main as train_main
+
+U = 2.0 ** -8
+
+
+def nearest_even(a):
+    """float32 -> nearest bfloat16 (ties to even), as float32; NaN stays NaN."""
+    a = np.asarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.int64)
+    lsb = (bits >> 16) & 1
+    r = (((bits + 0x7FFF + lsb) >> 16) << 16) & 0xFFFFFFFF
+    out = r.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(a), np.float32(np.nan), out)
+
+
+def bf16_values(rng, shape, scale=1.0):
+    return nearest_even(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def close(got, ref, device, steps=4):
+    """Exact on the CPU; within ``steps`` bf16 steps of the largest |ref| on the GPU."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    if device == "cpu":
+        np.testing.assert_array_equal(got, nearest_even(ref))
+    else:
+        np.testing.assert_allclose(got, ref, rtol=0, atol=steps * U * float(np.abs(ref).max()))
+
+
+# ---- the dtype API -------------------------------------------------------------------------
+
+def test_rounding_matches_the_bit_rule(device):
+    one = 1.0
+    x = np.array([one, one + 2 ** -8, one + 3 * 2 ** -8, -one - 2 ** -8, 3.14159265, 1e-40,
+                  3.4e38, -3.4e38, np.inf, -np.inf, np.nan, 0.0, -0.0, 65504.0,
+                  np.float32(2.0 ** -126)], dtype=np.float32)
+    want = nearest_even(x)
+    assert want[1] == 1.0 and want[2] == one + 2 ** -6  # ties go to the even neighbour
+    assert np.isinf(want[6]) and want[6] > 0  # past bf16's largest value: infinity
+    with ut.tensor(x, device) as t, t.to(ut.bfloat16) as b:
+        assert b.dtype == ut.bfloat16 and t.dtype == ut.float32 and b.device == device
+        got = b.numpy()
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+        with b.float() as back:  # widening is exact
+            np.testing.assert_array_equal(back.numpy(), want)
+        assert ut.dtypes.round_bf16(x).tobytes() == want.tobytes()
+
+
+def test_dtype_names_and_constructors(device):
+    assert ut.float32 == np.float32 and ut.float32 != ut.bfloat16 and ut.bfloat16 != np.float32
+    for name in ("bf16", "bfloat16", "BF16", ut.bfloat16):
+        assert ut.dtypes.parse_dtype(name) is ut.bfloat16
+    with pytest.raises(ut.ArgumentTypeError, match="bfloat16"):
+        ut.dtypes.parse_dtype("float16")
+    with ut.zeros((2, 3), device, dtype="bf16") as z, ut.full((4,), 1.7, device, ut.bfloat16) as f:
+        assert z.dtype == ut.bfloat16 and not z.numpy().any()
+        np.testing.assert_array_equal(f.numpy(), nearest_even(np.full(4, 1.7, np.float32)))
+    with ut.tensor([[0.1, 0.2]], device, dtype=ut.bfloat16) as t:
+        np.testing.assert_array_equal(t.numpy(), nearest_even([[0.1, 0.2]]))
+        assert t.to(ut.bfloat16) is t and t.bfloat16() is t
+        with t.to("cpu", ut.float32) as c:
+            assert c.dtype == ut.float32 and c.device == "cpu"
+        with t.clone() as c, t.reshape(2) as r, t.transpose(0, 1) as tt:
+            assert c.dtype == r.dtype == tt.dtype == ut.bfloat16
+            np.testing.assert_array_equal(tt.numpy(), t.numpy().T)
+
+
+def test_bf16_views_are_read_only_and_copy_from_rounds(device):
+    with ut.zeros((3,), device, ut.bfloat16) as b:
+        with pytest.raises(ValueError):
+            b.numpy()[0] = 1.0
+        b.copy_from(np.array([0.1, 1e30, -2.0], np.float32))
+        np.testing.assert_array_equal(b.numpy(), nearest_even([0.1, 1e30, -2.0]))
+        with ut.tensor([0.3, 0.4, 0.5], device) as f:
+            b.copy_from(f)  # float32 -> bf16 on the device
+            np.testing.assert_array_equal(b.numpy(), nearest_even([0.3, 0.4, 0.5]))
+            f.copy_from(b)  # bf16 -> float32
+            np.testing.assert_array_equal(f.numpy(), nearest_even([0.3, 0.4, 0.5]))
+
+
+def test_pickle_keeps_the_dtype(device):
+    with ut.tensor([1.1, 2.2], device, ut.bfloat16) as b:
+        c = pickle.loads(pickle.dumps(b))
+        try:
+            assert c.dtype == ut.bfloat16 and c.device == device
+            np.testing.assert_array_equal(c.numpy(), b.numpy())
+        finally:
+            c.close()
+
+
+# ---- which arguments may be bf16 ---------------------------------------------------------
+
+def test_float32_only_arguments_are_refused_clearly(device):
+    with ut.ones((2, 2), device, ut.bfloat16) as b, ut.ones((2, 2), device) as f:
+        with pytest.raises(ut.ArgumentError, match="bfloat16.*float32"):
+            F.matmul(b, f)
+        with pytest.raises(ut.ArgumentError, match="must match"):
+            F.add_(f, b)  # one op's activations share their dtype
+        with pytest.raises(ut.ArgumentError, match="float32"):
+            F.sgd_step(b, f, lr=0.1)  # parameters are float32 (master weights)
+        with pytest.raises(ut.ArgumentError, match="float32"):
+            F.mse_loss(b, b)
+    lin = ut.Linear(2, 2).to(device)
+    try:
+        with ut.ones((2, 2), device) as x, ut.ones((2, 2), device, ut.bfloat16) as g:
+            y = lin(x)
+            y.close()
+            with pytest.raises(ut.ArgumentError, match="grad_out"):
+                lin.backward(g)  # a float32 forward's gradient must be float32
+    finally:
+        lin.close()
+
+
+# ---- layers on bf16 activations ---------------------------------------------------------
+
+def _round_params(layer):
+    for p in layer.parameters():
+        p.copy_from(nearest_even(p.numpy()))
+
+
+LAYERS = {
+    "conv3x3s2": lambda: ut.Conv2d(3, 8, 3, stride=2, padding=1, bias=True),
+    "pointwise": lambda: ut.Conv2d(8, 16, 1, bias=True),
+    "depthwise": lambda: ut.DWConv2d(8, 3, padding=1, bias=True),
+    "depthwise_s2": lambda: ut.DWConv2d(8, 3, stride=2, padding=1),
+    "batchnorm": lambda: ut.BatchNorm2d(8),
+    "relu6": lambda: ut.ReLU6(),
+    "avgpool": lambda: ut.GlobalAvgPool2d(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_in_bf16_matches_float32_on_the_same_values(name, device, rng):
+    layer = LAYERS[name]().to(device)
+    try:
+        _round_params(layer)
+        cin = 3 if name == "conv3x3s2" else 8
+        x = bf16_values(rng, (2, cin, 9, 9), 2.0)
+        with ut.tensor(x, device) as xf:
+            yf = layer(xf)
+            out = yf.numpy().copy()
+            g = bf16_values(rng, out.shape)
+            with ut.tensor(g, device) as gf:
+                dxf = layer.backward(gf)
+            ref_dx = dxf.numpy().copy()
+            ref_grads = [p.grad.numpy().copy() for p in layer.parameters()]
+            yf.close(), dxf.close()
+        layer.zero_grad()
+        with ut.tensor(x, device, ut.bfloat16) as xb, ut.tensor(g, device, ut.bfloat16) as gb:
+            yb = layer(xb)
+            dxb = layer.backward(gb)
+            try:
+                assert yb.dtype == dxb.dtype == ut.bfloat16
+                close(yb.numpy(), out, device)
+                close(dxb.numpy(), ref_dx, device)
+            finally:
+                yb.close(), dxb.close()
+        for p, ref in zip(layer.parameters(), ref_grads):
+            assert p.grad.dtype == ut.float32  # parameter gradients stay float32
+            scale = float(np.abs(ref).max()) or 1.0
+            # the float32 layer's backward saw float32 intermediates where bf16 rounds some
+            np.testing.assert_allclose(p.grad.numpy(), ref, rtol=0, atol=8 * U * scale)
+    finally:
+        layer.close()
+
+
+def test_cross_entropy_on_bf16_logits_is_float32_math(device, rng):
+    logits = bf16_values(rng, (5, 7), 3.0)
+    labels = np.array([0, 3, 6, 2, 2])
+    with ut.tensor(logits, device) as lf, ut.tensor(logits, device, ut.bfloat16) as lb:
+        with F.cross_entropy(lf, labels) as a, F.cross_entropy(lb, labels) as b:
+            assert b.dtype == ut.float32 and a.item() == b.item()
+        with F.cross_entropy_backward(lf, labels) as ga, \
+                F.cross_entropy_backward(lb, labels) as gb:
+            assert gb.dtype == ut.bfloat16
+            np.testing.assert_array_equal(gb.numpy(), nearest_even(ga.numpy()))
+
+
+# ---- mixed precision ---------------------------------------------------------------------
+
+def test_mixed_precision_keeps_float32_at_its_edges_and_in_the_weights(device, rng):
+    net = ut.Sequential(ut.Conv2d(3, 8, 3, padding=1), ut.BatchNorm2d(8), ut.ReLU6(),
+                        ut.DWConv2d(8, 3, padding=1), ut.BatchNorm2d(8), ut.ReLU6(),
+                        ut.Conv2d(8, 16, 1), ut.GlobalAvgPool2d(), ut.Linear(16, 4)).to(device)
+    mp = ut.MixedPrecision(net)
+    opt = ut.SGD(mp.parameters(), lr=0.05, momentum=0.9)
+    crit = ut.CrossEntropyLoss()
+    try:
+        assert [n for n, _ in mp.named_parameters()][0] == "module.0.weight"
+        x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+        y = rng.integers(0, 4, 8)
+        with ut.tensor(x, device) as xt:
+            mp.eval()  # no caches left behind by these two forwards
+            with mp(xt) as out, net(xt) as ref:
+                assert out.dtype == ut.float32
+                scale = float(np.abs(ref.numpy()).max())
+                np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=0.1 * scale)
+            mp.train()
+            assert net.training
+            losses = []
+            for _ in range(30):
+                opt.zero_grad()
+                with mp(xt) as out:
+                    loss = crit(out, y)
+                    losses.append(loss.item())
+                    loss.close()
+                    with crit.backward() as g, mp.backward(g) as dx:
+                        assert dx.dtype == ut.float32
+                opt.step()
+            crit.close()
+        assert all(p.dtype == ut.float32 for p in mp.parameters())
+        assert losses[-1] < 0.5 * losses[0]  # it learns
+    finally:
+        opt.close()
+        net.close()
+
+
+def test_precision_flag_trains_the_digits_to_the_float32_accuracy(tmp_path, capsys):
+    import io
+    accs = {}
+    for prec in ("fp32", "bf16"):
+        out = io.StringIO()
+        assert train_main(["--precision", prec, "--epochs", "8", "--no-checkpoint",
+                           "--no-progress", "--device", "cpu", "--threads", "2"], out) == 0
+        text = out.getvalue()
+        last = [l for l in text.splitlines() if l.startswith("final test accuracy")][0]
+        accs[prec] = float(last.split()[3].rstrip("%"))
+        if prec == "bf16":
+            assert "precision bf16" in text
+    assert accs["bf16"] >= accs["fp32"] - 0.5, accs
