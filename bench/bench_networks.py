@@ -2,7 +2,7 @@
 
     python bench/bench_networks.py [--net v1] [--size 64] [--batch 8] [--threads 2]
         [--device cpu] [--steps 20] [--rounds 3]
-        [--precision highest] [--blas cublas] [--graph] [--torch fp32,tf32,bf16,compile]
+        [--precision highest] [--blas cublas] [--graph] [--bf16] [--torch fp32,tf32,bf16,compile]
 
 MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, or the digits
 network of utensil-train (``--net digits``: width 32, 8x8 inputs), SGD with momentum 0.9 and
@@ -12,7 +12,9 @@ Prints images/s per side (the median round) and utensil's ratio to each PyTorch 
 
 utensil runs fp32 at ``--precision highest`` and TF32 GEMMs on cuBLAS at ``high``; ``--blas own``
 runs its own CUDA GEMM kernels instead of cuBLAS; ``--graph`` adds a row for utensil with one
-training step recorded in a ``ut.cuda.CUDAGraph`` and replayed per batch. PyTorch modes
+training step recorded in a ``ut.cuda.CUDAGraph`` and replayed per batch; ``--bf16`` adds rows
+for ``ut.MixedPrecision`` (bf16 activations, float32 weights: compare with PyTorch's bf16 mode).
+PyTorch modes
 (``--torch``, on CUDA; the CPU runs fp32 only), each with cudnn.benchmark on:
   fp32     NCHW, TF32 off for convs and matmuls: the same arithmetic as utensil at "highest"
   tf32     channels_last, TF32 on: the same arithmetic as utensil at "high"
@@ -139,7 +141,7 @@ def _torch_side(torch, net, mode, device):
 
 def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
         precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True,
-        graph=False):
+        graph=False, bf16=False):
     import torch
 
     if threads:
@@ -164,9 +166,16 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
     warm = batches[:3]
     ut_staged = {id(batches): stage(batches, device), id(warm): stage(warm, device)}
     ours = {"utensil": lambda b: utensil_steps(net, opt, ut_staged[id(b)])}
-    close_graph = None
+    closers = []
     if graph and device == "cuda":
-        ours["utensil graph"], close_graph = utensil_graph_side(net, opt, ut_staged)
+        ours["utensil graph"], c = utensil_graph_side(net, opt, ut_staged)
+        closers.append(c)
+    if bf16:  # the same weights and optimizer, the layers on bf16 activations
+        mp = ut.MixedPrecision(net)
+        ours["utensil bf16"] = lambda b: utensil_steps(mp, opt, ut_staged[id(b)])
+        if graph and device == "cuda":
+            ours["utensil bf16 graph"], c = utensil_graph_side(mp, opt, ut_staged)
+            closers.append(c)
     sides = dict(ours, **sides)
     rates = {k: [] for k in sides}
     try:
@@ -178,8 +187,8 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
                 fn(batches)
                 rates[name].append(steps * batch / (time.perf_counter() - t0))
     finally:
-        if close_graph:
-            close_graph()
+        for c in closers:
+            c()
         ut.set_float32_matmul_precision("highest")
         for staged in ut_staged.values():
             for xb, yb in staged:
@@ -206,6 +215,8 @@ def main(argv=None):
     p.add_argument("--blas", default="cublas", choices=("cublas", "own"))
     p.add_argument("--graph", action="store_true",
                    help="also time utensil with its step recorded in a CUDA graph (CUDA only)")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time utensil in mixed precision (ut.MixedPrecision, bf16)")
     p.add_argument("--torch", default="fp32",
                    help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
     a = p.parse_args(argv)
@@ -214,7 +225,7 @@ def main(argv=None):
         if m not in TORCH_MODES:
             p.error("unknown PyTorch mode %r" % m)
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
-            modes, fused=not a.unfused, graph=a.graph)
+            modes, fused=not a.unfused, graph=a.graph, bf16=a.bf16)
     size = a.size if a.net == "v1" else 8
     where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]
     print("%s %s %d^2 batch %d (%s, %s), utensil at %s: utensil %.1f img/s" % (
@@ -222,7 +233,10 @@ def main(argv=None):
         a.precision, r["utensil"]))
     for k, v in r.items():
         if k != "utensil":
-            print("  %-14s %9.1f img/s   utensil/%s %.2fx" % (k, v, k, r["utensil"] / v))
+            print("  %-18s %9.1f img/s   utensil/%s %.2fx" % (k, v, k, r["utensil"] / v))
+    for ours in ("utensil bf16", "utensil bf16 graph"):
+        if ours in r and "torch bf16" in r:
+            print("  %s / torch bf16: %.2fx" % (ours, r[ours] / r["torch bf16"]))
 
 
 if __name__ == "__main__":
