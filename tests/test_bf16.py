@@ -247,3 +247,24 @@ def test_precision_flag_trains_the_digits_to_the_float32_accuracy(tmp_path, caps
         if prec == "bf16":
             assert "precision bf16" in text
     assert accs["bf16"] >= accs["fp32"] - 0.5, accs
+
+
+# ---- DLPack ------------------------------------------------------------------------------
+
+def test_dlpack_exchanges_bf16_with_torch(device, torch, rng):
+    x = bf16_values(rng, (3, 5))
+    with ut.tensor(x, device, ut.bfloat16) as b:
+        t = torch.from_dlpack(b)
+        # CUDA: the 2-byte device memory itself; CPU: the float32 host copy numpy() shows
+        assert t.dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
+        np.testing.assert_array_equal(t.float().cpu().numpy(), x)
+    if device == "cuda":
+        src = torch.from_numpy(x).to("cuda", torch.bfloat16)
+        with ut.from_dlpack(src) as u:
+            assert u.dtype == ut.bfloat16 and u.device == "cuda"
+            np.testing.assert_array_equal(u.numpy(), x)
+            src.mul_(2)  # shared memory: the producer's write is seen
+            np.testing.assert_array_equal(u.numpy(), 2 * x)
+    else:
+        with pytest.raises(BufferError, match="bfloat16"):
+            ut.from_dlpack(torch.from_numpy(x).to(torch.bfloat16))

@@ -13,6 +13,12 @@ the capsule's destructor, when nobody consumed it) drops that reference.
 Streams: the library queues all GPU work on the legacy default stream. On export the consumer's
 stream is made to wait for that work; on import the producer is asked to order its work before
 the legacy default stream (``stream=1``).
+
+bfloat16: a CUDA bfloat16 tensor is exported as bfloat16 (its device memory holds 2-byte
+values), and a CUDA bfloat16 producer's memory is shared as a bfloat16 tensor. A CPU bfloat16
+tensor has no bfloat16 memory (its values live in its float32 host copy, see utensil.dtypes),
+so it is exported as float32, as numpy() shows it; a CPU bfloat16 producer is refused (copy=True
+converts it where numpy can read it).
 """
 
 import ctypes
@@ -24,7 +30,7 @@ from ._lib import ffi, lib
 __all__ = ["dlpack_device", "to_dlpack", "consume"]
 
 _CPU, _CUDA, _CUDA_HOST = 1, 2, 3
-_FLOAT_CODE = 2
+_FLOAT_CODE, _BFLOAT_CODE = 2, 4
 _FLAG_READ_ONLY, _FLAG_IS_COPIED = 1, 2
 _VERSION = (1, 0)
 
@@ -233,7 +239,8 @@ def _export(t, stream, versioned, copied):
     dl.data = data
     dl.device = _DLDevice(*device)
     dl.ndim = len(dims)
-    dl.dtype = _DLDataType(_FLOAT_CODE, 32, 1)
+    bf16 = device[0] == _CUDA and p.dtype == lib.UT_BF16
+    dl.dtype = _DLDataType(_BFLOAT_CODE, 16, 1) if bf16 else _DLDataType(_FLOAT_CODE, 32, 1)
     dl.shape = shape
     dl.strides = None  # compact row-major
     dl.byte_offset = 0
@@ -308,9 +315,14 @@ def consume(obj, want_dev, copy):
     dims = [int(dl.shape[i]) for i in range(dl.ndim)]
     dev_type = dl.device.device_type
     problems = []
-    if (dl.dtype.code, dl.dtype.bits, dl.dtype.lanes) != (_FLOAT_CODE, 32, 1):
-        problems.append("dtype is not float32 (code %d, %d bits, %d lanes)"
-                        % (dl.dtype.code, dl.dtype.bits, dl.dtype.lanes))
+    kind = (dl.dtype.code, dl.dtype.bits, dl.dtype.lanes)
+    bf16 = kind == (_BFLOAT_CODE, 16, 1)
+    if bf16 and dev_type != _CUDA:
+        problems.append("bfloat16 memory on the host cannot be shared (utensil keeps a bfloat16 "
+                        "tensor's host values as float32)")
+    elif kind != (_FLOAT_CODE, 32, 1) and not bf16:
+        problems.append("dtype is neither float32 nor bfloat16 (code %d, %d bits, %d lanes)"
+                        % kind)
     if not _contiguous(dl, dims):
         problems.append("memory is not C-contiguous")
     if readonly:
@@ -344,4 +356,6 @@ def consume(obj, want_dev, copy):
     if p == ffi.NULL:
         _release_import(ffi.cast("void*", address))
         check_ptr(p, "from_dlpack")
+    if bf16:  # ut_wrap makes float32; nothing has read the memory yet
+        p.dtype = lib.UT_BF16
     return ("tensor", p, src_dev)

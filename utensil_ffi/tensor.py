@@ -560,8 +560,8 @@ def _rebuild_tensor(data, device, dtype=None):
 def from_dlpack(obj, device=None, copy=None):
     """A Tensor over the memory of any DLPack producer (numpy, PyTorch, CuPy, JAX...).
 
-    Without a copy (the default) the producer's memory must be float32 and C-contiguous, on the
-    CPU or on the CUDA device; the tensor then shares it, and keeps the producer alive until it
+    Without a copy (the default) the producer's memory must be float32 (or bfloat16 on the
+    CUDA device: a bfloat16 tensor) and C-contiguous, on the CPU or on the CUDA device; the tensor then shares it, and keeps the producer alive until it
     is freed. Anything else raises a clear error unless ``copy=True``, which converts (dtype,
     layout) into a new tensor. ``device`` ("cpu"/"cuda"), when given, must match the producer's
     device unless ``copy=True``.
