@@ -13,8 +13,9 @@
          UT_NO_CUDA   build without the CUDA backend (UT_CUDA tensors then run on the CPU)
 
    TENSORS
-     A ut_tensor is a reference-counted, row-major float32 array of up to UT_MAX_DIMS dimensions.
-     `data` is a host copy that is always allocated. A tensor tagged UT_CUDA also has a device
+     A ut_tensor is a reference-counted, row-major float32 array of up to UT_MAX_DIMS dimensions
+     (or bfloat16 on the GPU, for mixed-precision activations: see ut_dtype; `data` is float32
+     for every tensor). `data` is a host copy that is always allocated. A tensor tagged UT_CUDA also has a device
      copy in `gpu_buf` when a GPU is present; the two copies form a lazy mirror:
          dirty_cpu  the host copy is stale (the GPU wrote last)   -> ut_sync_cpu() downloads
          dirty_gpu  the device copy is stale (the host wrote last) -> ut_sync_gpu() uploads
