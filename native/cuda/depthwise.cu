@@ -33,7 +33,30 @@
    Everything else (other filter shapes, planes too wide for shared memory) takes plain
    kernels: one thread per output (gather form for dx), and for dW a per-channel, per-chunk
    block reduction tap by tap, with the same deterministic second stage.
+
+   bf16 activations (the *_bf16 entry points at the end): every kernel is a template over the
+   activation type T (float or ut__cuda_bf16) that reads x and go through
+   ut__cuda_dwconv2d_ldg and writes y and dx through ut__cuda_st; w, bias, the dW partials
+   and dW stay float32, and the arithmetic, its order and the choice of kernel are the float32
+   ones, so a bf16 result is the float32 result on the same (bf16) inputs, rounded once when
+   stored. Where the float32 code moves several floats at once the bf16 code has its own
+   equivalent: the tiled kernels stage bf16 in shared memory as it is (8-byte cp.async, 2-byte
+   copies for unaligned heads and tails); the stride-2 dx strip kernel stores bf16 pairs where
+   float32 stores float2; and the forward, stride-1 dx and dW strip kernels, when the rows
+   start at even columns, take two output columns per thread read as 4-byte bf16 pairs
+   (ut__cuda_dwconv2d_strip2_*), since halving the bytes gains little while the number of load
+   instructions stays the same. Those keep each output's float32 sum order (forward and dx
+   are the float32 result rounded once); only the dW partial sums are grouped differently.
+   Measured on an H200 (fwd + dx + dW, bf16 over float32): 32x32x112x112 3x3 s1 1.28x,
+   32x96x112x112 s2 1.48x, 32x144x56x56 s1 1.26x, s2 1.30x; 5x5 s2 and 7x7 (tiled) 0.96x.
    ============================================================================================ */
+
+/* Read-only loads of activations: __ldg as the float32 kernels always did (the read-only
+   path), converted to float for bf16. */
+static __device__ __forceinline__ float ut__cuda_dwconv2d_ldg(const float* p) { return __ldg(p); }
+static __device__ __forceinline__ float ut__cuda_dwconv2d_ldg(const ut__cuda_bf16* p) {
+  return __bfloat162float(__ldg(p));
+}
 
 enum {
   UT__CUDA_DWCONV2D_FWD = 0,
@@ -61,16 +84,18 @@ static __device__ __forceinline__ unsigned ut__cuda_fdiv(unsigned n, const ut__c
   return (__umulhi(n, f.m) + n) >> f.s;
 }
 
+template <typename T>
 struct ut__cuda_dwconv2d_tile_params {
-  const float* in;   /* [N, C, IH, IW] */
+  const T* in;       /* [N, C, IH, IW] */
   const float* w;    /* [C, KH, KW] */
   const float* bias; /* [C] or NULL (UT__CUDA_DWCONV2D_FWD) */
-  const float* go;   /* [N, C, OH, OW] (UT__CUDA_DWCONV2D_DW) */
-  float* out;        /* [N, C, OH, OW], or partials [units, KH*KW] for UT__CUDA_DWCONV2D_DW */
+  const T* go;       /* [N, C, OH, OW] (UT__CUDA_DWCONV2D_DW) */
+  T* out;            /* [N, C, OH, OW] (not UT__CUDA_DWCONV2D_DW) */
+  float* part;       /* partials [units, KH*KW] (UT__CUDA_DWCONV2D_DW) */
   int N, C, IH, IW, OH, OW, pad_h, pad_w;
   int P, NG, BH, NB, NS; /* images per unit, image groups, rows per band, bands, strips/band */
-  int SQ;                /* shared floats per plane */
-  int BUF;               /* shared floats per buffer (P * SQ, a multiple of 4) */
+  int SQ;                /* shared elements (T) per plane */
+  int BUF;               /* shared elements per buffer (P * SQ, a multiple of 4) */
   int units;             /* C * NG * NB */
   ut__cuda_fastdiv fd_ow, fd_ns;
 };
@@ -81,9 +106,9 @@ struct ut__cuda_dwconv2d_unit {
   int c, n0, np, oy0, bh, iy_lo, L;
 };
 
-template <int MODE, int KH, int S>
+template <int MODE, int KH, int S, typename T>
 static __device__ __forceinline__ ut__cuda_dwconv2d_unit
-ut__cuda_dwconv2d_unit_at(const ut__cuda_dwconv2d_tile_params& p, int unit) {
+ut__cuda_dwconv2d_unit_at(const ut__cuda_dwconv2d_tile_params<T>& p, int unit) {
   ut__cuda_dwconv2d_unit u;
   const int b = unit % p.NB;
   const int t1 = unit / p.NB;
@@ -125,6 +150,16 @@ static __device__ __forceinline__ void ut__cuda_cp_async4(float* dst, const floa
 #endif
 }
 
+/* 8 bytes: four bf16 (ut__cuda_dwconv2d_tile_issue); .ca, since .cg takes only 16 */
+static __device__ __forceinline__ void ut__cuda_cp_async8(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(src));
+#else
+  *reinterpret_cast<uint2*>(dst) = __ldg(reinterpret_cast<const uint2*>(src));
+#endif
+}
+
 static __device__ __forceinline__ void ut__cuda_cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
@@ -138,54 +173,76 @@ static __device__ __forceinline__ void ut__cuda_cp_async_wait1() {
 #endif
 }
 
+/* Where a plane's run of input starts in its shared slot: the copy keeps the source's address
+   modulo 16 bytes for float (four floats) and modulo 8 bytes for bf16 (four bf16), so the
+   body goes in whole aligned chunks of four elements. */
+static __device__ __forceinline__ int ut__cuda_dwconv2d_tile_skew(const float* src) {
+  return (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3);
+}
+static __device__ __forceinline__ int ut__cuda_dwconv2d_tile_skew(const ut__cuda_bf16* src) {
+  return (int)((reinterpret_cast<uintptr_t>(src) >> 1) & 3);
+}
+
 /* start copying a unit's input rows into a shared buffer: per plane a contiguous run of L
-   floats, placed so that the copy keeps the source's address modulo 16 (16-byte body, 4-byte
-   head and tail) */
-template <int MODE, int KH, int S>
+   elements, placed at ut__cuda_dwconv2d_tile_skew so that chunks of four elements are aligned
+   on both sides: float 16-byte body, 4-byte head and tail; bf16 8-byte body, and the head and
+   tail elements copied by plain 2-byte loads and stores (cp.async moves 4 bytes at least;
+   only a band whose start or length is not a multiple of four elements has them) */
+template <int MODE, int KH, int S, typename T>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_issue(
-    const ut__cuda_dwconv2d_tile_params& p, int unit, float* buf) {
+    const ut__cuda_dwconv2d_tile_params<T>& p, int unit, T* buf) {
   const ut__cuda_dwconv2d_unit u = ut__cuda_dwconv2d_unit_at<MODE, KH, S>(p, unit);
   const ut__i64 in_plane = (ut__i64)p.IH * p.IW;
   const int nv = (u.L + 6) >> 2;
   const int slots = u.np * nv;
   for (int idx = threadIdx.x; idx < slots; idx += blockDim.x) {
     const int q = idx / nv, v = idx - q * nv;
-    const float* src =
+    const T* src =
         p.in + ((ut__i64)(u.n0 + q) * p.C + u.c) * in_plane + (ut__i64)u.iy_lo * p.IW;
-    const int off = (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3);
+    const int off = ut__cuda_dwconv2d_tile_skew(src);
     const int e = 4 * v - off;
-    float* dst = buf + q * p.SQ + 4 * v;
-    if (e >= 0 && e + 3 < u.L) {
-      ut__cuda_cp_async16(dst, src + e);
-    } else {
+    T* dst = buf + q * p.SQ + 4 * v;
+    if constexpr (sizeof(T) == 4) {
+      if (e >= 0 && e + 3 < u.L) {
+        ut__cuda_cp_async16(dst, src + e);
+      } else {
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (e + k >= 0 && e + k < u.L) ut__cuda_cp_async4(dst + k, src + e + k);
+        for (int k = 0; k < 4; ++k)
+          if (e + k >= 0 && e + k < u.L) ut__cuda_cp_async4(dst + k, src + e + k);
+      }
+    } else {
+      if (e >= 0 && e + 3 < u.L) {
+        ut__cuda_cp_async8(dst, src + e);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (e + k >= 0 && e + k < u.L) dst[k] = src[e + k];
+      }
     }
   }
 }
 
 /* compute one unit from its shared buffer */
-template <int MODE, int KH, int KW, int S, int R>
+template <int MODE, int KH, int KW, int S, int R, typename T>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
-    const ut__cuda_dwconv2d_tile_params& p, int unit, const float* sm, float* red) {
-  constexpr int T = KH * KW;
+    const ut__cuda_dwconv2d_tile_params<T>& p, int unit, const T* sm, float* red) {
+  constexpr int NT = KH * KW;
   constexpr int ROWS = (R - 1) * S + KH; /* input rows a forward strip can touch */
   const ut__cuda_dwconv2d_unit u = ut__cuda_dwconv2d_unit_at<MODE, KH, S>(p, unit);
   const ut__i64 in_plane = (ut__i64)p.IH * p.IW;
   const ut__i64 out_plane = (ut__i64)p.OH * p.OW;
 
-  float wr[T];
+  float wr[NT];
   float bv = 0.f;
   if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
 #pragma unroll
-    for (int i = 0; i < T; ++i)
-      wr[i] = __ldg(p.w + (ut__i64)u.c * T + (MODE == UT__CUDA_DWCONV2D_FLIP ? T - 1 - i : i));
+    for (int i = 0; i < NT; ++i)
+      wr[i] = __ldg(p.w + (ut__i64)u.c * NT + (MODE == UT__CUDA_DWCONV2D_FLIP ? NT - 1 - i : i));
     if (MODE == UT__CUDA_DWCONV2D_FWD && p.bias) bv = __ldg(p.bias + u.c);
   }
-  float accw[T];
+  float accw[NT];
 #pragma unroll
-  for (int i = 0; i < T; ++i) accw[i] = 0.f;
+  for (int i = 0; i < NT; ++i) accw[i] = 0.f;
 
   /* vertical strips of R outputs: item = (q * NS + strip) * OW + ox */
   const int items = u.np * p.NS * p.OW;
@@ -198,8 +255,8 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
     const int nr = min(R, u.oy0 + u.bh - oys);
     if (nr <= 0) continue; /* a strip past the end of a short last band */
     const ut__i64 plane_idx = (ut__i64)(u.n0 + q) * p.C + u.c;
-    const float* src = p.in + plane_idx * in_plane + (ut__i64)u.iy_lo * p.IW;
-    const int base = q * p.SQ + (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3) -
+    const T* src = p.in + plane_idx * in_plane + (ut__i64)u.iy_lo * p.IW;
+    const int base = q * p.SQ + ut__cuda_dwconv2d_tile_skew(src) -
                      u.iy_lo * p.IW; /* + iy * IW + ix: the input element (iy, ix) */
 
     if constexpr (MODE == UT__CUDA_DWCONV2D_TDX) {
@@ -213,7 +270,7 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
         cx[kx] = tx / S;
         okx[kx] = tx >= 0 && tx % S == 0 && tx / S < p.IW;
       }
-      float* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+      T* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r < nr) {
@@ -225,10 +282,10 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
               const int rb = base + (ty / S) * p.IW;
 #pragma unroll
               for (int kx = 0; kx < KW; ++kx)
-                if (okx[kx]) a = fmaf(wr[ky * KW + kx], sm[rb + cx[kx]], a);
+                if (okx[kx]) a = fmaf(wr[ky * KW + kx], ut__cuda_ld(sm + rb + cx[kx]), a);
             }
           }
-          yp[(ut__i64)r * p.OW] = a;
+          ut__cuda_st(yp + (ut__i64)r * p.OW, a);
         }
       }
     } else {
@@ -242,9 +299,10 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
       float g[R];   /* UT__CUDA_DWCONV2D_DW: the strip's output gradients */
       float acc[R]; /* otherwise: the strip's outputs */
       if constexpr (MODE == UT__CUDA_DWCONV2D_DW) {
-        const float* gp = p.go + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+        const T* gp = p.go + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
 #pragma unroll
-        for (int r = 0; r < R; ++r) g[r] = r < nr ? __ldg(gp + (ut__i64)r * p.OW) : 0.f;
+        for (int r = 0; r < R; ++r)
+          g[r] = r < nr ? ut__cuda_dwconv2d_ldg(gp + (ut__i64)r * p.OW) : 0.f;
       } else {
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = bv;
@@ -257,7 +315,7 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
           const int rb = base + iy * p.IW + ixb;
           float v[KW];
 #pragma unroll
-          for (int cc = 0; cc < KW; ++cc) v[cc] = cv[cc] ? sm[rb + cc] : 0.f;
+          for (int cc = 0; cc < KW; ++cc) v[cc] = cv[cc] ? ut__cuda_ld(sm + rb + cc) : 0.f;
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const int kr = j - r * S;
@@ -274,39 +332,39 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
         }
       }
       if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
-        float* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
+        T* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
 #pragma unroll
         for (int r = 0; r < R; ++r)
-          if (r < nr) yp[(ut__i64)r * p.OW] = acc[r];
+          if (r < nr) ut__cuda_st(yp + (ut__i64)r * p.OW, acc[r]);
       }
     }
   }
 
   if constexpr (MODE == UT__CUDA_DWCONV2D_DW) {
-    /* the unit's T sums: warps, then warp partials in order -> out[unit] */
+    /* the unit's NT sums: warps, then warp partials in order -> part[unit] */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
-    for (int i = 0; i < T; ++i) {
+    for (int i = 0; i < NT; ++i) {
       float v = ut__cuda_warp_sum(accw[i]);
-      if (lane == 0) red[warp * T + i] = v;
+      if (lane == 0) red[warp * NT + i] = v;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < T; i += blockDim.x) {
+    for (int i = threadIdx.x; i < NT; i += blockDim.x) {
       float s = 0.f;
-      for (int w = 0; w < nw; ++w) s += red[w * T + i];
-      p.out[(ut__i64)unit * T + i] = s;
+      for (int w = 0; w < nw; ++w) s += red[w * NT + i];
+      p.part[(ut__i64)unit * NT + i] = s;
     }
   }
 }
 
 /* A persistent grid: block b takes units b, b + gridDim.x, ...; while it computes one unit
    the copy of its next unit's input is in flight (two shared buffers, cp.async). */
-template <int MODE, int KH, int KW, int S, int R>
+template <int MODE, int KH, int KW, int S, int R, typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_dwconv2d_tile_kernel(ut__cuda_dwconv2d_tile_params p) {
+    ut__cuda_dwconv2d_tile_kernel(ut__cuda_dwconv2d_tile_params<T> p) {
   extern __shared__ float4 smem4[];
-  float* sm = reinterpret_cast<float*>(smem4);
-  float* red = sm + 2 * p.BUF;
+  T* sm = reinterpret_cast<T*>(smem4);
+  float* red = reinterpret_cast<float*>(sm + 2 * p.BUF); /* BUF % 4 == 0: 16-byte aligned */
   int unit = blockIdx.x;
   if (unit >= p.units) return;
   ut__cuda_dwconv2d_tile_issue<MODE, KH, S>(p, unit, sm);
@@ -390,27 +448,38 @@ static __global__ void ut__cuda_dwconv2d_dw_final_flagged_kernel(const float* __
                      ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_checked_kernel adds the
                      parts in order */
 
+/* two adjacent outputs at once (p aligned to two elements): float2, or a bf16 pair rounded
+   each to nearest even */
+static __device__ __forceinline__ void ut__cuda_dwconv2d_st2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+static __device__ __forceinline__ void ut__cuda_dwconv2d_st2(ut__cuda_bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+template <typename T>
 struct ut__cuda_dwconv2d_strip_params {
-  const float* in;   /* [planes, IH, IW] */
+  const T* in;       /* [planes, IH, IW] */
   const float* w;    /* [C, K, K] */
   const float* bias; /* [C] or NULL */
-  const float* go;   /* [planes, OH, OW] (ut__cuda_dwconv2d_strip_dw_kernel) */
-  float* out;        /* [planes, OH, OW], or partials (ut__cuda_dwconv2d_strip_dw_kernel) */
+  const T* go;       /* [planes, OH, OW] (ut__cuda_dwconv2d_strip_dw_kernel) */
+  T* out;            /* [planes, OH, OW] (not ut__cuda_dwconv2d_strip_dw_kernel) */
+  float* part;       /* partials (ut__cuda_dwconv2d_strip_dw_kernel) */
   int C, IH, IW, OH, OW, pad;
   int NX, NS;        /* column groups per row, strips per plane */
   unsigned items;    /* all items (ut__cuda_dwconv2d_strip_forward_kernel,
                         ut__cuda_dwconv2d_strip_tdx_kernel) or one channel's items
                         (ut__cuda_dwconv2d_strip_dw_kernel) */
   unsigned chunk;    /* items per block (ut__cuda_dwconv2d_strip_dw_kernel) */
-  int vec2;          /* ut__cuda_dwconv2d_strip_tdx_kernel with S == 2: rows of out are 8-byte
-                        aligned and W is even */
+  int vec2;          /* ut__cuda_dwconv2d_strip_tdx_kernel with S == 2: rows of out are aligned
+                        to two elements (8 bytes float, 4 bytes bf16) and W is even */
   ut__cuda_fastdiv fd_nx, fd_ns, fd_c;
 };
 
-template <int K, int S, int R, bool FLIP>
+template <int K, int S, int R, bool FLIP, typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_dwconv2d_strip_forward_kernel(ut__cuda_dwconv2d_strip_params p) {
-  constexpr int T = K * K;
+    ut__cuda_dwconv2d_strip_forward_kernel(ut__cuda_dwconv2d_strip_params<T> p) {
+  constexpr int NT = K * K;
   constexpr int ROWS = (R - 1) * S + K;
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
@@ -419,10 +488,10 @@ static __global__ void __launch_bounds__(256)
   const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
   const int oy0 = (int)(t1 - plane * (unsigned)p.NS) * R;
   const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
-  const float* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
-  float wr[T];
+  const T* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[NT];
 #pragma unroll
-  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + (FLIP ? T - 1 - i : i));
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(p.w + c * NT + (FLIP ? NT - 1 - i : i));
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
   bool cv[K];
@@ -435,10 +504,10 @@ static __global__ void __launch_bounds__(256)
   for (int j = 0; j < ROWS; ++j) {
     const int iy = iyb + j;
     const bool rv = (unsigned)iy < (unsigned)p.IH;
-    const float* rp = xp + (iy * p.IW + ixb);
+    const T* rp = xp + (iy * p.IW + ixb);
     float v[K];
 #pragma unroll
-    for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+    for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? ut__cuda_dwconv2d_ldg(rp + kx) : 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int kr = j - r * S;
@@ -448,11 +517,11 @@ static __global__ void __launch_bounds__(256)
       }
     }
   }
-  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
+  T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
   const int nr = min(R, p.OH - oy0);
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (r < nr) yp[r * p.OW] = acc[r];
+    if (r < nr) ut__cuda_st(yp + r * p.OW, acc[r]);
 }
 
 /* dx at stride S > 1. in = go [planes, IH = ho, IW = wo], out = dx [planes, OH = h, OW = w].
@@ -460,10 +529,10 @@ static __global__ void __launch_bounds__(256)
    (R a multiple of S). dx[y][x] = sum of go[gy][gx] * w[ky][kx] over y + pad = gy*S + ky,
    x + pad = gx*S + kx. With E = K - 1 + D, go rows gy0 + j (gy0 = (y0 + pad - E) / S, exact)
    meet dx row y0 + r through ky = E + r - j*S, and columns likewise. */
-template <int K, int S, int R, int D>
+template <int K, int S, int R, int D, typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_dwconv2d_strip_tdx_kernel(ut__cuda_dwconv2d_strip_params p) {
-  constexpr int T = K * K;
+    ut__cuda_dwconv2d_strip_tdx_kernel(ut__cuda_dwconv2d_strip_params<T> p) {
+  constexpr int NT = K * K;
   constexpr int E = K - 1 + D;
   constexpr int JR = (E + R - 1) / S + 1; /* go rows an item reads */
   constexpr int MR = (E + S - 1) / S + 1; /* go columns an item reads */
@@ -474,10 +543,10 @@ static __global__ void __launch_bounds__(256)
   const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
   const int y0 = (int)(t1 - plane * (unsigned)p.NS) * R;
   const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
-  const float* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
-  float wr[T];
+  const T* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[NT];
 #pragma unroll
-  for (int i = 0; i < T; ++i) wr[i] = __ldg(p.w + c * T + i);
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(p.w + c * NT + i);
   const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
   bool cv[MR];
 #pragma unroll
@@ -491,10 +560,10 @@ static __global__ void __launch_bounds__(256)
   for (int j = 0; j < JR; ++j) {
     const int gy = gy0 + j;
     const bool rv = (unsigned)gy < (unsigned)p.IH;
-    const float* rp = gp + (gy * p.IW + gx0);
+    const T* rp = gp + (gy * p.IW + gx0);
     float v[MR];
 #pragma unroll
-    for (int m = 0; m < MR; ++m) v[m] = (rv && cv[m]) ? __ldg(rp + m) : 0.f;
+    for (int m = 0; m < MR; ++m) v[m] = (rv && cv[m]) ? ut__cuda_dwconv2d_ldg(rp + m) : 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int ky = E + r - j * S;
@@ -509,12 +578,12 @@ static __global__ void __launch_bounds__(256)
       }
     }
   }
-  float* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
+  T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
   const int nr = min(R, p.OH - y0);
   if (S == 2 && p.vec2) { /* x0 is even and OW is even: x0 + 1 < OW */
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (r < nr) *reinterpret_cast<float2*>(yp + r * p.OW) = make_float2(acc[r][0], acc[r][S - 1]);
+      if (r < nr) ut__cuda_dwconv2d_st2(yp + r * p.OW, acc[r][0], acc[r][S - 1]);
   } else {
     const int nq = min(S, p.OW - x0);
 #pragma unroll
@@ -522,23 +591,23 @@ static __global__ void __launch_bounds__(256)
       if (r < nr) {
 #pragma unroll
         for (int q = 0; q < S; ++q)
-          if (q < nq) yp[r * p.OW + q] = acc[r][q];
+          if (q < nq) ut__cuda_st(yp + r * p.OW + q, acc[r][q]);
       }
   }
 }
 
 /* in = x [planes, IH, IW], go [planes, OH, OW]; grid (parts, C); items of channel c are
    numbered column fastest, then strip, then image */
-template <int K, int S, int R>
+template <int K, int S, int R, typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_dwconv2d_strip_dw_kernel(ut__cuda_dwconv2d_strip_params p) {
-  constexpr int T = K * K;
+    ut__cuda_dwconv2d_strip_dw_kernel(ut__cuda_dwconv2d_strip_params<T> p) {
+  constexpr int NT = K * K;
   constexpr int ROWS = (R - 1) * S + K;
-  __shared__ float red[8 * T];
+  __shared__ float red[8 * NT];
   const int c = blockIdx.y;
-  float accw[T];
+  float accw[NT];
 #pragma unroll
-  for (int i = 0; i < T; ++i) accw[i] = 0.f;
+  for (int i = 0; i < NT; ++i) accw[i] = 0.f;
   const unsigned e0 = blockIdx.x * p.chunk;
   const unsigned e1 = min(e0 + p.chunk, p.items);
   const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
@@ -548,12 +617,12 @@ static __global__ void __launch_bounds__(256)
     const unsigned n = ut__cuda_fdiv(t1, p.fd_ns);
     const int oy0 = (int)(t1 - n * (unsigned)p.NS) * R;
     const size_t plane = (size_t)n * p.C + c;
-    const float* __restrict__ xp = p.in + plane * in_plane;
-    const float* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
+    const T* __restrict__ xp = p.in + plane * in_plane;
+    const T* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
     const int nr = min(R, p.OH - oy0);
     float g[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) g[r] = r < nr ? __ldg(gp + r * p.OW) : 0.f;
+    for (int r = 0; r < R; ++r) g[r] = r < nr ? ut__cuda_dwconv2d_ldg(gp + r * p.OW) : 0.f;
     const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
     bool cv[K];
 #pragma unroll
@@ -562,10 +631,10 @@ static __global__ void __launch_bounds__(256)
     for (int j = 0; j < ROWS; ++j) {
       const int iy = iyb + j;
       const bool rv = (unsigned)iy < (unsigned)p.IH;
-      const float* rp = xp + (iy * p.IW + ixb);
+      const T* rp = xp + (iy * p.IW + ixb);
       float v[K];
 #pragma unroll
-      for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? __ldg(rp + kx) : 0.f;
+      for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? ut__cuda_dwconv2d_ldg(rp + kx) : 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int kr = j - r * S;
@@ -578,15 +647,244 @@ static __global__ void __launch_bounds__(256)
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
-  for (int i = 0; i < T; ++i) {
+  for (int i = 0; i < NT; ++i) {
     const float v = ut__cuda_warp_sum(accw[i]);
-    if (lane == 0) red[warp * T + i] = v;
+    if (lane == 0) red[warp * NT + i] = v;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < T; i += blockDim.x) {
+  for (int i = threadIdx.x; i < NT; i += blockDim.x) {
     float s = 0.f;
-    for (int w = 0; w < nw; ++w) s += red[w * T + i];
-    p.out[((size_t)c * gridDim.x + blockIdx.x) * T + i] = s;
+    for (int w = 0; w < nw; ++w) s += red[w * NT + i];
+    p.part[((size_t)c * gridDim.x + blockIdx.x) * NT + i] = s;
+  }
+}
+
+/* ---- bf16 strip kernels, two output columns per thread ----
+   The float32 strip kernels are bound by load instructions, not bytes (the overlap is served
+   by L1), so bf16 with one column per thread gains nothing (measured slower on an H200: each
+   2-byte load costs an instruction like a 4-byte one, plus its conversion). These take an
+   item of R rows x 2 columns and read each input row as aligned bf16 pairs (4-byte loads):
+   with IW even and the plane 4-byte aligned, every pair lies wholly inside the row or wholly
+   outside it, so one test per pair replaces the per-column bounds. The window of a pair of
+   outputs, columns ixb .. ixb + S + K - 1 with ixb = 2 gx S - pad, starts PO = pad & 1
+   columns after an even column. Each output's sum runs over the same rows and taps in the
+   same order as in ut__cuda_dwconv2d_strip_forward_kernel, so forward and dx are the float32
+   kernel's numbers rounded once; the dW kernel's partial sums are grouped differently (an
+   item holds two columns), so its float32 sums may differ in the last bits. */
+template <int K, int S, int PO>
+struct ut__cuda_dwconv2d_strip2_window {
+  static constexpr int NW = (PO + S + K + 1) / 2; /* bf16 pairs per input row */
+};
+
+/* one input row of a pair item: v[0 .. 2 NW) = columns a0 .. a0 + 2 NW, zero outside */
+template <int NW>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_strip2_row(const ut__cuda_bf16* rowp,
+                                                                    int a0, int iw, bool rv,
+                                                                    float (&v)[2 * NW]) {
+  const __nv_bfloat162* rp = reinterpret_cast<const __nv_bfloat162*>(rowp + a0);
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    float2 f = make_float2(0.f, 0.f);
+    if (rv && (unsigned)(a0 + 2 * i) < (unsigned)iw) f = __bfloat1622float2(__ldg(rp + i));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+/* y = conv(x, w) + bias (FLIP: dx at stride 1, go correlated with the rotated filter); the
+   items are numbered as in ut__cuda_dwconv2d_strip_forward_kernel with NX = ceil(OW / 2) */
+template <int K, int S, int R, bool FLIP, int PO>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_strip2_forward_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
+  constexpr int NT = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  constexpr int NW = ut__cuda_dwconv2d_strip2_window<K, S, PO>::NW;
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+  const int ox = 2 * (int)(it - t1 * (unsigned)p.NX);
+  const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
+  const int oy0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const ut__cuda_bf16* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(p.w + c * NT + (FLIP ? NT - 1 - i : i));
+  const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
+  const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+  float acc[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = bv;
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    float v[2 * NW];
+    ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH, v);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int kr = j - r * S;
+      if (kr >= 0 && kr < K) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+          for (int kx = 0; kx < K; ++kx)
+            acc[r][q] = fmaf(wr[kr * K + kx], v[PO + q * S + kx], acc[r][q]);
+      }
+    }
+  }
+  ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
+  const int nr = min(R, p.OH - oy0);
+  if (p.vec2) { /* OW even and rows 4-byte aligned: ox + 1 < OW */
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) ut__cuda_dwconv2d_st2(yp + r * p.OW, acc[r][0], acc[r][1]);
+  } else {
+    const bool second = ox + 1 < p.OW;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < nr) {
+        ut__cuda_st(yp + r * p.OW, acc[r][0]);
+        if (second) ut__cuda_st(yp + r * p.OW + 1, acc[r][1]);
+      }
+  }
+}
+
+/* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x 2 columns; go is
+   read in pairs too (OW even, go 4-byte aligned) */
+template <int K, int S, int R, int PO>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_strip2_dw_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
+  constexpr int NT = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  constexpr int NW = ut__cuda_dwconv2d_strip2_window<K, S, PO>::NW;
+  __shared__ float red[8 * NT];
+  const int c = blockIdx.y;
+  float accw[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) accw[i] = 0.f;
+  const unsigned e0 = blockIdx.x * p.chunk;
+  const unsigned e1 = min(e0 + p.chunk, p.items);
+  const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
+  for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
+    const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+    const int ox = 2 * (int)(it - t1 * (unsigned)p.NX);
+    const unsigned n = ut__cuda_fdiv(t1, p.fd_ns);
+    const int oy0 = (int)(t1 - n * (unsigned)p.NS) * R;
+    const size_t plane = (size_t)n * p.C + c;
+    const ut__cuda_bf16* __restrict__ xp = p.in + plane * in_plane;
+    const __nv_bfloat162* __restrict__ gp =
+        reinterpret_cast<const __nv_bfloat162*>(p.go + plane * out_plane + (oy0 * p.OW + ox));
+    const int nr = min(R, p.OH - oy0);
+    float g[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float2 f = make_float2(0.f, 0.f);
+      if (r < nr) f = __bfloat1622float2(__ldg(gp + r * (p.OW >> 1)));
+      g[r][0] = f.x;
+      g[r][1] = f.y;
+    }
+    const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      float v[2 * NW];
+      ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH,
+                                       v);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int kr = j - r * S;
+        if (kr >= 0 && kr < K) {
+#pragma unroll
+          for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int kx = 0; kx < K; ++kx)
+              accw[kr * K + kx] = fmaf(g[r][q], v[PO + q * S + kx], accw[kr * K + kx]);
+        }
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const float v = ut__cuda_warp_sum(accw[i]);
+    if (lane == 0) red[warp * NT + i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT; i += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w * NT + i];
+    p.part[((size_t)c * gridDim.x + blockIdx.x) * NT + i] = s;
+  }
+}
+
+/* the bf16 pair kernels serve an input whose rows start at even columns: IW even, the
+   tensor 4-byte aligned */
+static bool ut__cuda_dwconv2d_strip2_fits(const ut__cuda_bf16* in, int iw) {
+  return iw % 2 == 0 && (reinterpret_cast<uintptr_t>(in) & 3) == 0;
+}
+
+/* output columns per item of the dW strip kernel: 2 (ut__cuda_dwconv2d_strip2_dw_kernel) for
+   bf16 when x and go both read in pairs, else 1 */
+static int ut__cuda_dwconv2d_strip2_dw_cols(const float*, const float*, const ut__conv_geom*) {
+  return 1;
+}
+static int ut__cuda_dwconv2d_strip2_dw_cols(const ut__cuda_bf16* go, const ut__cuda_bf16* x,
+                                            const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_strip2_fits(x, g->w) && ut__cuda_dwconv2d_strip2_fits(go, g->wo) ? 2
+                                                                                            : 1;
+}
+
+template <int K, int S, int R, bool FLIP, int PO>
+static int ut__cuda_dwconv2d_strip2_forward_launch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int threads) {
+  ut__cuda_dwconv2d_strip2_forward_kernel<K, S, R, FLIP, PO>
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
+  UT__CUDA_LAUNCHED("depthwise conv (bf16 strips)");
+  return UT_OK;
+}
+
+template <int R, bool FLIP>
+static int ut__cuda_dwconv2d_strip2_forward_dispatch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int k, int s, int threads) {
+  const int po = p.pad & 1;
+  switch ((k * 10 + s) * 2 + po) {
+    case 62: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 0>(p, threads);
+    case 63: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 1>(p, threads);
+    case 102: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 0>(p, threads);
+    case 103: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 1>(p, threads);
+    default: break;
+  }
+  if constexpr (!FLIP) { /* FLIP serves dx at stride 1 only */
+    switch ((k * 10 + s) * 2 + po) {
+      case 64: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 0>(p, threads);
+      case 65: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 1>(p, threads);
+      default: break;
+    }
+  }
+  return ut__set_error(UT_ERR_ARG, "dw: no bf16 strip kernel for %dx%d stride %d", k, k, s);
+}
+
+template <int K, int S, int R, int PO>
+static int ut__cuda_dwconv2d_strip2_dw_launch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                              int parts, int threads) {
+  ut__cuda_dwconv2d_strip2_dw_kernel<K, S, R, PO>
+      <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(p);
+  UT__CUDA_LAUNCHED("depthwise dW (bf16 strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int ut__cuda_dwconv2d_strip2_dw_dispatch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                                int k, int s, int parts, int threads) {
+  switch ((k * 10 + s) * 2 + (p.pad & 1)) {
+    case 62: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 0>(p, parts, threads);
+    case 63: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 1>(p, parts, threads);
+    case 102: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 0>(p, parts, threads);
+    case 103: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 1>(p, parts, threads);
+    case 64: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 0>(p, parts, threads);
+    case 65: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 1>(p, parts, threads);
+    default:
+      return ut__set_error(UT_ERR_ARG, "dw: no bf16 strip dW kernel for %dx%d stride %d", k, k, s);
   }
 }
 
@@ -622,17 +920,18 @@ static int ut__cuda_dwconv2d_strip_threads() {
   return ut__cuda_dwconv2d_strip_tune_threads ? ut__cuda_dwconv2d_strip_tune_threads : 128;
 }
 
-template <int K, int S, int R, bool FLIP>
-static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
-  ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP>
+template <int K, int S, int R, bool FLIP, typename T>
+static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params<T> p,
+                                                  int threads) {
+  ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP, T>
       <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv (strips)");
   return UT_OK;
 }
 
-template <int R, bool FLIP>
-static int ut__cuda_dwconv2d_strip_forward_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
-                                                    int s, int threads) {
+template <int R, bool FLIP, typename T>
+static int ut__cuda_dwconv2d_strip_forward_dispatch(const ut__cuda_dwconv2d_strip_params<T>& p,
+                                                    int k, int s, int threads) {
   switch (k * 10 + s) {
     case 31: return ut__cuda_dwconv2d_strip_forward_launch<3, 1, R, FLIP>(p, threads);
     case 51: return ut__cuda_dwconv2d_strip_forward_launch<5, 1, R, FLIP>(p, threads);
@@ -664,15 +963,31 @@ static bool ut__cuda_dwconv2d_strip_pick(int mode, const ut__conv_geom* g) {
   return true;
 }
 
-static int ut__cuda_dwconv2d_strip_forward_run(const float* in, const float* w, const float* bias,
-                                               float* out, int n, int c, int ih, int iw, int oh,
+template <typename T>
+static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, const float* bias,
+                                               T* out, int n, int c, int ih, int iw, int oh,
                                                int ow, int k, int s, int pad, bool flip) {
   const int R =
       ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
   const int threads = ut__cuda_dwconv2d_strip_threads();
-  ut__cuda_dwconv2d_strip_params p = {};
+  ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = in; p.w = w; p.bias = bias; p.out = out;
   p.C = c; p.IH = ih; p.IW = iw; p.OH = oh; p.OW = ow; p.pad = pad;
+  if constexpr (sizeof(T) == 2) {
+    if (ut__cuda_dwconv2d_strip2_fits(in, iw)) { /* two columns per item */
+      p.NX = (int)ut__cuda_cdiv(ow, 2); p.NS = (int)ut__cuda_cdiv(oh, R);
+      p.items = (unsigned)((ut__i64)n * c * p.NS * p.NX);
+      p.vec2 = ow % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 3) == 0;
+      p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+      p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+      p.fd_c = ut__cuda_fastdiv_make((unsigned)c);
+      if (R == 4)
+        return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<4, true>(p, k, s, threads)
+                    : ut__cuda_dwconv2d_strip2_forward_dispatch<4, false>(p, k, s, threads);
+      return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<8, true>(p, k, s, threads)
+                  : ut__cuda_dwconv2d_strip2_forward_dispatch<8, false>(p, k, s, threads);
+    }
+  }
   p.NX = ow; p.NS = (int)ut__cuda_cdiv(oh, R);
   p.items = (unsigned)((ut__i64)n * c * p.NS * ow);
   p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
@@ -685,16 +1000,16 @@ static int ut__cuda_dwconv2d_strip_forward_run(const float* in, const float* w, 
               : ut__cuda_dwconv2d_strip_forward_dispatch<8, false>(p, k, s, threads);
 }
 
-template <int K, int R, int D>
-static int ut__cuda_dwconv2d_strip_tdx_launch(ut__cuda_dwconv2d_strip_params p, int threads) {
-  ut__cuda_dwconv2d_strip_tdx_kernel<K, 2, R, D>
+template <int K, int R, int D, typename T>
+static int ut__cuda_dwconv2d_strip_tdx_launch(ut__cuda_dwconv2d_strip_params<T> p, int threads) {
+  ut__cuda_dwconv2d_strip_tdx_kernel<K, 2, R, D, T>
       <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise dx (strips)");
   return UT_OK;
 }
 
-template <int R>
-static int ut__cuda_dwconv2d_strip_tdx_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
+template <int R, typename T>
+static int ut__cuda_dwconv2d_strip_tdx_dispatch(const ut__cuda_dwconv2d_strip_params<T>& p, int k,
                                                 int d, int threads) {
   switch (k * 10 + d) {
     case 30: return ut__cuda_dwconv2d_strip_tdx_launch<3, R, 0>(p, threads);
@@ -704,16 +1019,17 @@ static int ut__cuda_dwconv2d_strip_tdx_dispatch(const ut__cuda_dwconv2d_strip_pa
 }
 
 /* dx at stride 2 from go [n*c, ho, wo] into dx [n*c, h, w] */
-static int ut__cuda_dwconv2d_strip_tdx_run(const float* go, const float* w, float* dx,
+template <typename T>
+static int ut__cuda_dwconv2d_strip_tdx_run(const T* go, const float* w, T* dx,
                                            const ut__conv_geom* g) {
   const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_TDX, 2, g->h);
   const int threads = ut__cuda_dwconv2d_strip_threads();
-  ut__cuda_dwconv2d_strip_params p = {};
+  ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = go; p.w = w; p.out = dx;
   p.C = g->c; p.IH = g->ho; p.IW = g->wo; p.OH = g->h; p.OW = g->w; p.pad = g->pad;
   p.NX = (int)ut__cuda_cdiv(g->w, 2); p.NS = (int)ut__cuda_cdiv(g->h, R);
   p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
-  p.vec2 = (g->w % 2 == 0) && ((reinterpret_cast<uintptr_t>(dx) & 7) == 0);
+  p.vec2 = (g->w % 2 == 0) && ((reinterpret_cast<uintptr_t>(dx) & (2 * sizeof(T) - 1)) == 0);
   p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
   p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
@@ -722,18 +1038,18 @@ static int ut__cuda_dwconv2d_strip_tdx_run(const float* go, const float* w, floa
   return ut__cuda_dwconv2d_strip_tdx_dispatch<8>(p, g->kh, d, threads);
 }
 
-template <int K, int S, int R>
-static int ut__cuda_dwconv2d_strip_dw_launch(ut__cuda_dwconv2d_strip_params p, int parts,
+template <int K, int S, int R, typename T>
+static int ut__cuda_dwconv2d_strip_dw_launch(ut__cuda_dwconv2d_strip_params<T> p, int parts,
                                              int threads) {
-  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R>
+  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R, T>
       <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(
       p);
   UT__CUDA_LAUNCHED("depthwise dW (strips)");
   return UT_OK;
 }
 
-template <int R>
-static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_params& p, int k,
+template <int R, typename T>
+static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_params<T>& p, int k,
                                                int s, int parts, int threads) {
   switch (k * 10 + s) {
     case 31: return ut__cuda_dwconv2d_strip_dw_launch<3, 1, R>(p, parts, threads);
@@ -745,29 +1061,42 @@ static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_par
 }
 
 /* parts of one channel's items for ut__cuda_dwconv2d_strip_dw_kernel */
-static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, unsigned* items,
+/* (cols: output columns per item, 2 for ut__cuda_dwconv2d_strip2_dw_kernel) */
+static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, int cols, unsigned* items,
                                             unsigned* chunk) {
   const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
   const int threads = ut__cuda_dwconv2d_strip_threads();
-  const ut__i64 per_ch = (ut__i64)g->n * ut__cuda_cdiv(g->ho, R) * g->wo;
-  const ut__i64 ch = (ut__i64)threads * ut__cuda_dwconv2d_strip_tune_ipt;
+  const ut__i64 per_ch = (ut__i64)g->n * ut__cuda_cdiv(g->ho, R) * ut__cuda_cdiv(g->wo, cols);
+  /* an item of two columns is twice the work: half as many per block keeps the float32 kernel's
+     number of blocks (measured: 0.90x of float32 on 32x144x56x56 stride 2 without this) */
+  ut__i64 ch = (ut__i64)threads * ut__cuda_dwconv2d_strip_tune_ipt / cols;
+  if (ch < threads) ch = threads;
   *items = (unsigned)per_ch;
   *chunk = (unsigned)ch;
   return (int)ut__cuda_cdiv(per_ch, ch);
 }
 
-static int ut__cuda_dwconv2d_strip_dw_run(const float* go, const float* x, float* ws,
+template <typename T>
+static int ut__cuda_dwconv2d_strip_dw_run(const T* go, const T* x, float* ws,
                                           const ut__conv_geom* g) {
   const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
   const int threads = ut__cuda_dwconv2d_strip_threads();
-  ut__cuda_dwconv2d_strip_params p = {};
-  p.in = x; p.go = go; p.out = ws;
+  ut__cuda_dwconv2d_strip_params<T> p = {};
+  p.in = x; p.go = go; p.part = ws;
   p.C = g->c; p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo; p.pad = g->pad;
-  p.NX = g->wo; p.NS = (int)ut__cuda_cdiv(g->ho, R);
-  const int parts = ut__cuda_dwconv2d_strip_dw_parts(g, &p.items, &p.chunk);
+  const int cols = ut__cuda_dwconv2d_strip2_dw_cols(go, x, g);
+  p.NX = (int)ut__cuda_cdiv(g->wo, cols); p.NS = (int)ut__cuda_cdiv(g->ho, R);
+  const int parts = ut__cuda_dwconv2d_strip_dw_parts(g, cols, &p.items, &p.chunk);
   p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
   p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
+  if constexpr (sizeof(T) == 2) {
+    if (cols == 2) {
+      if (R == 4)
+        return ut__cuda_dwconv2d_strip2_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
+      return ut__cuda_dwconv2d_strip2_dw_dispatch<8>(p, g->kh, g->stride, parts, threads);
+    }
+  }
   if (R == 4) return ut__cuda_dwconv2d_strip_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
   return ut__cuda_dwconv2d_strip_dw_dispatch<8>(p, g->kh, g->stride, parts, threads);
 }
@@ -824,6 +1153,8 @@ static bool ut__cuda_dwconv2d_tile_plan_tin(int mode, int N, int C, int IH, int 
   if (th > ut__cuda_dwconv2d_tile_tune_threads) th = ut__cuda_dwconv2d_tile_tune_threads;
   if (th < 32) th = 32;
   pl->threads = (int)th;
+  /* float buffers: bf16 needs half of them, but takes the plan that float would (the same
+     kernel on the same geometry; ut__cuda_dwconv2d_tile_launch asks for what it uses) */
   pl->smem = (2 * (size_t)pl->P * pl->SQ + (size_t)(th / 32) * T) * sizeof(float);
   pl->units = (ut__i64)C * pl->NG * pl->NB;
   return pl->smem <= UT__CUDA_DWCONV2D_TILE_SMEM_MAX && pl->units < 0x7fffffff &&
@@ -846,10 +1177,12 @@ static bool ut__cuda_dwconv2d_tile_plan_for(int mode, int N, int C, int IH, int 
   return true;
 }
 
-template <int MODE, int K, int S>
-static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params p,
+template <int MODE, int K, int S, typename T>
+static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params<T> p,
                                          const ut__cuda_dwconv2d_tile_plan& pl) {
-  auto kern = ut__cuda_dwconv2d_tile_kernel<MODE, K, K, S, UT__CUDA_DWCONV2D_TILE_R>;
+  auto kern = ut__cuda_dwconv2d_tile_kernel<MODE, K, K, S, UT__CUDA_DWCONV2D_TILE_R, T>;
+  /* the plan counts float buffers; bf16 ones are half as large */
+  const size_t smem = pl.smem - 2 * (size_t)pl.P * pl.SQ * (sizeof(float) - sizeof(T));
   static std::once_flag once;
   static cudaError_t attr_err = cudaSuccess;
   std::call_once(once, [&] {
@@ -858,7 +1191,7 @@ static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params p,
   });
   UT__CUDA_CHECK(attr_err, "depthwise conv: shared memory limit");
   int per_sm = 0;
-  UT__CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, pl.threads, pl.smem),
+  UT__CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, pl.threads, smem),
                  "depthwise conv: occupancy");
   if (per_sm < 1) per_sm = 1;
   ut__i64 grid = (ut__i64)per_sm * ut__cuda_sms;
@@ -868,7 +1201,7 @@ static int ut__cuda_dwconv2d_tile_launch(ut__cuda_dwconv2d_tile_params p,
   p.units = (int)pl.units;
   p.fd_ow = ut__cuda_fastdiv_make((unsigned)p.OW);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
-  kern<<<(unsigned)grid, pl.threads, pl.smem, ut__cuda_stream>>>(p);
+  kern<<<(unsigned)grid, pl.threads, smem, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv");
   return UT_OK;
 }
@@ -878,8 +1211,8 @@ static bool ut__cuda_dwconv2d_tile_shape(int kh, int kw, int s) {
   return kh == kw && (kh == 3 || kh == 5 || kh == 7) && (s == 1 || s == 2);
 }
 
-template <int MODE>
-static int ut__cuda_dwconv2d_tile_dispatch(const ut__cuda_dwconv2d_tile_params& p,
+template <int MODE, typename T>
+static int ut__cuda_dwconv2d_tile_dispatch(const ut__cuda_dwconv2d_tile_params<T>& p,
                                            const ut__cuda_dwconv2d_tile_plan& pl, int k, int s) {
   if constexpr (MODE != UT__CUDA_DWCONV2D_TDX) {
     switch (k * 10 + s) {
@@ -903,10 +1236,11 @@ static int ut__cuda_dwconv2d_tile_dispatch(const ut__cuda_dwconv2d_tile_params& 
 
 /* ---- plain kernels for the remaining cases ---- */
 
-static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __restrict__ x,
+template <typename T>
+static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const T* __restrict__ x,
                                                                const float* __restrict__ w,
                                                                const float* __restrict__ bias,
-                                                               float* __restrict__ y,
+                                                               T* __restrict__ y,
                                                                ut__conv_geom g, ut__i64 total,
                                                                const int* __restrict__ gate) {
   if (gate && !*gate) return;
@@ -916,7 +1250,7 @@ static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __re
     int oy = (int)(t % g.ho);
     ut__i64 pl = t / g.ho; /* n*C + c */
     int c = (int)(pl % g.c);
-    const float* xp = x + pl * g.h * (ut__i64)g.w;
+    const T* xp = x + pl * g.h * (ut__i64)g.w;
     const float* wp = w + (ut__i64)c * g.kh * g.kw;
     float s = bias ? bias[c] : 0.f;
     for (int ky = 0; ky < g.kh; ++ky) {
@@ -925,16 +1259,17 @@ static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const float* __re
       for (int kx = 0; kx < g.kw; ++kx) {
         int ix = ox * g.stride - g.pad + kx * g.dil;
         if (ix < 0 || ix >= g.w) continue;
-        s = fmaf(wp[ky * g.kw + kx], __ldg(xp + (ut__i64)iy * g.w + ix), s);
+        s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(xp + (ut__i64)iy * g.w + ix), s);
       }
     }
-    y[i] = s;
+    ut__cuda_st(y + i, s);
   }
 }
 
-static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restrict__ go,
+template <typename T>
+static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const T* __restrict__ go,
                                                           const float* __restrict__ w,
-                                                          float* __restrict__ dx, ut__conv_geom g,
+                                                          T* __restrict__ dx, ut__conv_geom g,
                                                           ut__i64 total,
                                                           const int* __restrict__ gate) {
   if (gate && !*gate) return;
@@ -944,7 +1279,7 @@ static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restric
     int iy = (int)(t % g.h);
     ut__i64 pl = t / g.h;
     int c = (int)(pl % g.c);
-    const float* gp = go + pl * g.ho * (ut__i64)g.wo;
+    const T* gp = go + pl * g.ho * (ut__i64)g.wo;
     const float* wp = w + (ut__i64)c * g.kh * g.kw;
     float s = 0.f;
     for (int ky = 0; ky < g.kh; ++ky) {
@@ -957,18 +1292,18 @@ static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const float* __restric
         if (tx < 0 || tx % g.stride) continue;
         int ox = tx / g.stride;
         if (ox >= g.wo) continue;
-        s = fmaf(wp[ky * g.kw + kx], __ldg(gp + (ut__i64)oy * g.wo + ox), s);
+        s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(gp + (ut__i64)oy * g.wo + ox), s);
       }
     }
-    dx[i] = s;
+    ut__cuda_st(dx + i, s);
   }
 }
 
 /* The plain kernels over the whole output (forward) or input (dx): any geometry, dilation
    included; gated on *gate when gate is not NULL (the exact reruns). */
-static int ut__cuda_dwconv2d_direct_forward_run(const float* x, const float* w, const float* bias,
-                                                float* y, const ut__conv_geom* g,
-                                                const int* gate) {
+template <typename T>
+static int ut__cuda_dwconv2d_direct_forward_run(const T* x, const float* w, const float* bias,
+                                                T* y, const ut__conv_geom* g, const int* gate) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   ut__cuda_dwconv2d_direct_forward_kernel
       <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
@@ -976,7 +1311,8 @@ static int ut__cuda_dwconv2d_direct_forward_run(const float* x, const float* w, 
   UT__CUDA_LAUNCHED(gate ? "dw_fwd exact" : "dw_fwd");
   return UT_OK;
 }
-static int ut__cuda_dwconv2d_direct_dx_run(const float* go, const float* w, float* dx,
+template <typename T>
+static int ut__cuda_dwconv2d_direct_dx_run(const T* go, const float* w, T* dx,
                                            const ut__conv_geom* g, const int* gate) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
@@ -987,19 +1323,20 @@ static int ut__cuda_dwconv2d_direct_dx_run(const float* go, const float* w, floa
 
 /* C * chunks blocks: block c * chunks + q sums go * x tap by tap over outputs [e0, e1) of channel c
    (output e is image e / (ho*wo), position e % (ho*wo)) -> ws[(c*chunks + q)*T + tap] */
+template <typename T>
 static __global__ void __launch_bounds__(256)
-    ut__cuda_dwconv2d_direct_dw_kernel(const float* __restrict__ go, const float* __restrict__ x,
+    ut__cuda_dwconv2d_direct_dw_kernel(const T* __restrict__ go, const T* __restrict__ x,
                                        ut__conv_geom g, ut__i64 chunk, int chunks,
                                        float* __restrict__ ws, const int* __restrict__ gate) {
   __shared__ float sh[32];
   if (gate && !*gate) return;
   const int c = blockIdx.x / chunks;
-  const int T = g.kh * g.kw;
+  const int NT = g.kh * g.kw;
   const ut__i64 hw = (ut__i64)g.ho * g.wo;
   const ut__i64 m = (ut__i64)g.n * hw;
   const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
   const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
-  for (int tap = 0; tap < T; ++tap) {
+  for (int tap = 0; tap < NT; ++tap) {
     const int ky = tap / g.kw, kx = tap % g.kw;
     float acc[1] = {0.f};
     for (ut__i64 e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
@@ -1009,10 +1346,11 @@ static __global__ void __launch_bounds__(256)
       int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
       if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
       ut__i64 pl = ni * g.c + c;
-      acc[0] += __ldg(go + pl * hw + pos) * __ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
+      acc[0] += ut__cuda_dwconv2d_ldg(go + pl * hw + pos) *
+                ut__cuda_dwconv2d_ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
     }
     ut__cuda_block_sum<1>(acc, sh);
-    if (threadIdx.x == 0) ws[(ut__i64)blockIdx.x * T + tap] = acc[0];
+    if (threadIdx.x == 0) ws[(ut__i64)blockIdx.x * NT + tap] = acc[0];
   }
 }
 
@@ -1042,19 +1380,28 @@ static int ut__cuda_dwconv2d_flag_nonfinite(const float* a, ut__i64 na, const fl
   return UT_OK;
 }
 
-static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params* p, const float* in,
-                                              const float* w, const float* bias, const float* go,
-                                              float* out, int n, int c, int ih, int iw, int oh,
-                                              int ow, int pad_h, int pad_w) {
-  p->in = in; p->w = w; p->bias = bias; p->go = go; p->out = out;
+template <typename T>
+static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params<T>* p, const T* in,
+                                              const float* w, const float* bias, const T* go,
+                                              T* out, float* part, int n, int c, int ih, int iw,
+                                              int oh, int ow, int pad_h, int pad_w) {
+  p->in = in; p->w = w; p->bias = bias; p->go = go; p->out = out; p->part = part;
   p->N = n; p->C = c; p->IH = ih; p->IW = iw; p->OH = oh; p->OW = ow;
   p->pad_h = pad_h; p->pad_w = pad_w;
 }
 
+/* dx when no output reads it: zeros (bf16 zero is all-zero bits, but the fill keeps to the
+   backend's own op) */
+static int ut__cuda_dwconv2d_zero(float* x, ut__i64 n) { return ut__cuda_fill(x, n, 0.f); }
+static int ut__cuda_dwconv2d_zero(ut__cuda_bf16* x, ut__i64 n) {
+  return ut__cuda_fill_bf16(x, n, 0.f);
+}
+
 /* The fastest kernel for the geometry; *exact tells whether that was the plain kernel, which
    sums real input only (then a non-finite weight needs no second pass). */
-static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const float* bias, float* y,
-                              const ut__conv_geom* g, bool* exact) {
+template <typename T>
+static int ut__cuda_dwconv2d_forward_fast(const T* x, const float* w, const float* bias, T* y,
+                                          const ut__conv_geom* g, bool* exact) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   *exact = false;
   if (total <= 0) return UT_OK;
@@ -1068,21 +1415,22 @@ static int ut__cuda_dwconv2d_forward_fast(const float* x, const float* w, const 
   if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
       ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_FWD, g->n, g->c, g->h, g->w, g->ho, g->wo,
                                       g->kh, g->stride, g->kh * g->kw, &pl)) {
-    ut__cuda_dwconv2d_tile_params p;
-    ut__cuda_dwconv2d_tile_params_set(&p, x, w, bias, NULL, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
-                                      g->pad, g->pad);
+    ut__cuda_dwconv2d_tile_params<T> p;
+    ut__cuda_dwconv2d_tile_params_set<T>(&p, x, w, bias, NULL, y, NULL, g->n, g->c, g->h, g->w,
+                                         g->ho, g->wo, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
   *exact = true;
   return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
 }
 
-static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, float* dx,
-                                  const ut__conv_geom* g, bool* exact) {
+template <typename T>
+static int ut__cuda_dwconv2d_backward_dx_fast(const T* go, const float* w, T* dx,
+                                              const ut__conv_geom* g, bool* exact) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   *exact = true; /* nothing multiplied, or the plain kernel */
   if (total <= 0) return UT_OK;
-  if (g->ho <= 0 || g->wo <= 0) return ut__cuda_fill(dx, total, 0.f);
+  if (g->ho <= 0 || g->wo <= 0) return ut__cuda_dwconv2d_zero(dx, total);
   if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
   *exact = false;
   /* stride 1: go correlated with the rotated filter */
@@ -1096,35 +1444,41 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const float* go, const float* w, f
       ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_FLIP, g->n, g->c, g->ho, g->wo, g->h, g->w,
                                       g->kh, 1, g->kh * g->kw, &pl)) {
     /* stride 1: dx = go correlated with the rotated filter, padding kh-1-pad */
-    ut__cuda_dwconv2d_tile_params p;
-    ut__cuda_dwconv2d_tile_params_set(&p, go, w, NULL, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
-                                      g->w, g->kh - 1 - g->pad, g->kw - 1 - g->pad);
+    ut__cuda_dwconv2d_tile_params<T> p;
+    ut__cuda_dwconv2d_tile_params_set<T>(&p, go, w, NULL, NULL, dx, NULL, g->n, g->c, g->ho,
+                                         g->wo, g->h, g->w, g->kh - 1 - g->pad,
+                                         g->kw - 1 - g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FLIP>(p, pl, g->kh, 1);
   }
   if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) && g->stride > 1 &&
       ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_TDX, g->n, g->c, g->ho, g->wo, g->h, g->w,
                                       g->kh, g->stride, g->kh * g->kw, &pl)) {
     /* larger strides: the transposed convolution, gathering from go's tile */
-    ut__cuda_dwconv2d_tile_params p;
-    ut__cuda_dwconv2d_tile_params_set(&p, go, w, NULL, NULL, dx, g->n, g->c, g->ho, g->wo, g->h,
-                                      g->w, g->pad, g->pad);
+    ut__cuda_dwconv2d_tile_params<T> p;
+    ut__cuda_dwconv2d_tile_params_set<T>(&p, go, w, NULL, NULL, dx, NULL, g->n, g->c, g->ho,
+                                         g->wo, g->h, g->w, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
   *exact = true;
   return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
 }
 
-int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
-                                  const ut__conv_geom* g) {
-  const int T = g->kh * g->kw;
-  if ((ut__i64)g->c * T <= 0) return UT_OK;
+static int* ut__cuda_dwconv2d_dw_flags = NULL;
+static ut__i64 ut__cuda_dwconv2d_dw_flags_n = 0;
+
+template <typename T>
+static int ut__cuda_dwconv2d_backward_dw_run(const T* go, const T* x, float* dw,
+                                             const ut__conv_geom* g) {
+  const int NT = g->kh * g->kw;
+  if ((ut__i64)g->c * NT <= 0) return UT_OK;
   if ((ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK; /* nothing to add */
   ut__cuda_dwconv2d_tile_plan pl;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
-  /* the taps' non-finite flags (see ut__cuda_dwconv2d_dw_final_checked_kernel), cleared */
-  static int* flags = NULL;
-  static ut__i64 flags_n = 0;
-  const ut__i64 nflags = (ut__i64)g->c * T + 1;
+  /* the taps' non-finite flags (see ut__cuda_dwconv2d_dw_final_checked_kernel), cleared;
+     one buffer for float and bf16 (the workspace lock orders their users) */
+  int*& flags = ut__cuda_dwconv2d_dw_flags;
+  ut__i64& flags_n = ut__cuda_dwconv2d_dw_flags_n;
+  const ut__i64 nflags = (ut__i64)g->c * NT + 1;
   if (nflags > flags_n) {
     if (flags) {
       UT__CUDA_CHECK(cudaDeviceSynchronize(), "dw flags sync");
@@ -1141,27 +1495,28 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   bool plain = false; /* the plain kernel ran: real input only, its sums need no check */
   if (g->dil == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g)) {
     unsigned items, chunk;
-    parts = ut__cuda_dwconv2d_strip_dw_parts(g, &items, &chunk);
-    st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+    parts = ut__cuda_dwconv2d_strip_dw_parts(g, ut__cuda_dwconv2d_strip2_dw_cols(go, x, g), &items,
+                                             &chunk);
+    st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
     if (st) return st;
     st = ut__cuda_dwconv2d_strip_dw_run(go, x, ws, g);
     if (st) return st;
   } else if (g->dil == 1 && ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
              ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_DW, g->n, g->c, g->h, g->w, g->ho,
-                                             g->wo, g->kh, g->stride, T, &pl)) {
+                                             g->wo, g->kh, g->stride, NT, &pl)) {
     parts = pl.NG * pl.NB;
-    st = ut__cuda_workspace_acquire((size_t)pl.units * T * sizeof(float), &ws);
+    st = ut__cuda_workspace_acquire((size_t)pl.units * NT * sizeof(float), &ws);
     if (st) return st;
-    ut__cuda_dwconv2d_tile_params p;
-    ut__cuda_dwconv2d_tile_params_set(&p, x, NULL, NULL, go, ws, g->n, g->c, g->h, g->w, g->ho,
-                                      g->wo, g->pad, g->pad);
+    ut__cuda_dwconv2d_tile_params<T> p;
+    ut__cuda_dwconv2d_tile_params_set<T>(&p, x, NULL, NULL, go, NULL, ws, g->n, g->c, g->h, g->w,
+                                         g->ho, g->wo, g->pad, g->pad);
     st = ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_DW>(p, pl, g->kh, g->stride);
     if (st) return st;
   } else {
     ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
     ut__i64 chunk;
     parts = ut__cuda_channel_chunks(g->c, m, &chunk);
-    st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+    st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
     if (st) return st;
     ut__cuda_dwconv2d_direct_dw_kernel
         <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
@@ -1169,21 +1524,21 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
     UT__CUDA_LAUNCHED("dw_bwd_dw");
     plain = true;
   }
-  ut__i64 warps = (ut__i64)g->c * T;
+  ut__i64 warps = (ut__i64)g->c * NT;
   if (!plain)
     UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int), ut__cuda_stream),
                    "dw flags reset");
   ut__cuda_dwconv2d_dw_final_checked_kernel
       <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
-      ws, dw, g->c, T, parts, plain ? NULL : flags);
+      ws, dw, g->c, NT, parts, plain ? NULL : flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
   if (plain) return UT_OK;
   /* taps that met non-finite data: the plain kernel sums real input only (gated on "any") */
-  const int* flag = flags + (ut__i64)g->c * T;
+  const int* flag = flags + (ut__i64)g->c * NT;
   ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
   ut__i64 chunk;
   parts = ut__cuda_channel_chunks(g->c, m, &chunk);
-  st = ut__cuda_workspace_acquire((size_t)g->c * parts * T * sizeof(float), &ws);
+  st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
   if (st) return st;
   ut__cuda_dwconv2d_direct_dw_kernel
       <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
@@ -1191,13 +1546,14 @@ int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
   UT__CUDA_LAUNCHED("dw_bwd_dw exact");
   ut__cuda_dwconv2d_dw_final_flagged_kernel
       <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
-      ws, dw, g->c, T, parts, flags);
+      ws, dw, g->c, NT, parts, flags);
   UT__CUDA_LAUNCHED("dw_bwd_dw exact final");
   return UT_OK;
 }
 
-int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
-                              const ut__conv_geom* g) {
+template <typename T>
+static int ut__cuda_dwconv2d_forward_run(const T* x, const float* w, const float* bias, T* y,
+                                         const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   if (total <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
@@ -1211,8 +1567,9 @@ int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias,
   return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, flag);
 }
 
-int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
-                                  const ut__conv_geom* g) {
+template <typename T>
+static int ut__cuda_dwconv2d_backward_dx_run(const T* go, const float* w, T* dx,
+                                             const ut__conv_geom* g) {
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   bool exact;
   int st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g, &exact);
@@ -1222,4 +1579,36 @@ int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
   if (st) return st;
   /* a non-finite weight times go's padding zeros: redo, real outputs only */
   return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, flag);
+}
+
+/* The entry points: float32, and bf16 activations (the same kernels on ut__cuda_bf16; see the
+   top of this file). */
+int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
+                              const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_forward_run<float>(x, w, bias, y, g);
+}
+int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
+                                  const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_backward_dx_run<float>(go, w, dx, g);
+}
+int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
+                                  const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_backward_dw_run<float>(go, x, dw, g);
+}
+
+int ut__cuda_dwconv2d_forward_bf16(const void* x, const float* w, const float* bias, void* y,
+                                   const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_forward_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(x), w,
+                                                      bias, static_cast<ut__cuda_bf16*>(y), g);
+}
+int ut__cuda_dwconv2d_backward_dx_bf16(const void* go, const float* w, void* dx,
+                                       const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_backward_dx_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(go),
+                                                          w, static_cast<ut__cuda_bf16*>(dx), g);
+}
+int ut__cuda_dwconv2d_backward_dw_bf16(const void* go, const void* x, float* dw,
+                                       const ut__conv_geom* g) {
+  return ut__cuda_dwconv2d_backward_dw_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(go),
+                                                          static_cast<const ut__cuda_bf16*>(x),
+                                                          dw, g);
 }
