@@ -11,7 +11,9 @@ folders) into a temporary folder (or ``--dir``, reused when it holds them), then
   a warm-up epoch that starts the workers), the same with the folder's images decoded once and
   kept in memory (``ImageFolder.cached()``, at each ``--cached-workers`` count; its transforms
   still run per sample), next to indexing an in-memory float32 array in the same
-  ``data.batches`` order, and the CPU time decoding costs per image (workers=0);
+  ``data.batches`` order, and the CPU time decoding costs per image (workers=0); with workers,
+  also this process's CPU time per batch (receiving a batch: what the training thread pays),
+  with the loader's views (``copy=False``, as utensil-train) and with its copies (the default);
 - train (unless ``--no-train``, when utensil loads): images/s of training steps of
   ``models.mobilenet(3, classes, width, stem_stride=1)`` (Adam, cross-entropy, as utensil-train)
   fed from the folder at each worker count, and fed from in-memory arrays, with their ratio (the
@@ -69,10 +71,11 @@ def _transform(mean, std, size, augment):
 
 
 def load_rates(feeds, x, y, batch, epochs, seed=0):
-    """{feed: images/s} of each (name, dataset, workers) feed's Loader and of in-memory
-    indexing; whether every feed's batches equal the first one's; the CPU time per image of
-    the first feed with workers=0 (this process did all its decoding)."""
-    out, same = {}, True
+    """{feed: images/s} of each (name, dataset, workers) feed's Loader (``copy=False``, as
+    utensil-train) and of in-memory indexing; whether every feed's batches equal the first
+    one's; the CPU time per image of the first feed with workers=0 (this process did all its
+    decoding); {feed with workers: {"view"/"copy": this process's CPU us per batch}}."""
+    out, same, parent = {}, True, {}
     n = len(y)
     t0 = time.perf_counter()
     for e in range(epochs):
@@ -81,8 +84,9 @@ def load_rates(feeds, x, y, batch, epochs, seed=0):
     out["memory"] = epochs * n / (time.perf_counter() - t0)
     first, cpu_us = None, None
     for name, ds, w in feeds:
-        with Loader(ds, batch, seed=seed, workers=w) as loader:
-            got = list(loader.epoch(0))  # warm-up: starts the workers
+        with Loader(ds, batch, seed=seed, workers=w, copy=False) as loader:
+            # warm-up: starts the workers (the views are valid until the next batch: copy)
+            got = [(a.copy(), b.copy()) for a, b in loader.epoch(0)]
             if first is None:
                 first = got
             else:
@@ -95,7 +99,21 @@ def load_rates(feeds, x, y, batch, epochs, seed=0):
             out[name] = epochs * n / (time.perf_counter() - t0)
             if w == 0 and cpu_us is None:
                 cpu_us = 1e6 * (time.process_time() - c0) / (epochs * n)
-    return out, same, cpu_us
+            if w > 0:
+                parent[name] = {"view": _parent_us(loader, epochs)}
+                loader.copy = True
+                parent[name]["copy"] = _parent_us(loader, epochs)
+    return out, same, cpu_us, parent
+
+
+def _parent_us(loader, epochs):
+    """This process's CPU time (all its threads) per batch over ``epochs`` epochs of
+    ``loader``: the workers' decoding is theirs, so this is the hand-over's cost."""
+    c0, batches = time.process_time(), 0
+    for e in range(1, epochs + 1):
+        for _ in loader.epoch(e):
+            batches += 1
+    return 1e6 * (time.process_time() - c0) / batches
 
 
 def _train_round(net, opt, feed, device):
@@ -141,7 +159,7 @@ def train_rates(feeds, x, y, classes, batch, epochs, device, width, seed=0):
     losses, cpu = {}, []
     try:
         for name, ds, w in feeds:
-            loaders[name] = Loader(ds, batch, seed=seed, workers=w)
+            loaders[name] = Loader(ds, batch, seed=seed, workers=w, copy=False)  # as training
             for _ in loaders[name].epoch(0):  # warm-up: start the workers
                 pass
         for e in range(epochs):
@@ -186,8 +204,8 @@ def run(images_n=2000, classes=10, size=32, batch=128, workers=(0, 1, 2), epochs
             kept = ds.cached()
             feeds += [("cached w=%d" % w, kept, w) for w in cached_workers]
         out = {"images": len(ds), "size": size, "batch": batch, "augment": augment}
-        out["load"], out["same_batches"], out["load_cpu_us"] = load_rates(feeds, x, y, batch,
-                                                                          epochs)
+        (out["load"], out["same_batches"], out["load_cpu_us"],
+         out["parent_us"]) = load_rates(feeds, x, y, batch, epochs)
         if train:
             import utensil_ffi as ut
 
@@ -242,6 +260,10 @@ def main(argv=None):
     if r["load_cpu_us"] is not None:
         print("reading a file (decode + transform) costs %.0f us of CPU time per image"
               % r["load_cpu_us"])
+    if r["parent_us"]:
+        print("this process's CPU time per batch from workers (us), views / copies:  "
+              + "  ".join("%s %.0f / %.0f" % (f, v["view"], v["copy"])
+                          for f, v in r["parent_us"].items()))
     if train:
         base = r["train"]["memory"]
         print("training %s, mobilenet width %d (img/s, median of %d epochs):"

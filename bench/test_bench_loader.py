@@ -1,6 +1,7 @@
 """bench_loader.py in quick mode: a tiny generated folder; checks correctness, not speed. The
 folder feeds bitwise the same batches at every worker count as in-memory arrays give, so on the
-CPU training from either ends with the same losses."""
+CPU training from either ends with the same losses (training takes the loader's views of its
+workers' shared memory, copy=False, as utensil-train does)."""
 
 import numpy as np
 
@@ -13,6 +14,8 @@ def test_folder_feed_trains_like_in_memory_arrays(tmp_path):
     assert r["same_batches"]
     assert set(r["load"]) == {"memory", "folder w=0", "folder w=2", "cached w=0"}
     assert all(v > 0 for v in r["load"].values()) and all(v > 0 for v in r["train"].values())
+    assert set(r["parent_us"]) == {"folder w=2"}  # the hand-over's cost: feeds with workers
+    assert all(v > 0 for v in r["parent_us"]["folder w=2"].values())
     ref = r["losses"]["memory"]
     assert len(ref) == 6 and np.all(np.isfinite(ref))
     for feed in ("folder w=0", "folder w=2", "cached w=0"):

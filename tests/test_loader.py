@@ -1,5 +1,6 @@
 """utensil_ffi.loader.Loader: the order of utensil-train's in-memory batches, bitwise the same
-batches for any number of workers, errors from workers, and no process left behind however an
+batches for any number of workers and either hand-over (copies or views of the workers' shared
+memory), errors from workers, and no process or shared-memory segment left behind however an
 epoch ends. Worker tests use 2 spawned workers (about a second to start) and tiny data."""
 
 import gc
@@ -51,6 +52,15 @@ class Env:
         return np.zeros((1, 1, 1), np.float32), int(os.environ.get("CUDA_VISIBLE_DEVICES") == "")
 
 
+def _segments(pid=None):
+    """The shared-memory segments of the loaders of process ``pid`` (this one) in /dev/shm:
+    shm_ring names them utensil_<pid in hex>_..."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    prefix = "utensil_%x_" % (os.getpid() if pid is None else pid)
+    return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
 def _gone(pids):
     assert pids, "the test meant to start workers"
     alive = [p.pid for p in mp.active_children() if p.pid in pids]
@@ -58,6 +68,7 @@ def _gone(pids):
     for pid in pids:
         with pytest.raises(ProcessLookupError):  # reaped too, not a zombie
             os.kill(pid, 0)
+    assert not _segments(), "shared memory left behind"
 
 
 def _same(a, b):
@@ -204,11 +215,13 @@ def test_worker_error_is_reraised_naming_the_file():
 @pytest.mark.parametrize("kw,match", [(dict(die_at=5), "exited with status 7"),
                                       (dict(kill_at=5), "killed by SIGKILL")])
 def test_dead_worker_is_an_error_not_a_hang(kw, match):
-    # prefetch=1: worker 0 gets batch 2 (samples 4, 5) only after it has sent batch 0
+    # prefetch=1: worker 0 gets batch 2 (samples 4, 5) only after it has sent batch 0, and with
+    # a slot of the shared memory made when batch 0 came
     loader = Loader(Samples(12, **kw), 2, workers=2, shuffle=False, prefetch=1)
     it = loader.epoch(0)
     next(it)
     pids = loader.worker_pids()
+    assert _segments() or not os.path.isdir("/dev/shm")
     with pytest.raises(LoaderError, match=match) as e:
         list(it)
     assert "worker 0 (pid %d)" % pids[0] in str(e.value)
@@ -232,12 +245,151 @@ def test_unpicklable_data_set():
     assert not mp.active_children()
 
 
+# -- the hand-over through shared memory ---------------------------------------------------------
+def _own(batches):
+    """Copies of a copy=False epoch's views, each taken before the next batch is asked for."""
+    return [(x.copy(), y.copy()) for x, y in batches]
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("n,bs,workers,prefetch,shuffle", [
+    (23, 4, 2, 2, True),  # a short last batch of 3
+    (21, 4, 3, 1, False),  # a single last sample
+    (16, 4, 1, 3, True),
+])
+def test_shared_memory_batches_are_bitwise_those_of_workers_0(n, bs, workers, prefetch,
+                                                              shuffle, copy):
+    ds = Samples(n)
+    ref = Loader(ds, bs, seed=2, shuffle=shuffle)
+    want = [list(ref.epoch(e)) for e in (0, 1)]
+    with Loader(ds, bs, seed=2, shuffle=shuffle, workers=workers, prefetch=prefetch,
+                copy=copy) as loader:
+        for e in (0, 1):
+            got = loader.epoch(e)
+            _same(list(got) if copy else _own(got), want[e])
+            if e == 0:  # only the batches sent before the first came back used the pipe
+                assert loader._pool.piped <= workers * prefetch
+        assert loader._pool.piped <= workers * prefetch  # epoch 1: none
+        assert len(_segments()) == 1 or not os.path.isdir("/dev/shm")
+        halves = loader.batch_indices(1)
+    with Loader(ds, bs, seed=2, shuffle=shuffle, workers=workers, prefetch=prefetch, copy=copy,
+                share=lambda b: b[::2]) as loader:  # a rank's share: fewer rows than a slot
+        got = loader.epoch(1)
+        for (x, y), idx in zip(list(got) if copy else _own(got), halves):
+            ref_x, ref_y = load_batch(ds, idx[::2], 2, 1)
+            np.testing.assert_array_equal(x, ref_x)
+            np.testing.assert_array_equal(y, ref_y)
+    assert not _segments()
+
+
+def test_held_copies_survive_slot_reuse_and_views_do_not_copy():
+    # one worker, prefetch 1: a ring of one slot, which every batch after the first reuses
+    ds = Samples(12)
+    want = list(Loader(ds, 2, seed=1).epoch(0))
+    with Loader(ds, 2, seed=1, workers=1, prefetch=1) as loader:
+        held = list(loader.epoch(0))  # the safe default: each batch the consumer's own
+        _same(held, want)
+        assert loader._pool.piped == 1
+    with Loader(ds, 2, seed=1, workers=1, prefetch=1, copy=False) as loader:
+        it = loader.epoch(0)
+        for k in range(2):
+            x, y = next(it)
+            _same([(x, y)], [want[k]])  # valid until the next batch is asked for
+        x2, _ = next(it)
+        x3, _ = next(it)
+        assert np.shares_memory(x2, x3)  # batches 2 and 3 lie in the one slot: no copy
+        np.testing.assert_array_equal(x2, want[3][0])  # so the older view shows the newer
+
+
+def test_a_view_outlives_close_and_its_segment():
+    ds = Samples(12)
+    want = list(Loader(ds, 4, seed=0).epoch(0))
+    loader = Loader(ds, 4, seed=0, workers=2, copy=False)
+    it = loader.epoch(0)
+    next(it)
+    x, y = next(it)
+    assert len(_segments()) == 1 or not os.path.isdir("/dev/shm")
+    pids = loader.worker_pids()
+    loader.close()
+    _gone(pids)  # the name is gone at once...
+    _same([(x, y)], [want[1]])  # ...the memory only with the last view over it
+    del x, y, it
+    gc.collect()
+
+
+class Sizes:
+    """Samples 0-3 are [1, 2, 2], the rest [1, 3, 3]: batches of two shapes (no resize)."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        side = 2 if i < 4 else 3
+        return np.full((1, side, side), i, np.float32), i
+
+
+def test_batches_that_do_not_fit_the_slots_come_through_the_pipe():
+    want = list(Loader(Sizes(), 2, shuffle=False).epoch(0))
+    with Loader(Sizes(), 2, shuffle=False, workers=2, prefetch=1, copy=False) as loader:
+        _same(_own(loader.epoch(0)), want)
+        # the ring is sized by batch 0 ([1, 2, 2]); batches 2-4 ([1, 3, 3]) do not fit it
+        assert loader._pool.piped == 2 + 3
+
+
+def test_no_room_in_shared_memory_falls_back_to_pipes(monkeypatch):
+    from utensil_ffi import loader as loader_module
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loader_module, "Ring", full)
+    ds = Samples(10)
+    want = list(Loader(ds, 2, seed=4).epoch(0))
+    with Loader(ds, 2, seed=4, workers=2) as loader:
+        with pytest.warns(RuntimeWarning, match="No space left"):
+            _same(list(loader.epoch(0)), want)
+        assert loader._pool.piped == 5 and not _segments()
+
+
+def test_the_trainers_folder_feed_keeps_its_workers_and_equals_workers_0(tmp_path):
+    from PIL import Image
+
+    from utensil_ffi.train_data import open_data
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / c)
+        for i in range(12):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                str(tmp_path / c / ("%d.png" % i)))
+    ref, feed = open_data(str(tmp_path)), open_data(str(tmp_path), workers=2)
+    try:
+        pids = None
+        for e in (0, 1):
+            want = [(w, x.copy(), y.copy()) for w, x, y in ref.train_batches(5, 3, e)]
+            got = [(w, x.copy(), y.copy()) for w, x, y in feed.train_batches(5, 3, e)]
+            assert [w for w, _, _ in got] == [w for w, _, _ in want]
+            _same([b[1:] for b in got], [b[1:] for b in want])
+            loader = feed._loaders[("train", 5, 3)]
+            assert loader.copy is False  # the trainer uploads each batch at once
+            if pids is None:
+                pids = loader.worker_pids()
+            assert loader.worker_pids() == pids and len(pids) == 2  # not restarted per epoch
+        _same([(x.copy(), y.copy()) for x, y in feed.test_batches(4)],
+              list(ref.test_batches(4)))
+    finally:
+        ref.close()
+        feed.close()
+    _gone(pids)
+
+
 # -- shutdown ------------------------------------------------------------------------------------
 def _started(loader):
     it = loader.epoch(0)
     next(it)
     pids = loader.worker_pids()
     assert len(pids) == 2
+    assert len(_segments()) == 1 or not os.path.isdir("/dev/shm")  # made with the first batch
     return it, pids
 
 
@@ -342,6 +494,7 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
         assert line.startswith("PIDS"), (line, proc.stderr.read() if proc.poll() else "")
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2 and all(_running(p) for p in pids)
+        assert _segments(proc.pid) or not os.path.isdir("/dev/shm")
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -351,8 +504,14 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
         while any(_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in pids if _running(p)], err
+        # the shared memory goes too: unlinked by the parent on Ctrl-C, by multiprocessing's
+        # resource tracker (when the workers have gone) after SIGKILL
+        while _segments(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _segments(proc.pid), err
         if how == "ctrl-c":  # the parent's KeyboardInterrupt, none from the workers
             assert err.count("KeyboardInterrupt") == 1, err
+            assert "leaked" not in err, err  # it unlinked the segment itself
     finally:
         if proc.poll() is None:
             proc.kill()

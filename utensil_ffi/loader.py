@@ -29,13 +29,29 @@ until a GPU op runs), never call into it, and hide the GPUs from themselves
 (CUDA_VISIBLE_DEVICES="") before loading anything; they ignore SIGINT (blocked from their start
 until then): Ctrl-C is the parent's.
 
-Shutdown: ``close()``, leaving a ``with`` block, or garbage collection stops the workers. An epoch
-that does not run to its end (the consumer raised or broke out of the loop, Ctrl-C, a worker
-error) stops them too, so no process outlives an interrupted loop; the next epoch starts new ones.
+Hand-over: the parent is the process that trains, so its cost per batch is what limits a fast
+GPU (40k images/s of 3x32x32 leaves 3 ms per batch of 128 for everything). Receiving a 1.5 MB
+batch through a pipe costs it a read and an unpickling copy, over a millisecond; so workers
+write each batch into a slot of one shared-memory segment (utensil_ffi.shm_ring: W * prefetch
+slots of ``batch_size`` samples, sized by the first batch, which still comes through the pipe)
+and send only (batch, rows). Each submitted batch takes a free slot and keeps it until the
+parent has received the batch and its consumer is done with it: at once with ``copy=True`` (the
+default: the consumer gets a copy), or when it asks for the next batch with ``copy=False`` (the
+consumer gets views of the slot: no copy at all; utensil-train uploads each batch into a tensor
+at once). A batch whose samples differ in shape from the first one's (images not resized to one
+size), and every batch where /dev/shm has no room (a warning says so), comes through the pipe.
+The segment (``/dev/shm/utensil_<pid>_...``) is unlinked when the workers stop, however they
+stop; views still held keep their memory mapped until they go.
+
+Shutdown: ``close()``, leaving a ``with`` block, or garbage collection stops the workers and
+unlinks their shared memory. An epoch that does not run to its end (the consumer raised or broke
+out of the loop, Ctrl-C, a worker error, a dead worker) stops them too, so no process or segment
+outlives an interrupted loop; the next epoch starts new ones.
 A worker's exception is re-raised in the parent as itself (a DataError naming the file), with the
 worker's traceback as its cause; a worker that dies, or sends nothing within ``timeout`` seconds,
 is a LoaderError that says which and how. Workers read their end of a pipe from the parent and
-exit when it closes, so they also go when the parent is killed.
+exit when it closes, so they also go when the parent is killed (and multiprocessing's resource
+tracker then unlinks the segment).
 """
 
 import multiprocessing
@@ -47,6 +63,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections import deque
 from multiprocessing import connection
@@ -56,6 +73,7 @@ import numpy as np
 from ._errors import UtensilError
 from .data import DataError
 from .data import batches as _batches
+from .shm_ring import Ring, attach
 
 __all__ = ["Loader", "LoaderError", "load_batch"]
 
@@ -91,6 +109,13 @@ def load_batch(dataset, indices, seed, epoch):
     """(x float32 [B, C, H, W], y int64 [B]): ``dataset``'s samples ``indices`` for ``epoch``,
     each loaded with ``np.random.default_rng((seed, epoch, index))`` (None when the data set says
     its transform draws nothing: ``dataset.random`` false). What a worker computes."""
+    x, y, _ = _load(dataset, indices, seed, epoch)
+    return x, y
+
+
+def _load(dataset, indices, seed, epoch, out=None):
+    """load_batch, written into the first B rows of ``out`` ((x, y) arrays of a shared-memory
+    slot) when its sample shape is the batch's: (x, y, whether they are ``out``'s rows)."""
     if len(indices) == 0:
         raise ValueError("load_batch: an empty batch")
     load = getattr(dataset, "load", None)
@@ -115,10 +140,16 @@ def load_batch(dataset, indices, seed, epoch):
                             "Resize(S) then CenterCrop(S))" % (_where(dataset, int(indices[0])),
                                                                first, _where(dataset, int(i)),
                                                                x.shape))
-    out = np.empty((len(xs),) + first, np.float32)
-    for j, x in enumerate(xs):
-        out[j] = x
-    return out, np.asarray(ys, dtype=np.int64)
+    b = len(xs)
+    y = np.asarray(ys, dtype=np.int64)
+    into = out is not None and out[0].shape[1:] == first and b <= len(out[0])
+    x = out[0][:b] if into else np.empty((b,) + first, np.float32)
+    for j, xj in enumerate(xs):
+        x[j] = xj
+    if into:
+        out[1][:b] = y
+        y = out[1][:b]
+    return x, y, into
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -133,15 +164,17 @@ def _pack_error(e):
 
 
 def _worker_main(dataset, tasks, results):
-    """Serve (k, seed, epoch, indices) tasks until the parent closes ``tasks``."""
+    """Serve (k, seed, epoch, indices, slot) tasks until the parent closes ``tasks``; answer
+    each with (k, rows, batch, error): rows > 0 when the batch was written into ``slot`` (a ring
+    spec and a slot index), else the batch (x, y) itself or the packed error."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent until now: see _start
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     out = queue.SimpleQueue()
 
-    # A separate sender: a batch larger than the pipe's buffer blocks send() until the parent
-    # reads it, and the worker should meanwhile decode the next one (up to `prefetch` ahead).
+    # A separate sender: a batch sent through the pipe (one that does not fit the ring) blocks
+    # send() until the parent reads it, and the worker should meanwhile decode the next one.
     def send():
         while True:
             item = out.get()
@@ -152,17 +185,25 @@ def _worker_main(dataset, tasks, results):
 
     sender = threading.Thread(target=send, name="utensil-loader-send", daemon=True)
     sender.start()
+    rings = {}  # name -> the attached ring; one per pool, attached on its first slot
     while True:
         try:
             task = tasks.recv()
         except (EOFError, OSError):
             break
-        k, seed, epoch, idx = task
+        k, seed, epoch, idx, slot = task
+        idx = np.frombuffer(idx, np.int64)
         try:
-            x, y = load_batch(dataset, idx, seed, epoch)
-            out.put((k, x, y, None))
+            into = None
+            if slot is not None:
+                spec, s = slot
+                if spec[0] not in rings:
+                    rings[spec[0]] = attach(spec)
+                into = rings[spec[0]].x[s], rings[spec[0]].y[s]
+            x, y, written = _load(dataset, idx, seed, epoch, into)
+            out.put((k, len(y), None, None) if written else (k, 0, (x, y), None))
         except Exception as e:
-            out.put((k, None, None, _pack_error(e)))
+            out.put((k, 0, None, _pack_error(e)))
     # The parent has gone or is stopping us: leave now, without the interpreter's tear-down
     # (a tenth of a second per worker; there is nothing to flush but the standard streams).
     for f in (sys.stdout, sys.stderr):
@@ -174,27 +215,33 @@ def _worker_main(dataset, tasks, results):
 
 
 # -- the parent's side of the workers ------------------------------------------------------------
-def _stop(procs, conns):
-    """Close the pipes (idle workers see EOF and leave), then terminate, then kill what stays."""
-    for c in conns:
-        try:
-            c.close()
-        except OSError:
-            pass
-    deadline = time.monotonic() + _GRACE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-    for p in procs:
-        p.join(1.0)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-        p.close()
-    procs.clear()
-    conns.clear()
+def _stop(procs, conns, rings):
+    """Close the pipes (idle workers see EOF and leave), then terminate, then kill what stays;
+    then unlink the shared memory (only now: see Ring.unlink)."""
+    try:
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + _GRACE_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(1.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+            p.close()
+        procs.clear()
+        conns.clear()
+    finally:  # a second Ctrl-C while stopping must not leave a segment in /dev/shm
+        for r in rings:
+            r.unlink()
+        rings.clear()
 
 
 def _start(process):
@@ -228,15 +275,19 @@ def _exit_text(code):
 
 class _Workers:
     """W processes, each with a task pipe (parent -> worker) and a result pipe (worker ->
-    parent)."""
+    parent), and the ring of ``slots`` shared-memory slots of ``capacity`` samples that their
+    batches come back in (made when the first batch shows the sample shape)."""
 
-    def __init__(self, dataset, n, method):
+    def __init__(self, dataset, n, method, slots, capacity):
         ctx = multiprocessing.get_context(method)
         self.procs, self.tasks, self.results = [], [], []
-        self.pending = []  # per worker: the batches sent to it and not yet received, in order
+        self.pending = []  # per worker: (batch, slot) sent to it and not yet received, in order
         self._conns = []
+        self.ring, self._rings = None, []  # _rings: for the finalizer to unlink
+        self._slots, self._capacity, self._no_ring = slots, capacity, False
+        self.piped = 0  # batches that came through a pipe (before the ring, or not fitting it)
         # stops the processes when this object is collected, or at exit, whichever comes first
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self._conns)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._conns, self._rings)
         try:
             for w in range(n):
                 task_r, task_w = ctx.Pipe(duplex=False)
@@ -273,20 +324,43 @@ class _Workers:
     def _died(self, w, k, epoch):
         p = self.procs[w]
         p.join(1.0)  # a worker whose pipe closed is exiting: let its exit status arrive
-        k = self.pending[w][0] if self.pending[w] else k  # the oldest batch it owed us
+        k = self.pending[w][0][0] if self.pending[w] else k  # the oldest batch it owed us
         return LoaderError("loader worker %d (pid %d) %s before sending batch %d of epoch %d"
                            % (w, p.pid, _exit_text(p.exitcode), k, epoch))
 
-    def submit(self, w, task):
+    def _make_ring(self, sample_shape):
         try:
-            self.tasks[w].send(task)
+            self.ring = Ring(self._slots, self._capacity, sample_shape)
+        except OSError as e:
+            self._no_ring = True
+            warnings.warn("Loader: no room for the batches in shared memory (%s); the workers "
+                          "send them through pipes, which costs this process more time per "
+                          "batch" % e, RuntimeWarning, stacklevel=4)
+        else:
+            self._rings.append(self.ring)
+
+    def submit(self, w, k, seed, epoch, indices):
+        """Send batch k to worker w, with a free slot of the ring when there is one."""
+        slot = self.ring.acquire() if self.ring is not None else None
+        try:
+            # the indices as bytes: pickling a numpy array costs the parent tens of us
+            self.tasks[w].send((k, seed, epoch, np.asarray(indices, np.int64).tobytes(),
+                                None if slot is None else (self.ring.spec, slot)))
         except OSError:
-            raise self._died(w, task[0], task[2]) from None
-        self.pending[w].append(task[0])
+            raise self._died(w, k, epoch) from None
+        self.pending[w].append((k, slot))
+
+    def release(self, slot):
+        """The consumer is done with ``slot``: the next batch may be written into it."""
+        if self.ring is not None:
+            self.ring.release(slot)
 
     def receive(self, w, k, epoch, timeout):
+        """Batch k from worker w: (x, y, slot), x and y arrays over the ring's ``slot`` (which
+        the caller releases when its consumer is done) or, with slot None, the worker's own."""
         conn, p = self.results[w], self.procs[w]
-        ready = connection.wait([conn, p.sentinel], timeout)
+        # a batch that is already there needs no selector (tens of us per batch)
+        ready = [conn] if conn.poll() else connection.wait([conn, p.sentinel], timeout)
         if not ready:
             raise LoaderError("loader worker %d (pid %d) sent nothing for %g s while loading "
                               "batch %d of epoch %d (Loader timeout=%g); it may be stuck reading "
@@ -298,10 +372,15 @@ class _Workers:
             msg = None
         if msg is None:
             raise self._died(w, k, epoch)
-        got, x, y, err = msg
-        self.pending[w].popleft()
+        got, rows, batch, err = msg
+        _, slot = self.pending[w].popleft()
         if got != k:
             raise LoaderError("loader worker %d sent batch %d, expected %d" % (w, got, k))
+        if rows:  # the worker wrote it into our slot
+            x, y = self.ring.rows(slot, rows)
+            return x, y, slot
+        if slot is not None:  # unused: the batch did not fit, or it failed
+            self.ring.release(slot)
         if err is not None:
             blob, text, tb = err
             exc = None
@@ -313,9 +392,14 @@ class _Workers:
             if not isinstance(exc, BaseException):
                 exc = LoaderError("loader worker %d raised %s" % (w, text))
             raise exc from _RemoteTraceback(tb)
-        return x, y
+        x, y = batch
+        self.piped += 1
+        if self.ring is None and not self._no_ring:
+            self._make_ring(x.shape[1:])
+        return x, y, None
 
     def close(self):
+        self.ring = None
         self._finalizer()
 
 
@@ -328,7 +412,7 @@ def _count(v, what, low):
 
 class Loader:
     """``Loader(dataset, batch_size, shuffle=True, seed=0, workers=0, prefetch=2,
-    drop_last=False, indices=None, share=None, timeout=None, start_method="spawn")``
+    drop_last=False, indices=None, share=None, timeout=None, start_method="spawn", copy=True)``
 
     ``dataset``: ``len()`` and ``load(i, rng)`` or ``[i]`` -> (float32 [C, H, W], int label)
     (an ImageFolder). ``indices``: the samples to use (the epoch's order is over their positions).
@@ -336,7 +420,11 @@ class Loader:
     each batch's index array to the part this process loads (data-parallel training:
     train_dist's ``Dist.share``); ``batch_indices(e)`` still gives the whole batches. ``timeout``:
     seconds to wait for one batch from a worker before a LoaderError (None: no limit; the first
-    batches of new workers wait for their start-up too, a second or more).
+    batches of new workers wait for their start-up too, a second or more). ``copy``: True, the
+    default, yields arrays of the consumer's own; False yields, from workers, views of the
+    shared memory they wrote the batch into, valid until the next batch of the loader is
+    requested (then the memory is reused: copy what must be kept). Views save a copy per batch
+    and suit a consumer that uploads each batch at once (utensil-train).
 
     ``for x, y in loader`` runs the epoch set by ``set_epoch(e)`` (0 at first); ``loader.epoch(e)``
     runs epoch e. One epoch at a time per loader: starting another abandons an unfinished one (its
@@ -344,7 +432,8 @@ class Loader:
     """
 
     def __init__(self, dataset, batch_size, shuffle=True, seed=0, workers=0, prefetch=2,
-                 drop_last=False, indices=None, share=None, timeout=None, start_method="spawn"):
+                 drop_last=False, indices=None, share=None, timeout=None, start_method="spawn",
+                 copy=True):
         self.batch_size = _count(batch_size, "batch_size", 1)
         self.workers = _count(workers, "workers", 0)
         self.prefetch = _count(prefetch, "prefetch", 1)
@@ -381,6 +470,7 @@ class Loader:
         self.share = share
         self.timeout = timeout
         self.start_method = start_method
+        self.copy = bool(copy)
         self._n = n
         self._epoch = 0
         self._pool = None
@@ -427,7 +517,7 @@ class Loader:
         if self._active is not None:  # an earlier epoch's iterator was left unfinished
             self._stop_workers()
         token = self._active = object()
-        finished = False
+        finished, held = False, None  # held: the slot under the views the consumer has
         try:
             plan = self.batch_indices(epoch)
             if self.share is not None:
@@ -444,16 +534,31 @@ class Loader:
                     self._check(token)
                     yield load_batch(self.dataset, b, self.seed, epoch)
             else:
+                w_n, depth = self.workers, self.workers * self.prefetch
                 if self._pool is None:
-                    self._pool = _Workers(self.dataset, self.workers, self.start_method)
-                pool, w_n = self._pool, self.workers
-                depth, sent = w_n * self.prefetch, 0
+                    # a slot per batch in flight: the consumer's one is released before the
+                    # next is submitted, so there is always a free slot
+                    self._pool = _Workers(self.dataset, w_n, self.start_method, depth,
+                                          self.batch_size)
+                pool, sent = self._pool, 0
                 for k in range(len(plan)):
                     self._check(token)
+                    if held is not None:  # the consumer asked for the next batch
+                        pool.release(held)
+                        held = None
                     while sent < len(plan) and sent < k + depth:
-                        pool.submit(sent % w_n, (sent, self.seed, epoch, plan[sent]))
+                        pool.submit(sent % w_n, sent, self.seed, epoch, plan[sent])
                         sent += 1
-                    yield pool.receive(k % w_n, k, epoch, self.timeout)
+                    x, y, slot = pool.receive(k % w_n, k, epoch, self.timeout)
+                    if slot is not None:
+                        if self.copy:
+                            x, y = x.copy(), y.copy()
+                            pool.release(slot)
+                        else:
+                            held = slot
+                    yield x, y
+                if held is not None:
+                    pool.release(held)
             finished = True
         finally:
             if self._active is token:

@@ -37,11 +37,12 @@ class TrainData:
 
     def train_batches(self, batch_size, seed, epoch, share=None):
         """(images in the whole batch, x, y) per batch of the epoch: x float32 [b, C, H, W] and
-        y int64 [b] of this rank's share."""
+        y int64 [b] of this rank's share. x and y may be views of a loader's shared memory,
+        valid until the next batch is requested: use them (upload them) at once."""
         raise NotImplementedError
 
     def test_batches(self, batch_size, share=None):
-        """(x, y) batches of this rank's share of the test images."""
+        """(x, y) batches of this rank's share of the test images, valid as train_batches'."""
         raise NotImplementedError
 
     def close(self):
@@ -80,23 +81,28 @@ class _Folder(TrainData):
         from .loader import Loader
 
         key = (which, batch_size, seed)
-        if key not in self._loaders:  # kept across epochs: the workers are started once
+        # kept across epochs: the workers are started once. copy=False: the trainer uploads
+        # each batch into a tensor before it asks for the next, so views of the workers'
+        # shared memory do, and save this process a copy of every batch
+        if key not in self._loaders:
             if which == "train":  # whole batches in data.batches order, each rank its share
                 loader = Loader(self.fd.train, batch_size, shuffle=True, seed=seed,
                                 workers=self.workers, indices=self.fd.train_indices,
-                                share=share, timeout=self.timeout)
+                                share=share, timeout=self.timeout, copy=False)
             else:  # each rank its share of the test set, in order
                 idx = self.fd.test_indices if share is None else share(self.fd.test_indices)
                 loader = None if len(idx) == 0 else Loader(
                     self.fd.test, batch_size, shuffle=False, workers=self.workers, indices=idx,
-                    timeout=self.timeout)
+                    timeout=self.timeout, copy=False)
             self._loaders[key] = loader
         return self._loaders[key]
 
     def train_batches(self, batch_size, seed, epoch, share=None):
         loader = self._loader("train", batch_size, seed, share)
         sizes = [len(b) for b in loader.batch_indices(epoch)]
-        for whole, (x, y) in zip(sizes, loader.epoch(epoch)):
+        # the loader's epoch first: zip then runs it to its end, where an epoch left unfinished
+        # would stop the workers (and the next epoch start new ones)
+        for (x, y), whole in zip(loader.epoch(epoch), sizes):
             yield whole, x, y
 
     def test_batches(self, batch_size, share=None):
