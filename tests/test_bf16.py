@@ -234,13 +234,13 @@ def test_mixed_precision_keeps_float32_at_its_edges_and_in_the_weights(device, r
         net.close()
 
 
-def test_precision_flag_trains_the_digits_to_the_float32_accuracy(tmp_path, capsys):
+def test_precision_flag_trains_the_digits_to_the_float32_accuracy(device):
     import io
     accs = {}
     for prec in ("fp32", "bf16"):
         out = io.StringIO()
         assert train_main(["--precision", prec, "--epochs", "8", "--no-checkpoint",
-                           "--no-progress", "--device", "cpu", "--threads", "2"], out) == 0
+                           "--no-progress", "--device", device, "--threads", "2"], out) == 0
         text = out.getvalue()
         last = [l for l in text.splitlines() if l.startswith("final test accuracy")][0]
         accs[prec] = float(last.split()[3].rstrip("%"))

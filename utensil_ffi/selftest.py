@@ -14,6 +14,12 @@ sizes, stride 2, padding, kh != kw, depthwise dilation and channel multiplier):
             (eps 1e-2): forward and backward of the build agree with each other;
   vs cpu    (GPU only) output and gradients against the same op on the CPU.
 
+A last row per device checks mixed precision: a small MobileNet block (conv, batchnorm+ReLU6,
+depthwise, pointwise, pooling, linear) run under utensil.MixedPrecision (bfloat16 activations)
+against the same network in float32 (checked op by op above): output, input gradient and the
+parameter gradients (as one vector) within "bf16 vs f32" (a few bfloat16 steps, 2**-8 each,
+through the block).
+
 Each number is a normalized error ||got - want||_2 / ||want||_2, the worst over the op's
 outputs and gradients (x, weight, bias). The bounds are in BOUNDS below. It prints one table
 and exits 0 if every row passes, 1 otherwise. It needs only numpy and the library itself.
@@ -34,7 +40,7 @@ __all__ = ["BOUNDS", "CASES", "Case", "make_case", "default_cases", "check_case"
 
 # Normalized-error bounds for each check. float32 arithmetic on these small shapes is accurate to
 # ~1e-6; fd32 is limited by float32 rounding in the forward, divided by the 2*eps step.
-BOUNDS = {"forward": 1e-4, "fd64": 1e-4, "fd32": 1e-3, "vs cpu": 1e-4}
+BOUNDS = {"forward": 1e-4, "fd64": 1e-4, "fd32": 1e-3, "vs cpu": 1e-4, "bf16 vs f32": 3e-2}
 FD64_EPS = 1e-6
 FD32_EPS = 1e-2
 
@@ -355,6 +361,38 @@ def check_case(case, device, rng=None, fd32=True, cpu_results=None):
     return errs, (y, grads)
 
 
+def check_bf16(device, seed=0):
+    """{"bf16 vs f32": the worst normalized error of the block's output, input gradient and
+    parameter gradients under MixedPrecision against float32} on one device."""
+    import utensil_ffi as ut
+
+    rng = np.random.default_rng(seed)
+    ut.seed(seed)
+    # no bias before a batchnorm (it cancels: its gradient is float32 roundoff, not a signal)
+    net = ut.Sequential(ut.Conv2d(3, 8, 3, stride=2, padding=1, bias=False),
+                        ut.BatchNorm2d(8, activation="relu6"),
+                        ut.DWConv2d(8, 3, padding=1, bias=False),
+                        ut.BatchNorm2d(8, activation="relu6"),
+                        ut.Conv2d(8, 16, 1, bias=True), ut.GlobalAvgPool2d(),
+                        ut.Linear(16, 5)).to(device)
+    try:
+        x = rng.standard_normal((4, 3, 9, 9)).astype(np.float32)
+        go = rng.standard_normal((4, 5)).astype(np.float32)
+        runs = []
+        for model in (net, ut.MixedPrecision(net)):
+            net.zero_grad()
+            with ut.tensor(x, device) as xt, ut.tensor(go, device) as gt:
+                with model(xt) as y, model.backward(gt) as dx:
+                    # the parameter gradients as one vector: a parameter whose gradient nearly
+                    # cancels (a batchnorm's gain before another batchnorm) has no relative
+                    # accuracy of its own in either precision
+                    flat = np.concatenate([p.grad.numpy().ravel() for p in net.parameters()])
+                    runs.append([y.numpy().copy(), dx.numpy().copy(), flat])
+        return {"bf16 vs f32": max(nerr(b, a) for a, b in zip(*runs))}
+    finally:
+        net.close()
+
+
 def _passed(errs):
     return all(e <= BOUNDS[k] for k, e in errs.items())
 
@@ -407,6 +445,22 @@ def run(devices=None, seed=0, fd32=True, out=None):
             print(line, file=out)
             rows.append({"op": case.op, "case": case.desc, "device": dev, "errors": errs,
                          "max": worst, "passed": ok, "error": err_msg})
+    for dev in devices:
+        err_msg = None
+        try:
+            errs = check_bf16(dev, seed)
+        except Exception as e:
+            errs, err_msg = {}, "%s: %s" % (type(e).__name__, e)
+        ok = err_msg is None and _passed(errs)
+        worst = max(errs.values()) if errs else math.inf
+        line = "%-22s %-6s %-30s " % ("mixed precision bf16", dev, "MobileNet block vs float32")
+        line += " ".join("%-8s" % "-" for _ in cols)
+        line += " %-9s %s" % (_fmt(worst), "pass" if ok else "FAIL")
+        if err_msg:
+            line += "  (%s)" % err_msg[:200]
+        print(line, file=out)
+        rows.append({"op": "mixed precision bf16", "case": "MobileNet block", "device": dev,
+                     "errors": errs, "max": worst, "passed": ok, "error": err_msg})
     return rows
 
 
