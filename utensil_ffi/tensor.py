@@ -370,6 +370,8 @@ class Tensor:
                 if device is not None:
                     raise ArgumentTypeError("Tensor.to: two devices given")
                 device = a
+        if args and device is None and dtype is None:
+            _args.parse_device(None)  # to(None) names nothing: the usual device error
         p = _hold(self)
         try:
             dev = p.dev if device is None else _args.parse_device(device)
