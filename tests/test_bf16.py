@@ -268,3 +268,16 @@ def test_dlpack_exchanges_bf16_with_torch(device, torch, rng):
     else:
         with pytest.raises(BufferError, match="bfloat16"):
             ut.from_dlpack(torch.from_numpy(x).to(torch.bfloat16))
+
+
+def test_a_layer_refuses_a_dtype_with_what_to_do_instead(torch):
+    lin = ut.Linear(2, 2)
+    try:
+        for d in (ut.bfloat16, "bf16", torch.bfloat16):
+            with pytest.raises(ut.ArgumentTypeError, match="MixedPrecision"):
+                lin.to(d)
+        with pytest.raises(ut.ArgumentTypeError, match="MixedPrecision"):
+            ut.Sequential(lin).to(ut.bfloat16)
+        assert lin.weight.dtype == ut.float32
+    finally:
+        lin.close()

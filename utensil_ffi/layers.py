@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 from . import _args
+from . import dtypes as _dtypes
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
 from ._errors import check, check_ptr
 from ._lib import ffi, lib
@@ -215,7 +216,7 @@ class Module:
 
     def to(self, device):
         """Move the layer's tensors to ``device`` in place; returns self."""
-        _args.parse_device(device)
+        _layer_device(device)
         return self
 
     def _clear_cache(self):
@@ -384,6 +385,17 @@ class Module:
             yield prefix + k, self
         for k, c in self.named_children():
             yield from c._extra_state_owners(prefix + k + ".")
+
+
+def _layer_device(device):
+    """The C device a layer's ``to(device)`` names. A dtype is refused with what to do instead:
+    PyTorch's ``model.to(torch.bfloat16)`` casts the weights, which mixed-precision training
+    keeps float32."""
+    if _dtypes.is_dtype_like(device):
+        raise ArgumentTypeError(
+            "to(%r): a layer's parameters stay float32 (the master weights); to compute in "
+            "bfloat16 wrap the model: utensil.MixedPrecision(model)" % (device,))
+    return _args.parse_device(device)
 
 
 def _zero_grads(params, set_to_none):
@@ -701,7 +713,7 @@ class _CLayer(Module):
         return out
 
     def to(self, device):
-        dev = _args.parse_device(device)
+        dev = _layer_device(device)
         self._struct
         self._clear_cache()
         for p in self._tensors():
