@@ -166,6 +166,7 @@ static void test_library(ut_dev dev) {
   assert(ut_field_offset("ut_batchnorm2d", "training") ==
          (long long)offsetof(ut_batchnorm2d, training));
   assert(ut_field_offset("ut_tensor", "version") == (long long)offsetof(ut_tensor, version));
+  assert(ut_field_offset("ut_tensor", "dtype") == (long long)offsetof(ut_tensor, dtype));
   assert(ut_field_offset("ut_tensor", "no_such_field") == -1);
   size_t fr = 0, tot = 0;
   int st = ut_cuda_mem_info(&fr, &tot);
@@ -175,6 +176,40 @@ static void test_library(ut_dev dev) {
     assert(st < 0 && ut_last_error()[0] != '\0');
   ut_clear_error();
   assert(ut_last_status() == UT_OK && strcmp(ut_last_error(), "") == 0);
+}
+
+/* bfloat16: rounding to nearest even (ties, NaN, overflow), conversions both ways, outputs in
+   the input's dtype, and a float32-only argument refused */
+static void test_bf16(ut_dev dev) {
+  const float one = 1.f, tie_down = 1.f + 0x1p-8f, tie_up = 1.f + 3 * 0x1p-8f;
+  float src[] = {one, tie_down, tie_up, -tie_down, 3.4e38f, NAN, -0.f, 0x1p-130f};
+  float want[] = {one, one, 1.f + 0x1p-6f, -one, INFINITY, NAN, -0.f, 0x1p-130f};
+  ut_tensor* f = ut_from_data(1, S(8), src, dev);
+  require(f);
+  ut_tensor* b = ut_to_dtype(f, UT_BF16);
+  require(b);
+  assert(b->dtype == UT_BF16 && f->dtype == UT_F32 && b->dev == dev);
+  assert(ut_sync_cpu_readonly(b) == UT_OK);
+  for (int i = 0; i < 8; i++)
+    assert(isnan(want[i]) ? isnan(b->data[i])
+                          : memcmp(&b->data[i], &want[i], sizeof(float)) == 0);
+  assert(strcmp(ut_dtype_name(UT_BF16), "bfloat16") == 0);
+  assert(strcmp(ut_dtype_name(UT_F32), "float32") == 0);
+  /* an op's output has its input's dtype, and a bf16 -> float32 copy is exact */
+  ut_tensor* r = ut_relu(b);
+  require(r);
+  assert(r->dtype == UT_BF16);
+  ut_tensor* back = ut_alloc(1, S(8), dev);
+  require(back);
+  assert(ut_copy_into(back, r) == UT_OK);
+  assert(ut_sync_cpu_readonly(back) == UT_OK);
+  assert(back->data[2] == 1.f + 0x1p-6f && back->data[3] == 0.f && isinf(back->data[4]));
+  /* parameters, matmul's operands and optimizer state are float32 only */
+  expect_null(ut_matmul(b, b), UT_ERR_ARG);
+  expect_status(ut_sgd_step(b, f, NULL, 0.1f, 0.f), UT_ERR_ARG);
+  expect_status(ut_add_into(f, b), UT_ERR_ARG);
+  expect_null(ut_alloc_dtype(1, S(2), dev, (ut_dtype)7), UT_ERR_ARG);
+  ut_free_all(f, b, r, back);
 }
 
 /* ============================================================================================
@@ -2683,6 +2718,7 @@ int main(void) {
          ut_cuda_available() ? "available" : "not available (UT_CUDA runs on the CPU)");
   RUN_BOTH(test_library);
   RUN_BOTH(test_alloc);
+  RUN_BOTH(test_bf16);
   RUN_BOTH(test_fill);
   RUN_BOTH(test_copy_reshape);
   RUN_BOTH(test_transpose);
