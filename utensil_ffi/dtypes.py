@@ -20,8 +20,9 @@ class dtype:
 
     __slots__ = ("name", "code", "itemsize")
 
-    def __init__(self, name, code, itemsize):
-        self.name, self.code, self.itemsize = name, code, itemsize
+    def __init__(self, *args, **kwargs):
+        raise ArgumentTypeError("utensil.dtype cannot be made: use utensil.float32 or "
+                                "utensil.bfloat16 (or parse_dtype('bf16'))")
 
     def __repr__(self):
         return "utensil." + self.name
@@ -47,8 +48,14 @@ class dtype:
         return True
 
 
-float32 = dtype("float32", lib.UT_F32, 4)
-bfloat16 = dtype("bfloat16", lib.UT_BF16, 2)
+def _make(name, code, itemsize):
+    d = object.__new__(dtype)
+    d.name, d.code, d.itemsize = name, code, itemsize
+    return d
+
+
+float32 = _make("float32", lib.UT_F32, 4)
+bfloat16 = _make("bfloat16", lib.UT_BF16, 2)
 _BY_CODE = {float32.code: float32, bfloat16.code: bfloat16}
 _NAMES = {"float32": float32, "float": float32, "fp32": float32, "f32": float32,
           "bfloat16": bfloat16, "bf16": bfloat16}
