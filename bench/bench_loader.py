@@ -1,8 +1,8 @@
 """Images/s from an image folder through utensil_ffi.loader, against slicing in-memory arrays.
 
     python bench/bench_loader.py [--images 2000] [--classes 10] [--size 32] [--batch 128]
-        [--workers 0,1,2] [--cached-workers 0] [--epochs 3] [--device cpu] [--threads 2]
-        [--width 16] [--augment] [--no-train] [--dir DIR]
+        [--workers 0,1,2] [--cached-workers 0] [--epochs 3] [--step-ms 40] [--device cpu]
+        [--threads 2] [--width 16] [--augment] [--no-train] [--dir DIR]
 
 Writes ``--images`` PNGs of ``--size``^2 (smooth random colour fields, ``--classes`` class
 folders) into a temporary folder (or ``--dir``, reused when it holds them), then measures:
@@ -14,6 +14,11 @@ folders) into a temporary folder (or ``--dir``, reused when it holds them), then
   ``data.batches`` order, and the CPU time decoding costs per image (workers=0); with workers,
   also this process's CPU time per batch (receiving a batch: what the training thread pays),
   with the loader's views (``copy=False``, as utensil-train) and with its copies (the default);
+- epoch start: with workers, how long ``loader.epoch(e)`` makes its consumer wait for the first
+  batch, against the median wait for a batch inside the epoch, when the consumer spends
+  ``--step-ms`` on each batch (sleeping: a GPU's training step, during which the training
+  thread only waits). The Loader loads the next epoch's first batches while the consumer takes
+  an epoch's last ones, so a consumer the workers keep up with should find them ready;
 - train (unless ``--no-train``, when utensil loads): images/s of training steps of
   ``models.mobilenet(3, classes, width, stem_stride=1)`` (Adam, cross-entropy, as utensil-train)
   fed from the folder at each worker count, and fed from in-memory arrays, with their ratio (the
@@ -29,6 +34,7 @@ on the CPU, the same losses: ``run()`` returns them for bench/test_bench_loader.
 """
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -116,6 +122,34 @@ def _parent_us(loader, epochs):
     return 1e6 * (time.process_time() - c0) / batches
 
 
+def epoch_start_ms(feeds, batch, epochs, step_s, seed=0):
+    """{feed with workers: (median ms from ``loader.epoch(e)`` to its first batch, median ms
+    waited for each later batch)} over epochs 1..``epochs`` (epoch 0, which starts the
+    workers, is not counted), the consumer sleeping ``step_s`` per batch."""
+    out = {}
+    for name, ds, w in feeds:
+        if w == 0:
+            continue
+        first, inside = [], []
+        with Loader(ds, batch, seed=seed, workers=w, copy=False) as loader:
+            for e in range(epochs + 1):
+                t0 = time.perf_counter()
+                it = loader.epoch(e)
+                next(it)
+                if e:
+                    first.append(time.perf_counter() - t0)
+                while True:
+                    time.sleep(step_s)
+                    t0 = time.perf_counter()
+                    if next(it, None) is None:
+                        break
+                    if e:
+                        inside.append(time.perf_counter() - t0)
+        out[name] = (1e3 * statistics.median(first),
+                     1e3 * statistics.median(inside) if inside else 0.0)
+    return out
+
+
 def _train_round(net, opt, feed, device):
     """Train on every (x, y) of ``feed``; (images/s, list of losses)."""
     import utensil_ffi as ut
@@ -184,7 +218,7 @@ def train_rates(feeds, x, y, classes, batch, epochs, device, width, seed=0):
 
 def run(images_n=2000, classes=10, size=32, batch=128, workers=(0, 1, 2), epochs=3,
         device="cpu", threads=2, width=16, augment=False, train=True, folder=None,
-        cached_workers=(0,)):
+        cached_workers=(0,), step_ms=40.0):
     """Everything the command line prints, as a dict."""
     tmp = None
     if folder is None:
@@ -206,6 +240,7 @@ def run(images_n=2000, classes=10, size=32, batch=128, workers=(0, 1, 2), epochs
         out = {"images": len(ds), "size": size, "batch": batch, "augment": augment}
         (out["load"], out["same_batches"], out["load_cpu_us"],
          out["parent_us"]) = load_rates(feeds, x, y, batch, epochs)
+        out["epoch_start_ms"] = epoch_start_ms(feeds, batch, epochs, step_ms / 1e3)
         if train:
             import utensil_ffi as ut
 
@@ -234,6 +269,8 @@ def main(argv=None):
     p.add_argument("--cached-workers", default="0",
                    help="worker counts for the cached folder (comma-separated; '' for none)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs (rounds) per feed")
+    p.add_argument("--step-ms", type=float, default=40.0,
+                   help="the consumer's time per batch when timing the epoch start")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=2, help="utensil's CPU threads")
     p.add_argument("--width", type=int, default=16, help="the network's width")
@@ -246,12 +283,12 @@ def main(argv=None):
     train = not a.no_train
     if train:
         try:
-            import utensil_ffi  # noqa: F401
+            importlib.import_module("utensil_ffi")
         except ImportError as e:
             print("utensil cannot be loaded (%s): loading only" % e)
             train = False
     r = run(a.images, a.classes, a.size, a.batch, workers, a.epochs, a.device, a.threads,
-            a.width, a.augment, train, a.dir, cached)
+            a.width, a.augment, train, a.dir, cached, a.step_ms)
     print("%d PNGs of %dx%d, batch %d%s; %d CPUs" % (
         r["images"], a.size, a.size, a.batch, ", augmented" if a.augment else "",
         len(os.sched_getaffinity(0))))
@@ -264,6 +301,11 @@ def main(argv=None):
         print("this process's CPU time per batch from workers (us), views / copies:  "
               + "  ".join("%s %.0f / %.0f" % (f, v["view"], v["copy"])
                           for f, v in r["parent_us"].items()))
+    if r["epoch_start_ms"]:
+        print("wait for an epoch's first batch / for a batch inside it (ms, median), the "
+              "consumer taking %g ms per batch:  " % a.step_ms
+              + "  ".join("%s %.1f / %.1f" % (f, v[0], v[1])
+                          for f, v in r["epoch_start_ms"].items()))
     if train:
         base = r["train"]["memory"]
         print("training %s, mobilenet width %d (img/s, median of %d epochs):"

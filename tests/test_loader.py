@@ -42,6 +42,33 @@ class Samples:
         return np.full((2, 3, 3), i, np.float32) + rng.random((2, 3, 3), np.float32), i % 3
 
 
+class FailIn(Samples):
+    """Samples whose sample ``index`` fails (``how``: "raise" a DataError, "die") in epoch
+    ``epoch`` only: the sample's rng tells the epoch (it is seeded with (seed, epoch, index))."""
+
+    def __init__(self, n, seed, epoch, index, how="raise"):
+        super().__init__(n)
+        self.state = np.random.default_rng((seed, epoch, index)).bit_generator.state
+        self.index, self.how = index, how
+
+    def load(self, i, rng):
+        if i == self.index and rng.bit_generator.state == self.state:
+            if self.how == "die":
+                os._exit(7)
+            raise DataError("/data/broken-%d.png: cannot decode this image" % i)
+        return super().load(i, rng)
+
+
+class Fixed(Samples):
+    """Samples that draw nothing (``random`` false): in order, every epoch has the same batches."""
+
+    random = False
+
+    def load(self, i, rng):
+        assert rng is None
+        return np.full((2, 3, 3), i, np.float32), i % 3
+
+
 class Env:
     """What a worker sees: its CUDA_VISIBLE_DEVICES as the label (1: hidden)."""
 
@@ -375,11 +402,165 @@ def test_the_trainers_folder_feed_keeps_its_workers_and_equals_workers_0(tmp_pat
             if pids is None:
                 pids = loader.worker_pids()
             assert loader.worker_pids() == pids and len(pids) == 2  # not restarted per epoch
-        _same([(x.copy(), y.copy()) for x, y in feed.test_batches(4)],
-              list(ref.test_batches(4)))
+        for _ in range(2):  # the second evaluation finds its first batches loaded ahead
+            _same([(x.copy(), y.copy()) for x, y in feed.test_batches(4)],
+                  list(ref.test_batches(4)))
+            assert feed._loaders[("test", 4, 0)]._ahead.sent > 0
     finally:
         ref.close()
         feed.close()
+    _gone(pids)
+
+
+# -- the next epoch's first batches, loaded ahead -----------------------------------------------
+def _free_slots(loader):
+    return len(loader._pool.ring._free)
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("n,bs,workers,prefetch,shuffle", [
+    (23, 4, 2, 2, True),  # 6 batches, 4 in flight: most of the next epoch's come ahead
+    (9, 4, 3, 2, True),  # 3 batches, 6 in flight: all of the next epoch's come ahead
+    (21, 4, 2, 1, False),
+])
+def test_consecutive_epochs_are_bitwise_those_of_workers_0(n, bs, workers, prefetch, shuffle,
+                                                           copy):
+    ds = Samples(n)
+    ref = Loader(ds, bs, seed=2, shuffle=shuffle)
+    epochs = range(4)
+    want = [list(ref.epoch(e)) for e in epochs]
+    depth = workers * prefetch
+    with Loader(ds, bs, seed=2, shuffle=shuffle, workers=workers, prefetch=prefetch,
+                copy=copy) as loader:
+        for e in epochs:
+            got = loader.epoch(e)
+            _same(list(got) if copy else _own(got), want[e])
+            # the window runs on into epoch e + 1: its first batches are in flight
+            ahead = loader._ahead
+            assert ahead is not None and ahead.epoch == e + 1
+            assert ahead.sent == min(depth, len(loader))
+            assert [(ep, k) for _, ep, k, _ in loader._pool.pending] == [
+                (e + 1, k) for k in range(ahead.sent)]
+            # every slot free but those of the batches in flight (epoch 0's first batches go
+            # through the pipes, without one: the ring is made when the first comes back)
+            in_slots = [slot for _, _, _, slot in loader._pool.pending if slot is not None]
+            assert len(in_slots) == (ahead.sent if e > 0 else len(in_slots))
+            assert _free_slots(loader) == depth - len(in_slots)
+        pids = loader.worker_pids()
+    _gone(pids)
+
+
+def test_the_next_epochs_first_batch_is_ready_when_asked_for():
+    # each batch takes a worker 0.6 s: without loading ahead, epoch 1's first batch would too
+    ds = Samples(8, sleep=0.3)
+    want = list(Loader(ds, 2, seed=1).epoch(1))
+    with Loader(ds, 2, seed=1, workers=2, prefetch=1) as loader:
+        list(loader.epoch(0))
+        time.sleep(1.5)  # the consumer's work between epochs (evaluation, say)
+        t0 = time.monotonic()
+        it = loader.epoch(1)
+        first = next(it)
+        waited = time.monotonic() - t0
+        _same([first] + list(it), want)
+    assert waited < 0.3, waited
+
+
+def test_an_epoch_other_than_the_next_discards_the_batches_loaded_ahead():
+    ds = Samples(23)
+    ref = Loader(ds, 4, seed=2)
+    with Loader(ds, 4, seed=2, workers=2, prefetch=2) as loader:
+        list(loader.epoch(0))
+        assert loader._ahead.epoch == 1 and loader._ahead.sent == 4
+        pids = loader.worker_pids()
+        for e in (2, 3, 0, 0):  # a jump, the next (loaded ahead), back, the same again
+            _same(list(loader.epoch(e)), list(ref.epoch(e)))
+            assert loader._ahead.epoch == e + 1 and _free_slots(loader) == 0
+        assert loader.worker_pids() == pids  # dropped, not restarted
+        assert loader._pool.piped <= 4  # epoch 0's first batches only: no slot was lost
+        loader.set_epoch(7)
+        _same(list(loader), list(ref.epoch(7)))
+
+
+def test_break_after_the_next_epoch_was_started_stops_the_workers():
+    ds = Samples(23)
+    ref = Loader(ds, 4, seed=2)
+    loader = Loader(ds, 4, seed=2, workers=2, prefetch=2)
+    list(loader.epoch(0))
+    it = loader.epoch(1)
+    for k, _ in enumerate(it):
+        if k == 4:  # the last batch but one: epoch 2's first batches are in flight
+            assert loader._ahead.epoch == 2 and loader._ahead.sent > 0
+            break
+    pids = loader.worker_pids()
+    del it
+    gc.collect()
+    _gone(pids)  # an interrupted epoch stops the workers, with what they held ahead
+    assert loader._ahead is None
+    _same(list(loader.epoch(2)), list(ref.epoch(2)))  # new workers, the right batches
+    loader.close()
+
+
+def test_close_while_the_next_epoch_is_loading_leaves_nothing_behind():
+    loader = Loader(Samples(12, sleep=0.2), 2, workers=2, prefetch=2)
+    list(loader.epoch(0))
+    assert loader._ahead.sent == 4  # the workers are busy with epoch 1 now
+    pids = loader.worker_pids()
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 3.0
+    _gone(pids)  # no process, no zombie, no /dev/shm segment
+    with pytest.raises(ValueError, match="close"):
+        loader.epoch(1)
+
+
+def test_same_batches_every_epoch_are_loaded_ahead_for_any_epoch():
+    # in order, drawing nothing (an evaluation): the batches ahead serve whichever epoch comes
+    ds = Fixed(10)
+    want = list(Loader(ds, 3, shuffle=False).epoch(0))
+    with Loader(ds, 3, shuffle=False, workers=2, prefetch=1) as loader:
+        for e in (0, 0, 5, 0):
+            _same(list(loader.epoch(e)), want)
+            assert loader._ahead.epoch == 0 and loader._ahead.sent == 2
+        assert loader._pool.piped <= 2
+
+
+def test_an_error_in_a_batch_loaded_ahead_is_raised_only_if_its_epoch_is_asked_for():
+    seed, bs = 4, 3
+    first = data.batches(15, bs, seed, 1)[0]  # epoch 1's first batch: loaded ahead
+    ds = FailIn(15, seed, 1, int(first[1]))
+    ref = Loader(ds, bs, seed=seed)
+    with pytest.raises(DataError, match="broken-%d.png" % first[1]):
+        list(ref.epoch(1))
+    with Loader(ds, bs, seed=seed, workers=2, prefetch=2) as loader:
+        _same(list(loader.epoch(0)), list(ref.epoch(0)))  # not raised here...
+        assert loader._ahead.epoch == 1 and loader._ahead.sent == 4
+        pids = loader.worker_pids()
+        _same(list(loader.epoch(2)), list(ref.epoch(2)))  # ...nor here: epoch 1 was skipped
+        assert loader.worker_pids() == pids
+        list(loader.epoch(0))  # epoch 1 loaded ahead again
+        with pytest.raises(DataError, match="broken-%d.png: cannot decode" % first[1]) as e:
+            next(loader.epoch(1))  # asked for: raised as itself, at its batch
+        assert "raise DataError" in str(e.value.__cause__)  # with the worker's traceback
+    _gone(pids)
+
+
+def test_a_worker_that_dies_loading_ahead_fails_only_the_epoch_it_was_loading():
+    seed, bs = 4, 3
+    first = data.batches(15, bs, seed, 1)[0]
+    ds = FailIn(15, seed, 1, int(first[0]), how="die")
+    ref = Loader(ds, bs, seed=seed)
+    with Loader(ds, bs, seed=seed, workers=2, prefetch=2) as loader:
+        list(loader.epoch(0))
+        pids = loader.worker_pids()
+        _same(list(loader.epoch(2)), list(ref.epoch(2)))  # dropping epoch 1 meets the death
+        assert set(loader.worker_pids()).isdisjoint(pids)  # and starts new workers
+        assert not [p.pid for p in mp.active_children() if p.pid in pids]
+        assert len(_segments()) == 1 or not os.path.isdir("/dev/shm")  # the new workers' only
+        list(loader.epoch(0))
+        pids = loader.worker_pids()
+        with pytest.raises(LoaderError, match="exited with status 7 .* before sending batch 0 "
+                                              "of epoch 1"):
+            list(loader.epoch(1))
     _gone(pids)
 
 

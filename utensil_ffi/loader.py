@@ -16,16 +16,16 @@ batch may be short, even a single sample). Sample i of epoch e is ``dataset.load
 of workers.
 
 Workers: ``workers=W > 0`` starts W processes on the first epoch and keeps them for later ones.
-Batch k goes to worker k % W; each worker holds up to ``prefetch`` batches ahead of the consumer;
-batches come back in order. Workers are started with multiprocessing's "spawn" method: a fresh
-interpreter inherits no threads, locks or GPU state from the parent (fork would copy a CUDA
-context and the library's thread pool, neither of which survives in a child) and behaves the
-same on Linux, macOS and Windows; forkserver would save part of the start-up, but its server and
-preload list are process-wide state shared with whatever else uses multiprocessing. The price,
-a new interpreter per worker (about a second), is paid once per Loader. So the data set and its
-transforms must be picklable, and a script that makes a Loader needs the usual
-``if __name__ == "__main__":`` guard. Workers import utensil_ffi (the library initializes no GPU
-until a GPU op runs), never call into it, and hide the GPUs from themselves
+The workers take batches in turn; up to W * ``prefetch`` batches are in flight ahead of the
+consumer; batches come back in order. Workers are started with multiprocessing's "spawn"
+method: a fresh interpreter inherits no threads, locks or GPU state from the parent (fork
+would copy a CUDA context and the library's thread pool, neither of which survives in a child)
+and behaves the same on Linux, macOS and Windows; forkserver would save part of the start-up,
+but its server and preload list are process-wide state shared with whatever else uses
+multiprocessing. The price, a new interpreter per worker (about a second), is paid once per
+Loader. So the data set and its transforms must be picklable, and a script that makes a Loader
+needs the usual ``if __name__ == "__main__":`` guard. Workers import utensil_ffi (the library
+initializes no GPU until a GPU op runs), never call into it, and hide the GPUs from themselves
 (CUDA_VISIBLE_DEVICES="") before loading anything; they ignore SIGINT (blocked from their start
 until then): Ctrl-C is the parent's.
 
@@ -43,10 +43,27 @@ size), and every batch where /dev/shm has no room (a warning says so), comes thr
 The segment (``/dev/shm/utensil_<pid>_...``) is unlinked when the workers stop, however they
 stop; views still held keep their memory mapped until they go.
 
+The next epoch's first batches: a window of W * ``prefetch`` batches that stopped at the end of
+each epoch would leave the workers idle while the consumer takes an epoch's last batches, and
+make it wait for a whole batch's decoding (tens of ms) when it asks for the next epoch: with a
+fast GPU and a small data set (31 batches an epoch), enough to cost a tenth of the epoch. So the
+window runs on past the end of an epoch into the first batches of the epoch expected next, e + 1
+(or the same batches again when every epoch has them: ``shuffle=False`` and a data set that draws
+nothing, as an evaluation), and ``epoch(e + 1)`` finds them ready. They are what that epoch
+would load anyway (the order is known beforehand, the rng is (seed, epoch, i)), so nothing
+depends on the guess but time. When the consumer then asks for another epoch, the batches sent
+ahead are received and dropped first (at once when the workers have finished them; at worst
+their decoding is waited for), a worker's exception among them with them: it is raised only in
+the epoch that asks for that batch, as itself. The last epoch's guess is work wasted, W *
+``prefetch`` batches.
+
 Shutdown: ``close()``, leaving a ``with`` block, or garbage collection stops the workers and
 unlinks their shared memory. An epoch that does not run to its end (the consumer raised or broke
-out of the loop, Ctrl-C, a worker error, a dead worker) stops them too, so no process or segment
-outlives an interrupted loop; the next epoch starts new ones.
+out of the loop, Ctrl-C, a worker error, a dead worker) stops them too, with the batches they
+held for it and for the epoch after, so no process or segment outlives an interrupted loop; the
+next epoch starts new ones. (Keeping them would save a restart after a ``break``, but a loop left
+by an exception usually ends the program, whose workers should go with it, and the loader
+cannot tell the two apart.)
 A worker's exception is re-raised in the parent as itself (a DataError naming the file), with the
 worker's traceback as its cause; a worker that dies, or sends nothing within ``timeout`` seconds,
 is a LoaderError that says which and how. Workers read their end of a pipe from the parent and
@@ -171,27 +188,36 @@ def _worker_main(dataset, tasks, results):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent until now: see _start
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    out = queue.SimpleQueue()
+    out = queue.Queue()
 
     # A separate sender: a batch sent through the pipe (one that does not fit the ring) blocks
     # send() until the parent reads it, and the worker should meanwhile decode the next one.
     def send():
+        stopped = False
         while True:
             item = out.get()
-            try:
-                results.send(item)
-            except (OSError, ValueError):  # the parent closed its end: it is stopping us
-                return
+            if not stopped:
+                try:
+                    results.send(item)
+                except (OSError, ValueError):  # the parent closed its end: it is stopping us
+                    stopped = True
+            out.task_done()
 
     sender = threading.Thread(target=send, name="utensil-loader-send", daemon=True)
     sender.start()
     rings = {}  # name -> the attached ring; one per pool, attached on its first slot
+    last = None
     while True:
         try:
             task = tasks.recv()
         except (EOFError, OSError):
             break
         k, seed, epoch, idx, slot = task
+        if epoch != last:
+            # a batch of the next epoch (loaded ahead) starts once every batch of the running
+            # one has been sent: a worker that dies on it then takes none of them along
+            out.join()
+            last = epoch
         idx = np.frombuffer(idx, np.int64)
         try:
             into = None
@@ -281,7 +307,10 @@ class _Workers:
     def __init__(self, dataset, n, method, slots, capacity):
         ctx = multiprocessing.get_context(method)
         self.procs, self.tasks, self.results = [], [], []
-        self.pending = []  # per worker: (batch, slot) sent to it and not yet received, in order
+        # the batches sent and not yet received, oldest first: (worker, epoch, batch, slot).
+        # Each worker answers its tasks in order, so the oldest's answer is its worker's next.
+        self.pending = deque()
+        self._turn = 0  # the workers take batches in turn, across epochs
         self._conns = []
         self.ring, self._rings = None, []  # _rings: for the finalizer to unlink
         self._slots, self._capacity, self._no_ring = slots, capacity, False
@@ -311,7 +340,6 @@ class _Workers:
                 task_r.close()
                 res_w.close()
                 self.procs.append(p)
-                self.pending.append(deque())
                 self.tasks.append(task_w)
                 self.results.append(res_r)
         except BaseException:
@@ -321,10 +349,11 @@ class _Workers:
     def pids(self):
         return [p.pid for p in self.procs]
 
-    def _died(self, w, k, epoch):
+    def _died(self, w, epoch, k):
         p = self.procs[w]
         p.join(1.0)  # a worker whose pipe closed is exiting: let its exit status arrive
-        k = self.pending[w][0][0] if self.pending[w] else k  # the oldest batch it owed us
+        owed = [(e, b) for v, e, b, _ in self.pending if v == w]
+        epoch, k = owed[0] if owed else (epoch, k)  # the oldest batch it owed us
         return LoaderError("loader worker %d (pid %d) %s before sending batch %d of epoch %d"
                            % (w, p.pid, _exit_text(p.exitcode), k, epoch))
 
@@ -339,25 +368,60 @@ class _Workers:
         else:
             self._rings.append(self.ring)
 
-    def submit(self, w, k, seed, epoch, indices):
-        """Send batch k to worker w, with a free slot of the ring when there is one."""
+    def submit(self, epoch, k, seed, indices):
+        """Send batch k of ``epoch`` to the next worker in turn, with a free slot of the ring
+        when there is one."""
+        w = self._turn % len(self.procs)
         slot = self.ring.acquire() if self.ring is not None else None
         try:
             # the indices as bytes: pickling a numpy array costs the parent tens of us
             self.tasks[w].send((k, seed, epoch, np.asarray(indices, np.int64).tobytes(),
                                 None if slot is None else (self.ring.spec, slot)))
         except OSError:
-            raise self._died(w, k, epoch) from None
-        self.pending[w].append((k, slot))
+            if slot is not None:
+                self.ring.release(slot)
+            raise self._died(w, epoch, k) from None
+        self._turn += 1
+        self.pending.append((w, epoch, k, slot))
 
     def release(self, slot):
         """The consumer is done with ``slot``: the next batch may be written into it."""
         if self.ring is not None:
             self.ring.release(slot)
 
-    def receive(self, w, k, epoch, timeout):
-        """Batch k from worker w: (x, y, slot), x and y arrays over the ring's ``slot`` (which
-        the caller releases when its consumer is done) or, with slot None, the worker's own."""
+    def receive(self, epoch, k, timeout):
+        """Batch k of ``epoch``, the oldest one in flight: (x, y, slot), x and y arrays over the
+        ring's ``slot`` (which the caller releases when its consumer is done) or, with slot
+        None, the worker's own. A worker's exception is raised here as itself."""
+        (w, e, b, _), x, y, slot, err = self._take(timeout)
+        if (e, b) != (epoch, k):
+            raise LoaderError("loader: received batch %d of epoch %d, expected batch %d of "
+                              "epoch %d" % (b, e, k, epoch))
+        if err is not None:
+            blob, text, tb = err
+            exc = None
+            if blob is not None:
+                try:
+                    exc = pickle.loads(blob)
+                except Exception:
+                    exc = None
+            if not isinstance(exc, BaseException):
+                exc = LoaderError("loader worker %d raised %s" % (w, text))
+            raise exc from _RemoteTraceback(tb)
+        return x, y, slot
+
+    def discard(self, timeout):
+        """Receive every batch in flight and drop it, a worker's exception with it (a batch
+        nobody asked for). A LoaderError when a worker died or hung: then stop the pool."""
+        while self.pending:
+            _, _, _, slot, _ = self._take(timeout)
+            if slot is not None:
+                self.ring.release(slot)
+
+    def _take(self, timeout):
+        """The oldest batch in flight: ((worker, epoch, batch, slot), x, y, slot or None, packed
+        error or None); LoaderError when its worker died or sent nothing within ``timeout``."""
+        w, epoch, k, _ = self.pending[0]
         conn, p = self.results[w], self.procs[w]
         # a batch that is already there needs no selector (tens of us per batch)
         ready = [conn] if conn.poll() else connection.wait([conn, p.sentinel], timeout)
@@ -371,32 +435,24 @@ class _Workers:
         except (EOFError, OSError):
             msg = None
         if msg is None:
-            raise self._died(w, k, epoch)
+            raise self._died(w, epoch, k)
         got, rows, batch, err = msg
-        _, slot = self.pending[w].popleft()
+        task = self.pending.popleft()
+        slot = task[3]
         if got != k:
             raise LoaderError("loader worker %d sent batch %d, expected %d" % (w, got, k))
         if rows:  # the worker wrote it into our slot
             x, y = self.ring.rows(slot, rows)
-            return x, y, slot
+            return task, x, y, slot, None
         if slot is not None:  # unused: the batch did not fit, or it failed
             self.ring.release(slot)
         if err is not None:
-            blob, text, tb = err
-            exc = None
-            if blob is not None:
-                try:
-                    exc = pickle.loads(blob)
-                except Exception:
-                    exc = None
-            if not isinstance(exc, BaseException):
-                exc = LoaderError("loader worker %d raised %s" % (w, text))
-            raise exc from _RemoteTraceback(tb)
+            return task, None, None, None, err
         x, y = batch
         self.piped += 1
         if self.ring is None and not self._no_ring:
             self._make_ring(x.shape[1:])
-        return x, y, None
+        return task, x, y, None, None
 
     def close(self):
         self.ring = None
@@ -404,6 +460,15 @@ class _Workers:
 
 
 # -- the loader -----------------------------------------------------------------------------------
+class _Ahead:
+    """The epoch expected next, its plan, and how many of its first batches are in flight."""
+
+    __slots__ = ("epoch", "plan", "sent")
+
+    def __init__(self, epoch, plan):
+        self.epoch, self.plan, self.sent = epoch, plan, 0
+
+
 def _count(v, what, low):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
         raise ValueError("Loader: %s must be an integer >= %d, got %r" % (what, low, v))
@@ -423,12 +488,15 @@ class Loader:
     batches of new workers wait for their start-up too, a second or more). ``copy``: True, the
     default, yields arrays of the consumer's own; False yields, from workers, views of the
     shared memory they wrote the batch into, valid until the next batch of the loader is
-    requested (then the memory is reused: copy what must be kept). Views save a copy per batch
+    requested, the request that ends the epoch included (then the memory is reused, soon by
+    the next epoch's first batches: copy what must be kept). Views save a copy per batch
     and suit a consumer that uploads each batch at once (utensil-train).
 
     ``for x, y in loader`` runs the epoch set by ``set_epoch(e)`` (0 at first); ``loader.epoch(e)``
     runs epoch e. One epoch at a time per loader: starting another abandons an unfinished one (its
-    iterator then raises) and stops the workers. Not thread-safe.
+    iterator then raises) and stops the workers. With workers, a finished epoch e leaves the
+    first batches of epoch e + 1 loading (see the module's doc): ask for the epochs in order.
+    ``share`` must give the same result for the same batch every time. Not thread-safe.
     """
 
     def __init__(self, dataset, batch_size, shuffle=True, seed=0, workers=0, prefetch=2,
@@ -474,6 +542,7 @@ class Loader:
         self._n = n
         self._epoch = 0
         self._pool = None
+        self._ahead = None  # an _Ahead: the batches sent ahead for the expected next epoch
         self._active = None  # the token of the epoch being iterated
         self._closed = False
 
@@ -513,43 +582,56 @@ class Loader:
         return self._pool.pids() if self._pool is not None else []
 
     # -- running an epoch ---------------------------------------------------------------------
+    def _plan(self, epoch):
+        """The index arrays this process loads for ``epoch``'s batches."""
+        plan = self.batch_indices(epoch)
+        if self.share is not None:
+            plan = [np.asarray(self.share(b)) for b in plan]
+            for k, b in enumerate(plan):
+                if len(b) == 0:
+                    raise ValueError(
+                        "Loader: share() leaves batch %d of epoch %d (%d samples) empty for "
+                        "this process; to spread an evaluation over processes, give each its "
+                        "part of the samples (indices=share(all)) instead"
+                        % (k, epoch, len(self.batch_indices(epoch)[k])))
+        return plan
+
+    def _same_every_epoch(self):
+        """Whether every epoch has the same batches: in order, and nothing drawn per epoch."""
+        return not self.shuffle and not (hasattr(self.dataset, "load")
+                                         and getattr(self.dataset, "random", True))
+
     def _run(self, epoch):
         if self._active is not None:  # an earlier epoch's iterator was left unfinished
             self._stop_workers()
         token = self._active = object()
         finished, held = False, None  # held: the slot under the views the consumer has
         try:
-            plan = self.batch_indices(epoch)
-            if self.share is not None:
-                plan = [np.asarray(self.share(b)) for b in plan]
-                for k, b in enumerate(plan):
-                    if len(b) == 0:
-                        raise ValueError(
-                            "Loader: share() leaves batch %d of epoch %d (%d samples) empty for "
-                            "this process; to spread an evaluation over processes, give each its "
-                            "part of the samples (indices=share(all)) instead"
-                            % (k, epoch, len(self.batch_indices(epoch)[k])))
             if self.workers == 0:
-                for b in plan:
+                for b in self._plan(epoch):
                     self._check(token)
                     yield load_batch(self.dataset, b, self.seed, epoch)
             else:
-                w_n, depth = self.workers, self.workers * self.prefetch
+                ahead, self._ahead = self._ahead, None
+                if ahead is not None and (ahead.epoch == epoch or self._same_every_epoch()):
+                    epoch, plan, sent = ahead.epoch, ahead.plan, ahead.sent  # the guess was right
+                else:
+                    if ahead is not None:  # the guess was wrong: drop the batches in flight
+                        self._discard()
+                    plan, sent = self._plan(epoch), 0
                 if self._pool is None:
                     # a slot per batch in flight: the consumer's one is released before the
                     # next is submitted, so there is always a free slot
-                    self._pool = _Workers(self.dataset, w_n, self.start_method, depth,
-                                          self.batch_size)
-                pool, sent = self._pool, 0
+                    self._pool = _Workers(self.dataset, self.workers, self.start_method,
+                                          self.workers * self.prefetch, self.batch_size)
+                pool = self._pool
                 for k in range(len(plan)):
                     self._check(token)
                     if held is not None:  # the consumer asked for the next batch
                         pool.release(held)
                         held = None
-                    while sent < len(plan) and sent < k + depth:
-                        pool.submit(sent % w_n, sent, self.seed, epoch, plan[sent])
-                        sent += 1
-                    x, y, slot = pool.receive(k % w_n, k, epoch, self.timeout)
+                    sent = self._submit(epoch, plan, sent, k)
+                    x, y, slot = pool.receive(epoch, k, self.timeout)
                     if slot is not None:
                         if self.copy:
                             x, y = x.copy(), y.copy()
@@ -559,12 +641,54 @@ class Loader:
                     yield x, y
                 if held is not None:
                     pool.release(held)
+                    held = None
+                self._submit(epoch, plan, sent, len(plan))  # the window's last place: next epoch
             finished = True
         finally:
             if self._active is token:
                 self._active = None
                 if not finished:  # the outstanding batches go with the workers
                     self._stop_workers()
+
+    def _submit(self, epoch, plan, sent, k):
+        """Keep ``workers * prefetch`` batches in flight ahead of the consumer, who is at batch
+        k of ``epoch``: this epoch's from ``sent`` on, then the next epoch's first ones.
+        Returns how many of this epoch's have been sent."""
+        depth = self.workers * self.prefetch
+        while sent < len(plan) and sent < k + depth:
+            self._pool.submit(epoch, sent, self.seed, plan[sent])
+            sent += 1
+        if k + depth > len(plan):
+            self._submit_ahead(epoch, k + depth - len(plan))
+        return sent
+
+    def _submit_ahead(self, epoch, count):
+        """Send the first ``count`` batches of the epoch expected after ``epoch`` (the next one,
+        or this one again when every epoch has the same batches), those not sent yet. Nothing
+        here may fail the epoch being run: an error in making that epoch's plan, or a dead
+        worker, is left for that epoch to meet when it is asked for."""
+        ahead = self._ahead
+        if ahead is None:
+            nxt = epoch if self._same_every_epoch() else epoch + 1
+            try:
+                ahead = _Ahead(nxt, self._plan(nxt))
+            except Exception:
+                return
+            self._ahead = ahead
+        try:
+            while ahead.sent < min(count, len(ahead.plan)):
+                self._pool.submit(ahead.epoch, ahead.sent, self.seed, ahead.plan[ahead.sent])
+                ahead.sent += 1
+        except LoaderError:
+            pass
+
+    def _discard(self):
+        """Drop the batches sent ahead for an epoch that was not asked for next; stop the
+        workers if one of them died or hung meanwhile (the next epoch starts new ones)."""
+        try:
+            self._pool.discard(self.timeout)
+        except LoaderError:
+            self._stop_workers()
 
     def _check(self, token):
         if self._closed:
@@ -575,6 +699,7 @@ class Loader:
 
     def _stop_workers(self):
         pool, self._pool = self._pool, None
+        self._ahead = None  # the batches sent ahead go with the workers
         if pool is not None:
             pool.close()
 
