@@ -12,13 +12,14 @@ kernels compute in float32 exactly as the float32 kernels do and round once when
                                                  rounded, A = sum |go| |w| over the pairs
   dW, db      |dw16 - dw32| <= 1e-5 A + 1e-30     float32 sums of identical products; the bf16
                                                  dW kernel may group the partial sums
-                                                 differently (two columns per item), A = sum
+                                                 differently (2-8 columns per item), A = sum
                                                  |go| |x| over the pairs
 
 Geometries: the dilation x multiplier x kernel x stride x padding sample and the edge cases of
 test_dw_dilation_multiplier.py, plus shapes that pick each CUDA path (read the dispatch in
-depthwise.cu): the strip kernels (3x3 stride 1 and 2, 5x5 stride 1; even widths take the bf16
-pair kernels ut__cuda_dwconv2d_strip2_*, odd widths the one-column ones), the tiled kernels
+depthwise.cu): the strip kernels (3x3 stride 1 and 2, 5x5 stride 1; widths that are multiples
+of 8 take the wide bf16 kernels ut__cuda_dwconv2d_stripw_*, other even widths the pair kernels
+ut__cuda_dwconv2d_strip2_*, odd widths the one-column ones), the tiled kernels
 (5x5 stride 2, 7x7), and the plain kernels (dilation > 1, kh != kw, stride 3, 1x1), odd sizes,
 a 1x1 image and batch > 1. Then non-finite values: the same NaN/inf pattern as float32 (the
 rule of "sums over real (output, tap, input) pairs only").
@@ -59,6 +60,19 @@ PATHS = {
     "strip2-mobilenet-56": (2, 16, 1, 56, 56, (3, 3), 1, 1, 1, True),
     "strip2-mobilenet-56-s2": (2, 16, 1, 56, 56, (3, 3), 2, 1, 1, True),
     "strip2-multiplier": (2, 3, 2, 12, 14, (3, 3), 1, 1, 1, True),
+    # strip kernels, wide bf16 items (input width a multiple of 8: ut__cuda_dwconv2d_stripw_*,
+    # which also serve the even widths above that are multiples of 8): output widths that are
+    # not a multiple of the item (stores one by one), each padding offset, odd row counts, and
+    # dx at stride 2 from go rows of a width that is a multiple of 4 with an odd dx width
+    "wide-3x3-s1-p0": (2, 5, 1, 16, 24, (3, 3), 1, 0, 1, True),
+    "wide-3x3-s1-p2": (2, 5, 1, 16, 24, (3, 3), 1, 2, 1, False),
+    "wide-3x3-s2-p0": (2, 5, 1, 16, 24, (3, 3), 2, 0, 1, True),
+    "wide-3x3-s2-p1-odd-rows": (2, 3, 1, 17, 40, (3, 3), 2, 1, 1, True),
+    "wide-3x3-s2-p2": (2, 3, 1, 18, 40, (3, 3), 2, 2, 1, True),
+    "wide-3x3-s2-dx-odd-width": (2, 3, 1, 13, 55, (3, 3), 2, 1, 1, True),
+    "wide-3x3-s1-8-wide": (2, 4, 1, 5, 8, (3, 3), 1, 1, 1, True),
+    "wide-5x5-s1-p2": (3, 4, 1, 20, 32, (5, 5), 1, 2, 1, True),
+    "wide-5x5-s1-p1": (2, 3, 1, 11, 32, (5, 5), 1, 1, 1, True),
     # strip kernels, one column per item (input width odd)
     "strip-3x3-s1-odd": (2, 3, 1, 7, 9, (3, 3), 1, 1, 1, True),
     "strip-3x3-s2-odd": (2, 16, 1, 57, 55, (3, 3), 2, 1, 1, True),

@@ -42,13 +42,19 @@
    stored. Where the float32 code moves several floats at once the bf16 code has its own
    equivalent: the tiled kernels stage bf16 in shared memory as it is (8-byte cp.async, 2-byte
    copies for unaligned heads and tails); the stride-2 dx strip kernel stores bf16 pairs where
-   float32 stores float2; and the forward, stride-1 dx and dW strip kernels, when the rows
-   start at even columns, take two output columns per thread read as 4-byte bf16 pairs
-   (ut__cuda_dwconv2d_strip2_*), since halving the bytes gains little while the number of load
-   instructions stays the same. Those keep each output's float32 sum order (forward and dx
-   are the float32 result rounded once); only the dW partial sums are grouped differently.
-   Measured on an H200 (fwd + dx + dW, bf16 over float32): 32x32x112x112 3x3 s1 1.28x,
-   32x96x112x112 s2 1.48x, 32x144x56x56 s1 1.26x, s2 1.30x; 5x5 s2 and 7x7 (tiled) 0.96x.
+   float32 stores float2. The strip kernels are bound by load instructions rather than bytes,
+   so halving the bytes alone gains little: when the rows start at multiples of 8 columns
+   (16-byte aligned), the forward, stride-1 dx and dW strip kernels take 8 output columns per
+   thread at stride 1 and 4 at stride 2, read as 16-byte chunks, and dx at stride 2 takes 8 dx
+   columns per thread from 8-byte chunks of go (ut__cuda_dwconv2d_stripw_*); other even
+   widths take two columns per thread read as 4-byte pairs (ut__cuda_dwconv2d_strip2_*). All
+   keep each output's float32 sum order (forward and dx are the float32 result rounded once);
+   only the dW partial sums are grouped differently.
+   Measured on an H200 (fwd + dx + dW through the entry points, each with its non-finite
+   check and gated rerun, bf16 over float32): 32x32x112x112 3x3 s1 1.79x, 32x96x112x112 s2
+   1.75x, 32x144x56x56 s1 1.76x, s2 1.55x, 32x128x56x56 s1 1.70x (the pair kernels before:
+   1.28x, 1.48x, 1.26x, 1.30x); 32x384x14x14 (width 14: pairs) 1.10x, 5x5 on 28x28 (pairs)
+   1.28x; 5x5 s2 and 7x7 (tiled) 0.96x.
    ============================================================================================ */
 
 /* Read-only loads of activations: __ldg as the float32 kernels always did (the read-only
@@ -817,19 +823,328 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
+/* ---- bf16 wide strip kernels: CW output columns per thread from 8- and 16-byte loads ----
+   The pair kernels above still issue one load instruction per two input columns. These take
+   an item of R rows x CW columns (forward and dW: CW = 8 at stride 1, 4 at stride 2, so that
+   an item's input window starts at the same column modulo 8; dx at stride 2: 8 dx columns)
+   and read each row of the window as aligned chunks of G bf16 (G = 8: 16-byte loads of x or
+   of go at stride 1; G = 4: 8-byte loads of go for dx at stride 2). With the row width a
+   multiple of G and the tensor aligned to 2 G bytes, every chunk lies wholly inside the row or
+   wholly outside it, so one test per chunk replaces the per-column bounds. PO, the window's
+   offset in its first chunk, is a template argument. Each output's sum runs over the same
+   taps in the same order as in the float32 strip kernels (forward, stride-1 dx: rows, then
+   columns; stride-2 dx: go rows, then go columns, both ascending), so forward and dx stay the
+   float32 numbers rounded once; dW sums group differently. Outputs are stored as CW bf16 at
+   once when the output rows allow it (vec2), else one by one. */
+template <int G>
+struct ut__cuda_dwconv2d_chunk;
+template <>
+struct ut__cuda_dwconv2d_chunk<8> {
+  typedef uint4 type;
+};
+template <>
+struct ut__cuda_dwconv2d_chunk<4> {
+  typedef uint2 type;
+};
+
+/* bf16 -> float is the 16 bits moved to the top: element 2i is the low half of word i */
+static __device__ __forceinline__ void ut__cuda_dwconv2d_unpack(unsigned u, float* f) {
+  f[0] = __uint_as_float(u << 16);
+  f[1] = __uint_as_float(u & 0xffff0000u);
+}
+static __device__ __forceinline__ void ut__cuda_dwconv2d_unpack(const uint4& u, float* f) {
+  ut__cuda_dwconv2d_unpack(u.x, f);
+  ut__cuda_dwconv2d_unpack(u.y, f + 2);
+  ut__cuda_dwconv2d_unpack(u.z, f + 4);
+  ut__cuda_dwconv2d_unpack(u.w, f + 6);
+}
+static __device__ __forceinline__ void ut__cuda_dwconv2d_unpack(const uint2& u, float* f) {
+  ut__cuda_dwconv2d_unpack(u.x, f);
+  ut__cuda_dwconv2d_unpack(u.y, f + 2);
+}
+
+/* two floats rounded to nearest even and packed as a bf16 pair (a in the low half) */
+static __device__ __forceinline__ unsigned ut__cuda_dwconv2d_pack2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return (unsigned)__bfloat16_as_ushort(h.x) | ((unsigned)__bfloat16_as_ushort(h.y) << 16);
+}
+
+/* one input row's chunks: columns a0 .. a0 + G NW (a0 a multiple of G), zero outside */
+template <int G, int NW>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_load(
+    const ut__cuda_bf16* rowp, int a0, int iw, bool rv,
+    typename ut__cuda_dwconv2d_chunk<G>::type (&u)[NW]) {
+  typedef typename ut__cuda_dwconv2d_chunk<G>::type V;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    u[i] = V{};
+    if (rv && (unsigned)(a0 + G * i) < (unsigned)iw)
+      u[i] = __ldg(reinterpret_cast<const V*>(rowp + a0 + G * i));
+  }
+}
+
+/* row j of an item as floats, v[0 .. G NW): with PF from the chunks loaded before (raw[j]),
+   else loaded now */
+template <int G, int NW, bool PF, int RAW>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_row(
+    const typename ut__cuda_dwconv2d_chunk<G>::type (&raw)[RAW][NW], int j,
+    const ut__cuda_bf16* rowp, int a0, int iw, bool rv, float (&v)[G * NW]) {
+  typename ut__cuda_dwconv2d_chunk<G>::type u[NW];
+  if constexpr (PF) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) u[i] = raw[j][i];
+  } else {
+    ut__cuda_dwconv2d_wide_load<G, NW>(rowp, a0, iw, rv, u);
+  }
+#pragma unroll
+  for (int i = 0; i < NW; ++i) ut__cuda_dwconv2d_unpack(u[i], v + G * i);
+}
+
+/* one output row of an item: CW values, as one 8- or 16-byte store when vec, else those of
+   the nq columns inside the row */
+template <int CW>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_store(ut__cuda_bf16* yp,
+                                                                    const float (&a)[CW],
+                                                                    bool vec, int nq) {
+  if (vec) {
+    if constexpr (CW == 8) {
+      *reinterpret_cast<uint4*>(yp) =
+          make_uint4(ut__cuda_dwconv2d_pack2(a[0], a[1]), ut__cuda_dwconv2d_pack2(a[2], a[3]),
+                     ut__cuda_dwconv2d_pack2(a[4], a[5]), ut__cuda_dwconv2d_pack2(a[6], a[7]));
+    } else {
+      static_assert(CW == 4, "wide items are 4 or 8 columns");
+      *reinterpret_cast<uint2*>(yp) =
+          make_uint2(ut__cuda_dwconv2d_pack2(a[0], a[1]), ut__cuda_dwconv2d_pack2(a[2], a[3]));
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < CW; ++q)
+      if (q < nq) ut__cuda_st(yp + q, a[q]);
+  }
+}
+
+/* y = conv(x, w) + bias (FLIP: dx at stride 1); items numbered as in
+   ut__cuda_dwconv2d_strip_forward_kernel with NX = ceil(OW / CW) */
+template <int K, int S, int R, int CW, int PO, bool FLIP, bool PF>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_stripw_forward_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
+  constexpr int G = 8;
+  constexpr int NT = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  constexpr int NW = (PO + (CW - 1) * S + K + G - 1) / G;
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+  const int ox = CW * (int)(it - t1 * (unsigned)p.NX);
+  const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
+  const int oy0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const ut__cuda_bf16* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(p.w + c * NT + (FLIP ? NT - 1 - i : i));
+  const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
+  const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+  float acc[R][CW];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < CW; ++q) acc[r][q] = bv;
+  typename ut__cuda_dwconv2d_chunk<G>::type raw[PF ? ROWS : 1][NW];
+  if constexpr (PF) { /* every load of the item in flight before the first use */
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+      ut__cuda_dwconv2d_wide_load<G, NW>(xp + (iyb + j) * p.IW, a0, p.IW,
+                                         (unsigned)(iyb + j) < (unsigned)p.IH, raw[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    float v[G * NW];
+    ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
+                                          (unsigned)iy < (unsigned)p.IH, v);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int kr = j - r * S;
+      if (kr >= 0 && kr < K) {
+#pragma unroll
+        for (int q = 0; q < CW; ++q)
+#pragma unroll
+          for (int kx = 0; kx < K; ++kx)
+            acc[r][q] = fmaf(wr[kr * K + kx], v[PO + q * S + kx], acc[r][q]);
+      }
+    }
+  }
+  ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
+  const int nr = min(R, p.OH - oy0), nq = min(CW, p.OW - ox);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (r < nr) ut__cuda_dwconv2d_wide_store<CW>(yp + r * p.OW, acc[r], p.vec2, nq);
+}
+
+/* dx at stride S = 2 as ut__cuda_dwconv2d_strip_tdx_kernel, an item being R rows x CX
+   columns of dx; go's rows are read as chunks of four (8 bytes) */
+template <int K, int S, int R, int D, int CX, int PO, bool PF>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_stripw_tdx_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
+  constexpr int G = 4;
+  constexpr int NT = K * K;
+  constexpr int E = K - 1 + D;
+  constexpr int JR = (E + R - 1) / S + 1;  /* go rows an item reads */
+  constexpr int MR = (E + CX - 1) / S + 1; /* go columns an item reads */
+  constexpr int NW = (PO + MR + G - 1) / G;
+  const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= p.items) return;
+  const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+  const int x0 = (int)(it - t1 * (unsigned)p.NX) * CX;
+  const unsigned plane = ut__cuda_fdiv(t1, p.fd_ns);
+  const int y0 = (int)(t1 - plane * (unsigned)p.NS) * R;
+  const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
+  const ut__cuda_bf16* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
+  float wr[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(p.w + c * NT + i);
+  const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
+  const int a0 = gx0 - PO;
+  float acc[R][CX];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < CX; ++q) acc[r][q] = 0.f;
+  typename ut__cuda_dwconv2d_chunk<G>::type raw[PF ? JR : 1][NW];
+  if constexpr (PF) {
+#pragma unroll
+    for (int j = 0; j < JR; ++j)
+      ut__cuda_dwconv2d_wide_load<G, NW>(gp + (gy0 + j) * p.IW, a0, p.IW,
+                                         (unsigned)(gy0 + j) < (unsigned)p.IH, raw[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < JR; ++j) {
+    const int gy = gy0 + j;
+    float v[G * NW];
+    ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, gp + gy * p.IW, a0, p.IW,
+                                          (unsigned)gy < (unsigned)p.IH, v);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int ky = E + r - j * S;
+      if (ky >= 0 && ky < K) {
+#pragma unroll
+        for (int q = 0; q < CX; ++q)
+#pragma unroll
+          for (int m = 0; m < MR; ++m) {
+            const int kx = E + q - m * S;
+            if (kx >= 0 && kx < K) acc[r][q] = fmaf(wr[ky * K + kx], v[PO + m], acc[r][q]);
+          }
+      }
+    }
+  }
+  ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
+  const int nr = min(R, p.OH - y0), nq = min(CX, p.OW - x0);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (r < nr) ut__cuda_dwconv2d_wide_store<CX>(yp + r * p.OW, acc[r], p.vec2, nq);
+}
+
+/* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x CW columns (OW a
+   multiple of CW); go is read as CW bf16 at once */
+template <int K, int S, int R, int CW, int PO, bool PF>
+static __global__ void __launch_bounds__(256)
+    ut__cuda_dwconv2d_stripw_dw_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
+  constexpr int G = 8;
+  constexpr int NT = K * K;
+  constexpr int ROWS = (R - 1) * S + K;
+  constexpr int NW = (PO + (CW - 1) * S + K + G - 1) / G;
+  typedef typename ut__cuda_dwconv2d_chunk<CW>::type VG;
+  __shared__ float red[8 * NT];
+  const int c = blockIdx.y;
+  float accw[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) accw[i] = 0.f;
+  const unsigned e0 = blockIdx.x * p.chunk;
+  const unsigned e1 = min(e0 + p.chunk, p.items);
+  const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
+  for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
+    const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
+    const int ox = CW * (int)(it - t1 * (unsigned)p.NX);
+    const unsigned n = ut__cuda_fdiv(t1, p.fd_ns);
+    const int oy0 = (int)(t1 - n * (unsigned)p.NS) * R;
+    const size_t plane = (size_t)n * p.C + c;
+    const ut__cuda_bf16* __restrict__ xp = p.in + plane * in_plane;
+    const ut__cuda_bf16* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
+    const int nr = min(R, p.OH - oy0);
+    float g[R][CW];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      VG u = {};
+      if (r < nr) u = __ldg(reinterpret_cast<const VG*>(gp + r * p.OW));
+      ut__cuda_dwconv2d_unpack(u, g[r]);
+    }
+    const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+    typename ut__cuda_dwconv2d_chunk<G>::type raw[PF ? ROWS : 1][NW];
+    if constexpr (PF) {
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        ut__cuda_dwconv2d_wide_load<G, NW>(xp + (iyb + j) * p.IW, a0, p.IW,
+                                           (unsigned)(iyb + j) < (unsigned)p.IH, raw[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      float v[G * NW];
+      ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
+                                            (unsigned)iy < (unsigned)p.IH, v);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int kr = j - r * S;
+        if (kr >= 0 && kr < K) {
+#pragma unroll
+          for (int q = 0; q < CW; ++q)
+#pragma unroll
+            for (int kx = 0; kx < K; ++kx)
+              accw[kr * K + kx] = fmaf(g[r][q], v[PO + q * S + kx], accw[kr * K + kx]);
+        }
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const float v = ut__cuda_warp_sum(accw[i]);
+    if (lane == 0) red[warp * NT + i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT; i += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w * NT + i];
+    p.part[((size_t)c * gridDim.x + blockIdx.x) * NT + i] = s;
+  }
+}
+
 /* the bf16 pair kernels serve an input whose rows start at even columns: IW even, the
    tensor 4-byte aligned */
 static bool ut__cuda_dwconv2d_strip2_fits(const ut__cuda_bf16* in, int iw) {
   return iw % 2 == 0 && (reinterpret_cast<uintptr_t>(in) & 3) == 0;
 }
 
-/* output columns per item of the dW strip kernel: 2 (ut__cuda_dwconv2d_strip2_dw_kernel) for
-   bf16 when x and go both read in pairs, else 1 */
+/* the wide bf16 kernels' shapes (their tunables and choice are further down) */
+static int ut__cuda_dwconv2d_stripw_cols(int s);
+static int ut__cuda_dwconv2d_stripw_po(int pad);
+static bool ut__cuda_dwconv2d_stripw_po_ok(int k, int s, int po);
+static bool ut__cuda_dwconv2d_stripw_in_fits(const void* in, int iw);
+
+/* output columns per item of the dW strip kernel: 8 or 4 (ut__cuda_dwconv2d_stripw_dw_kernel)
+   for bf16 when x reads in 16-byte chunks and go in whole items, else 2
+   (ut__cuda_dwconv2d_strip2_dw_kernel) when x and go both read in pairs, else 1 */
 static int ut__cuda_dwconv2d_strip2_dw_cols(const float*, const float*, const ut__conv_geom*) {
   return 1;
 }
 static int ut__cuda_dwconv2d_strip2_dw_cols(const ut__cuda_bf16* go, const ut__cuda_bf16* x,
                                             const ut__conv_geom* g) {
+  const int cw = ut__cuda_dwconv2d_stripw_cols(g->stride);
+  if (ut__cuda_dwconv2d_stripw_in_fits(x, g->w) &&
+      ut__cuda_dwconv2d_stripw_po_ok(g->kh, g->stride, ut__cuda_dwconv2d_stripw_po(g->pad)) &&
+      g->wo % cw == 0 && (reinterpret_cast<uintptr_t>(go) & (2 * cw - 1)) == 0)
+    return cw;
   return ut__cuda_dwconv2d_strip2_fits(x, g->w) && ut__cuda_dwconv2d_strip2_fits(go, g->wo) ? 2
                                                                                             : 1;
 }
@@ -920,6 +1235,163 @@ static int ut__cuda_dwconv2d_strip_threads() {
   return ut__cuda_dwconv2d_strip_tune_threads ? ut__cuda_dwconv2d_strip_tune_threads : 128;
 }
 
+/* ---- the wide bf16 kernels' choice and launches ---- */
+
+/* rows per item of the wide kernels (0: automatic; the self-check harness sets it) */
+static int ut__cuda_dwconv2d_stripw_tune_R = 0;
+/* items per thread of ut__cuda_dwconv2d_stripw_dw_kernel (0: automatic) */
+static int ut__cuda_dwconv2d_stripw_tune_ipt = 0;
+
+/* Rows per item and items per dW thread, from the H200 measurements (32 images of 32x112x112,
+   96x112x112, 144x56x56 and 128x56x56): 4 rows at stride 1 (8 rows: 6-20% slower), 8 at
+   stride 2 and for dx at stride 2; dW takes 2 items per thread at stride 1, 1 at stride 2.
+   The kernels issue every load of an item before its first use (PF) at stride 1, where that
+   was up to 8% faster, and load row by row at stride 2, where the longer items made PF up to
+   11% slower. */
+static int ut__cuda_dwconv2d_stripw_ipt(int s) {
+  if (ut__cuda_dwconv2d_stripw_tune_ipt) return ut__cuda_dwconv2d_stripw_tune_ipt;
+  return s == 1 ? 2 : 1;
+}
+
+static int ut__cuda_dwconv2d_stripw_rows(int mode, int s) {
+  if (ut__cuda_dwconv2d_stripw_tune_R) return ut__cuda_dwconv2d_stripw_tune_R;
+  switch (mode) {
+    case UT__CUDA_DWCONV2D_TDX: return 8;
+    default: return s == 2 ? 8 : 4;
+  }
+}
+
+/* columns per item: 8 at stride 1, 4 at stride 2 (the window then starts at the same column
+   modulo 8 in every item) */
+static int ut__cuda_dwconv2d_stripw_cols(int s) { return s == 1 ? 8 : 4; }
+
+/* the window's offset in its first 8-column chunk, for a padding; the instantiated ones */
+static int ut__cuda_dwconv2d_stripw_po(int pad) { return ((-pad) % 8 + 8) % 8; }
+static bool ut__cuda_dwconv2d_stripw_po_ok(int k, int s, int po) {
+  if (k == 3 && s == 2) return po == 0 || po == 7;
+  return (k == 3 || k == 5) && s == 1 && (po == 0 || po == 6 || po == 7);
+}
+
+/* an input of rows that start at multiples of 8 columns, in 16-byte aligned memory */
+static bool ut__cuda_dwconv2d_stripw_in_fits(const void* in, int iw) {
+  return iw % 8 == 0 && (reinterpret_cast<uintptr_t>(in) & 15) == 0;
+}
+
+template <int K, int S, int R, int CW, int PO, bool FLIP>
+static int ut__cuda_dwconv2d_stripw_forward_launch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int threads) {
+  ut__cuda_dwconv2d_stripw_forward_kernel<K, S, R, CW, PO, FLIP, S == 1>
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
+  UT__CUDA_LAUNCHED("depthwise conv (bf16 wide strips)");
+  return UT_OK;
+}
+
+template <int K, int S, int R, bool FLIP>
+static int ut__cuda_dwconv2d_stripw_forward_po(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                               int po, int threads) {
+  constexpr int CW = S == 1 ? 8 : 4;
+  switch (po) {
+    case 0: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 0, FLIP>(p, threads);
+    case 7: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 7, FLIP>(p, threads);
+    default: break;
+  }
+  if constexpr (S == 1)
+    if (po == 6) return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 6, FLIP>(p, threads);
+  return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip kernel for offset %d", po);
+}
+
+template <int R, bool FLIP>
+static int ut__cuda_dwconv2d_stripw_forward_dispatch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int k, int s, int threads) {
+  const int po = ut__cuda_dwconv2d_stripw_po(p.pad);
+  switch (k * 10 + s) {
+    case 31: return ut__cuda_dwconv2d_stripw_forward_po<3, 1, R, FLIP>(p, po, threads);
+    case 51: return ut__cuda_dwconv2d_stripw_forward_po<5, 1, R, FLIP>(p, po, threads);
+    default: break;
+  }
+  if constexpr (!FLIP) /* FLIP serves dx at stride 1 only */
+    if (k * 10 + s == 32) return ut__cuda_dwconv2d_stripw_forward_po<3, 2, R, FLIP>(p, po, threads);
+  return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip kernel for %dx%d stride %d", k, k, s);
+}
+
+/* dx at stride 2, wide: go's rows read as chunks of four (8 bytes), 8 dx columns per item */
+static const int UT__CUDA_DWCONV2D_TDXW_CX = 8;
+
+/* go's column offset in its first chunk of four, for the phase D (see the tdx kernels) */
+static int ut__cuda_dwconv2d_stripw_tdx_po(int k, int pad, int d) {
+  const int off = (pad - (k - 1 + d)) / 2; /* exact: pad - E is even */
+  return (off % 4 + 4) % 4;
+}
+
+template <int R, int D, int PO>
+static int ut__cuda_dwconv2d_stripw_tdx_launch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int threads) {
+  ut__cuda_dwconv2d_stripw_tdx_kernel<3, 2, R, D, UT__CUDA_DWCONV2D_TDXW_CX, PO, false>
+      <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
+  UT__CUDA_LAUNCHED("depthwise dx (bf16 wide strips)");
+  return UT_OK;
+}
+
+template <int R>
+static int ut__cuda_dwconv2d_stripw_tdx_dispatch(
+    const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int d, int po, int threads) {
+  switch (d * 4 + po) {
+    case 0: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 0, 0>(p, threads);
+    case 1: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 0, 1>(p, threads);
+    case 2: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 0, 2>(p, threads);
+    case 3: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 0, 3>(p, threads);
+    case 4: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 1, 0>(p, threads);
+    case 5: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 1, 1>(p, threads);
+    case 6: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 1, 2>(p, threads);
+    case 7: return ut__cuda_dwconv2d_stripw_tdx_launch<R, 1, 3>(p, threads);
+    default: return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip dx kernel");
+  }
+}
+
+/* the wide dx kernel at stride 2 serves 3x3 filters and go rows that start at multiples of
+   four columns in 8-byte aligned memory */
+static bool ut__cuda_dwconv2d_stripw_tdx_fits(const void* go, const ut__conv_geom* g) {
+  return g->kh == 3 && g->stride == 2 && g->wo % 4 == 0 &&
+         (reinterpret_cast<uintptr_t>(go) & 7) == 0;
+}
+
+template <int K, int S, int R, int CW, int PO>
+static int ut__cuda_dwconv2d_stripw_dw_launch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                              int parts, int threads) {
+  ut__cuda_dwconv2d_stripw_dw_kernel<K, S, R, CW, PO, S == 1>
+      <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(p);
+  UT__CUDA_LAUNCHED("depthwise dW (bf16 wide strips)");
+  return UT_OK;
+}
+
+template <int K, int S, int R>
+static int ut__cuda_dwconv2d_stripw_dw_po(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                          int po, int parts, int threads) {
+  constexpr int CW = S == 1 ? 8 : 4;
+  switch (po) {
+    case 0: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 0>(p, parts, threads);
+    case 7: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 7>(p, parts, threads);
+    default: break;
+  }
+  if constexpr (S == 1)
+    if (po == 6) return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 6>(p, parts, threads);
+  return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip dW kernel for offset %d", po);
+}
+
+template <int R>
+static int ut__cuda_dwconv2d_stripw_dw_dispatch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
+                                                int k, int s, int parts, int threads) {
+  const int po = ut__cuda_dwconv2d_stripw_po(p.pad);
+  switch (k * 10 + s) {
+    case 31: return ut__cuda_dwconv2d_stripw_dw_po<3, 1, R>(p, po, parts, threads);
+    case 51: return ut__cuda_dwconv2d_stripw_dw_po<5, 1, R>(p, po, parts, threads);
+    case 32: return ut__cuda_dwconv2d_stripw_dw_po<3, 2, R>(p, po, parts, threads);
+    default:
+      return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip dW kernel for %dx%d stride %d", k,
+                           k, s);
+  }
+}
+
 template <int K, int S, int R, bool FLIP, typename T>
 static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params<T> p,
                                                   int threads) {
@@ -974,6 +1446,24 @@ static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, cons
   p.in = in; p.w = w; p.bias = bias; p.out = out;
   p.C = c; p.IH = ih; p.IW = iw; p.OH = oh; p.OW = ow; p.pad = pad;
   if constexpr (sizeof(T) == 2) {
+    if (ut__cuda_dwconv2d_stripw_in_fits(in, iw) &&
+        ut__cuda_dwconv2d_stripw_po_ok(k, s, ut__cuda_dwconv2d_stripw_po(pad))) {
+      /* CW columns per item from 16-byte loads */
+      const int RW =
+          ut__cuda_dwconv2d_stripw_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s);
+      const int cw = ut__cuda_dwconv2d_stripw_cols(s);
+      p.NX = (int)ut__cuda_cdiv(ow, cw); p.NS = (int)ut__cuda_cdiv(oh, RW);
+      p.items = (unsigned)((ut__i64)n * c * p.NS * p.NX);
+      p.vec2 = ow % cw == 0 && (reinterpret_cast<uintptr_t>(out) & (2 * cw - 1)) == 0;
+      p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+      p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+      p.fd_c = ut__cuda_fastdiv_make((unsigned)c);
+      if (RW == 4)
+        return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<4, true>(p, k, s, threads)
+                    : ut__cuda_dwconv2d_stripw_forward_dispatch<4, false>(p, k, s, threads);
+      return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<8, true>(p, k, s, threads)
+                  : ut__cuda_dwconv2d_stripw_forward_dispatch<8, false>(p, k, s, threads);
+    }
     if (ut__cuda_dwconv2d_strip2_fits(in, iw)) { /* two columns per item */
       p.NX = (int)ut__cuda_cdiv(ow, 2); p.NS = (int)ut__cuda_cdiv(oh, R);
       p.items = (unsigned)((ut__i64)n * c * p.NS * p.NX);
@@ -1027,13 +1517,28 @@ static int ut__cuda_dwconv2d_strip_tdx_run(const T* go, const float* w, T* dx,
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = go; p.w = w; p.out = dx;
   p.C = g->c; p.IH = g->ho; p.IW = g->wo; p.OH = g->h; p.OW = g->w; p.pad = g->pad;
+  const int d = ((g->pad - g->kh + 1) % 2 + 2) % 2;
+  if constexpr (sizeof(T) == 2) {
+    if (ut__cuda_dwconv2d_stripw_tdx_fits(go, g)) { /* 8 dx columns per item, 8-byte loads */
+      const int RW = ut__cuda_dwconv2d_stripw_rows(UT__CUDA_DWCONV2D_TDX, 2);
+      const int cx = UT__CUDA_DWCONV2D_TDXW_CX;
+      p.NX = (int)ut__cuda_cdiv(g->w, cx); p.NS = (int)ut__cuda_cdiv(g->h, RW);
+      p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
+      p.vec2 = g->w % cx == 0 && (reinterpret_cast<uintptr_t>(dx) & (2 * cx - 1)) == 0;
+      p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
+      p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
+      p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
+      const int po = ut__cuda_dwconv2d_stripw_tdx_po(g->kh, g->pad, d);
+      if (RW == 4) return ut__cuda_dwconv2d_stripw_tdx_dispatch<4>(p, d, po, threads);
+      return ut__cuda_dwconv2d_stripw_tdx_dispatch<8>(p, d, po, threads);
+    }
+  }
   p.NX = (int)ut__cuda_cdiv(g->w, 2); p.NS = (int)ut__cuda_cdiv(g->h, R);
   p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
   p.vec2 = (g->w % 2 == 0) && ((reinterpret_cast<uintptr_t>(dx) & (2 * sizeof(T) - 1)) == 0);
   p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
   p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
-  const int d = ((g->pad - g->kh + 1) % 2 + 2) % 2;
   if (R == 4) return ut__cuda_dwconv2d_strip_tdx_dispatch<4>(p, g->kh, d, threads);
   return ut__cuda_dwconv2d_strip_tdx_dispatch<8>(p, g->kh, d, threads);
 }
@@ -1064,12 +1569,14 @@ static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_par
 /* (cols: output columns per item, 2 for ut__cuda_dwconv2d_strip2_dw_kernel) */
 static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, int cols, unsigned* items,
                                             unsigned* chunk) {
-  const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
+  const int R = cols > 2 ? ut__cuda_dwconv2d_stripw_rows(UT__CUDA_DWCONV2D_DW, g->stride)
+                         : ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   const ut__i64 per_ch = (ut__i64)g->n * ut__cuda_cdiv(g->ho, R) * ut__cuda_cdiv(g->wo, cols);
   /* an item of two columns is twice the work: half as many per block keeps the float32 kernel's
      number of blocks (measured: 0.90x of float32 on 32x144x56x56 stride 2 without this) */
-  ut__i64 ch = (ut__i64)threads * ut__cuda_dwconv2d_strip_tune_ipt / cols;
+  ut__i64 ch = cols > 2 ? (ut__i64)threads * ut__cuda_dwconv2d_stripw_ipt(g->stride)
+                        : (ut__i64)threads * ut__cuda_dwconv2d_strip_tune_ipt / cols;
   if (ch < threads) ch = threads;
   *items = (unsigned)per_ch;
   *chunk = (unsigned)ch;
@@ -1079,18 +1586,24 @@ static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, int cols, un
 template <typename T>
 static int ut__cuda_dwconv2d_strip_dw_run(const T* go, const T* x, float* ws,
                                           const ut__conv_geom* g) {
-  const int R = ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
+  const int cols = ut__cuda_dwconv2d_strip2_dw_cols(go, x, g);
+  const int R = cols > 2 ? ut__cuda_dwconv2d_stripw_rows(UT__CUDA_DWCONV2D_DW, g->stride)
+                         : ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = x; p.go = go; p.part = ws;
   p.C = g->c; p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo; p.pad = g->pad;
-  const int cols = ut__cuda_dwconv2d_strip2_dw_cols(go, x, g);
   p.NX = (int)ut__cuda_cdiv(g->wo, cols); p.NS = (int)ut__cuda_cdiv(g->ho, R);
   const int parts = ut__cuda_dwconv2d_strip_dw_parts(g, cols, &p.items, &p.chunk);
   p.fd_nx = ut__cuda_fastdiv_make((unsigned)p.NX);
   p.fd_ns = ut__cuda_fastdiv_make((unsigned)p.NS);
   p.fd_c = ut__cuda_fastdiv_make((unsigned)g->c);
   if constexpr (sizeof(T) == 2) {
+    if (cols > 2) {
+      if (R == 4)
+        return ut__cuda_dwconv2d_stripw_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
+      return ut__cuda_dwconv2d_stripw_dw_dispatch<8>(p, g->kh, g->stride, parts, threads);
+    }
     if (cols == 2) {
       if (R == 4)
         return ut__cuda_dwconv2d_strip2_dw_dispatch<4>(p, g->kh, g->stride, parts, threads);
