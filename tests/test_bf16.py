@@ -236,6 +236,8 @@ def test_mixed_precision_keeps_float32_at_its_edges_and_in_the_weights(device, r
 
 def test_precision_flag_trains_the_digits_to_the_float32_accuracy(device):
     import io
+
+    pytest.importorskip("sklearn")  # the digits data set comes with scikit-learn
     accs = {}
     for prec in ("fp32", "bf16"):
         out = io.StringIO()
