@@ -50,6 +50,7 @@ UT_CUDA="${UT_CUDA:-1}"
 UT_CUDA_ARCHS="${UT_CUDA_ARCHS:-80 90}"
 
 SRC_C=native/utensil.c
+SRC_H=native/utensil.h
 CUDA_DIR=native/cuda
 SRC_TEST=native/test.c
 HDR=native/utensil.h
@@ -82,6 +83,9 @@ cuda_objs=()
 
 # Compiles each native/cuda/*.cu into $1/cuda_<name>.o, all at once (nvcc spends most of its
 # time in one file's device code, so the files overlap well); fails if any of them fails.
+# An object is kept when it is newer than its .cu, common.cuh and utensil.h (all it includes)
+# and was made by the same command (saved beside it as <object>.cmd): a full CUDA build takes
+# minutes on a small machine, and CI builds the same objects more than once.
 build_cuda_objs() {
   local obj="$1" gencode=() a src pids=() pid status=0
   for a in $UT_CUDA_ARCHS; do
@@ -90,10 +94,18 @@ build_cuda_objs() {
   gencode+=(-gencode "arch=compute_90,code=compute_90")
   cuda_objs=()
   for src in "$CUDA_DIR"/*.cu; do
-    local o
+    local o cmd
     o="$obj/cuda_$(basename "$src" .cu).o"
     cuda_objs+=("$o")
-    run "$NVCC" -std=c++17 -Xcompiler -fPIC "${nvccflags[@]}" "${gencode[@]}" -c "$src" -o "$o" &
+    cmd="$NVCC -std=c++17 -Xcompiler -fPIC ${nvccflags[*]} ${gencode[*]} -c $src"
+    if [[ -f "$o" && "$o" -nt "$src" && "$o" -nt "$CUDA_DIR/common.cuh" && "$o" -nt "$SRC_H" &&
+          "$(cat "$o.cmd" 2>/dev/null)" == "$cmd" ]]; then
+      log "up to date: $o"
+      continue
+    fi
+    rm -f "$o" "$o.cmd"
+    { run "$NVCC" -std=c++17 -Xcompiler -fPIC "${nvccflags[@]}" "${gencode[@]}" -c "$src" -o "$o" &&
+        printf '%s' "$cmd" >"$o.cmd"; } &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do
@@ -107,7 +119,8 @@ build_lib() {
   local obj="$BUILD_DIR/obj"
   mkdir -p "$obj"
   local so="$BUILD_DIR/libutensil.so" exe="$BUILD_DIR/utensil_test"
-  rm -f "$so" "$exe" "$obj"/*.o
+  rm -f "$so" "$exe" "$obj"/utensil.o "$obj"/test.o
+  want_cuda || rm -f "$obj"/cuda_*.o "$obj"/cuda_*.o.cmd
 
   cuda_objs=()
   if want_cuda; then
