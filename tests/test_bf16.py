@@ -2,7 +2,7 @@
 layers on bf16 activations against the float32 layers, and mixed-precision training.
 
 References are independent of the library: rounding is checked against a bit-pattern rule
-written here (``nearest_even``), and every bf16 layer against the float32 layer run on the same
+(``bf16_reference.bf16_round``), and every bf16 layer against the float32 layer run on the same
 bf16-exact inputs and weights. On the CPU, bf16 is float32 arithmetic with every bf16 output
 rounded, so there the comparison is exact: bits equal ``nearest_even`` of the float32 result.
 On the GPU the bf16 kernels may round intermediates (a GEMM's output before its bias add) and
@@ -16,20 +16,11 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
+from bf16_reference import bf16_round as nearest_even
 from utensil_ffi import functional as F
 from utensil_ffi.train import main as train_main
 
 U = 2.0 ** -8
-
-
-def nearest_even(a):
-    """float32 -> nearest bfloat16 (ties to even), as float32; NaN stays NaN."""
-    a = np.asarray(a, dtype=np.float32)
-    bits = a.view(np.uint32).astype(np.int64)
-    lsb = (bits >> 16) & 1
-    r = (((bits + 0x7FFF + lsb) >> 16) << 16) & 0xFFFFFFFF
-    out = r.astype(np.uint32).view(np.float32)
-    return np.where(np.isnan(a), np.float32(np.nan), out)
 
 
 def bf16_values(rng, shape, scale=1.0):

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from test_dw_dilation_multiplier import EDGE, GEOMS, _gid, _out
+from bf16_reference import bf16_round
+from test_dw_dilation_multiplier import EDGE, GEOMS, _each, _gid, _out
 from utensil_ffi import reference as R
 
 EXPECT = os.environ.get("UTENSIL_EXPECT_CUDA") == "1"
@@ -114,11 +115,7 @@ def _inputs(g, seed):
     return x, wt, b, go
 
 
-def _bf16_values(a):
-    """a rounded to the nearest even bf16, as float32 (done by the library: what a bf16 tensor
-    holds)."""
-    with ut.tensor(a, "cuda") as t, t.to(ut.bfloat16) as t16:
-        return t16.numpy().copy()
+_bf16_values = bf16_round  # the tests' own rounding (bf16_reference), not the library's
 
 
 def _layer(g, wt, b):
@@ -180,17 +177,6 @@ def _check(g, seed):
     if y32.size >= 16:
         assert not np.array_equal(y16, y32), "forward output is not bf16"
         assert np.array_equal(_bf16_values(y16), y16)
-
-
-def _each(cases, check):
-    failed = []
-    for name, case in cases:
-        try:
-            check(case)
-        except (AssertionError, ut.UtensilError) as e:
-            lines = str(e).strip().splitlines()
-            failed.append("%s: %s: %s" % (name, type(e).__name__, "\n".join(lines[:8])))
-    assert not failed, "%d of %d cases failed:\n%s" % (len(failed), len(cases), "\n".join(failed))
 
 
 @needs_gpu

@@ -1,8 +1,9 @@
 """bf16 activations on the GPU: the casts, the elementwise ops, conv2d and Linear.
 
-Every input is a bf16 value (numpy float32 arrays rounded by ``bf16_round`` below, a reference of
-round-to-nearest-even on float32 bit patterns), so the float64 reference and the float32 run of the
-same layer see exactly the numbers the bf16 run sees; what differs is only where bf16 rounds.
+Every input is a bf16 value (numpy float32 arrays rounded by ``bf16_round`` of
+bf16_reference.py, a reference of round-to-nearest-even on float32 bit patterns), so the float64
+reference and the float32 run of the same layer see exactly the numbers the bf16 run sees; what
+differs is only where bf16 rounds.
 
 Tolerances, from what the kernels do (float32 arithmetic, bf16 stores rounded to nearest even,
 unit roundoff u = 2**-8 relative):
@@ -29,6 +30,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
+from bf16_reference import bf16_round
 from utensil_ffi import functional as F
 from utensil_ffi import reference as R
 from utensil_ffi._lib import lib
@@ -54,16 +56,6 @@ def _defaults():
 
 
 # ---- the reference ------------------------------------------------------------------------------
-
-def bf16_round(a):
-    """float32 -> the nearest bf16 (ties to even) as float32; NaN stays NaN, overflow -> inf."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16) & 0xFFFFFFFF
-    out = r.astype(np.uint32).view(np.float32).copy()
-    out[np.isnan(a)] = np.nan
-    return out
-
 
 def randb(rng, shape, scale=1.0):
     """random bf16 values (float32 array)"""
