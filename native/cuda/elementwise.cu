@@ -248,20 +248,36 @@ int ut__cuda_relu_backward_bf16(const void* go, const void* x, void* gi, ut__i64
    Transpose and bias
    ============================================================================================ */
 
-/* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner]; one thread per output */
-template <typename T>
-static __global__ void ut__cuda_transpose_kernel(const T* __restrict__ in, T* __restrict__ out,
-                                                 ut__i64 total, int d0, int mid, int d1,
-                                                 ut__i64 inner) {
-  UT__CUDA_GRID_STRIDE(i, total) {
-    ut__i64 t = i;
-    ut__i64 e = t % inner; t /= inner;
-    ut__i64 i0 = t % d0; t /= d0;
-    ut__i64 m = t % mid; t /= mid;
-    ut__i64 i1 = t % d1;
-    ut__i64 o = t / d1;
-    out[i] = in[(((o * d0 + i0) * mid + m) * d1 + i1) * inner + e]; /* a move: no rounding */
+/* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner], a move (no rounding),
+   so the kernel moves units U of whole elements, not values: the widest unit (16, 8, 4 or 2
+   bytes) that divides a row of `inner` elements and both buffers' alignment, one thread per
+   unit. Indexed with I = 32-bit integers when the units allow: the index's four divisions are
+   the kernel's main cost, and in 64 bits they cost several times more. */
+template <typename U, typename I>
+static __global__ void ut__cuda_transpose_kernel(const U* __restrict__ in, U* __restrict__ out,
+                                                 I total, I d0, I mid, I d1, I inner) {
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+    I t = i;
+    I e = t % inner; t /= inner;
+    I i0 = t % d0; t /= d0;
+    I m = t % mid; t /= mid;
+    I i1 = t % d1;
+    I o = t / d1;
+    out[i] = in[(((o * d0 + i0) * mid + m) * d1 + i1) * inner + e];
   }
+}
+
+template <typename U>
+static void ut__cuda_transpose_units(const void* in, void* out, ut__i64 total, int d0, int mid,
+                                     int d1, ut__i64 inner) {
+  const unsigned blocks = ut__cuda_grid_for(total, 256);
+  if (total <= (ut__i64)UINT_MAX)
+    ut__cuda_transpose_kernel<U, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+        (const U*)in, (U*)out, (unsigned)total, (unsigned)d0, (unsigned)mid, (unsigned)d1,
+        (unsigned)inner);
+  else
+    ut__cuda_transpose_kernel<U, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+        (const U*)in, (U*)out, total, d0, mid, d1, inner);
 }
 
 template <typename T>
@@ -269,8 +285,17 @@ static int ut__cuda_transpose_t(const T* in, T* out, int outer, int d0, int mid,
                                 int inner, const char* what) {
   ut__i64 total = (ut__i64)outer * d0 * mid * d1 * inner;
   if (total <= 0) return UT_OK;
-  ut__cuda_transpose_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      in, out, total, d0, mid, d1, inner);
+  const ut__i64 row = (ut__i64)inner * sizeof(T); /* bytes */
+  const uintptr_t any = (uintptr_t)in | (uintptr_t)out;
+  const ut__i64 rows = total / inner;
+  if (row % 16 == 0 && any % 16 == 0)
+    ut__cuda_transpose_units<uint4>(in, out, rows * (row / 16), d0, mid, d1, row / 16);
+  else if (row % 8 == 0 && any % 8 == 0)
+    ut__cuda_transpose_units<uint2>(in, out, rows * (row / 8), d0, mid, d1, row / 8);
+  else if (row % 4 == 0 && any % 4 == 0)
+    ut__cuda_transpose_units<unsigned>(in, out, rows * (row / 4), d0, mid, d1, row / 4);
+  else
+    ut__cuda_transpose_units<T>(in, out, total, d0, mid, d1, inner);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }

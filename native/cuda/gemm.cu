@@ -308,24 +308,59 @@ int ut__cuda_gemm(const ut__gemm_args* g) {
    conv2d: im2col / col2im
    ============================================================================================ */
 
-template <typename T>
+/* One thread per W consecutive columns of one row of col [n, c*kh*kw, ho*wo] (W divides
+   ho*wo), stored as one vector of W * sizeof(T) bytes (16 or 8; W = 1 stores one element).
+   Indexed with I = 32-bit integers when col allows: the divisions that find a group's image,
+   row and output position are the kernel's main cost, and in 64 bits they cost several times
+   more. A move: bf16 values are copied, not rounded. */
+template <int W, typename T>
+struct ut__cuda_units {
+  static_assert(W == 1, "no vector unit of this width for this type");
+  typedef T type;
+};
+template <>
+struct ut__cuda_units<8, ut__cuda_bf16> {
+  typedef uint4 type;
+};
+template <>
+struct ut__cuda_units<4, ut__cuda_bf16> {
+  typedef uint2 type;
+};
+template <>
+struct ut__cuda_units<4, float> {
+  typedef uint4 type;
+};
+
+template <int W, typename T, typename I>
 static __global__ void ut__cuda_conv2d_im2col_kernel(const T* __restrict__ x,
                                                      T* __restrict__ col, ut__conv_geom g,
-                                                     ut__i64 total) {
-  const ut__i64 hw = (ut__i64)g.ho * g.wo;
+                                                     I groups) {
+  typedef typename ut__cuda_units<W, T>::type unit;
+  const I hw = (I)g.ho * g.wo;
   const int rows = g.c * g.kh * g.kw;
-  UT__CUDA_GRID_STRIDE(i, total) {
-    ut__i64 t = i / hw;
-    int pos = (int)(i - t * hw);
-    int row = (int)(t % rows);
-    ut__i64 ni = t / rows;
-    int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
+  for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
+    const I i = v * W;
+    const I t = i / hw;
+    const int pos = (int)(i - t * hw);
+    const int row = (int)(t % rows);
+    const I ni = t / rows;
+    const int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
+    const T* xp = x + (ni * g.c + ci) * (I)g.h * g.w;
     int oy = pos / g.wo, ox = pos % g.wo;
-    int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
-    T v = T(0.f); /* a move: bf16 values are copied, not rounded */
-    if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
-      v = x[((ni * g.c + ci) * g.h + iy) * (ut__i64)g.w + ix];
-    col[i] = v;
+    union {
+      unit u;
+      T e[W];
+    } out;
+#pragma unroll
+    for (int u = 0; u < W; ++u) {
+      const int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
+      out.e[u] = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w ? xp[iy * g.w + ix] : T(0.f);
+      if (++ox == g.wo) {
+        ox = 0;
+        ++oy;
+      }
+    }
+    *reinterpret_cast<unit*>(col + i) = out.u;
   }
 }
 
@@ -368,8 +403,36 @@ static int ut__cuda_conv2d_im2col_t(const T* x, T* col, const ut__conv_geom* g,
                                     const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_im2col_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      x, col, *g, total);
+  const ut__i64 hw = (ut__i64)g->ho * g->wo;
+  const int w = hw % 8 == 0 && (uintptr_t)col % 16 == 0 ? 16 / (int)sizeof(T)
+                : hw % 4 == 0 && (uintptr_t)col % (4 * sizeof(T)) == 0 ? 4 : 1;
+  const unsigned blocks = ut__cuda_grid_for(total / w, 256);
+  const bool narrow = total <= (ut__i64)UINT_MAX;
+  if (w == 8) {
+    /* bf16 only (16 bytes); a float32 group of 16 bytes is w = 4 */
+    if constexpr (sizeof(T) == 2) {
+      if (narrow)
+        ut__cuda_conv2d_im2col_kernel<8, T, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+            x, col, *g, (unsigned)(total / 8));
+      else
+        ut__cuda_conv2d_im2col_kernel<8, T, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+            x, col, *g, total / 8);
+    }
+  } else if (w == 4) {
+    if (narrow)
+      ut__cuda_conv2d_im2col_kernel<4, T, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+          x, col, *g, (unsigned)(total / 4));
+    else
+      ut__cuda_conv2d_im2col_kernel<4, T, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+          x, col, *g, total / 4);
+  } else {
+    if (narrow)
+      ut__cuda_conv2d_im2col_kernel<1, T, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+          x, col, *g, (unsigned)total);
+    else
+      ut__cuda_conv2d_im2col_kernel<1, T, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
+          x, col, *g, total);
+  }
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }

@@ -9,7 +9,7 @@
    parameters and their gradients are float32 in both. The arithmetic, the element-to-thread
    walk and the workspace are the same for both types, so a bf16 call gives bit for bit what
    the float32 call gives on the same values widened to float (up to the rounding of the bf16
-   outputs). What differs is the width of the loads: see UT__CUDA_UNROLL and ut__cuda_vec. */
+   outputs). What differs is the width of the loads: see ut__cuda_vec and ut__cuda_reduce_width. */
 #include "common.cuh"
 
 /* ============================================================================================
@@ -44,13 +44,124 @@ static __device__ __forceinline__ float ut__cuda_ldg(const ut__cuda_bf16* p) {
   return __bfloat162float(__ldg(p));
 }
 
-/* Elements per trip of a reduction kernel's walk, their loads issued together: 16 bytes per
-   thread in flight for either type (4 floats, 8 bf16), so a bf16 pass keeps as many bytes
-   in flight as a float32 one instead of half (it would then wait on latency, not bandwidth).
-   Each thread still adds its elements in the same order, whatever the unroll. */
-#define UT__CUDA_UNROLL(T) ((int)(16 / sizeof(T)))
+/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row, each
+   group loaded and stored as one vector when the rows are a multiple of W long and every buffer
+   is aligned to the vector: float32 W = 4 (float4, 16 bytes); bf16 W = 8 (16 bytes) or, where
+   rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
+   per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
+   in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
+   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
+template <int W, typename T>
+struct ut__cuda_vec {
+  static_assert(W == 1, "no vector load of this width for this type");
+  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
+  static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
+};
+template <>
+struct ut__cuda_vec<4, float> {
+  static __device__ __forceinline__ void load(const float* p, float* e) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
+  }
+  static __device__ __forceinline__ void store(float* p, const float* e) {
+    *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
+  }
+};
+/* eight floats as two float4: the reductions' walk takes 8 elements per group for both types
+   (ut__cuda_reduce_width) */
+template <>
+struct ut__cuda_vec<8, float> {
+  static __device__ __forceinline__ void load(const float* p, float* e) {
+    ut__cuda_vec<4, float>::load(p, e);
+    ut__cuda_vec<4, float>::load(p + 4, e + 4);
+  }
+  static __device__ __forceinline__ void store(float* p, const float* e) {
+    ut__cuda_vec<4, float>::store(p, e);
+    ut__cuda_vec<4, float>::store(p + 4, e + 4);
+  }
+};
+/* Two bf16 in 32 bits, the first at the lower address (little-endian). A bf16 is the upper
+   half of a float32, so widening is a shift or a mask (exactly ut__cuda_ld's value), and
+   narrowing is one cvt.rn.bf16x2.f32 (__floats2bfloat162_rn: each rounded to nearest even,
+   exactly ut__cuda_st's value). */
+static __device__ __forceinline__ void ut__cuda_bf16x2_unpack(unsigned u, float* e) {
+  e[0] = __uint_as_float(u << 16);
+  e[1] = __uint_as_float(u & 0xffff0000u);
+}
+static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(e[0], e[1]);
+  return (unsigned)__bfloat16_as_ushort(h.x) | (unsigned)__bfloat16_as_ushort(h.y) << 16;
+}
+template <>
+struct ut__cuda_vec<4, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
+  }
+};
+template <>
+struct ut__cuda_vec<8, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+    ut__cuda_bf16x2_unpack(v.z, e + 4);
+    ut__cuda_bf16x2_unpack(v.w, e + 6);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),
+                                              ut__cuda_bf16x2_pack(e + 4),
+                                              ut__cuda_bf16x2_pack(e + 6));
+  }
+};
 
-template <int KIND, typename T>
+/* The reductions' walk: channel j's m = n * inner elements in groups of W consecutive
+   elements of one row, each group one vector load (ut__cuda_vec). W = 8 where rows are a
+   multiple of 8 long, 4 where a multiple of 4, else 1, and the same W for float32 and bf16 (a
+   float32 group of 8 is two float4), so both types visit and add the elements in the same
+   order. Wide loads matter twice over here: a load of one bf16 moves 64 bytes per warp, and
+   the walk's 64-bit index arithmetic, paid per group, was paid per element. */
+template <typename T>
+static inline int ut__cuda_reduce_width(ut__i64 inner, const void* a, const void* b) {
+  const uintptr_t any = (uintptr_t)a | (uintptr_t)b;
+  if (inner % 8 == 0 && any % 16 == 0) return 8;
+  if (inner % 4 == 0 && any % (4 * sizeof(T)) == 0) return 4;
+  return 1;
+}
+/* groups per trip of a thread, their loads issued together: wide groups need few to keep
+   the memory busy, single elements many */
+#define UT__CUDA_TRIP(W) ((W) == 1 ? 8 : 2)
+
+/* The chunks of a reduction over [n, c, inner] walked W elements at a time: as
+   ut__cuda_channel_chunks, with every chunk a whole number of groups */
+static inline int ut__cuda_reduce_chunks(int c, ut__i64 m, int w, ut__i64* chunk) {
+  ut__cuda_channel_chunks(c, m, chunk);
+  *chunk = ut__cuda_cdiv(*chunk, (ut__i64)w) * w;
+  return (int)ut__cuda_cdiv(m, *chunk);
+}
+
+/* Where a thread's groups lie: group q of channel j (q < m / W) starts at element
+   ((q / rg) * c + j) * inner + (q % rg) * W, rg = inner / W groups per row. The thread's next
+   group is bd groups on: (row, column) advance by (bd / rg, bd % rg) with one carry. */
+struct ut__cuda_walk {
+  ut__i64 i, k, si, sk, rg;
+  __device__ __forceinline__ ut__cuda_walk(ut__i64 q, ut__i64 bd, ut__i64 rg_)
+      : i(q / rg_), k(q % rg_), si(bd / rg_), sk(bd % rg_), rg(rg_) {}
+  __device__ __forceinline__ ut__i64 at(int c, int j, ut__i64 inner, int w) const {
+    return (i * c + j) * inner + k * w;
+  }
+  __device__ __forceinline__ void next() {
+    i += si;
+    k += sk;
+    if (k >= rg) { k -= rg; ++i; }
+  }
+};
+
+template <int KIND, int W, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_channel_partial_kernel(const T* __restrict__ x, const T* __restrict__ go,
                                     const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -59,11 +170,11 @@ static __global__ void __launch_bounds__(256)
                                     ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
                                     float* __restrict__ ws) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
-  constexpr int U = UT__CUDA_UNROLL(T);
+  constexpr int R = UT__CUDA_TRIP(W);
   __shared__ float sh[32 * NV];
   const int j = blockIdx.x / chunks;
-  const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
-  const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
+  const ut__i64 g0 = (ut__i64)(blockIdx.x % chunks) * (chunk / W);
+  const ut__i64 g1 = g0 + chunk / W < m / W ? g0 + chunk / W : m / W;
   const float mu = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? mean[j] : 0.f;
   const float rs = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? rstd[j] : 0.f;
   /* the activation's mask (act >= 0) recomputes z as the apply kernel does */
@@ -71,41 +182,36 @@ static __global__ void __launch_bounds__(256)
   const float sc = masked ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
   const float bt = masked && beta ? beta[j] : 0.f;
   const ut__i64 bd = blockDim.x;
-  const ut__i64 si = bd / inner, sk = bd % inner; /* the step of (i, k) per bd elements */
   float acc[NV];
 #pragma unroll
   for (int v = 0; v < NV; ++v) acc[v] = 0.f;
 
-  ut__i64 e = e0 + threadIdx.x;
-  ut__i64 i = e / inner, k = e % inner;
-  /* U elements per trip, their loads issued together */
-  for (; e < e1; e += U * bd) {
-    ut__i64 addr[U];
-    bool ok[U];
+  ut__i64 q = g0 + threadIdx.x;
+  ut__cuda_walk walk(q, bd, inner / W);
+  for (; q < g1; q += R * bd) {
+    float xv[R][W], gv[R][W];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      ok[u] = e + u * bd < e1;
-      addr[u] = (i * c + j) * inner + k;
-      i += si;
-      k += sk;
-      if (k >= inner) { k -= inner; ++i; }
-    }
-    float xv[U], gv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      xv[u] = ok[u] ? ut__cuda_ldg(x + addr[u]) : 0.f;
-      if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD)
-        gv[u] = ok[u] ? ut__cuda_ldg(go + addr[u]) : 0.f;
+    for (int r = 0; r < R; ++r) {
+      if (q + r * bd < g1) {
+        const ut__i64 at = walk.at(c, j, inner, W);
+        ut__cuda_vec<W, T>::load(x + at, xv[r]);
+        if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ut__cuda_vec<W, T>::load(go + at, gv[r]);
+      }
+      walk.next();
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!ok[u]) continue;
-      if (KIND == UT__CUDA_CHANNEL_SUM) {
-        acc[0] += xv[u];
-      } else {
-        float g = masked ? ut__cuda_act_grad(gv[u], ut__cuda_bn_z(xv[u], mu, sc, bt), act) : gv[u];
-        acc[0] += g;
-        acc[NV - 1] += g * ((xv[u] - mu) * rs);
+    for (int r = 0; r < R; ++r) {
+      if (q + r * bd >= g1) continue;
+#pragma unroll
+      for (int u = 0; u < W; ++u) {
+        if (KIND == UT__CUDA_CHANNEL_SUM) {
+          acc[0] += xv[r][u];
+        } else {
+          float g = masked ? ut__cuda_act_grad(gv[r][u], ut__cuda_bn_z(xv[r][u], mu, sc, bt), act)
+                           : gv[r][u];
+          acc[0] += g;
+          acc[NV - 1] += g * ((xv[r][u] - mu) * rs);
+        }
       }
     }
   }
@@ -116,15 +222,24 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
+/* chunks and chunk from ut__cuda_reduce_chunks with the same w */
 template <int KIND, typename T>
 static int ut__cuda_channel_partial_launch(const T* x, const T* go, const float* mean,
                                            const float* rstd, int n, int c, ut__i64 inner,
-                                           float* ws, int chunks, ut__i64 chunk,
+                                           float* ws, int chunks, ut__i64 chunk, int w,
                                            const float* gamma = NULL, const float* beta = NULL,
                                            float act = -1.f) {
-  ut__cuda_channel_partial_kernel<KIND, T>
-      <<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(
-      x, go, mean, rstd, gamma, beta, act, c, inner, (ut__i64)n * inner, chunk, chunks, ws);
+  const unsigned blocks = (unsigned)((ut__i64)c * chunks);
+  const ut__i64 m = (ut__i64)n * inner;
+  if (w == 8)
+    ut__cuda_channel_partial_kernel<KIND, 8, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
+  else if (w == 4)
+    ut__cuda_channel_partial_kernel<KIND, 4, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
+  else
+    ut__cuda_channel_partial_kernel<KIND, 1, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("channel reduction");
   return UT_OK;
 }
@@ -151,13 +266,14 @@ static int ut__cuda_channel_sum_impl(const T* x, float* out, int n, int c, ut__i
     return UT_OK;
   }
   ut__i64 chunk;
-  int chunks = ut__cuda_channel_chunks(c, m, &chunk);
+  const int w = ut__cuda_reduce_width<T>(inner, x, NULL);
+  int chunks = ut__cuda_reduce_chunks(c, m, w, &chunk);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * sizeof(float), &ws);
   if (st) return st;
   st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM, T>(x, NULL, NULL, NULL, n, c, inner,
-                                                                ws, chunks, chunk);
+                                                                ws, chunks, chunk, w);
   if (st) return st;
   ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       ws, out, c, chunks, 1, 0, beta, 1.0);
@@ -312,8 +428,9 @@ int ut__cuda_layernorm_backward(const float* go, const float* x, const float* ga
 }
 
 /* ---- batchnorm2d's statistics in one read of x ----
-   Each thread keeps Welford's running (count, mean, M2) over the elements it visits (the same
-   walk as ut__cuda_channel_partial_kernel); threads, warps and then the chunks of a channel are
+   Each thread keeps a running (count, mean, M2) over the elements it visits (the same walk as
+   ut__cuda_channel_partial_kernel): each group's own mean and M2, merged into it with Chan's
+   formula (Welford's update when W = 1); threads, warps and then the chunks of a channel are
    merged with Chan's formula in a fixed order (deterministic), the last stage in double. A
    two-pass mean-then-deviation costs a second read of every BatchNorm input per step; Welford
    keeps its accuracy (no sum of squares minus square of sum). Non-finite input gives what the
@@ -346,46 +463,42 @@ static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_shfl(ut__cud
   return r;
 }
 
-template <typename T>
+template <int W, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_batchnorm2d_moments_kernel(const T* __restrict__ x, int c, ut__i64 inner,
                                         ut__i64 m, ut__i64 chunk, int chunks,
                                         float* __restrict__ ws) {
-  constexpr int U = UT__CUDA_UNROLL(T);
+  constexpr int R = UT__CUDA_TRIP(W);
   __shared__ ut__cuda_moments sh[32];
   const int j = blockIdx.x / chunks;
-  const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
-  const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
+  const ut__i64 g0 = (ut__i64)(blockIdx.x % chunks) * (chunk / W);
+  const ut__i64 g1 = g0 + chunk / W < m / W ? g0 + chunk / W : m / W;
   const ut__i64 bd = blockDim.x;
-  const ut__i64 si = bd / inner, sk = bd % inner;
   ut__cuda_moments acc = {0.f, 0.f, 0.f};
-  ut__i64 e = e0 + threadIdx.x;
-  ut__i64 i = e / inner, k = e % inner;
-  for (; e < e1; e += U * bd) {
-    ut__i64 addr[U];
-    bool ok[U];
+  ut__i64 q = g0 + threadIdx.x;
+  ut__cuda_walk walk(q, bd, inner / W);
+  for (; q < g1; q += R * bd) {
+    float xv[R][W];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      ok[u] = e + u * bd < e1;
-      addr[u] = (i * c + j) * inner + k;
-      i += si;
-      k += sk;
-      if (k >= inner) { k -= inner; ++i; }
+    for (int r = 0; r < R; ++r) {
+      if (q + r * bd < g1) ut__cuda_vec<W, T>::load(x + walk.at(c, j, inner, W), xv[r]);
+      walk.next();
     }
-    float xv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) xv[u] = ok[u] ? ut__cuda_ldg(x + addr[u]) : 0.f;
+    for (int r = 0; r < R; ++r) {
+      if (q + r * bd >= g1) continue;
+      /* the group's own mean and squared deviations, then one merge (one division per group,
+         where a per-element Welford step divides per element) */
+      float s = 0.f; /* scaled first (exactly: W is a power of 2), so no sum overflows */
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!ok[u]) continue;
-      acc.n += 1.f;
-      if (!isfinite(acc.mean)) { /* a NaN or inf seen: the mean follows a sum's rules */
-        acc.mean += xv[u];
-        continue;
+      for (int u = 0; u < W; ++u) s += xv[r][u] * (1.f / W);
+      ut__cuda_moments grp = {(float)W, s, 0.f};
+#pragma unroll
+      for (int u = 0; u < W; ++u) {
+        float d = xv[r][u] - grp.mean;
+        grp.m2 += d * d;
       }
-      float d = xv[u] - acc.mean;
-      acc.mean += d / acc.n;
-      acc.m2 += d * (xv[u] - acc.mean);
+      acc = ut__cuda_moments_merge(acc, grp);
     }
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -444,14 +557,22 @@ static int ut__cuda_batchnorm2d_stats_impl(const T* x, float* mean, float* var, 
     return st ? st : ut__cuda_fill(var, c, 0.f);
   }
   ut__i64 chunk;
-  int chunks = ut__cuda_channel_chunks(c, m, &chunk);
+  const int w = ut__cuda_reduce_width<T>(inner, x, NULL);
+  int chunks = ut__cuda_reduce_chunks(c, m, w, &chunk);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_batchnorm2d_moments_kernel<T>
-      <<<(unsigned)((ut__i64)c * chunks), 256, 0, ut__cuda_stream>>>(x, c, inner, m, chunk, chunks,
-                                                                     ws);
+  const unsigned blocks = (unsigned)((ut__i64)c * chunks);
+  if (w == 8)
+    ut__cuda_batchnorm2d_moments_kernel<8, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, c, inner, m, chunk, chunks, ws);
+  else if (w == 4)
+    ut__cuda_batchnorm2d_moments_kernel<4, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, c, inner, m, chunk, chunks, ws);
+  else
+    ut__cuda_batchnorm2d_moments_kernel<1, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        x, c, inner, m, chunk, chunks, ws);
   UT__CUDA_LAUNCHED("bn_stats moments");
   ut__cuda_batchnorm2d_moments_final_kernel
       <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
@@ -497,68 +618,6 @@ static __global__ void ut__cuda_batchnorm2d_rstd_kernel(const float* __restrict_
   int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j < c) rstd[j] = 1.0f / sqrtf(var[j] + eps);
 }
-
-/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row, each
-   group loaded and stored as one vector when the rows are a multiple of W long and every buffer
-   is aligned to the vector: float32 W = 4 (float4, 16 bytes); bf16 W = 8 (16 bytes) or, where
-   rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
-   per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
-   in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
-   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
-template <int W, typename T>
-struct ut__cuda_vec {
-  static_assert(W == 1, "no vector load of this width for this type");
-  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
-  static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
-};
-template <>
-struct ut__cuda_vec<4, float> {
-  static __device__ __forceinline__ void load(const float* p, float* e) {
-    float4 v = __ldg(reinterpret_cast<const float4*>(p));
-    e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
-  }
-  static __device__ __forceinline__ void store(float* p, const float* e) {
-    *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
-  }
-};
-/* Two bf16 in 32 bits, the first at the lower address (little-endian). A bf16 is the upper
-   half of a float32, so widening is a shift or a mask (exactly ut__cuda_ld's value), and
-   narrowing is one cvt.rn.bf16x2.f32 (__floats2bfloat162_rn: each rounded to nearest even,
-   exactly ut__cuda_st's value). */
-static __device__ __forceinline__ void ut__cuda_bf16x2_unpack(unsigned u, float* e) {
-  e[0] = __uint_as_float(u << 16);
-  e[1] = __uint_as_float(u & 0xffff0000u);
-}
-static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(e[0], e[1]);
-  return (unsigned)__bfloat16_as_ushort(h.x) | (unsigned)__bfloat16_as_ushort(h.y) << 16;
-}
-template <>
-struct ut__cuda_vec<4, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    ut__cuda_bf16x2_unpack(v.x, e);
-    ut__cuda_bf16x2_unpack(v.y, e + 2);
-  }
-  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
-  }
-};
-template <>
-struct ut__cuda_vec<8, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-    ut__cuda_bf16x2_unpack(v.x, e);
-    ut__cuda_bf16x2_unpack(v.y, e + 2);
-    ut__cuda_bf16x2_unpack(v.z, e + 4);
-    ut__cuda_bf16x2_unpack(v.w, e + 6);
-  }
-  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),
-                                              ut__cuda_bf16x2_pack(e + 4),
-                                              ut__cuda_bf16x2_pack(e + 6));
-  }
-};
 
 /* W for an elementwise batchnorm kernel over [n*c rows, inner] of T (see ut__cuda_vec); the
    pointers (NULL allowed) must all be aligned to its vector */
@@ -704,9 +763,9 @@ template <typename T>
 static int ut__cuda_bn_sums(const T* go, const T* x, const float* mean, const float* rstd,
                             const float* gamma, const float* beta, float* sums, float* ws,
                             float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int chunks,
-                            ut__i64 chunk, float act, float count) {
+                            ut__i64 chunk, int w, float act, float count) {
   int st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD, T>(
-      x, go, mean, rstd, n, c, inner, ws, chunks, chunk, gamma, beta, act);
+      x, go, mean, rstd, n, c, inner, ws, chunks, chunk, w, gamma, beta, act);
   if (st) return st;
   ut__cuda_batchnorm2d_backward_sums_kernel
       <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(ws, sums, dgamma, dbeta, c,
@@ -774,13 +833,14 @@ static int ut__cuda_batchnorm2d_backward_impl(const T* go, const T* x, const flo
   float* sums = NULL;
   if (need_sums) {
     ut__i64 chunk;
-    int chunks = ut__cuda_channel_chunks(c, m, &chunk);
+    const int w = ut__cuda_reduce_width<T>(inner, go, x);
+    int chunks = ut__cuda_reduce_chunks(c, m, w, &chunk);
     int st =
         ut__cuda_workspace_acquire(((size_t)c * chunks * 2 + (size_t)c * 2) * sizeof(float), &ws);
     if (st) return st;
     sums = ws + (size_t)c * chunks * 2;
     st = ut__cuda_bn_sums<T>(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
-                             chunks, chunk, act, 0.f);
+                             chunks, chunk, w, act, 0.f);
     if (st) return st;
   }
   if (dx) {
@@ -818,12 +878,13 @@ static int ut__cuda_batchnorm2d_backward_sums_impl(const T* go, const T* x, cons
   if (c <= 0 || m <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   ut__i64 chunk;
-  int chunks = ut__cuda_channel_chunks(c, m, &chunk);
+  const int w = ut__cuda_reduce_width<T>(inner, go, x);
+  int chunks = ut__cuda_reduce_chunks(c, m, w, &chunk);
   float* ws = NULL;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
   return ut__cuda_bn_sums<T>(go, x, mean, rstd, gamma, beta, sums, ws, dgamma, dbeta, n, c, inner,
-                             chunks, chunk, act, (float)m);
+                             chunks, chunk, w, act, (float)m);
 }
 
 int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
