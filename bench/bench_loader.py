@@ -163,7 +163,7 @@ def _train_round(net, opt, feed, device):
         loss = ut.cross_entropy(logits, yt)
         grad = ut.cross_entropy_backward(logits, yt)
         opt.zero_grad()
-        net.backward(grad).close()
+        net.backward(grad, input_grad=False)  # the images need no gradient
         opt.step()
         losses.append(loss)
         seen += len(yb)

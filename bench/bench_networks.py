@@ -51,7 +51,7 @@ def utensil_step(net, opt, xb, yb):
     logits = net(xb)
     grad = ut.cross_entropy_backward(logits, yb)
     opt.zero_grad()
-    net.backward(grad).close()
+    net.backward(grad, input_grad=False)  # no gradient for the images, as PyTorch
     opt.step()
     logits.close()
     grad.close()

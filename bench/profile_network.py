@@ -74,14 +74,13 @@ def profile(net_name="v1", size=224, batch=64, device="cuda", precision="highest
             for i in reversed(range(len(net.layers))):
                 ut.synchronize()
                 t0 = time.perf_counter()
-                g2 = net.layers[i].backward(g)
+                g2 = net.layers[i].backward(g, input_grad=i > 0)  # no image gradient, as the step
                 ut.synchronize()
                 if it:
                     layer_t[(i, type(net.layers[i]).__name__, "backward")] += \
                         time.perf_counter() - t0
                 g.close()
-                g = g2
-            g.close()
+                g = g2  # None after the first layer
             for o in outs:
                 o.close()
             opt.zero_grad()

@@ -932,6 +932,103 @@ static void test_conv2d_random(ut_dev dev) {
   conv_random_case(dev, false, 2, 3, 2, 4, 5, 1, 1, 1, 1);  // 1x1 with padding
 }
 
+/* ut_conv2d_backward_params against ut_conv2d_backward on one forward: the same dW and db,
+   bit for bit (the same GEMMs run; only dx's are skipped), accumulated into nonzero starts, each
+   written once (version + 1), and no tensor left behind. nan_at >= 0 puts a NaN in grad_out
+   there (the padded path that sums real input only). lose_col drops the cached columns first. */
+static void conv_params_case(ut_dev dev, int N, int C, int O, int H, int W, int k, int s, int p,
+                             bool bias, int nan_at, bool lose_col) {
+  int Ho = (H + 2 * p - k) / s + 1, Wo = (W + 2 * p - k) / s + 1;
+  ut_conv2d l = ut_conv2d_alloc(C, O, k, k, s, p, bias, dev);
+  require(l.weight);
+  if (bias) ut_fill(l.bias, 0.25f);
+  ut_tensor* x = ut_randn(4, S(N, C, H, W), 0.f, 1.f, dev);
+  ut_tensor* go = ut_randn(4, S(N, O, Ho, Wo), 0.f, 1.f, dev);
+  ut_tensor* dW[2] = {ut_alloc(1, S(O * C * k * k), dev), ut_alloc(1, S(O * C * k * k), dev)};
+  ut_tensor* db[2] = {ut_alloc(1, S(O), dev), ut_alloc(1, S(O), dev)};
+  require(x && go && dW[0] && dW[1] && db[0] && db[1]);
+  if (nan_at >= 0) {
+    ut_sync_cpu(go);
+    go->data[nan_at] = NAN;
+  }
+  for (int i = 0; i < 2; i++) {
+    ut_fill(dW[i], 0.5f);
+    ut_fill(db[i], -1.f);
+  }
+  ut_conv2d_cache c = {0};
+  ut_tensor* y = ut_conv2d_forward(&l, x, &c);
+  require(y);
+  if (lose_col) {
+    ut_free(c.col);
+    c.col = NULL;
+  }
+  ut_tensor* dbp = bias ? db[0] : NULL;
+  unsigned vW = dW[0]->version, vb = db[0]->version;
+  long long live = ut_live_tensors();
+  assert(ut_conv2d_backward_params(&l, &c, go, dW[0], dbp) == UT_OK);
+  assert(ut_live_tensors() == live); /* no dx, and the scratch freed */
+  assert(dW[0]->version == vW + 1);
+  assert(db[0]->version == vb + (bias ? 1u : 0u));
+  ut_tensor* dx = ut_conv2d_backward(&l, &c, go, dW[1], bias ? db[1] : NULL);
+  require(dx);
+  assert(has_shape(dx, 4, S(N, C, H, W)));
+  for (int i = 0; i < 2; i++) {
+    ut_sync_cpu(dW[i]);
+    ut_sync_cpu(db[i]);
+  }
+  bool same_w = memcmp(dW[0]->data, dW[1]->data, sizeof(float) * dW[0]->shape.nelem) == 0;
+  bool same_b = memcmp(db[0]->data, db[1]->data, sizeof(float) * O) == 0;
+  if (!same_w || !same_b)
+    fprintf(stderr, "  conv2d_backward_params N=%d C=%d O=%d %dx%d k=%d s=%d p=%d: dW %s, db %s\n",
+            N, C, O, H, W, k, s, p, same_w ? "same" : "differs", same_b ? "same" : "differs");
+  assert(same_w);
+  assert(same_b);
+  /* the gradients moved off their starting values: the call did accumulate */
+  assert(dW[0]->data[0] != 0.5f || dW[0]->data[dW[0]->shape.nelem - 1] != 0.5f);
+  if (bias) assert(db[0]->data[0] != -1.f);
+  ut_free_all(x, go, y, dx, dW[0], dW[1], db[0], db[1]);
+  ut_conv2d_cache_free(&c);
+  ut_conv2d_free(&l);
+}
+
+static void test_conv2d_backward_params(ut_dev dev) {
+  ut_seed(13);
+  conv_params_case(dev, 2, 3, 4, 9, 7, 3, 2, 1, true, -1, false);  /* the stem: im2col, col2im */
+  conv_params_case(dev, 3, 4, 5, 4, 4, 1, 1, 0, true, -1, false);  /* 1x1, whole-batch GEMM */
+  conv_params_case(dev, 1, 4, 5, 16, 16, 1, 1, 0, false, -1, false); /* 1x1, per image */
+  conv_params_case(dev, 2, 3, 2, 5, 5, 1, 2, 0, true, -1, false);  /* 1x1 stride 2: im2col */
+  conv_params_case(dev, 2, 2, 3, 6, 5, 3, 1, 1, true, 7, false);   /* NaN in grad_out, padded */
+  conv_params_case(dev, 2, 3, 4, 7, 7, 3, 1, 1, true, -1, true);   /* columns rebuilt */
+  conv_params_case(dev, 3, 4, 5, 4, 4, 1, 1, 0, false, -1, true);  /* regrouped rebuilt */
+
+  /* refused like ut_conv2d_backward, with a status and a message, dW untouched */
+  ut_conv2d l = ut_conv2d_alloc(1, 2, 3, 3, 1, 1, true, dev);
+  ut_tensor* x = ut_randn(4, S(1, 1, 4, 4), 0.f, 1.f, dev);
+  ut_tensor* go = ut_randn(4, S(1, 2, 4, 4), 0.f, 1.f, dev);
+  ut_tensor* bad_go = ut_randn(4, S(1, 2, 3, 4), 0.f, 1.f, dev);
+  ut_tensor* dW = ut_alloc(1, S(18), dev);
+  ut_tensor* db = ut_alloc(1, S(2), dev);
+  require(l.weight && x && go && bad_go && dW && db);
+  ut_conv2d_cache empty = {0}, c = {0};
+  ut_tensor* y = ut_conv2d_forward(&l, x, &c);
+  require(y);
+  unsigned vW = dW->version;
+  expect_status(ut_conv2d_backward_params(NULL, &c, go, dW, db), UT_ERR_ARG);
+  expect_status(ut_conv2d_backward_params(&l, NULL, go, dW, db), UT_ERR_ARG);
+  expect_status(ut_conv2d_backward_params(&l, &empty, go, dW, db), UT_ERR_ARG);
+  expect_status(ut_conv2d_backward_params(&l, &c, NULL, dW, db), UT_ERR_ARG);
+  expect_status(ut_conv2d_backward_params(&l, &c, go, NULL, db), UT_ERR_ARG);
+  expect_status(ut_conv2d_backward_params(&l, &c, bad_go, dW, db), UT_ERR_SHAPE);
+  expect_status(ut_conv2d_backward_params(&l, &c, go, l.weight, db), UT_ERR_ARG); /* dW is W */
+  assert(strstr(ut_last_error(), "ut_conv2d_backward_params") != NULL);
+  assert(dW->version == vW);
+  ut_clear_error();
+  assert(ut_conv2d_backward_params(&l, &c, go, dW, NULL) == UT_OK); /* db may be NULL */
+  ut_free_all(x, go, bad_go, dW, db, y);
+  ut_conv2d_cache_free(&c);
+  ut_conv2d_free(&l);
+}
+
 static void test_dwconv2d_random(ut_dev dev) {
   ut_seed(12);
   conv_random_case(dev, true, 2, 3, 0, 7, 6, 3, 2, 2, 1);
@@ -2739,6 +2836,7 @@ int main(void) {
   RUN_BOTH(test_conv2d_1x1);
   RUN_BOTH(test_conv2d_rect_kernel);
   RUN_BOTH(test_conv2d_random);
+  RUN_BOTH(test_conv2d_backward_params);
 
   RUN_BOTH(test_dwconv2d_forward);
   RUN_BOTH(test_dwconv2d_backward);

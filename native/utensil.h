@@ -76,7 +76,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 7
+#define UT_VERSION 8
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -355,6 +355,9 @@ ut_conv2d ut_conv2d_alloc(int in_c, int out_c, int kh, int kw, int stride, int p
 ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache);
 /* grad_out: [N, out_c, Ho, Wo], dW: out_c*in_c*kh*kw elements, db: out_c -> dx [N, in_c, H, W] */
 ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db);
+/* ut_conv2d_backward's dW, db without dx (no dx GEMM, no col2im) -> UT_OK or a status < 0 */
+int ut_conv2d_backward_params(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
                               ut_tensor* dW, ut_tensor* db);
 void ut_conv2d_cache_free(ut_conv2d_cache* c);
 void ut_conv2d_free(ut_conv2d* l);
@@ -1440,13 +1443,13 @@ static ut_tensor* ut__drop(ut_tensor* t) {
 }
 /* The end of every layer backward: on failure (rc < 0) free dx and return NULL; else mark
    dx and the gradients the backend accumulated into (dW, db where dWp, dbp were taken) as
-   written and return dx. */
+   written and return dx. dx is NULL when the backward made none (ut_conv2d_backward_params). */
 static ut_tensor* ut__backward_done(int rc, const ut__backend* be, ut_tensor* dx, ut_tensor* dW,
                                     const float* dWp, ut_tensor* db, const float* dbp) {
   if (rc < 0) return ut__drop(dx);
   if (dWp) ut__wrote(dW, be);
   if (dbp) ut__wrote(db, be);
-  ut__wrote(dx, be);
+  if (dx) ut__wrote(dx, be);
   return dx;
 }
 /* Run one backend call that wrote `out`: on failure free out and return NULL. */
@@ -2178,16 +2181,18 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   return out;
 }
 
-ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
-                              ut_tensor* dW, ut_tensor* db) {
-  const char* who = "ut_conv2d_backward";
+/* The body of ut_conv2d_backward (dxo: where dx goes) and ut_conv2d_backward_params (dxo NULL).
+   Without dxo no dx or dcol is allocated and neither the dx GEMM nor col2im runs: for a network's
+   first layer, whose input is the data, they are most of its backward and nobody reads them. */
+static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
+                               ut_tensor* dW, ut_tensor* db, ut_tensor** dxo, const char* who) {
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL,
                               l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, grad_out,
                               dW, db, who) < 0 ||
       ut__check_col(&g, who) < 0)
-    return NULL;
+    return ut__err_status;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
   bool pointwise = ut__conv_is_pointwise(&g), merged = ut__conv_merges_batch(&g, be);
@@ -2204,7 +2209,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     own_col = true;
     if (merged) {
       if (!(col = ut__conv_batch_columns(be, ut__in(cache->input, be), &g, cache->input, who)))
-        return NULL;
+        return ut__err_status;
     } else if (pointwise) {
       col = ut_retain(cache->input);
     } else {
@@ -2212,7 +2217,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
       col = xp ? ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who) : NULL;
       if (!col || !ut__finish(col, be, h ? be->im2col_bf16(xp, ut__out(col, be), &g)
                                          : be->im2col(xp, ut__out(col, be), &g)))
-        return NULL;
+        return ut__err_status;
     }
   }
   ut_tensor *dx = NULL, *dcol = NULL;
@@ -2223,7 +2228,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   float* dWp = wp ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
   int rc = (!dWp || (db && l->bias && !dbp)) ? ut__err_status : UT_OK;
-  if (rc >= 0) {
+  if (rc >= 0 && dxo) {
     dx = ut__new_typed(4, cache->input->shape.shape, grad_out->dev, at, who);
     if (!pointwise && dx) dcol = ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who);
     if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
@@ -2234,9 +2239,9 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   if (rc >= 0 && merged) {
     /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
     ut_tensor* gt = ut__new(3, (int[]){l->out_c, g.n, P}, grad_out->dev, who);
-    ut_tensor* dxt = gt ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
+    ut_tensor* dxt = gt && dxo ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
     float* gtp = gt ? ut__out(gt, be) : NULL;
-    rc = dxt ? be->transpose(gop, gtp, 1, g.n, 1, l->out_c, P) : ut__err_status;
+    rc = gt && (dxt || !dxo) ? be->transpose(gop, gtp, 1, g.n, 1, l->out_c, P) : ut__err_status;
     ut__gemm_args dw_mm = {.trans_b = true, .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
                            .alpha = 1.f, .beta = 1.f, .a = gtp, .lda = g.n * P,
                            .b = colp, .ldb = g.n * P, .c = dWp, .ldc = K};
@@ -2245,8 +2250,8 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
                            .alpha = 1.f, .beta = 0.f, .a = wp, .lda = K,
                            .b = gtp, .ldb = g.n * P, .c = dxt ? ut__out(dxt, be) : NULL,
                            .ldc = g.n * P};
-    if (rc >= 0) rc = be->gemm(&dx_mm);
-    if (rc >= 0) rc = be->transpose(ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
+    if (rc >= 0 && dxo) rc = be->gemm(&dx_mm);
+    if (rc >= 0 && dxo) rc = be->transpose(ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
     ut_free(gt);
     ut_free(dxt);
   } else if (rc >= 0) {
@@ -2266,7 +2271,7 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
     else
       rc = be->gemm(&mm);
   }
-  if (rc >= 0 && !merged) {
+  if (rc >= 0 && !merged && dxo) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
     float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
     ut__gemm_args mm = {.trans_a = true, .type_ab = gt, .type_c = gt,
@@ -2281,7 +2286,21 @@ ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* g
   ut_free(wt);
   if (own_col) ut_free(col);
   ut_free(dcol);
-  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+  dx = ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+  if (dxo) *dxo = dx;
+  return rc < 0 ? rc : UT_OK;
+}
+
+ut_tensor* ut_conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db) {
+  ut_tensor* dx = NULL;
+  if (ut__conv2d_backward(l, cache, grad_out, dW, db, &dx, "ut_conv2d_backward") < 0) return NULL;
+  return dx;
+}
+
+int ut_conv2d_backward_params(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db) {
+  return ut__conv2d_backward(l, cache, grad_out, dW, db, NULL, "ut_conv2d_backward_params");
 }
 
 void ut_conv2d_cache_free(ut_conv2d_cache* c) {

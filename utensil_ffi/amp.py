@@ -25,9 +25,11 @@ on float32 values rounded after each op (the same kind of numbers, no faster): u
 check a model, not for speed.
 """
 
+from . import _args
 from . import dtypes as _dtypes
 from ._errors import ArgumentTypeError
-from .layers import Module, _in_pass, _public_state, _rebuild_module
+from .layers import Module, _backward_params_only, _in_pass, _public_state, _rebuild_module
+from .layers import _takes_input_grad
 from .tensor import Tensor
 
 __all__ = ["MixedPrecision"]
@@ -64,9 +66,15 @@ class MixedPrecision(Module):
                 xc.close()  # the layers that need it hold their own reference
         return self._out(y, x)
 
-    def backward(self, grad_out):
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        """The wrapped module's backward on ``grad_out`` as dtype; returns dx as float32, or with
+        ``input_grad=False`` None (no dx to compute or widen)."""
+        input_grad = _args.to_bool(input_grad, "input_grad")
         g = _convert(grad_out, self.dtype)
         try:
+            if not input_grad:
+                return _backward_params_only(self.module, g)
             dx = self.module.backward(g)
         finally:
             if g is not grad_out:

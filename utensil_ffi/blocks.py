@@ -4,6 +4,7 @@
     res = ut.Residual(block)            # y = x + block(x)
     y = res(x)
     dx = res.backward(dy)               # dy + block.backward(dy)
+    res.backward(dy, input_grad=False)  # block's parameter gradients only; returns None
 
 The block is the public attribute ``block``, so its parameters are named ``block.<...>`` in
 ``named_parameters()`` and ``state_dict()`` (``block.0.weight``...), as a PyTorch module with a
@@ -13,7 +14,8 @@ The block is the public attribute ``block``, so its parameters are named ``block
 from . import _args
 from ._errors import ArgumentTypeError, ShapeError
 from .functional import add
-from .layers import Module, _in_pass, _public_state, _rebuild_module
+from .layers import Module, _backward_params_only, _in_pass, _public_state, _rebuild_module
+from .layers import _takes_input_grad
 from .tensor import Tensor
 
 __all__ = ["Residual"]
@@ -23,6 +25,8 @@ class Residual(Module):
     """``x + block(x)``: block's output must have the shape of its input (ShapeError otherwise).
 
     backward(g) is ``g + block.backward(g)``: the sum passes the gradient to both branches.
+    backward(g, input_grad=False) runs the block's backward for its parameter gradients only
+    (passing input_grad=False on when the block takes it) and returns None.
     The residual keeps nothing of its own for backward (the block keeps what it needs), so it
     behaves in train and eval mode, across threads and when used twice as its block does.
     """
@@ -49,7 +53,10 @@ class Residual(Module):
             if y is not x:  # the block's output is ours; the caller's input is not
                 y.close()
 
-    def backward(self, grad_out):
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        if not _args.to_bool(input_grad, "input_grad"):
+            return _backward_params_only(self.block, grad_out)
         g = self.block.backward(grad_out)
         try:
             return add(grad_out, g)

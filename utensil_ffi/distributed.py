@@ -37,6 +37,7 @@ from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DistributedE
 from ._errors import check, check_status
 from ._lib import ffi, lib
 from . import cuda as _cuda
+from .layers import _backward_params_only, _takes_input_grad
 from .tensor import Tensor, zeros
 
 __all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "ProcessGroup",
@@ -441,9 +442,15 @@ class DistributedDataParallel:
                 self.group.broadcast(t, 0)
         return self.module(x)
 
-    def backward(self, grad_out):
-        """The module's backward, then the gradients averaged over the ranks; returns dx."""
-        dx = self.module.backward(grad_out)
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        """The module's backward, then the gradients averaged over the ranks; returns dx, or
+        with ``input_grad=False`` None (the module is asked for its parameter gradients only:
+        see Module.backward)."""
+        if _args.to_bool(input_grad, "input_grad"):
+            dx = self.module.backward(grad_out)
+        else:
+            dx = _backward_params_only(self.module, grad_out)
         self.sync_gradients()
         return dx
 

@@ -2,7 +2,10 @@
 
 Each layer is called like a function (``y = layer(x)``); ``layer.backward(grad_out)`` returns the
 gradient with respect to the input of the last forward and ADDS the parameter gradients into
-``p.grad`` for each ``p`` in ``layer.parameters()`` (call ``zero_grad()`` between steps). In
+``p.grad`` for each ``p`` in ``layer.parameters()`` (call ``zero_grad()`` between steps);
+``backward(grad_out, input_grad=False)`` adds the same parameter gradients and returns None,
+skipping what only the input's gradient needs where it can (PyTorch computes no gradient for an
+input that does not require one: the images a network's first layer reads). In
 training mode (the default) forward keeps what backward needs; in eval mode it keeps nothing
 and backward raises. ``close()`` frees the layer's C tensors now; ``with`` does it on exit.
 
@@ -23,6 +26,7 @@ serialized per layer. ``close()`` from another thread waits for the calls in fli
 """
 
 import copy
+import inspect
 import itertools
 import threading
 import weakref
@@ -183,6 +187,54 @@ def _in_pass(fn, args):
         _PASS.id = None
 
 
+def _takes_input_grad(fn):
+    """Mark a library ``backward`` as accepting ``input_grad=`` (see _backward_params_only)."""
+    fn._ut_input_grad = True
+    return fn
+
+
+# backward functions without the mark -> whether their signature has an input_grad parameter
+_INPUT_GRAD_KW = weakref.WeakKeyDictionary()
+
+
+def _accepts_input_grad(module):
+    """Whether ``module.backward`` takes ``input_grad=``: the library's own do (marked); one a
+    user wrote is inspected once (a subclass overriding ``backward(self, grad_out)`` does not)."""
+    bound = module.backward
+    fn = getattr(bound, "__func__", bound)
+    if getattr(fn, "_ut_input_grad", False):
+        return True
+    try:
+        return _INPUT_GRAD_KW[fn]
+    except (KeyError, TypeError):
+        pass
+    try:
+        p = inspect.signature(bound).parameters.get("input_grad")
+    except (TypeError, ValueError):
+        p = None
+    ok = p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    try:
+        _INPUT_GRAD_KW[fn] = ok
+    except TypeError:  # not weakly referenceable: asked again next time
+        pass
+    return ok
+
+
+def _backward_params_only(module, grad_out):
+    """``module.backward(grad_out)`` for the parameter gradients only; returns None.
+
+    For where the input gradient is thrown away (a network's first layer, a training step):
+    a module that takes ``input_grad=`` gets ``input_grad=False`` and may skip that work; any
+    other (a user's ``backward(self, grad_out)``) runs as written and its result is closed."""
+    if _accepts_input_grad(module):
+        dx = module.backward(grad_out, input_grad=False)
+    else:
+        dx = module.backward(grad_out)
+    if isinstance(dx, Tensor) and dx is not grad_out:
+        dx.close()
+    return None
+
+
 class Module:
     """Base of every layer: call = forward, backward, parameters, zero_grad, train/eval, to."""
 
@@ -191,7 +243,14 @@ class Module:
     def forward(self, x):
         raise NotImplementedError
 
-    def backward(self, grad_out):
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        """The gradient with respect to the input of the last forward; ADDS each parameter's
+        gradient into ``p.grad``. With ``input_grad=False`` the parameter gradients are the same
+        (bit for bit) but the input's gradient is not returned (None) and, where the layer can,
+        not computed: Conv2d skips its dx GEMM and col2im, a container passes it to its first
+        layer. A subclass may define ``backward(self, grad_out)`` without the keyword: the
+        library's containers then call it plainly and close what it returns."""
         raise NotImplementedError
 
     def __call__(self, *args):
@@ -665,6 +724,9 @@ class _CLayer(Module):
     """
 
     _c_struct = _c_cache = _c_forward = _c_backward = _c_cache_free = _c_free = None
+    # the parameter gradients without dx (int status), for backward(input_grad=False); None:
+    # the layer has no such call, so dx is computed and freed
+    _c_backward_params = None
     _h = None
 
     weight = _TensorField()
@@ -773,8 +835,10 @@ class _CLayer(Module):
         """Whether forward keeps what backward needs: in training mode."""
         return self.training
 
-    def backward(self, grad_out):
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
         name = type(self).__name__
+        input_grad = _args.to_bool(input_grad, "input_grad")
         self._struct  # ClosedError once closed
         h = self._h
         e = h.state.take()
@@ -798,13 +862,23 @@ class _CLayer(Module):
                 )
             with _Args(name + ".backward", s.weight.dev) as a:
                 gp = a.ptr(grad_out, "grad_out")
+                params_only = self._c_backward_params if not input_grad else None
                 with h.state.wlock:
                     db = _grad_ptr(self._bias) if self._bias is not None else _NULL
-                    p = self._c_backward(s, c, gp, _grad_ptr(self._weight), db)
-                    if p == _NULL:
-                        fail("%s.backward" % name, s.weight, gp)
+                    if params_only is not None:
+                        if params_only(s, c, gp, _grad_ptr(self._weight), db) < 0:
+                            fail("%s.backward" % name, s.weight, gp)
+                        p = None
+                    else:
+                        p = self._c_backward(s, c, gp, _grad_ptr(self._weight), db)
+                        if p == _NULL:
+                            fail("%s.backward" % name, s.weight, gp)
                 done = True
-                return _wrap(p)
+                if input_grad:
+                    return _wrap(p)
+                if p is not None:  # no params-only call: the dx it made anyway, unused
+                    _wrap(p).close()
+                return None
         finally:
             if not done:
                 h.state.untake()
@@ -856,6 +930,7 @@ class Conv2d(_CLayer):
     _c_cache = ffi.typeof("ut_conv2d_cache *")
     _c_forward = lib.ut_conv2d_forward
     _c_backward = lib.ut_conv2d_backward
+    _c_backward_params = lib.ut_conv2d_backward_params
     _c_cache_free = lib.ut_conv2d_cache_free
     _c_free = lib.ut_conv2d_free
 
@@ -1118,13 +1193,21 @@ class _Stateless(Module):
             )
         return e
 
-    def backward(self, grad_out):
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        input_grad = _args.to_bool(input_grad, "input_grad")
         _, kept, version = self._take()
         done = False
         try:
+            # without input_grad dx is still computed (and freed): it is all these layers do,
+            # and computing it keeps every check on grad_out
             dx = self._backward_from(grad_out, kept, version)
             done = True
-            return dx
+            if input_grad:
+                return dx
+            if dx is not grad_out:
+                dx.close()
+            return None
         finally:
             if not done:  # refused: the walk over the kept forwards stays where it was
                 self._state.untake()
@@ -1231,8 +1314,18 @@ class Sequential(Module):
         # one outer call even when forward is called directly: layers used twice keep both uses
         return _in_pass(self._chain, (x, [l.forward for l in self.layers]))
 
-    def backward(self, grad_out):
-        return self._chain(grad_out, [l.backward for l in reversed(self.layers)])
+    @_takes_input_grad
+    def backward(self, grad_out, *, input_grad=True):
+        """Each layer's backward, last first; with ``input_grad=False`` the first layer's
+        gets it too (every other layer's dx is the next one's grad_out) and None is returned."""
+        steps = [l.backward for l in reversed(self.layers)]
+        if not _args.to_bool(input_grad, "input_grad"):
+            if steps:
+                first = self.layers[0]
+                steps[-1] = lambda g: _backward_params_only(first, g)
+            self._chain(grad_out, steps)
+            return None
+        return self._chain(grad_out, steps)
 
     def train(self, mode=True):
         self.training = _args.to_bool(mode, "mode")
