@@ -2074,14 +2074,29 @@ static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
   return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0 && g->ho == g->h &&
          g->wo == g->w;
 }
-/* A pointwise convolution over small images (late MobileNet layers: 7x7, 4x4, 2x2) runs as one
-   GEMM over the whole batch, W [out_c, c] . X [c, n*P], on inputs regrouped channel-major
-   ([n, c, P] -> [c, n, P]): per image the GEMM would be [out_c, c] . [c, P] with P far under the
-   micro-kernel's width. CPU only for now: the CUDA GEMM has its own tiling. */
+/* A pointwise convolution may run as one GEMM over the whole batch, W [out_c, c] . X [c, n*P],
+   on inputs regrouped channel-major ([n, c, P] -> [c, n, P]) and its output regrouped back,
+   where the per-image GEMMs [out_c, c] . [c, P] would be slow:
+   - on the CPU over small images (late MobileNet layers: 7x7, 4x4, 2x2), P far under the
+     micro-kernel's width;
+   - on the GPU in bf16 where P is not a multiple of 8 (14x14, 7x7): the per-image rows are then
+     not 16-byte aligned and cuBLAS picks kernels several times slower (MobileNet v1 at 224²,
+     batch 256: 150 µs for a 14x14 512 -> 512 GEMM that takes under 50 µs aligned). The
+     regrouping costs two transposes at memory speed per pass; the weight gradient then needs
+     none (it is one GEMM over n*P).
+   The float32 GEMMs on the GPU keep the per-image form: they have no such cliff. */
 #define UT__PW_BATCH_MERGE_P 256
-static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be) {
-  return ut__conv_is_pointwise(g) && g->n > 1 && (ut__i64)g->h * g->w < UT__PW_BATCH_MERGE_P &&
-         !ut__is_device_backend(be);
+static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be, ut_dtype dt) {
+  if (!ut__conv_is_pointwise(g) || g->n <= 1) return false;
+  ut__i64 P = (ut__i64)g->h * g->w;
+  if (ut__is_device_backend(be)) return dt == UT_BF16 && P % 8 != 0;
+  return P < UT__PW_BATCH_MERGE_P;
+}
+/* be->transpose in the element type of the data (h: bf16 on the device) */
+static int ut__transpose_typed(const ut__backend* be, bool h, const float* in, float* out,
+                               int outer, int d0, int mid, int d1, int inner) {
+  return h ? be->transpose_bf16(in, out, outer, d0, mid, d1, inner)
+           : be->transpose(in, out, outer, d0, mid, d1, inner);
 }
 /* The merged GEMM's columns: x [n, c, P] regrouped [c, n, P]; NULL on failure. */
 static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
@@ -2090,7 +2105,8 @@ static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
   int P = g->ho * g->wo;
   ut_tensor* col = xp ? ut__new_typed(3, (int[]){g->c, g->n, P}, x->dev, x->dtype, who) : NULL;
   if (!col) return NULL;
-  return ut__finish(col, be, be->transpose(xp, ut__out(col, be), 1, g->n, 1, g->c, P));
+  return ut__finish(col, be, ut__transpose_typed(be, ut__bf16_on(x, be), xp, ut__out(col, be),
+                                                 1, g->n, 1, g->c, P));
 }
 /* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
 static int ut__check_col(const ut__conv_geom* g, const char* who) {
@@ -2119,7 +2135,7 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
   if (!wp || (l->bias && !bp)) return ut__drop(wt);
 
-  bool merged = ut__conv_merges_batch(&g, be);
+  bool merged = ut__conv_merges_batch(&g, be, x->dtype);
   ut_tensor* col;
   if (merged) { /* backward reuses the regrouped columns */
     col = ut__conv_batch_columns(be, xp, &g, x, who);
@@ -2141,16 +2157,18 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   float* op = ut__out(out, be);
   int rc;
   if (merged) { /* Y [out_c, n*P] = W . X, then back to [n, out_c, P] */
-    ut_tensor* yt = ut__new(3, (int[]){l->out_c, g.n, P}, x->dev, who);
+    ut_tensor* yt = ut__new_typed(3, (int[]){l->out_c, g.n, P}, x->dev, x->dtype, who);
     if (!yt) {
+      ut_free(wt);
       ut_free(col);
       return ut__drop(out);
     }
-    ut__gemm_args mm = {.m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
+    ut__gemm_args mm = {.type_ab = gt, .type_c = gt,
+                        .m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
                         .beta = 0.f, .a = wp, .lda = K, .b = ut__in(col, be), .ldb = g.n * P,
                         .c = ut__out(yt, be), .ldc = g.n * P};
     rc = be->gemm(&mm);
-    if (rc >= 0) rc = be->transpose(ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
+    if (rc >= 0) rc = ut__transpose_typed(be, h, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free(yt);
   } else {
     ut__gemm_args mm = {.type_ab = gt, .type_c = gt,
@@ -2195,7 +2213,8 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     return ut__err_status;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
-  bool pointwise = ut__conv_is_pointwise(&g), merged = ut__conv_merges_batch(&g, be);
+  bool pointwise = ut__conv_is_pointwise(&g),
+       merged = ut__conv_merges_batch(&g, be, grad_out->dtype);
   bool h = ut__bf16_on(grad_out, be);
   ut_dtype gt = h ? UT_BF16 : UT_F32;
   ut_dtype at = grad_out->dtype; /* dx's and the columns' */
@@ -2238,21 +2257,26 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
            : be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
   if (rc >= 0 && merged) {
     /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
-    ut_tensor* gt = ut__new(3, (int[]){l->out_c, g.n, P}, grad_out->dev, who);
-    ut_tensor* dxt = gt && dxo ? ut__new(3, (int[]){K, g.n, P}, grad_out->dev, who) : NULL;
-    float* gtp = gt ? ut__out(gt, be) : NULL;
-    rc = gt && (dxt || !dxo) ? be->transpose(gop, gtp, 1, g.n, 1, l->out_c, P) : ut__err_status;
-    ut__gemm_args dw_mm = {.trans_b = true, .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
-                           .alpha = 1.f, .beta = 1.f, .a = gtp, .lda = g.n * P,
+    ut_tensor* gr = ut__new_typed(3, (int[]){l->out_c, g.n, P}, grad_out->dev, at, who);
+    ut_tensor* dxt = gr && dxo ? ut__new_typed(3, (int[]){K, g.n, P}, grad_out->dev, at, who)
+                               : NULL;
+    float* grp = gr ? ut__out(gr, be) : NULL;
+    rc = gr && (dxt || !dxo) ? ut__transpose_typed(be, h, gop, grp, 1, g.n, 1, l->out_c, P)
+                             : ut__err_status;
+    ut__gemm_args dw_mm = {.trans_b = true, .type_ab = gt, .type_c = UT_F32,
+                           .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
+                           .alpha = 1.f, .beta = 1.f, .a = grp, .lda = g.n * P,
                            .b = colp, .ldb = g.n * P, .c = dWp, .ldc = K};
     if (rc >= 0) rc = be->gemm(&dw_mm);
-    ut__gemm_args dx_mm = {.trans_a = true, .m = K, .n = g.n * P, .k = l->out_c, .batch = 1,
+    ut__gemm_args dx_mm = {.trans_a = true, .type_ab = gt, .type_c = gt,
+                           .m = K, .n = g.n * P, .k = l->out_c, .batch = 1,
                            .alpha = 1.f, .beta = 0.f, .a = wp, .lda = K,
-                           .b = gtp, .ldb = g.n * P, .c = dxt ? ut__out(dxt, be) : NULL,
+                           .b = grp, .ldb = g.n * P, .c = dxt ? ut__out(dxt, be) : NULL,
                            .ldc = g.n * P};
     if (rc >= 0 && dxo) rc = be->gemm(&dx_mm);
-    if (rc >= 0 && dxo) rc = be->transpose(ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
-    ut_free(gt);
+    if (rc >= 0 && dxo)
+      rc = ut__transpose_typed(be, h, ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
+    ut_free(gr);
     ut_free(dxt);
   } else if (rc >= 0) {
     /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */

@@ -286,8 +286,12 @@ def _check_layer(name, layer, x, go, refs, abs_refs):
 
 # (n, c, h, w, o, (kh, kw), stride, pad): 3x3 stride 2 on im2col (the weight gradient's sum
 # over the batch on either cuBLAS plan: few channels -> reduce, 64 channels on 7x7 outputs ->
-# concatenate), the strided stem, kh != kw, 1x1 pointwise (reduce and concatenate), odd sizes
+# concatenate), the strided stem, kh != kw, 1x1 pointwise (reduce and concatenate), odd sizes;
+# 1x1 over planes of 7x7, 14x14 and 9x11 (not a multiple of 8 positions) runs as one GEMM over
+# the batch on channel-major regrouped operands (ut__conv_merges_batch)
 CONV_SHAPES = [
+    (4, 32, 7, 7, 48, (1, 1), 1, 0),
+    (2, 16, 14, 14, 24, (1, 1), 1, 0),
     (2, 4, 9, 9, 6, (3, 3), 2, 1),
     (2, 64, 14, 14, 64, (3, 3), 2, 1),
     (2, 3, 33, 33, 32, (3, 3), 2, 1),
