@@ -27,9 +27,7 @@ check a model, not for speed.
 
 from . import _args
 from . import dtypes as _dtypes
-from ._errors import ArgumentTypeError
-from .layers import Module, _backward_params_only, _in_pass, _public_state, _rebuild_module
-from .layers import _takes_input_grad
+from .layers import _Wrapper, _backward_params_only, _takes_input_grad
 from .tensor import Tensor
 
 __all__ = ["MixedPrecision"]
@@ -42,20 +40,14 @@ def _convert(t, dtype):
     return t.to(dtype=dtype)
 
 
-class MixedPrecision(Module):
+class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
     """``module`` run in ``dtype`` (utensil.bfloat16) with float32 at its edges; see the module
     docstring. Parameters, state_dict and train/eval are the wrapped module's (named
     ``module.<...>``, as a PyTorch wrapper with ``self.module`` names them)."""
 
     def __init__(self, module, dtype=_dtypes.bfloat16):
-        if not isinstance(module, Module):
-            raise ArgumentTypeError("MixedPrecision: module must be a Module, got %s"
-                                    % type(module).__name__)
-        self.module = module
+        super().__init__(module)
         self.dtype = _dtypes.parse_dtype(dtype)
-
-    def forward(self, x):
-        return _in_pass(self._forward, (x,))
 
     def _forward(self, x):
         xc = _convert(x, self.dtype)
@@ -88,24 +80,3 @@ class MixedPrecision(Module):
         if f is not t and t is not caller:
             t.close()
         return f
-
-    def train(self, mode=True):
-        super().train(mode)
-        self.module.train(mode)
-        return self
-
-    def to(self, device):
-        self.module.to(device)
-        return self
-
-    def close(self):
-        self.module.close()
-
-    def __reduce_ex__(self, protocol):
-        state = _public_state(self)
-        return (_rebuild_module, (type(self), MixedPrecision,
-                                  (state.pop("module"), state.pop("dtype")), state))
-
-    def __repr__(self):
-        inner = repr(self.module).replace("\n", "\n  ")
-        return "MixedPrecision(dtype=%r,\n  (module): %s\n)" % (self.dtype, inner)

@@ -12,16 +12,15 @@ The block is the public attribute ``block``, so its parameters are named ``block
 """
 
 from . import _args
-from ._errors import ArgumentTypeError, ShapeError
+from ._errors import ShapeError
 from .functional import add
-from .layers import Module, _backward_params_only, _in_pass, _public_state, _rebuild_module
-from .layers import _takes_input_grad
+from .layers import _Wrapper, _backward_params_only, _takes_input_grad
 from .tensor import Tensor
 
 __all__ = ["Residual"]
 
 
-class Residual(Module):
+class Residual(_Wrapper, child="block"):
     """``x + block(x)``: block's output must have the shape of its input (ShapeError otherwise).
 
     backward(g) is ``g + block.backward(g)``: the sum passes the gradient to both branches.
@@ -31,15 +30,8 @@ class Residual(Module):
     behaves in train and eval mode, across threads and when used twice as its block does.
     """
 
-    def __init__(self, block):
-        if not isinstance(block, Module):
-            raise ArgumentTypeError("Residual: block must be a Module, got %s"
-                                    % type(block).__name__)
-        self.block = block
-
-    def forward(self, x):
-        # one outer call even when forward is called directly (see layers._in_pass)
-        return _in_pass(self._forward, (x,))
+    def __init__(self, block):  # the argument's public name: Residual(block=...)
+        super().__init__(block)
 
     def _forward(self, x):
         y = self.block(x)
@@ -63,25 +55,3 @@ class Residual(Module):
         finally:
             if g is not grad_out:
                 g.close()
-
-    def train(self, mode=True):
-        self.training = _args.to_bool(mode, "mode")
-        self.block.train(mode)
-        return self
-
-    def to(self, device):
-        self.block.to(device)
-        return self
-
-    def close(self):
-        self.block.close()
-
-    def __reduce_ex__(self, protocol):
-        # copy, deepcopy and pickle rebuild through __init__ with a copy of the block (a block
-        # shared with other modules stays shared in the copy: copy's and pickle's memo)
-        state = _public_state(self)
-        return (_rebuild_module, (type(self), Residual, (state.pop("block"),), state))
-
-    def __repr__(self):
-        inner = repr(self.block).replace("\n", "\n  ")
-        return "Residual(\n  (block): %s\n)" % inner

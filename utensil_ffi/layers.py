@@ -490,6 +490,62 @@ def _rebuild_module(cls, init_cls, args, state):
     return obj
 
 
+class _Wrapper(Module):
+    """A module around one child module, held in a public attribute (so the child's parameters
+    are named ``<attribute>.<...>``, as PyTorch names a wrapper's ``self.module``).
+
+    A subclass names that attribute and the ``__init__`` arguments after the child, which copies
+    rebuild from and repr shows: ``class MixedPrecision(_Wrapper, child="module",
+    args=("dtype",))``; it defines ``_forward`` and ``backward``. train/eval, to and close pass
+    to the child: the wrapper keeps nothing of its own for backward.
+    """
+
+    def __init_subclass__(cls, child=None, args=(), **kwargs):
+        super().__init_subclass__(**kwargs)
+        if child is not None:
+            # the declaring class, not a user's subclass of it, names the wrapper in messages and
+            # repr and rebuilds copies: its __init__ signature is the one the arguments fit
+            cls._child, cls._init_names, cls._declared_by = child, tuple(args), cls
+
+    def __init__(self, child):
+        if not isinstance(child, Module):
+            raise ArgumentTypeError("%s: %s must be a Module, got %s" % (
+                self._declared_by.__name__, self._child, type(child).__name__))
+        setattr(self, self._child, child)
+
+    @property
+    def _wrapped(self):
+        return getattr(self, self._child)
+
+    def forward(self, x):
+        # one outer call even when forward is called directly (see _in_pass)
+        return _in_pass(self._forward, (x,))
+
+    def train(self, mode=True):
+        self.training = _args.to_bool(mode, "mode")
+        self._wrapped.train(mode)
+        return self
+
+    def to(self, device):
+        self._wrapped.to(device)
+        return self
+
+    def close(self):
+        self._wrapped.close()
+
+    def __reduce_ex__(self, protocol):
+        # copy, deepcopy and pickle rebuild through __init__ with a copy of the child (a child
+        # shared with other modules stays shared in the copy: copy's and pickle's memo)
+        state = _public_state(self)
+        args = tuple(state.pop(k) for k in (self._child,) + self._init_names)
+        return (_rebuild_module, (type(self), self._declared_by, args, state))
+
+    def __repr__(self):
+        extra = "".join("%s=%r," % (k, getattr(self, k)) for k in self._init_names)
+        inner = repr(self._wrapped).replace("\n", "\n  ")
+        return "%s(%s\n  (%s): %s\n)" % (self._declared_by.__name__, extra, self._child, inner)
+
+
 def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
     """Unpickle (and deep-copy) a _CLayer.
 
