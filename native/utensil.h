@@ -2806,61 +2806,136 @@ static int ut__bn_apply(const ut__backend* be, const ut_tensor* x, const float* 
                                            s[0], s[1], inner, eps, act);
 }
 
+/* The plain and the synchronized forward start alike: one place checks the layer and x,
+   fetches what both read and makes the tensors both write, so the two keep the same checks,
+   messages and allocations. All or nothing: on failure nothing is left allocated. */
+typedef struct ut__bn_forward_args {
+  const ut__backend* be;
+  const float *xp, *wp, *bp;        /* x, gamma, beta */
+  ut_tensor *y, *mean, *var, *rstd; /* y like x; mean, var, rstd [C] */
+  ut__i64 count;                    /* values per channel: N H W */
+} ut__bn_forward_args;
+static int ut__bn_forward_prepare(ut_batchnorm2d* l, ut_tensor* x, bool sync, const char* who,
+                                  ut__bn_forward_args* fw) {
+  UT__TRY(ut__check_batchnorm2d(l, x, who));
+  int C = l->c;
+  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
+  fw->count = x->shape.shape[0] * inner;
+  UT__CHECK(!l->training || fw->count > 1, UT_ERR_SHAPE,
+            sync ? "%s: training needs more than one value per channel on each rank, got shape "
+                   "%s (N*H*W = 1)"
+                 : "%s: training needs more than one value per channel, got shape %s "
+                   "(N*H*W = 1)",
+            who, ut__shape_text(x).s);
+  const ut__backend* be = fw->be = ut__backend_for(x->dev);
+  fw->xp = ut__in(x, be);
+  fw->wp = fw->xp ? ut__in(l->weight, be) : NULL;
+  fw->bp = fw->wp ? ut__in(l->bias, be) : NULL;
+  if (!fw->bp) return ut__err_status;
+  fw->y = ut__new_like(x, who);
+  fw->mean = fw->y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  fw->var = fw->mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  fw->rstd = fw->var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  if (fw->rstd) return UT_OK;
+  int rc = ut__err_status;
+  ut_free_all(fw->var, fw->mean, fw->y);
+  return rc;
+}
+/* The end of both forwards, once var and their own scratch are freed: on failure free y, mean
+   and rstd and return NULL; else return y, handing x, mean and rstd to the cache if any. */
+static ut_tensor* ut__bn_forward_done(int rc, const ut_batchnorm2d* l, ut_tensor* x,
+                                      ut_batchnorm2d_cache* cache, const ut__bn_forward_args* fw,
+                                      bool synced) {
+  if (rc < 0 || !cache) {
+    ut_free_all(fw->mean, fw->rstd);
+    if (rc < 0) return ut__drop(fw->y);
+    ut__wrote(fw->y, fw->be);
+    return fw->y;
+  }
+  ut__wrote(fw->y, fw->be);
+  ut__wrote(fw->mean, fw->be);
+  ut__wrote(fw->rstd, fw->be);
+  cache->input = ut_retain(x);
+  cache->mean = fw->mean;
+  cache->rstd = fw->rstd;
+  cache->training = synced || l->training; /* a synchronized forward always trains */
+  cache->activation = l->activation;
+  cache->synced = synced;
+  return fw->y;
+}
+
 ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
   const char* who = "ut_batchnorm2d_forward";
-  if (ut__check_batchnorm2d(l, x, who) < 0) return NULL;
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
-  UT__CHECK_NULL(!l->training || count > 1, UT_ERR_SHAPE,
-                 "%s: training needs more than one value per channel, got shape %s (N*H*W = 1)",
-                 who, ut__shape_text(x).s);
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  if (!bp) return NULL;
-  ut_tensor* y = ut__new_like(x, who);
-  ut_tensor* mean = y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* var = mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* rstd = var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  int rc = rstd ? UT_OK : ut__err_status;
-  if (rc >= 0 && l->training) {
+  ut__bn_forward_args fw;
+  if (ut__bn_forward_prepare(l, x, false, who, &fw) < 0) return NULL;
+  const ut__backend* be = fw.be;
+  int C = l->c, rc;
+  if (l->training) {
     float* rm = ut__inout(l->running_mean, be);
     float* rv = rm ? ut__inout(l->running_var, be) : NULL;
-    rc = rv ? ut__bn_stats(be, x, xp, ut__out(mean, be), ut__out(var, be)) : ut__err_status;
+    rc = rv ? ut__bn_stats(be, x, fw.xp, ut__out(fw.mean, be), ut__out(fw.var, be))
+            : ut__err_status;
     if (rc >= 0)
-      rc = be->bn_update_running(rm, rv, ut__out(mean, be), ut__out(var, be), C, l->momentum,
-                                 (float)((double)count / (double)(count - 1)));
+      rc = be->bn_update_running(rm, rv, ut__out(fw.mean, be), ut__out(fw.var, be), C,
+                                 l->momentum,
+                                 (float)((double)fw.count / (double)(fw.count - 1)));
     if (rc >= 0) {
       ut__wrote(l->running_mean, be);
       ut__wrote(l->running_var, be);
     }
-  } else if (rc >= 0) {
+  } else {
     const float* rm = ut__in(l->running_mean, be);
     const float* rv = rm ? ut__in(l->running_var, be) : NULL;
-    rc = rv ? be->copy(ut__out(mean, be), rm, C) : ut__err_status;
-    if (rc >= 0) rc = be->copy(ut__out(var, be), rv, C);
+    rc = rv ? be->copy(ut__out(fw.mean, be), rm, C) : ut__err_status;
+    if (rc >= 0) rc = be->copy(ut__out(fw.var, be), rv, C);
   }
   if (rc >= 0)
-    rc = ut__bn_apply(be, x, xp, y, ut__out(mean, be), ut__out(var, be), wp, bp,
-                      ut__out(rstd, be), l->eps, l->activation);
-  ut_free(var);
-  if (rc < 0 || !cache) {
-    ut_free_all(mean, rstd);
-    if (rc < 0) return ut__drop(y);
-    ut__wrote(y, be);
-    return y;
-  }
-  ut__wrote(y, be);
-  ut__wrote(mean, be);
-  ut__wrote(rstd, be);
-  cache->input = ut_retain(x);
-  cache->mean = mean;
-  cache->rstd = rstd;
-  cache->training = l->training;
-  cache->activation = l->activation;
-  cache->synced = false;
-  return y;
+    rc = ut__bn_apply(be, x, fw.xp, fw.y, ut__out(fw.mean, be), ut__out(fw.var, be), fw.wp,
+                      fw.bp, ut__out(fw.rstd, be), l->eps, l->activation);
+  ut_free(fw.var);
+  return ut__bn_forward_done(rc, l, x, cache, &fw, false);
+}
+
+/* Both backwards take the same arguments past the cache's own checks (which differ: each
+   refuses the other forward's cache): one place checks them and fetches what the kernels read,
+   so the two keep the same checks and messages. */
+typedef struct ut__bn_backward_args {
+  const ut__backend* be;
+  const float *gop, *xp, *wp, *bp, *mp, *rp; /* grad_out, x, gamma, beta, mean, rstd */
+  float *dWp, *dbp;                          /* NULL where dW, db are */
+  int n, c;
+  ut__i64 inner;
+} ut__bn_backward_args;
+static int ut__bn_backward_prepare(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
+                                   ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db,
+                                   const char* who, ut__bn_backward_args* bw) {
+  ut_tensor* x = cache->input;
+  UT__TRY(ut__check_batchnorm2d(l, x, who));
+  UT__TRY(ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out"));
+  UT__TRY(ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input"));
+  UT__TRY(ut__check_arg(cache->mean, x, l->c, who, "cache->mean"));
+  UT__TRY(ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd"));
+  if (dW) UT__TRY(ut__check_arg(dW, x, l->c, who, "dW"));
+  if (db) UT__TRY(ut__check_arg(db, x, l->c, who, "db"));
+  UT__TRY(ut__check_f32(dW, who, "dW"));
+  UT__TRY(ut__check_f32(db, who, "db"));
+  UT__CHECK(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
+            "%s: grad_out has shape %s, the forward output had %s", who,
+            ut__shape_text(grad_out).s, ut__shape_text(x).s);
+  bw->n = x->shape.shape[0];
+  bw->c = l->c;
+  bw->inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
+  const ut__backend* be = bw->be = ut__backend_for(x->dev);
+  bw->gop = ut__in(grad_out, be);
+  bw->xp = bw->gop ? ut__in(x, be) : NULL;
+  bw->wp = bw->xp ? ut__in(l->weight, be) : NULL;
+  bw->bp = bw->wp ? ut__in(l->bias, be) : NULL;
+  bw->mp = bw->bp ? ut__in(cache->mean, be) : NULL;
+  bw->rp = bw->mp ? ut__in(cache->rstd, be) : NULL;
+  bw->dWp = (bw->rp && dW) ? ut__inout(dW, be) : NULL;
+  bw->dbp = (bw->rp && db) ? ut__inout(db, be) : NULL;
+  if (!bw->rp || (dW && !bw->dWp) || (db && !bw->dbp)) return ut__err_status;
+  return UT_OK;
 }
 
 ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
@@ -2871,39 +2946,19 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   UT__CHECK_NULL(!(cache->synced && cache->training), UT_ERR_ARG,
                  "%s: the cache is from ut_batchnorm2d_forward_sync: use "
                  "ut_batchnorm2d_backward_sync with the same reduce", who);
+  ut__bn_backward_args bw;
+  if (ut__bn_backward_prepare(l, cache, grad_out, dW, db, who, &bw) < 0) return NULL;
   ut_tensor* x = cache->input;
-  if (ut__check_batchnorm2d(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
-      ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input") < 0 ||
-      ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->c, who, "db") < 0) ||
-      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
-    return NULL;
-  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had %s", who,
-                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  const float* mp = bp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  const ut__backend* be = bw.be;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
   float act = ut__act_cap(cache->activation);
-  int rc = ut__bf16_on(x, be) ? be->bn_bwd_bf16(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp,
-                                                dbp, N, C, inner, cache->training, act)
-                              : be->bn_bwd(gop, xp, mp, rp, wp, bp, ut__out(dx, be), dWp, dbp,
-                                           N, C, inner, cache->training, act);
-  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+  int rc = ut__bf16_on(x, be)
+               ? be->bn_bwd_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(dx, be),
+                                 bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, cache->training, act)
+               : be->bn_bwd(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(dx, be), bw.dWp,
+                            bw.dbp, bw.n, bw.c, bw.inner, cache->training, act);
+  return ut__backward_done(rc, be, dx, dW, bw.dWp, db, bw.dbp);
 }
 
 /* reduce(ctx, t) on a tensor the core made: the callee sees t current on the device */
@@ -2924,33 +2979,20 @@ ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
                                        void* ctx) {
   const char* who = "ut_batchnorm2d_forward_sync";
   if (!reduce || (l && !l->training)) return ut_batchnorm2d_forward(l, x, cache);
-  if (ut__check_batchnorm2d(l, x, who) < 0) return NULL;
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3], count = N * inner;
-  UT__CHECK_NULL(count > 1, UT_ERR_SHAPE,
-                 "%s: training needs more than one value per channel on each rank, got shape "
-                 "%s (N*H*W = 1)", who, ut__shape_text(x).s);
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  if (!bp) return NULL;
-  ut_tensor* y = ut__new_like(x, who);
-  ut_tensor* mean = y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* var = mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* rstd = var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
-  ut_tensor* a = rstd ? ut__new(1, (int[]){C + 1}, x->dev, who) : NULL;
+  ut__bn_forward_args fw;
+  if (ut__bn_forward_prepare(l, x, true, who, &fw) < 0) return NULL;
+  const ut__backend* be = fw.be;
+  int C = l->c;
+  float count = (float)fw.count;
+  ut_tensor* a = ut__new(1, (int[]){C + 1}, x->dev, who);
   ut_tensor* b = a ? ut__new(1, (int[]){C + 1}, x->dev, who) : NULL;
   int rc = b ? UT_OK : ut__err_status;
-  float *mp = NULL, *vp = NULL;
-  if (rc >= 0) {
-    mp = ut__out(mean, be);
-    vp = ut__out(var, be);
-    rc = ut__bn_stats(be, x, xp, mp, vp);
-  }
-  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, NULL, ut__out(a, be), C, (float)count);
+  float* mp = ut__out(fw.mean, be);
+  float* vp = ut__out(fw.var, be);
+  if (rc >= 0) rc = ut__bn_stats(be, x, fw.xp, mp, vp);
+  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, NULL, ut__out(a, be), C, count);
   if (rc >= 0) rc = ut__reduce_call(reduce, ctx, a, be, who);
-  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, ut__in(a, be), ut__out(b, be), C, (float)count);
+  if (rc >= 0) rc = be->bn_sync_pack(mp, vp, ut__in(a, be), ut__out(b, be), C, count);
   if (rc >= 0) rc = ut__reduce_call(reduce, ctx, b, be, who);
   float* rm = rc >= 0 ? ut__inout(l->running_mean, be) : NULL;
   float* rv = rm ? ut__inout(l->running_var, be) : NULL;
@@ -2960,25 +3002,11 @@ ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
   if (rc >= 0) {
     ut__wrote(l->running_mean, be);
     ut__wrote(l->running_var, be);
-    rc = ut__bn_apply(be, x, xp, y, mp, vp, wp, bp, ut__out(rstd, be), l->eps, l->activation);
+    rc = ut__bn_apply(be, x, fw.xp, fw.y, mp, vp, fw.wp, fw.bp, ut__out(fw.rstd, be), l->eps,
+                      l->activation);
   }
-  ut_free_all(var, a, b);
-  if (rc < 0 || !cache) {
-    ut_free_all(mean, rstd);
-    if (rc < 0) return ut__drop(y);
-    ut__wrote(y, be);
-    return y;
-  }
-  ut__wrote(y, be);
-  ut__wrote(mean, be);
-  ut__wrote(rstd, be);
-  cache->input = ut_retain(x);
-  cache->mean = mean;
-  cache->rstd = rstd;
-  cache->training = true;
-  cache->activation = l->activation;
-  cache->synced = true;
-  return y;
+  ut_free_all(fw.var, a, b);
+  return ut__bn_forward_done(rc, l, x, cache, &fw, true);
 }
 
 ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache* cache,
@@ -2996,51 +3024,30 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
   UT__CHECK_NULL(cache->synced, UT_ERR_ARG,
                  "%s: the cache is from ut_batchnorm2d_forward (this rank's statistics only): "
                  "a synchronized backward needs ut_batchnorm2d_forward_sync", who);
+  ut__bn_backward_args bw;
+  if (ut__bn_backward_prepare(l, cache, grad_out, dW, db, who, &bw) < 0) return NULL;
   ut_tensor* x = cache->input;
-  if (ut__check_batchnorm2d(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
-      ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input") < 0 ||
-      ut__check_arg(cache->mean, x, l->c, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, l->c, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->c, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->c, who, "db") < 0) ||
-      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
-    return NULL;
-  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had %s", who,
-                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
-  int N = x->shape.shape[0], C = l->c;
-  ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
-  const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = wp ? ut__in(l->bias, be) : NULL;
-  const float* mp = bp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
-  ut_tensor* sums = ut__new(1, (int[]){2 * C + 1}, x->dev, who);
+  const ut__backend* be = bw.be;
+  ut_tensor* sums = ut__new(1, (int[]){2 * bw.c + 1}, x->dev, who);
   ut_tensor* dx = sums ? ut__new_like(x, who) : NULL;
   if (!dx) return ut__drop(sums);
   float act = ut__act_cap(cache->activation);
   bool h = ut__bf16_on(x, be);
-  int rc = h ? be->bn_bwd_sums_bf16(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C,
-                                    inner, act)
-             : be->bn_bwd_sums(gop, xp, mp, rp, wp, bp, ut__out(sums, be), dWp, dbp, N, C, inner,
-                               act);
+  int rc = h ? be->bn_bwd_sums_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
+                                    bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act)
+             : be->bn_bwd_sums(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
+                               bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act);
   if (rc >= 0) {
     /* this rank's share of dW and db is final: mark it before the reduce runs other code */
-    if (dWp) ut__wrote(dW, be);
-    if (dbp) ut__wrote(db, be);
+    if (bw.dWp) ut__wrote(dW, be);
+    if (bw.dbp) ut__wrote(db, be);
     rc = ut__reduce_call(reduce, ctx, sums, be, who);
   }
   if (rc >= 0)
-    rc = h ? be->bn_bwd_dx_bf16(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C,
-                                inner, act)
-           : be->bn_bwd_dx(gop, xp, mp, rp, wp, bp, ut__in(sums, be), ut__out(dx, be), N, C,
-                           inner, act);
+    rc = h ? be->bn_bwd_dx_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__in(sums, be),
+                                ut__out(dx, be), bw.n, bw.c, bw.inner, act)
+           : be->bn_bwd_dx(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__in(sums, be),
+                           ut__out(dx, be), bw.n, bw.c, bw.inner, act);
   ut_free(sums);
   return ut__finish(dx, be, rc);
 }
