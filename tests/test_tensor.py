@@ -164,6 +164,9 @@ def test_repr(device):
     assert "Linear(3, 2, bias=True" in repr(ut.Linear(3, 2, device=device))
     assert "Parameter(name='weight', shape=(2, 3)" in repr(ut.Linear(3, 2, device=device).weight)
     assert "ReLU()" in repr(ut.Sequential(ut.ReLU()))
+    nested = repr(ut.Sequential(ut.ReLU(), ut.Residual(ut.Sequential(ut.ReLU6()))))
+    assert nested == ("Sequential(\n  (0): ReLU()\n  (1): Residual(\n    (block): Sequential(\n"
+                      "      (0): ReLU6()\n    )\n  )\n)"), nested
 
 
 def test_item_and_tolist(device):

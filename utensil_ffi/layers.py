@@ -1404,7 +1404,9 @@ class Sequential(Module):
         return (_rebuild_module, (type(self), Sequential, (state.pop("layers"),), state))
 
     def __repr__(self):
-        inner = "".join("\n  (%d): %r" % (i, l) for i, l in enumerate(self.layers))
+        # a child printed on several lines (a Residual, a nested Sequential) is indented whole
+        inner = "".join("\n  (%d): %s" % (i, repr(l).replace("\n", "\n  "))
+                        for i, l in enumerate(self.layers))
         return "Sequential(%s\n)" % inner if inner else "Sequential()"
 
 
