@@ -1783,6 +1783,12 @@ int ut_fill(ut_tensor* t, float value) {
   return UT_OK;
 }
 
+/* be->transpose in the element type of the data (h: bf16 on the device) */
+static int ut__transpose_typed(const ut__backend* be, bool h, const float* in, float* out,
+                               int outer, int d0, int mid, int d1, int inner) {
+  return h ? be->transpose_bf16(in, out, outer, d0, mid, d1, inner)
+           : be->transpose(in, out, outer, d0, mid, d1, inner);
+}
 ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
   if (ut__check_tensor(t, "ut_transpose", "t") < 0) return NULL;
   int nd = t->shape.ndim;
@@ -1808,11 +1814,8 @@ ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
   if (!src) return NULL;
   ut_tensor* out = ut__new_typed(nd, oshape, t->dev, t->dtype, "ut_transpose");
   if (!out) return NULL;
-  return ut__finish(out, be, ut__bf16_on(t, be)
-                                 ? be->transpose_bf16(src, ut__out(out, be), outer, sh[d0], mid,
-                                                      sh[d1], inner)
-                                 : be->transpose(src, ut__out(out, be), outer, sh[d0], mid,
-                                                 sh[d1], inner));
+  return ut__finish(out, be, ut__transpose_typed(be, ut__bf16_on(t, be), src, ut__out(out, be),
+                                                 outer, sh[d0], mid, sh[d1], inner));
 }
 
 /* ---- elementwise -------------------------------------------------------------------------- */
@@ -2091,12 +2094,6 @@ static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be,
   ut__i64 P = (ut__i64)g->h * g->w;
   if (ut__is_device_backend(be)) return dt == UT_BF16 && P % 8 != 0;
   return P < UT__PW_BATCH_MERGE_P;
-}
-/* be->transpose in the element type of the data (h: bf16 on the device) */
-static int ut__transpose_typed(const ut__backend* be, bool h, const float* in, float* out,
-                               int outer, int d0, int mid, int d1, int inner) {
-  return h ? be->transpose_bf16(in, out, outer, d0, mid, d1, inner)
-           : be->transpose(in, out, outer, d0, mid, d1, inner);
 }
 /* The merged GEMM's columns: x [n, c, P] regrouped [c, n, P]; NULL on failure. */
 static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
