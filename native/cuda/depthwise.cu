@@ -6,7 +6,7 @@
    Depthwise convolution
 
    3x3 filters at stride 1 or 2 and 5x5 at stride 1 take the strip kernels
-   (ut__cuda_dwconv2d_strip_*, below ut__cuda_dwconv2d_dw_final_checked_kernel), which were faster on
+   (ut__cuda_dwconv2d_strip_*), which were faster on
    every measured shape. The tiled path (ut__cuda_dwconv2d_tile_kernel) covers the other square
    3x3, 5x5 and 7x7 filters at stride 1 or 2 whose tiles fit in shared memory. A unit of work
    is one channel c, a group of P images and a band of BH output rows of each of their planes
@@ -27,7 +27,7 @@
                              stride phase matches
      UT__CUDA_DWCONV2D_DW    dw partials: for each unit the KH*KW sums of go * x over its
                              outputs, reduced in registers, then across the block, and written
-                             to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_checked_kernel)
+                             to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_kernel)
                              adds each channel's partials in a fixed order into dw.
 
    Everything else (other filter shapes, planes too wide for shared memory) takes plain
@@ -388,48 +388,6 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
-/* The fast path's second stage for dW with the non-finite rule folded in: a tap whose sum is
-   finite met no NaN or inf (a non-finite input reaches every sum it takes part in, padding
-   products included), so it is added as is; a tap whose sum is not finite is left out and
-   flagged (flags[c * T + t], and flags[C * T] for "any"), for the plain kernel to sum again over
-   real input only. This replaces a scan of go and x before every dW. flags == NULL: the sums
-   came from the plain kernel, already exact, and are added whatever they are. */
-static __global__ void ut__cuda_dwconv2d_dw_final_checked_kernel(const float* __restrict__ ws,
-                                                                 float* __restrict__ dw, int C,
-                                                                 int T, int parts,
-                                                                 int* __restrict__ flags) {
-  const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (gw >= (ut__i64)C * T) return;
-  const ut__i64 c = gw / T, t = gw % T;
-  float s = 0.f;
-  for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
-  s = ut__cuda_warp_sum(s);
-  if (lane != 0) return;
-  if (!flags || isfinite(s)) {
-    dw[gw] += s;
-  } else {
-    flags[gw] = 1;
-    flags[(ut__i64)C * T] = 1;
-  }
-}
-
-/* the plain path's second stage after the checked one: the flagged taps only */
-static __global__ void ut__cuda_dwconv2d_dw_final_flagged_kernel(const float* __restrict__ ws,
-                                                                 float* __restrict__ dw, int C,
-                                                                 int T, int parts,
-                                                                 const int* __restrict__ flags) {
-  if (!flags[(ut__i64)C * T]) return;
-  const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (gw >= (ut__i64)C * T || !flags[gw]) return;
-  const ut__i64 c = gw / T, t = gw % T;
-  float s = 0.f;
-  for (int i = lane; i < parts; i += 32) s += ws[(c * parts + i) * T + t];
-  s = ut__cuda_warp_sum(s);
-  if (lane == 0) dw[gw] += s;
-}
-
 /* ---- strip kernels (v3): straight from global memory, no shared tiles ----
    One thread per item; an item is a vertical strip of R outputs at one column of one plane
    (items are numbered column fastest, then strip, then plane, so a warp's lanes hit
@@ -451,7 +409,7 @@ static __global__ void ut__cuda_dwconv2d_dw_final_flagged_kernel(const float* __
      ut__cuda_dwconv2d_strip_dw_kernel
                      dw partials: block (part, c) sums go * x tap by tap over a fixed range of
                      channel c's items, warp sums then warps in order into
-                     ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_checked_kernel adds the
+                     ws[(c * parts + part) * T + t]; ut__cuda_dwconv2d_dw_final_kernel adds the
                      parts in order */
 
 /* two adjacent outputs at once (p aligned to two elements): float2, or a bf16 pair rounded
@@ -1747,35 +1705,97 @@ static int ut__cuda_dwconv2d_tile_dispatch(const ut__cuda_dwconv2d_tile_params<T
   return ut__set_error(UT_ERR_ARG, "dw: no tiled kernel for %dx%d stride %d", k, k, s);
 }
 
-/* ---- plain kernels for the remaining cases ---- */
+/* ---- plain kernels for the remaining cases, and the exact reruns ----
+   The plain kernels sum real input only, which is the CPU backend's rule for non-finite data:
+   a padded tap adds nothing, where the fast kernels multiply its weight by a stored or implied
+   zero (NaN for an inf or NaN weight). So after a fast kernel, a channel whose own weights are
+   not all finite is computed again by the plain rule. The check is part of the rerun kernel:
+   each block reads its channel's kh*kw weights and returns at once when they are finite, so a
+   step with finite weights pays one launch of early-exiting blocks, with no flag to clear, no
+   check kernel and no host round trip. */
+
+/* one output of the forward: bias + the sum of w * x over the taps inside the input */
+template <typename T>
+static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_y(const T* __restrict__ x,
+                                                                 const float* __restrict__ w,
+                                                                 const float* __restrict__ bias,
+                                                                 const ut__conv_geom& g,
+                                                                 ut__i64 pl, int c, int oy, int ox) {
+  const T* xp = x + pl * g.h * (ut__i64)g.w;
+  const float* wp = w + (ut__i64)c * g.kh * g.kw;
+  float s = bias ? bias[c] : 0.f;
+  for (int ky = 0; ky < g.kh; ++ky) {
+    int iy = oy * g.stride - g.pad + ky * g.dil;
+    if (iy < 0 || iy >= g.h) continue;
+    for (int kx = 0; kx < g.kw; ++kx) {
+      int ix = ox * g.stride - g.pad + kx * g.dil;
+      if (ix < 0 || ix >= g.w) continue;
+      s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(xp + (ut__i64)iy * g.w + ix), s);
+    }
+  }
+  return s;
+}
+
+/* one input gradient: the sum of w * go over the outputs that read input (iy, ix) */
+template <typename T>
+static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_dx(const T* __restrict__ go,
+                                                                  const float* __restrict__ w,
+                                                                  const ut__conv_geom& g,
+                                                                  ut__i64 pl, int c, int iy, int ix) {
+  const T* gp = go + pl * g.ho * (ut__i64)g.wo;
+  const float* wp = w + (ut__i64)c * g.kh * g.kw;
+  float s = 0.f;
+  for (int ky = 0; ky < g.kh; ++ky) {
+    int ty = iy + g.pad - ky * g.dil;
+    if (ty < 0 || ty % g.stride) continue;
+    int oy = ty / g.stride;
+    if (oy >= g.ho) continue;
+    for (int kx = 0; kx < g.kw; ++kx) {
+      int tx = ix + g.pad - kx * g.dil;
+      if (tx < 0 || tx % g.stride) continue;
+      int ox = tx / g.stride;
+      if (ox >= g.wo) continue;
+      s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(gp + (ut__i64)oy * g.wo + ox), s);
+    }
+  }
+  return s;
+}
+
+/* one tap's dW over outputs [e0, e1) of channel c (output e is image e / (ho*wo), position
+   e % (ho*wo)), strided by `step` from e0 + first: real input only */
+template <typename T>
+static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_dw(const T* __restrict__ go,
+                                                                  const T* __restrict__ x,
+                                                                  const ut__conv_geom& g, int c,
+                                                                  int ky, int kx, ut__i64 e,
+                                                                  ut__i64 e1, int step) {
+  const ut__i64 hw = (ut__i64)g.ho * g.wo;
+  float s = 0.f;
+  for (; e < e1; e += step) {
+    ut__i64 ni = e / hw;
+    int pos = (int)(e - ni * hw);
+    int oy = pos / g.wo, ox = pos % g.wo;
+    int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
+    if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+    ut__i64 pl = ni * g.c + c;
+    s += ut__cuda_dwconv2d_ldg(go + pl * hw + pos) *
+         ut__cuda_dwconv2d_ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
+  }
+  return s;
+}
 
 template <typename T>
 static __global__ void ut__cuda_dwconv2d_direct_forward_kernel(const T* __restrict__ x,
                                                                const float* __restrict__ w,
                                                                const float* __restrict__ bias,
                                                                T* __restrict__ y,
-                                                               ut__conv_geom g, ut__i64 total,
-                                                               const int* __restrict__ gate) {
-  if (gate && !*gate) return;
+                                                               ut__conv_geom g, ut__i64 total) {
   UT__CUDA_GRID_STRIDE(i, total) {
     int ox = (int)(i % g.wo);
     ut__i64 t = i / g.wo;
     int oy = (int)(t % g.ho);
     ut__i64 pl = t / g.ho; /* n*C + c */
-    int c = (int)(pl % g.c);
-    const T* xp = x + pl * g.h * (ut__i64)g.w;
-    const float* wp = w + (ut__i64)c * g.kh * g.kw;
-    float s = bias ? bias[c] : 0.f;
-    for (int ky = 0; ky < g.kh; ++ky) {
-      int iy = oy * g.stride - g.pad + ky * g.dil;
-      if (iy < 0 || iy >= g.h) continue;
-      for (int kx = 0; kx < g.kw; ++kx) {
-        int ix = ox * g.stride - g.pad + kx * g.dil;
-        if (ix < 0 || ix >= g.w) continue;
-        s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(xp + (ut__i64)iy * g.w + ix), s);
-      }
-    }
-    ut__cuda_st(y + i, s);
+    ut__cuda_st(y + i, ut__cuda_dwconv2d_plain_y(x, w, bias, g, pl, (int)(pl % g.c), oy, ox));
   }
 }
 
@@ -1783,114 +1803,132 @@ template <typename T>
 static __global__ void ut__cuda_dwconv2d_direct_dx_kernel(const T* __restrict__ go,
                                                           const float* __restrict__ w,
                                                           T* __restrict__ dx, ut__conv_geom g,
-                                                          ut__i64 total,
-                                                          const int* __restrict__ gate) {
-  if (gate && !*gate) return;
+                                                          ut__i64 total) {
   UT__CUDA_GRID_STRIDE(i, total) {
     int ix = (int)(i % g.w);
     ut__i64 t = i / g.w;
     int iy = (int)(t % g.h);
     ut__i64 pl = t / g.h;
-    int c = (int)(pl % g.c);
-    const T* gp = go + pl * g.ho * (ut__i64)g.wo;
-    const float* wp = w + (ut__i64)c * g.kh * g.kw;
-    float s = 0.f;
-    for (int ky = 0; ky < g.kh; ++ky) {
-      int ty = iy + g.pad - ky * g.dil;
-      if (ty < 0 || ty % g.stride) continue;
-      int oy = ty / g.stride;
-      if (oy >= g.ho) continue;
-      for (int kx = 0; kx < g.kw; ++kx) {
-        int tx = ix + g.pad - kx * g.dil;
-        if (tx < 0 || tx % g.stride) continue;
-        int ox = tx / g.stride;
-        if (ox >= g.wo) continue;
-        s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(gp + (ut__i64)oy * g.wo + ox), s);
-      }
-    }
-    ut__cuda_st(dx + i, s);
+    ut__cuda_st(dx + i, ut__cuda_dwconv2d_plain_dx(go, w, g, pl, (int)(pl % g.c), iy, ix));
   }
 }
 
+/* whether channel c's filter holds a NaN or an inf (every thread reads the same few weights) */
+static __device__ __forceinline__ bool ut__cuda_dwconv2d_weights_nonfinite(const float* w,
+                                                                          const ut__conv_geom& g,
+                                                                          int c) {
+  const float* wp = w + (ut__i64)c * g.kh * g.kw;
+  bool bad = false;
+  for (int t = 0; t < g.kh * g.kw; ++t) bad |= !isfinite(wp[t]);
+  return bad;
+}
+
+/* The exact reruns: blocks (q, c) for channels c in steps of gridDim.y; a channel with a
+   non-finite weight has its planes (outputs for the forward, inputs for dx) recomputed by
+   the blocks q in steps of gridDim.x. */
+template <typename T, bool DX>
+static __global__ void ut__cuda_dwconv2d_exact_kernel(const T* __restrict__ in,
+                                                      const float* __restrict__ w,
+                                                      const float* __restrict__ bias,
+                                                      T* __restrict__ out, ut__conv_geom g) {
+  const int oh = DX ? g.h : g.ho, ow = DX ? g.w : g.wo;
+  const ut__i64 hw = (ut__i64)oh * ow, m = (ut__i64)g.n * hw;
+  for (int c = blockIdx.y; c < g.c; c += gridDim.y) {
+    if (!ut__cuda_dwconv2d_weights_nonfinite(w, g, c)) continue;
+    for (ut__i64 j = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x; j < m;
+         j += (ut__i64)gridDim.x * blockDim.x) {
+      ut__i64 ni = j / hw;
+      int pos = (int)(j - ni * hw);
+      ut__i64 pl = ni * g.c + c;
+      float v = DX ? ut__cuda_dwconv2d_plain_dx(in, w, g, pl, c, pos / ow, pos % ow)
+                   : ut__cuda_dwconv2d_plain_y(in, w, bias, g, pl, c, pos / ow, pos % ow);
+      ut__cuda_st(out + pl * hw + pos, v);
+    }
+  }
+}
+
+/* dW's second stage: warp (c, t) adds channel c's partial sums of tap t, in a fixed order, into
+   dw. From a fast kernel (go != NULL) a sum that is not finite is replaced: a non-finite input
+   reaches every sum it takes part in, padding products included, so a finite sum met none and
+   is exact, and a tap whose sum is not finite is summed again by the same warp over real input
+   only (the CPU backend's rule). Non-finite data is rare, so that warp's long walk costs
+   nothing in ordinary steps, and no scan of go and x, flag or further launch is needed. From
+   the plain kernel (go == NULL) the sums are exact and added whatever they are. */
+template <typename T>
+static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict__ ws,
+                                                         float* __restrict__ dw, int C, int NT,
+                                                         int parts, const T* __restrict__ go,
+                                                         const T* __restrict__ x,
+                                                         ut__conv_geom g) {
+  const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= (ut__i64)C * NT) return;
+  const int c = (int)(gw / NT), t = (int)(gw % NT);
+  float s = 0.f;
+  for (int i = lane; i < parts; i += 32) s += ws[((ut__i64)c * parts + i) * NT + t];
+  s = ut__cuda_warp_sum(s);
+  if (go && !isfinite(s)) /* the whole warp: s is the same in every lane */
+    s = ut__cuda_warp_sum(ut__cuda_dwconv2d_plain_dw(go, x, g, c, t / g.kw, t % g.kw, lane,
+                                                     (ut__i64)g.n * g.ho * g.wo, 32));
+  if (lane == 0) dw[gw] += s;
+}
+
 /* The plain kernels over the whole output (forward) or input (dx): any geometry, dilation
-   included; gated on *gate when gate is not NULL (the exact reruns). */
+   included. */
 template <typename T>
 static int ut__cuda_dwconv2d_direct_forward_run(const T* x, const float* w, const float* bias,
-                                                T* y, const ut__conv_geom* g, const int* gate) {
+                                                T* y, const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   ut__cuda_dwconv2d_direct_forward_kernel
-      <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      x, w, bias, y, *g, total, gate);
-  UT__CUDA_LAUNCHED(gate ? "dw_fwd exact" : "dw_fwd");
+      <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(x, w, bias, y, *g, total);
+  UT__CUDA_LAUNCHED("dw_fwd");
   return UT_OK;
 }
 template <typename T>
 static int ut__cuda_dwconv2d_direct_dx_run(const T* go, const float* w, T* dx,
-                                           const ut__conv_geom* g, const int* gate) {
+                                           const ut__conv_geom* g) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   ut__cuda_dwconv2d_direct_dx_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      go, w, dx, *g, total, gate);
-  UT__CUDA_LAUNCHED(gate ? "dw_bwd_dx exact" : "dw_bwd_dx");
+      go, w, dx, *g, total);
+  UT__CUDA_LAUNCHED("dw_bwd_dx");
+  return UT_OK;
+}
+/* the rerun after a fast kernel (see above): about 16 blocks per SM in all when every
+   weight is finite, as many per channel as fill the device when one is not */
+template <typename T, bool DX>
+static int ut__cuda_dwconv2d_exact_run(const T* in, const float* w, const float* bias, T* out,
+                                       const ut__conv_geom* g) {
+  const ut__i64 m = (ut__i64)g->n * (DX ? (ut__i64)g->h * g->w : (ut__i64)g->ho * g->wo);
+  const int cy = g->c < 65535 ? g->c : 65535;
+  ut__i64 qx = ut__cuda_cdiv((ut__i64)ut__cuda_sms * 16, cy);
+  ut__i64 need = ut__cuda_cdiv(m, 256);
+  if (qx > need) qx = need;
+  if (qx < 1) qx = 1;
+  ut__cuda_dwconv2d_exact_kernel<T, DX>
+      <<<dim3((unsigned)qx, (unsigned)cy), 256, 0, ut__cuda_stream>>>(in, w, bias, out, *g);
+  UT__CUDA_LAUNCHED(DX ? "dw_bwd_dx exact" : "dw_fwd exact");
   return UT_OK;
 }
 
 /* C * chunks blocks: block c * chunks + q sums go * x tap by tap over outputs [e0, e1) of channel c
-   (output e is image e / (ho*wo), position e % (ho*wo)) -> ws[(c*chunks + q)*T + tap] */
+   -> ws[(c*chunks + q)*T + tap] */
 template <typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_direct_dw_kernel(const T* __restrict__ go, const T* __restrict__ x,
                                        ut__conv_geom g, ut__i64 chunk, int chunks,
-                                       float* __restrict__ ws, const int* __restrict__ gate) {
+                                       float* __restrict__ ws) {
   __shared__ float sh[32];
-  if (gate && !*gate) return;
   const int c = blockIdx.x / chunks;
   const int NT = g.kh * g.kw;
-  const ut__i64 hw = (ut__i64)g.ho * g.wo;
-  const ut__i64 m = (ut__i64)g.n * hw;
+  const ut__i64 m = (ut__i64)g.n * g.ho * g.wo;
   const ut__i64 e0 = (ut__i64)(blockIdx.x % chunks) * chunk;
   const ut__i64 e1 = e0 + chunk < m ? e0 + chunk : m;
   for (int tap = 0; tap < NT; ++tap) {
-    const int ky = tap / g.kw, kx = tap % g.kw;
-    float acc[1] = {0.f};
-    for (ut__i64 e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
-      ut__i64 ni = e / hw;
-      int pos = (int)(e - ni * hw);
-      int oy = pos / g.wo, ox = pos % g.wo;
-      int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
-      if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
-      ut__i64 pl = ni * g.c + c;
-      acc[0] += ut__cuda_dwconv2d_ldg(go + pl * hw + pos) *
-                ut__cuda_dwconv2d_ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
-    }
+    float acc[1] = {ut__cuda_dwconv2d_plain_dw(go, x, g, c, tap / g.kw, tap % g.kw,
+                                               e0 + threadIdx.x, e1, blockDim.x)};
     ut__cuda_block_sum<1>(acc, sh);
     if (threadIdx.x == 0) ws[(ut__i64)blockIdx.x * NT + tap] = acc[0];
   }
-}
-
-/* *flag = 1 when a[0..na) or b[0..nb) holds a NaN or an inf (else 0), all on the stream: the
-   CPU backend's rule (real input only for non-finite data) without a host round trip. The
-   flag lives as long as the library; the caller holds ut__cuda_workspace_lock, which orders
-   its users. */
-static __global__ void ut__cuda_dwconv2d_nonfinite_kernel(const float* __restrict__ a, ut__i64 na,
-                                                          const float* __restrict__ b, ut__i64 nb,
-                                                          int* __restrict__ flag) {
-  UT__CUDA_GRID_STRIDE(i, na + nb) {
-    float v = i < na ? a[i] : b[i - na];
-    if (!isfinite(v)) *flag = 1;
-  }
-}
-static int* ut__cuda_dwconv2d_flag = NULL;
-static int ut__cuda_dwconv2d_flag_nonfinite(const float* a, ut__i64 na, const float* b, ut__i64 nb,
-                                            int** flag) {
-  if (!ut__cuda_dwconv2d_flag)
-    UT__CUDA_CHECK(cudaMalloc((void**)&ut__cuda_dwconv2d_flag, sizeof(int)), "dw flag alloc");
-  UT__CUDA_CHECK(cudaMemsetAsync(ut__cuda_dwconv2d_flag, 0, sizeof(int), ut__cuda_stream),
-                 "dw flag reset");
-  ut__cuda_dwconv2d_nonfinite_kernel<<<ut__cuda_grid_for(na + nb, 256), 256, 0, ut__cuda_stream>>>(
-      a, na, b, nb, ut__cuda_dwconv2d_flag);
-  UT__CUDA_LAUNCHED("dw nonfinite check");
-  *flag = ut__cuda_dwconv2d_flag;
-  return UT_OK;
 }
 
 template <typename T>
@@ -1919,7 +1957,7 @@ static int ut__cuda_dwconv2d_forward_fast(const T* x, const float* w, const floa
   *exact = false;
   if (total <= 0) return UT_OK;
   *exact = true;
-  if (g->dil > 1) return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
+  if (g->dil > 1) return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g);
   *exact = false;
   if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
     return ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
@@ -1934,7 +1972,7 @@ static int ut__cuda_dwconv2d_forward_fast(const T* x, const float* w, const floa
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
   *exact = true;
-  return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, NULL);
+  return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g);
 }
 
 template <typename T>
@@ -1944,7 +1982,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const T* go, const float* w, T* dx
   *exact = true; /* nothing multiplied, or the plain kernel */
   if (total <= 0) return UT_OK;
   if (g->ho <= 0 || g->wo <= 0) return ut__cuda_dwconv2d_zero(dx, total);
-  if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
+  if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g);
   *exact = false;
   /* stride 1: go correlated with the rotated filter */
   if (g->stride == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FLIP, g))
@@ -1973,11 +2011,8 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const T* go, const float* w, T* dx
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
   *exact = true;
-  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, NULL);
+  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g);
 }
-
-static int* ut__cuda_dwconv2d_dw_flags = NULL;
-static ut__i64 ut__cuda_dwconv2d_dw_flags_n = 0;
 
 template <typename T>
 static int ut__cuda_dwconv2d_backward_dw_run(const T* go, const T* x, float* dw,
@@ -1987,21 +2022,6 @@ static int ut__cuda_dwconv2d_backward_dw_run(const T* go, const T* x, float* dw,
   if ((ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK; /* nothing to add */
   ut__cuda_dwconv2d_tile_plan pl;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
-  /* the taps' non-finite flags (see ut__cuda_dwconv2d_dw_final_checked_kernel), cleared;
-     one buffer for float and bf16 (the workspace lock orders their users) */
-  int*& flags = ut__cuda_dwconv2d_dw_flags;
-  ut__i64& flags_n = ut__cuda_dwconv2d_dw_flags_n;
-  const ut__i64 nflags = (ut__i64)g->c * NT + 1;
-  if (nflags > flags_n) {
-    if (flags) {
-      UT__CUDA_CHECK(cudaDeviceSynchronize(), "dw flags sync");
-      ut__cuda_retire(flags);
-      flags = NULL;
-      flags_n = 0;
-    }
-    UT__CUDA_CHECK(cudaMalloc((void**)&flags, (size_t)nflags * sizeof(int)), "dw flags alloc");
-    flags_n = nflags;
-  }
   int st;
   float* ws;
   int parts;
@@ -2032,35 +2052,16 @@ static int ut__cuda_dwconv2d_backward_dw_run(const T* go, const T* x, float* dw,
     st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
     if (st) return st;
     ut__cuda_dwconv2d_direct_dw_kernel
-        <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
-        go, x, *g, chunk, parts, ws, NULL);
+        <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(go, x, *g, chunk, parts,
+                                                                          ws);
     UT__CUDA_LAUNCHED("dw_bwd_dw");
     plain = true;
   }
   ut__i64 warps = (ut__i64)g->c * NT;
-  if (!plain)
-    UT__CUDA_CHECK(cudaMemsetAsync(flags, 0, (size_t)nflags * sizeof(int), ut__cuda_stream),
-                   "dw flags reset");
-  ut__cuda_dwconv2d_dw_final_checked_kernel
+  ut__cuda_dwconv2d_dw_final_kernel<T>
       <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
-      ws, dw, g->c, NT, parts, plain ? NULL : flags);
+      ws, dw, g->c, NT, parts, plain ? NULL : go, x, *g);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
-  if (plain) return UT_OK;
-  /* taps that met non-finite data: the plain kernel sums real input only (gated on "any") */
-  const int* flag = flags + (ut__i64)g->c * NT;
-  ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
-  ut__i64 chunk;
-  parts = ut__cuda_channel_chunks(g->c, m, &chunk);
-  st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
-  if (st) return st;
-  ut__cuda_dwconv2d_direct_dw_kernel
-      <<<(unsigned)((ut__i64)g->c * parts), 256, 0, ut__cuda_stream>>>(
-      go, x, *g, chunk, parts, ws, flag);
-  UT__CUDA_LAUNCHED("dw_bwd_dw exact");
-  ut__cuda_dwconv2d_dw_final_flagged_kernel
-      <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
-      ws, dw, g->c, NT, parts, flags);
-  UT__CUDA_LAUNCHED("dw_bwd_dw exact final");
   return UT_OK;
 }
 
@@ -2073,11 +2074,7 @@ static int ut__cuda_dwconv2d_forward_run(const T* x, const float* w, const float
   bool exact;
   int st = ut__cuda_dwconv2d_forward_fast(x, w, bias, y, g, &exact);
   if (st || exact) return st;
-  int* flag;
-  st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
-  if (st) return st;
-  /* a non-finite weight: the fast kernels multiplied it by padding zeros; redo, real input only */
-  return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g, flag);
+  return ut__cuda_dwconv2d_exact_run<T, false>(x, w, bias, y, g);
 }
 
 template <typename T>
@@ -2087,11 +2084,7 @@ static int ut__cuda_dwconv2d_backward_dx_run(const T* go, const float* w, T* dx,
   bool exact;
   int st = ut__cuda_dwconv2d_backward_dx_fast(go, w, dx, g, &exact);
   if (st || exact) return st;
-  int* flag;
-  st = ut__cuda_dwconv2d_flag_nonfinite(w, (ut__i64)g->c * g->kh * g->kw, NULL, 0, &flag);
-  if (st) return st;
-  /* a non-finite weight times go's padding zeros: redo, real outputs only */
-  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g, flag);
+  return ut__cuda_dwconv2d_exact_run<T, true>(go, w, NULL, dx, g);
 }
 
 /* The entry points: float32, and bf16 activations (the same kernels on ut__cuda_bf16; see the
