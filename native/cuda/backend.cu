@@ -64,6 +64,29 @@ int ut__cuda_workspace_acquire(size_t bytes, float** out) {
   return UT_OK;
 }
 
+static unsigned* ut__cuda_counters = NULL;
+static int ut__cuda_counters_n = 0;
+
+int ut__cuda_counters_acquire(int n, unsigned** out) {
+  if (n > ut__cuda_counters_n) {
+    if (ut__cuda_counters) {
+      UT__CUDA_CHECK(cudaDeviceSynchronize(), "counters sync");
+      ut__cuda_retire(ut__cuda_counters);
+      ut__cuda_counters = NULL;
+      ut__cuda_counters_n = 0;
+    }
+    int want = n < 4096 ? 4096 : n + n / 2;
+    void* p = NULL;
+    UT__CUDA_CHECK(cudaMalloc(&p, (size_t)want * sizeof(unsigned)), "counters alloc");
+    ut__cuda_counters = (unsigned*)p;
+    ut__cuda_counters_n = want;
+    UT__CUDA_CHECK(cudaMemsetAsync(p, 0, (size_t)want * sizeof(unsigned), ut__cuda_stream),
+                   "counters clear");
+  }
+  *out = ut__cuda_counters;
+  return UT_OK;
+}
+
 /* ============================================================================================
    Memory
    ============================================================================================ */

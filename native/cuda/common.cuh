@@ -41,7 +41,8 @@
        (UT_ERR_MEMORY for an allocation failure, UT_ERR_DEVICE otherwise) and returns it.
      - Reductions are deterministic: fixed launch shapes, fixed-order trees, no float atomics.
        Multi-block reductions write partials to a shared workspace (see
-       ut__cuda_workspace_acquire) that a second small kernel sums in a fixed order. */
+       ut__cuda_workspace_acquire) that the last block to finish (ut__cuda_last_block: the
+       per-channel ones of norm.cu) or a second small kernel sums in a fixed order. */
 #ifndef UT__CUDA_COMMON_CUH
 #define UT__CUDA_COMMON_CUH
 
@@ -92,6 +93,10 @@ static inline unsigned ut__cuda_grid_for(ut__i64 n, int threads) {
    old buffer (rare: only when a larger size is first needed). */
 extern std::mutex ut__cuda_workspace_lock;
 int ut__cuda_workspace_acquire(size_t bytes, float** out);
+/* n arrival counters for reductions that finish in their last block (ut__cuda_last_block):
+   zero at every kernel's start, because the last block of each group puts its counter back.
+   Held under ut__cuda_workspace_lock as the workspace is. */
+int ut__cuda_counters_acquire(int n, unsigned** out);
 
 /* ---- bf16 activations ----
    A kernel that serves float32 and bf16 activations is a template over the element type T
@@ -148,6 +153,29 @@ static __device__ __forceinline__ float ut__cuda_block_max(float v, float* sh) {
   __syncthreads();
   float x = lane < nw ? sh[lane] : -INFINITY;
   return ut__cuda_warp_max(x);
+}
+
+/* Whether this block is the last of the `blocks` blocks of group g to finish, so that it can do
+   the group's final step in the same launch (no second kernel): every block publishes its
+   partials (written by thread 0 before the call) with a fence and counts itself on
+   counters[g]; the one that counts last sees every partial and resets the counter for the
+   next launch. Call from every thread of the block. */
+static __device__ __forceinline__ bool ut__cuda_last_block(unsigned* counters, ut__i64 g,
+                                                           unsigned blocks) {
+  __shared__ bool last;
+  if (blocks <= 1) return true;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned t = atomicAdd(counters + g, 1u);
+    last = t == blocks - 1;
+    if (last) {
+      counters[g] = 0u;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return last;
 }
 
 /* threads for a block that works on one row of `len` items */

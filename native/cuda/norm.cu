@@ -161,6 +161,45 @@ struct ut__cuda_walk {
   }
 };
 
+/* Where a per-channel reduction's totals go, written by the last block of each channel
+   (ut__cuda_last_block) from the chunks' partials added in order in double:
+     UT__CUDA_CHANNEL_SUM              out[j] = beta * out[j] + sum (beta 0: out not read)
+     UT__CUDA_CHANNEL_BATCHNORM2D_BWD  sums[2j] = sum go, sums[2j+1] = sum go*xhat, dbeta[j] and
+                                       dgamma[j] += them (when not NULL); sums[2c] = count when
+                                       count > 0 (bn_bwd_sums: the count travels along) */
+struct ut__cuda_channel_out {
+  unsigned* counters;
+  float* out;
+  float beta;
+  float* sums;
+  float* dgamma;
+  float* dbeta;
+  float count;
+};
+
+template <int KIND>
+static __device__ void ut__cuda_channel_final(const float* ws, const ut__cuda_channel_out& o,
+                                              int j, int c, int chunks) {
+  constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
+  double s[NV];
+#pragma unroll
+  for (int v = 0; v < NV; ++v) s[v] = 0.0;
+  for (int q = 0; q < chunks; ++q) {
+#pragma unroll
+    for (int v = 0; v < NV; ++v) s[v] += (double)__ldcg(ws + ((ut__i64)j * chunks + q) * NV + v);
+  }
+  if (KIND == UT__CUDA_CHANNEL_SUM) {
+    float r = (float)s[0];
+    o.out[j] = o.beta != 0.f ? o.beta * o.out[j] + r : r;
+  } else {
+    if (j == 0 && o.count > 0.f) o.sums[2 * c] = o.count;
+    o.sums[2 * j + 0] = (float)s[0];
+    o.sums[2 * j + 1] = (float)s[NV - 1];
+    if (o.dgamma) o.dgamma[j] += (float)s[NV - 1];
+    if (o.dbeta) o.dbeta[j] += (float)s[0];
+  }
+}
+
 template <int KIND, int W, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_channel_partial_kernel(const T* __restrict__ x, const T* __restrict__ go,
@@ -168,7 +207,7 @@ static __global__ void __launch_bounds__(256)
                                     const float* __restrict__ gamma,
                                     const float* __restrict__ beta, float act, int c,
                                     ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
-                                    float* __restrict__ ws) {
+                                    float* __restrict__ ws, ut__cuda_channel_out o) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
   constexpr int R = UT__CUDA_TRIP(W);
   __shared__ float sh[32 * NV];
@@ -220,6 +259,8 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int v = 0; v < NV; ++v) ws[(ut__i64)blockIdx.x * NV + v] = acc[v];
   }
+  if (ut__cuda_last_block(o.counters, j, (unsigned)chunks) && threadIdx.x == 0)
+    ut__cuda_channel_final<KIND>(ws, o, j, c, chunks);
 }
 
 /* chunks and chunk from ut__cuda_reduce_chunks with the same w */
@@ -227,33 +268,23 @@ template <int KIND, typename T>
 static int ut__cuda_channel_partial_launch(const T* x, const T* go, const float* mean,
                                            const float* rstd, int n, int c, ut__i64 inner,
                                            float* ws, int chunks, ut__i64 chunk, int w,
-                                           const float* gamma = NULL, const float* beta = NULL,
-                                           float act = -1.f) {
+                                           ut__cuda_channel_out o, const float* gamma = NULL,
+                                           const float* beta = NULL, float act = -1.f) {
+  int st = ut__cuda_counters_acquire(c, &o.counters);
+  if (st) return st;
   const unsigned blocks = (unsigned)((ut__i64)c * chunks);
   const ut__i64 m = (ut__i64)n * inner;
   if (w == 8)
     ut__cuda_channel_partial_kernel<KIND, 8, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   else if (w == 4)
     ut__cuda_channel_partial_kernel<KIND, 4, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   else
     ut__cuda_channel_partial_kernel<KIND, 1, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws);
+        x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   UT__CUDA_LAUNCHED("channel reduction");
   return UT_OK;
-}
-
-/* out[j] = beta*out[j] + scale * sum of the chunks of channel j (beta 0: out not read) */
-static __global__ void ut__cuda_channel_final_kernel(const float* __restrict__ ws,
-                                                     float* __restrict__ out, int c, int chunks,
-                                                     int nv, int v, float beta, double scale) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= c) return;
-  double s = 0.0;
-  for (int q = 0; q < chunks; ++q) s += (double)ws[((ut__i64)j * chunks + q) * nv + v];
-  float r = (float)(s * scale);
-  out[j] = beta != 0.f ? beta * out[j] + r : r;
 }
 
 template <typename T>
@@ -272,13 +303,11 @@ static int ut__cuda_channel_sum_impl(const T* x, float* out, int n, int c, ut__i
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * sizeof(float), &ws);
   if (st) return st;
-  st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM, T>(x, NULL, NULL, NULL, n, c, inner,
-                                                                ws, chunks, chunk, w);
-  if (st) return st;
-  ut__cuda_channel_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
-      ws, out, c, chunks, 1, 0, beta, 1.0);
-  UT__CUDA_LAUNCHED("channel_sum final");
-  return UT_OK;
+  ut__cuda_channel_out o = {};
+  o.out = out;
+  o.beta = beta;
+  return ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_SUM, T>(x, NULL, NULL, NULL, n, c, inner,
+                                                                 ws, chunks, chunk, w, o);
 }
 
 int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta) {
@@ -463,11 +492,38 @@ static __device__ __forceinline__ ut__cuda_moments ut__cuda_moments_shfl(ut__cud
   return r;
 }
 
+/* mean[j], var[j] (biased) from channel j's chunks, merged in order in double (by the last
+   block of the channel's moments kernel) */
+static __device__ void ut__cuda_moments_final(const float* ws, float* mean, float* var, int j,
+                                              int chunks, ut__i64 chunk, ut__i64 m) {
+  double n = 0.0, mu = 0.0, m2 = 0.0;
+  for (int q = 0; q < chunks; ++q) {
+    ut__i64 e0 = (ut__i64)q * chunk, e1 = e0 + chunk < m ? e0 + chunk : m;
+    double nb = (double)(e1 - e0);
+    if (nb <= 0.0) continue;
+    double mb = __ldcg(ws + ((ut__i64)j * chunks + q) * 2 + 0);
+    double m2b = __ldcg(ws + ((ut__i64)j * chunks + q) * 2 + 1);
+    if (!isfinite(mu) || !isfinite(mb)) { /* as in ut__cuda_moments_merge */
+      mu += mb;
+      m2 = NAN;
+      n += nb;
+      continue;
+    }
+    double nn = n + nb, d = mb - mu;
+    mu += d * (nb / nn);
+    m2 += m2b + d * d * n * (nb / nn);
+    n = nn;
+  }
+  mean[j] = (float)mu;
+  var[j] = (float)(n > 0.0 ? m2 / n : 0.0);
+}
+
 template <int W, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_batchnorm2d_moments_kernel(const T* __restrict__ x, int c, ut__i64 inner,
                                         ut__i64 m, ut__i64 chunk, int chunks,
-                                        float* __restrict__ ws) {
+                                        float* __restrict__ ws, unsigned* __restrict__ counters,
+                                        float* __restrict__ mean, float* __restrict__ var) {
   constexpr int R = UT__CUDA_TRIP(W);
   __shared__ ut__cuda_moments sh[32];
   const int j = blockIdx.x / chunks;
@@ -516,35 +572,8 @@ static __global__ void __launch_bounds__(256)
       ws[(ut__i64)blockIdx.x * 2 + 1] = acc.m2;
     }
   }
-}
-
-/* mean[j], var[j] (biased) from channel j's chunks, merged in order in double */
-static __global__ void ut__cuda_batchnorm2d_moments_final_kernel(const float* __restrict__ ws,
-                                                                 float* __restrict__ mean,
-                                                                 float* __restrict__ var, int c,
-                                                                 int chunks, ut__i64 chunk,
-                                                                 ut__i64 m) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= c) return;
-  double n = 0.0, mu = 0.0, m2 = 0.0;
-  for (int q = 0; q < chunks; ++q) {
-    ut__i64 e0 = (ut__i64)q * chunk, e1 = e0 + chunk < m ? e0 + chunk : m;
-    double nb = (double)(e1 - e0);
-    if (nb <= 0.0) continue;
-    double mb = ws[((ut__i64)j * chunks + q) * 2 + 0], m2b = ws[((ut__i64)j * chunks + q) * 2 + 1];
-    if (!isfinite(mu) || !isfinite(mb)) { /* as in ut__cuda_moments_merge */
-      mu += mb;
-      m2 = NAN;
-      n += nb;
-      continue;
-    }
-    double nn = n + nb, d = mb - mu;
-    mu += d * (nb / nn);
-    m2 += m2b + d * d * n * (nb / nn);
-    n = nn;
-  }
-  mean[j] = (float)mu;
-  var[j] = (float)(n > 0.0 ? m2 / n : 0.0);
+  if (ut__cuda_last_block(counters, j, (unsigned)chunks) && threadIdx.x == 0)
+    ut__cuda_moments_final(ws, mean, var, j, chunks, chunk, m);
 }
 
 template <typename T>
@@ -563,21 +592,20 @@ static int ut__cuda_batchnorm2d_stats_impl(const T* x, float* mean, float* var, 
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)c * chunks * 2 * sizeof(float), &ws);
   if (st) return st;
+  unsigned* counters;
+  st = ut__cuda_counters_acquire(c, &counters);
+  if (st) return st;
   const unsigned blocks = (unsigned)((ut__i64)c * chunks);
   if (w == 8)
     ut__cuda_batchnorm2d_moments_kernel<8, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, c, inner, m, chunk, chunks, ws);
+        x, c, inner, m, chunk, chunks, ws, counters, mean, var);
   else if (w == 4)
     ut__cuda_batchnorm2d_moments_kernel<4, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, c, inner, m, chunk, chunks, ws);
+        x, c, inner, m, chunk, chunks, ws, counters, mean, var);
   else
     ut__cuda_batchnorm2d_moments_kernel<1, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        x, c, inner, m, chunk, chunks, ws);
+        x, c, inner, m, chunk, chunks, ws, counters, mean, var);
   UT__CUDA_LAUNCHED("bn_stats moments");
-  ut__cuda_batchnorm2d_moments_final_kernel
-      <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
-      ws, mean, var, c, chunks, chunk, m);
-  UT__CUDA_LAUNCHED("bn_stats final");
   return UT_OK;
 }
 
@@ -633,11 +661,14 @@ static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b,
 template <int W, typename I, typename T>
 static __global__ void ut__cuda_batchnorm2d_apply_kernel(
     const T* __restrict__ x, T* __restrict__ y, const float* __restrict__ mean,
-    const float* __restrict__ var, const float* __restrict__ rstd, const float* __restrict__ gamma,
+    const float* __restrict__ var, float* __restrict__ rstd, const float* __restrict__ gamma,
     const float* __restrict__ beta, I groups, I row_groups, int c, float eps, float act) {
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
-    const int j = (int)((v / row_groups) % (I)c);
-    const float rs = rstd ? rstd[j] : 1.0f / sqrtf(var[j] + eps);
+    const I row = v / row_groups;
+    const int j = (int)(row % (I)c);
+    const float rs = 1.0f / sqrtf(var[j] + eps);
+    /* rstd for backward, once per channel: by the first group of the first image's row */
+    if (rstd && row < (I)c && v == row * row_groups) rstd[j] = rs;
     const float sc = rs * (gamma ? gamma[j] : 1.f), m = mean[j], bt = beta ? beta[j] : 0.f;
     float e[W];
     ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, e);
@@ -652,7 +683,7 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
 
 template <int W, typename T>
 static void ut__cuda_bn_apply_launch(const T* x, T* y, const float* mean, const float* var,
-                                     const float* rstd, const float* gamma, const float* beta,
+                                     float* rstd, const float* gamma, const float* beta,
                                      ut__i64 total, ut__i64 inner, int c, float eps, float act) {
   const ut__i64 groups = total / W, row_groups = inner / W;
   const unsigned blocks = ut__cuda_grid_for(groups, 256);
@@ -669,13 +700,15 @@ static int ut__cuda_batchnorm2d_apply_impl(const T* x, T* y, const float* mean, 
                                            const float* gamma, const float* beta, float* rstd,
                                            int n, int c, ut__i64 inner, float eps, float act) {
   if (c <= 0) return UT_OK;
-  if (rstd) {
-    ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
-        var, rstd, c, eps);
-    UT__CUDA_LAUNCHED("bn_apply rstd");
-  }
   ut__i64 total = (ut__i64)n * c * inner;
-  if (total <= 0) return UT_OK;
+  if (total <= 0) { /* nothing to apply: rstd alone, for the caller's cache */
+    if (rstd) {
+      ut__cuda_batchnorm2d_rstd_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0,
+                                         ut__cuda_stream>>>(var, rstd, c, eps);
+      UT__CUDA_LAUNCHED("bn_apply rstd");
+    }
+    return UT_OK;
+  }
   const int w = ut__cuda_bn_width<T>(inner, x, y, NULL);
   if constexpr (sizeof(T) == 2) {
     if (w == 8)
@@ -707,26 +740,6 @@ int ut__cuda_batchnorm2d_apply_bf16(const void* x, void* y, const float* mean, c
   return ut__cuda_batchnorm2d_apply_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x,
                                                         (ut__cuda_bf16*)y, mean, var, gamma, beta,
                                                         rstd, n, c, inner, eps, act);
-}
-
-/* sums[j] = (sum go, sum go*xhat) of channel j; dgamma/dbeta += them */
-static __global__ void ut__cuda_batchnorm2d_backward_sums_kernel(const float* __restrict__ ws,
-                                                                 float* __restrict__ sums,
-                                                                 float* __restrict__ dgamma,
-                                                                 float* __restrict__ dbeta, int c,
-                                                                 int chunks, float count) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j == 0 && count > 0.f) sums[2 * c] = count; /* bn_bwd_sums: the count travels along */
-  if (j >= c) return;
-  double sb = 0.0, sg = 0.0;
-  for (int q = 0; q < chunks; ++q) {
-    sb += ws[((ut__i64)j * chunks + q) * 2 + 0];
-    sg += ws[((ut__i64)j * chunks + q) * 2 + 1];
-  }
-  sums[2 * j + 0] = (float)sb;
-  sums[2 * j + 1] = (float)sg;
-  if (dgamma) dgamma[j] += (float)sg;
-  if (dbeta) dbeta[j] += (float)sb;
 }
 
 template <int W, typename I, typename T>
@@ -764,14 +777,13 @@ static int ut__cuda_bn_sums(const T* go, const T* x, const float* mean, const fl
                             const float* gamma, const float* beta, float* sums, float* ws,
                             float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int chunks,
                             ut__i64 chunk, int w, float act, float count) {
-  int st = ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD, T>(
-      x, go, mean, rstd, n, c, inner, ws, chunks, chunk, w, gamma, beta, act);
-  if (st) return st;
-  ut__cuda_batchnorm2d_backward_sums_kernel
-      <<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(ws, sums, dgamma, dbeta, c,
-                                                                    chunks, count);
-  UT__CUDA_LAUNCHED("bn_bwd sums");
-  return UT_OK;
+  ut__cuda_channel_out o = {};
+  o.sums = sums;
+  o.dgamma = dgamma;
+  o.dbeta = dbeta;
+  o.count = count;
+  return ut__cuda_channel_partial_launch<UT__CUDA_CHANNEL_BATCHNORM2D_BWD, T>(
+      x, go, mean, rstd, n, c, inner, ws, chunks, chunk, w, o, gamma, beta, act);
 }
 
 template <int W, typename T>
