@@ -40,50 +40,54 @@ void ut__cuda_retire(void* p) {
   cudaFree(p);
 }
 
+/* A device buffer that grows and never shrinks: at least `need` bytes in *buf (*have bytes now),
+   made `want` bytes when it grows; growing synchronizes the device before the old buffer goes
+   (rare: only when a larger size is first needed). *fresh tells whether it was just made. */
+static int ut__cuda_grow(void** buf, size_t* have, size_t need, size_t want, bool* fresh,
+                         const char* what) {
+  *fresh = false;
+  if (need <= *have) return UT_OK;
+  if (*buf) {
+    UT__CUDA_CHECK(cudaDeviceSynchronize(), what);
+    ut__cuda_retire(*buf);
+    *buf = NULL;
+    *have = 0;
+  }
+  UT__CUDA_CHECK(cudaMalloc(buf, want), what);
+  *have = want;
+  *fresh = true;
+  return UT_OK;
+}
+
 /* the reduction workspace (common.cuh) */
 std::mutex ut__cuda_workspace_lock;
-static float* ut__cuda_workspace = NULL;
+static void* ut__cuda_workspace = NULL;
 static size_t ut__cuda_workspace_bytes = 0;
 
 int ut__cuda_workspace_acquire(size_t bytes, float** out) {
   if (bytes < 256) bytes = 256;
-  if (bytes > ut__cuda_workspace_bytes) {
-    if (ut__cuda_workspace) {
-      UT__CUDA_CHECK(cudaDeviceSynchronize(), "workspace sync");
-      ut__cuda_retire(ut__cuda_workspace);
-      ut__cuda_workspace = NULL;
-      ut__cuda_workspace_bytes = 0;
-    }
-    size_t want = bytes + bytes / 2;
-    void* p = NULL;
-    UT__CUDA_CHECK(cudaMalloc(&p, want), "workspace alloc");
-    ut__cuda_workspace = (float*)p;
-    ut__cuda_workspace_bytes = want;
-  }
-  *out = ut__cuda_workspace;
+  bool fresh;
+  int st = ut__cuda_grow(&ut__cuda_workspace, &ut__cuda_workspace_bytes, bytes, bytes + bytes / 2,
+                         &fresh, "workspace");
+  if (st) return st;
+  *out = (float*)ut__cuda_workspace;
   return UT_OK;
 }
 
-static unsigned* ut__cuda_counters = NULL;
-static int ut__cuda_counters_n = 0;
+/* the arrival counters (common.cuh), all zero when made */
+static void* ut__cuda_counters = NULL;
+static size_t ut__cuda_counters_bytes = 0;
 
 int ut__cuda_counters_acquire(int n, unsigned** out) {
-  if (n > ut__cuda_counters_n) {
-    if (ut__cuda_counters) {
-      UT__CUDA_CHECK(cudaDeviceSynchronize(), "counters sync");
-      ut__cuda_retire(ut__cuda_counters);
-      ut__cuda_counters = NULL;
-      ut__cuda_counters_n = 0;
-    }
-    int want = n < 4096 ? 4096 : n + n / 2;
-    void* p = NULL;
-    UT__CUDA_CHECK(cudaMalloc(&p, (size_t)want * sizeof(unsigned)), "counters alloc");
-    ut__cuda_counters = (unsigned*)p;
-    ut__cuda_counters_n = want;
-    UT__CUDA_CHECK(cudaMemsetAsync(p, 0, (size_t)want * sizeof(unsigned), ut__cuda_stream),
+  const size_t need = (size_t)n * sizeof(unsigned);
+  bool fresh;
+  int st = ut__cuda_grow(&ut__cuda_counters, &ut__cuda_counters_bytes, need,
+                         n < 4096 ? 4096 * sizeof(unsigned) : need + need / 2, &fresh, "counters");
+  if (st) return st;
+  if (fresh)
+    UT__CUDA_CHECK(cudaMemsetAsync(ut__cuda_counters, 0, ut__cuda_counters_bytes, ut__cuda_stream),
                    "counters clear");
-  }
-  *out = ut__cuda_counters;
+  *out = (unsigned*)ut__cuda_counters;
   return UT_OK;
 }
 
