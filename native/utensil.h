@@ -6104,60 +6104,40 @@ UT__CPU_INL void ut__v_acc_d(double* d, ut__vec v, const int V) {
         __builtin_convertvector(*(const ut__v2fu*)(const void*)(t + 2), ut__v2du);
   }
 }
+/* a shuffle of two vectors with constant lane indices (0.. for x, then x's width.. for y):
+   clang takes the indices as arguments, GCC as a vector of the lane type */
+#if defined(__clang__)
+#define UT__V_SHUFFLE(x, y, itype, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define UT__V_SHUFFLE(x, y, itype, ...) __builtin_shuffle(x, y, (itype){__VA_ARGS__})
+#endif
 /* the even lanes of x0 then of x1 (a stride-2 row's phase 0) */
 UT__CPU_INL ut__vec ut__v_even(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
-#if defined(__clang__)
   if (V == 16)
-    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                  28, 30);
-  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 2, 4, 6, 8, 10, 12, 14);
-  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 2, 4, 6);
-#else
-  if (V == 16)
-    r.z = __builtin_shuffle(x0.z, x1.z,
-                            (ut__v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
-  else if (V == 8)
-    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 2, 4, 6, 8, 10, 12, 14});
-  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 2, 4, 6});
-#endif
+    r.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                        28, 30);
+  else if (V == 8) r.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 2, 4, 6, 8, 10, 12, 14);
+  else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 2, 4, 6);
   return r;
 }
 /* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
 UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
-#if defined(__clang__)
   if (V == 16)
-    r.z = __builtin_shufflevector(x0.z, x1.z, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
-                                  23);
-  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 0, 8, 1, 9, 2, 10, 3, 11);
-  else r.x = __builtin_shufflevector(x0.x, x1.x, 0, 4, 1, 5);
-#else
-  if (V == 16)
-    r.z = __builtin_shuffle(x0.z, x1.z,
-                            (ut__v16i){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
-  else if (V == 8)
-    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){0, 8, 1, 9, 2, 10, 3, 11});
-  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){0, 4, 1, 5});
-#endif
+    r.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                        23);
+  else if (V == 8) r.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 8, 1, 9, 2, 10, 3, 11);
+  else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 4, 1, 5);
   return r;
 }
 UT__CPU_INL ut__vec ut__v_zip_hi(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
-#if defined(__clang__)
   if (V == 16)
-    r.z = __builtin_shufflevector(x0.z, x1.z, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
-                                  30, 15, 31);
-  else if (V == 8) r.y = __builtin_shufflevector(x0.y, x1.y, 4, 12, 5, 13, 6, 14, 7, 15);
-  else r.x = __builtin_shufflevector(x0.x, x1.x, 2, 6, 3, 7);
-#else
-  if (V == 16)
-    r.z = __builtin_shuffle(
-        x0.z, x1.z, (ut__v16i){8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31});
-  else if (V == 8)
-    r.y = __builtin_shuffle(x0.y, x1.y, (ut__v8i){4, 12, 5, 13, 6, 14, 7, 15});
-  else r.x = __builtin_shuffle(x0.x, x1.x, (ut__v4i){2, 6, 3, 7});
-#endif
+    r.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                        30, 15, 31);
+  else if (V == 8) r.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 4, 12, 5, 13, 6, 14, 7, 15);
+  else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 2, 6, 3, 7);
   return r;
 }
 #else /* no vector extensions */
