@@ -9,7 +9,8 @@ loop of small ops pays per op. Rows: an activation through `utensil_ffi.function
 call straight through cffi (no Python wrapper), a depthwise layer's forward, and an empty
 `ut_fill` launch, and (CUDA) the activation recorded 100 times in a `ut.cuda.CUDAGraph` and
 replayed (time per op); PyTorch's `torch.relu` and a depthwise `Conv2d` forward on the same
-tensors.
+tensors. Last, an op over many tensors: SGD with momentum over the parameters of MobileNet v1 at
+width 0.25 (one C call on our side, PyTorch's foreach implementation on its side).
 """
 
 import argparse
@@ -24,6 +25,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import utensil_ffi as ut  # noqa: E402
 import utensil_ffi.functional as F  # noqa: E402
+from utensil_ffi import models  # noqa: E402
 from utensil_ffi._lib import lib  # noqa: E402
 
 
@@ -55,6 +57,14 @@ def run(device="cuda", calls=20000):
                  _per_call_us(lambda: dw(xi), calls, sync)))
     rows.append(("utensil lib.ut_fill (one launch, no allocation)",
                  _per_call_us(lambda: lib.ut_fill(p, 0.5), calls, sync)))
+    # an op over many tensors: the optimizer's step over a small MobileNet v1's parameters
+    net = models.mobilenet_v1(num_classes=10, width_mult=0.25, device=device)
+    for q in net.parameters():
+        q.grad.fill_(0.01)
+    opt = ut.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    many = max(calls // 100, 20)
+    rows.append(("utensil SGD(momentum).step(), MobileNet v1 x0.25's %d parameters"
+                 % len(net.parameters()), _per_call_us(opt.step, many, sync)))
     if device == "cuda":  # the same op recorded 100 times and replayed: the cost per op
         g = ut.cuda.CUDAGraph()
         with ut.cuda.graph(g):
@@ -79,7 +89,14 @@ def run(device="cuda", calls=20000):
                      _per_call_us(lambda: conv(txi), calls, tsync)))
     rows.append(("PyTorch depthwise Conv2d forward (autograd)",
                  _per_call_us(lambda: conv(txi), calls, tsync)))
+    tparams = [torch.nn.Parameter(torch.zeros(q.shape, device=tdev)) for q in net.parameters()]
+    for q in tparams:
+        q.grad = torch.full_like(q, 0.01)
+    topt = torch.optim.SGD(tparams, lr=1e-3, momentum=0.9, foreach=True)
+    rows.append(("PyTorch SGD(momentum, foreach=True).step(), the same %d shapes" % len(tparams),
+                 _per_call_us(topt.step, many, tsync)))
     dw.close()
+    net.close()
     return rows
 
 

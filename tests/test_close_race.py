@@ -92,12 +92,14 @@ def test_close_during_a_long_op_does_not_crash():
 
 
 def test_threads_closing_tensors_others_use_never_crash():
-    # many short rounds: workers run matmul/relu/copy_from/shape on shared tensors while another
-    # thread closes them; every call succeeds or raises ClosedError
+    # many short rounds: workers run matmul/relu/copy_from/shape and the calls over many tensors
+    # (fill_many, sgd_step_many: their pointers held as one group) on shared tensors while
+    # another thread closes them; every call succeeds or raises ClosedError
     run_child("""
         import random, sys, threading
         import numpy as np
         import utensil_ffi as ut
+        import utensil_ffi.functional as F
         from utensil_ffi import ClosedError
         sys.setswitchinterval(1e-6)
         rng = random.Random(0)
@@ -110,7 +112,7 @@ def test_threads_closing_tensors_others_use_never_crash():
                 k += 1
                 a, b = ts[k % 3], ts[(k + 1) % 3]
                 try:
-                    kind = k % 5
+                    kind = k % 7
                     if kind == 0:
                         r = ut.matmul(a, b)
                         ok = r.shape == (64, 64) and float(r.numpy()[0, 0]) == 64.0
@@ -124,9 +126,17 @@ def test_threads_closing_tensors_others_use_never_crash():
                     elif kind == 3:
                         r = a.reshape(-1)
                         ok = r.shape == (4096,)
-                    else:
+                    elif kind == 4:
                         r = None
                         ok = a.shape == (64, 64) and a.numpy()[1, 1] == 1.0
+                    elif kind == 5:
+                        r = None
+                        F.fill_many([a, b], 1.0)
+                        ok = True
+                    else:  # lr 0: the values stay ones
+                        r = None
+                        F.sgd_step_many([a], [b], [ts[(k + 2) % 3]], lr=0.0, momentum=0.0)
+                        ok = True
                     if r is not None:
                         r.close()
                     with lock:

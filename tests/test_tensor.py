@@ -1,6 +1,7 @@
 """Tensor basics: numpy round trips, zero-copy views and their lifetime, close(), repr, devices."""
 
 import gc
+import importlib
 import weakref
 
 import numpy as np
@@ -104,6 +105,42 @@ def test_close_is_idempotent_and_context_manager():
     t.close()
     t.close()
     assert repr(t) == "Tensor(<closed>)"
+
+
+def test_a_shape_read_before_close_is_not_served_after_it():
+    t = ut.zeros((2, 3))
+    assert t.shape == (2, 3)  # read once: kept beside its pointer
+    t.close()
+    with pytest.raises(ut.ClosedError):
+        t.shape
+    p = ut.Parameter(np.zeros((4, 1), np.float32))
+    assert p.shape == (4, 1)
+    other = ut.zeros((5,))
+    p._ptr, other._ptr = other._ptr, p._ptr  # a new C tensor under the same object
+    assert p.shape == (5,) and other.shape == (4, 1)
+    p.close()
+    other.close()
+
+
+def test_a_call_over_many_tensors_defers_the_free_of_one_closed_meanwhile():
+    # what another thread's close() meets while sgd_step_many or fill_many holds the tensors
+    T = importlib.import_module("utensil_ffi.tensor")  # ut.tensor is the function
+
+    before = ut.live_tensors()
+    ts = [ut.ones(3) for _ in range(4)]
+    g = T._hold_group(ts)
+    ts[2].close()
+    assert ut.live_tensors() == before + 4  # listed in the group: not freed yet
+    assert len(T._DEFERRED) == 1
+    with pytest.raises(ut.ClosedError):
+        T._hold_group(ts)  # a closed one refuses the next call, which lists nothing
+    assert T._IN_USE_GROUPS == [g]
+    T._let_go_group(g)
+    assert not T._DEFERRED and not T._IN_USE_GROUPS
+    assert ut.live_tensors() == before + 3
+    for t in ts:
+        t.close()
+    assert ut.live_tensors() == before
 
 
 CLOSED_CALLS = [

@@ -17,7 +17,8 @@ from . import _args
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
 from ._errors import check, check_ptr
 from ._lib import ffi, lib
-from .tensor import _DEFERRED, _IN_USE, Tensor, _free_deferred, _hold, _let_go
+from .tensor import (_DEFERRED, _IN_USE, Tensor, _free_deferred, _hold, _hold_group, _let_go,
+                     _let_go_group)
 
 __all__ = [
     "relu",
@@ -50,12 +51,13 @@ class _Args:
     Shapes and devices are the C library's to check: a failed call raises its message (fail()).
     """
 
-    __slots__ = ("op", "dev", "held", "temps")
+    __slots__ = ("op", "dev", "held", "groups", "temps")
 
     def __init__(self, op, dev=None):
         self.op = op
         self.dev = dev  # where array-likes go; None: the first Tensor argument's device
         self.held = []
+        self.groups = []
         self.temps = []
 
     def __enter__(self):
@@ -67,6 +69,8 @@ class _Args:
         # ~1 ms of a small network's step)
         for p in self.held:
             _let_go(p)
+        for g in self.groups:
+            _let_go_group(g)
         for t in self.temps:
             t.close()
 
@@ -88,6 +92,17 @@ class _Args:
 
     def ptr(self, x, name):
         return self.ptrs((x, name))[0]
+
+    def tensors(self, ts):
+        """The held pointers of a list of Tensors (checked to be Tensors already), listed as
+        one group: for the calls over a whole network's tensors."""
+        if not ts:
+            return []
+        g = _hold_group(ts)
+        self.groups.append(g)
+        if self.dev is None:
+            self.dev = g.ptrs[0].dev
+        return g.ptrs
 
     def array(self, x, name):
         """Array-like ``x`` as a temporary tensor's pointer on this op's device."""
@@ -372,9 +387,9 @@ def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
     if not params:
         return
     with _Args("sgd_step_many") as a:
-        ps = a.ptrs(*((t, "params") for t in params))
-        gs = a.ptrs(*((t, "grads") for t in grads))
-        vs = a.ptrs(*((t, "velocities") for t in vels)) if vels is not None else None
+        ps = a.tensors(params)
+        gs = a.tensors(grads)
+        vs = a.tensors(vels) if vels is not None else None
         arr = [ffi.new("ut_tensor*[]", x) if x is not None else _NULL for x in (ps, gs, vs)]
         if lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) < 0:
             fail("sgd_step_many")
@@ -391,7 +406,7 @@ def fill_many(tensors, value):
     if not tensors:
         return
     with _Args("fill_many") as a:
-        ps = a.ptrs(*((t, "tensors") for t in tensors))
+        ps = a.tensors(tensors)
         if lib.ut_fill_many(ffi.new("ut_tensor*[]", ps), len(ps), value) < 0:
             fail("fill_many")
 
@@ -404,7 +419,7 @@ def _pack(what, c_op, flat, tensors):
                 what, "flat" if i == 0 else "tensors[%d]" % (i - 1), type(t).__name__))
     with _Args(what) as a:
         fp = a.ptr(flat, "flat")
-        ps = a.ptrs(*((t, "tensors") for t in tensors)) if tensors else []
+        ps = a.tensors(tensors)
         if c_op(fp, ffi.new("ut_tensor*[]", ps) if ps else ffi.NULL, len(ps)) < 0:
             fail(what)
 

@@ -74,8 +74,9 @@ class Optimizer:
         st = self._state[i]
         if st is None:
             st = self._state[i] = [zeros(p.shape, p.device) for _ in range(n)]
+        dev = p.ptr.dev
         for t in st:
-            if t.ptr.dev != p.ptr.dev and lib.ut_to_device(t.ptr, p.ptr.dev) < 0:
+            if t.ptr.dev != dev and lib.ut_to_device(t.ptr, dev) < 0:
                 check("%s state to %s" % (type(self).__name__, p.device))
         return st
 
@@ -237,19 +238,20 @@ class Optimizer:
         self._check_open()
         name = "%s.step" % type(self).__name__
         out = []
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.params):  # on every step: kept to cheap reads
             g = p.grad
             if g is None:
                 continue
             if not isinstance(g, Tensor):
                 raise ArgumentTypeError("%s: params[%d].grad is a %s, not a Tensor (or None)"
                                         % (name, i, type(g).__name__))
-            if p.closed or g.closed:
-                raise ClosedError("%s: params[%d]%s is closed" % (name, i, "" if p.closed else ".grad"))
+            pp, gp = getattr(p, "_ptr", None), getattr(g, "_ptr", None)
+            if pp is None or gp is None:
+                raise ClosedError("%s: params[%d]%s is closed" % (name, i, "" if pp is None else ".grad"))
             if g.shape != p.shape:
                 raise ShapeError("%s: params[%d].grad has shape %s, the parameter %s"
                                  % (name, i, g.shape, p.shape))
-            if g.ptr.dev != p.ptr.dev:
+            if gp.dev != pp.dev:
                 raise DeviceError("%s: params[%d].grad is on %s, the parameter on %s"
                                   % (name, i, g.device, p.device))
             out.append(i)

@@ -71,9 +71,49 @@ def _let_go(p, _unlist=_IN_USE.remove):
         _free_deferred()
 
 
+# A call over many tensors (an optimizer step over a network, zero_grad, pack) lists their
+# pointers as one entry instead: one append and one remove whatever the count, where a listing
+# per tensor costs two Python calls each. The entries compare by identity, so the remove finds
+# its own at once.
+class _Group:
+    __slots__ = ("ptrs",)
+
+    def __init__(self, ptrs):
+        self.ptrs = ptrs
+
+
+_IN_USE_GROUPS = []  # _Group entries of the calls over many tensors running now
+
+
+def _in_use(p):
+    return p in _IN_USE or any(p in g.ptrs for g in _IN_USE_GROUPS)
+
+
+def _hold_group(tensors):
+    """The tensors' pointers, listed as in use as one _Group (pair with _let_go_group);
+    ClosedError if one is closed. The same protocol as _hold: list, then re-read each _ptr."""
+    ptrs = [t._ptr for t in tensors]
+    for p in ptrs:
+        if p is None:
+            raise ClosedError("operation on a closed Tensor")
+    g = _Group(ptrs)
+    _IN_USE_GROUPS.append(g)
+    for t, p in zip(tensors, ptrs):
+        if t._ptr is not p:
+            _let_go_group(g)
+            raise ClosedError("operation on a closed Tensor")
+    return g
+
+
+def _let_go_group(g):
+    _IN_USE_GROUPS.remove(g)
+    if _DEFERRED:
+        _free_deferred()
+
+
 def _free_deferred():
     with _CLOSE_LOCK:
-        free = [p for p in _DEFERRED if p not in _IN_USE]
+        free = [p for p in _DEFERRED if not _in_use(p)]
         for p in free:
             _DEFERRED.remove(p)
     for p in free:
@@ -117,7 +157,7 @@ class Tensor:
     ClosedError (a ValueError).
     """
 
-    __slots__ = ("_ptr", "__weakref__")
+    __slots__ = ("_ptr", "_shape", "__weakref__")
 
     def __init__(self, data, device="cpu", dtype=None):
         self._ptr = None
@@ -185,7 +225,7 @@ class Tensor:
             self._ptr = None
             if p is None:
                 return
-            deferred = p in _IN_USE
+            deferred = _in_use(p)
             if deferred:
                 _DEFERRED.append(p)  # another thread's call is using it: freed as it ends
         if not deferred:
@@ -205,11 +245,21 @@ class Tensor:
     # between reading ndim and the dimensions.
     @property
     def shape(self):
+        # a C tensor's shape never changes, so it is read once per pointer (optimizers and
+        # containers ask for it on every step)
+        try:
+            ptr, shape = self._shape
+            if ptr is self._ptr and ptr is not None:
+                return shape
+        except AttributeError:
+            pass
         p = _hold(self)
         try:
-            return tuple(ffi.unpack(p.shape.shape, p.shape.ndim))
+            shape = tuple(ffi.unpack(p.shape.shape, p.shape.ndim))
         finally:
             _let_go(p)
+        self._shape = (p, shape)
+        return shape
 
     @property
     def ndim(self):
