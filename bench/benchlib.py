@@ -18,6 +18,12 @@ try:  # torch is optional: without it only utensil is timed and nothing is cross
     import torch.nn.functional as TF
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
+
+
+def _no_grad(fn):
+    """torch.no_grad() where torch is installed; the class bodies below must still load without
+    it (their runners are never built then)."""
+    return fn if torch is None else torch.no_grad()(fn)
     TF = None
 
 # (N, C, H, W, k, stride) from the issue; padding is k // 2 everywhere.
@@ -300,7 +306,7 @@ class TorchDW(TorchRunner):
         self.g = self.T(d["g"])
         self.backward = backward
 
-    @torch.no_grad()
+    @_no_grad
     def step(self):
         s, p = self.s, self.p
         if self.backward:
@@ -373,7 +379,7 @@ class TorchRelu6Bwd(TorchRunner):
         super().__init__(device)
         self.x, self.g = self.T(d["x"]), self.T(d["g"])
 
-    @torch.no_grad()
+    @_no_grad
     def step(self):
         return torch.ops.aten.hardtanh_backward(self.g, self.x, 0.0, 6.0)
 
@@ -417,7 +423,7 @@ class TorchConv(TorchRunner):
         self.x, self.w, self.b, self.g = (self.T(d[n]) for n in ("x", "w", "b", "g"))
         self.backward = backward
 
-    @torch.no_grad()
+    @_no_grad
     def step(self):
         s, p = self.s, self.p
         if self.backward:
@@ -471,7 +477,7 @@ class TorchBN(TorchRunner):
             _, self.mean, self.invstd = torch.ops.aten.native_batch_norm(
                 self.x, self.w, self.b, self.rm, self.rv, True, 0.1, 1e-5)
 
-    @torch.no_grad()
+    @_no_grad
     def step(self):
         if self.backward:
             return torch.ops.aten.native_batch_norm_backward(
