@@ -78,6 +78,33 @@ def test_extensions_argument(tmp_path):
     assert len(images.ImageFolder(root, extensions=".png")) == 2
 
 
+def test_a_symlink_loop_is_named_not_walked(tmp_path):
+    """a/loop -> a would walk a's images again and again (4 files became 164 samples): refused,
+    naming both paths."""
+    root = _folder(tmp_path, {"a": 2, "b": 2})
+    os.symlink(tmp_path / "a", tmp_path / "a" / "loop")
+    with pytest.raises(DataError, match="symbolic link loop") as info:
+        images.ImageFolder(root)
+    assert os.path.join(root, "a", "loop") in str(info.value)
+
+
+def test_a_folder_linked_into_two_classes_is_refused(tmp_path):
+    """b/extra -> a would give a's images a second label."""
+    root = _folder(tmp_path, {"a": 2, "b": 2})
+    os.symlink(tmp_path / "a", tmp_path / "b" / "extra")
+    with pytest.raises(DataError, match="counted twice"):
+        images.ImageFolder(root)
+
+
+def test_a_linked_class_folder_is_followed(tmp_path):
+    """A class folder that is a link to images elsewhere is walked once, as before."""
+    _folder(tmp_path / "elsewhere", {"cats": 3})
+    root = _folder(tmp_path / "root", {"dogs": 2})
+    os.symlink(tmp_path / "elsewhere" / "cats", tmp_path / "root" / "cats")
+    ds = images.ImageFolder(root)
+    assert ds.classes == ["cats", "dogs"] and len(ds) == 5 and ds.targets == [0, 0, 0, 1, 1]
+
+
 # -- modes ----------------------------------------------------------------------------------------
 def _mode_folder(tmp_path):
     rng = np.random.default_rng(3)

@@ -113,10 +113,20 @@ def open_image(path, mode="RGB", hint=""):
         raise DataError("%s: cannot decode this image (%s)%s" % (path, _reason(e), hint)) from None
 
 
-def _files(folder, extensions):
-    """The image files under ``folder``, recursively, in sorted order; hidden names skipped."""
+def _files(folder, extensions, seen=None):
+    """The image files under ``folder``, recursively, in sorted order; hidden names skipped.
+    Symbolic links to folders are followed, but a folder reached twice (a link loop, or a second
+    link to a folder already walked) is a DataError naming both paths: walking it again would
+    count its images twice, under another class. ``seen`` maps (device, inode) to the first path
+    of each folder walked, across the classes of one ImageFolder."""
+    seen = {} if seen is None else seen
     out = []
     for here, dirs, names in os.walk(folder, followlinks=True):
+        st = os.stat(here)
+        first = seen.setdefault((st.st_dev, st.st_ino), here)
+        if first != here:
+            raise DataError("%s: the same folder as %s (a symbolic link loop, or a second link to "
+                            "it): its images would be counted twice; remove the link" % (here, first))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
             if not name.startswith(".") and name.lower().endswith(extensions):
@@ -158,9 +168,10 @@ class ImageFolder:
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.samples = []
         self.skipped = []
+        seen = {}  # the folders walked so far, over every class
         for c in self.classes:
             folder = os.path.join(self.root, c)
-            files = _files(folder, self.extensions)
+            files = _files(folder, self.extensions, seen)
             if not files:
                 raise DataError("%s: the class folder has no images (looked for %s files); add "
                                 "images or remove the folder" % (folder, "/".join(self.extensions)))
