@@ -211,3 +211,51 @@ def test_cupy_round_trip(live):
     cupy.cuda.runtime.deviceSynchronize()
     assert float(c[1]) == -3.0
     u.close()
+
+
+# -- bfloat16 on the host -------------------------------------------------------------------------
+def _bf16_exact(rng, shape):
+    """float32 values that bfloat16 holds exactly (the low 16 bits zero)."""
+    bits = rng.standard_normal(shape).astype(np.float32).view(np.uint32) & 0xFFFF0000
+    return bits.view(np.float32)
+
+
+def test_a_cpu_bf16_tensor_is_exported_as_a_copy(live):
+    """Its host values are float32: shared, np.from_dlpack could write 1.0001 into a bfloat16
+    tensor. The consumer gets a float32 copy; the tensor keeps its values."""
+    x = _bf16_exact(np.random.default_rng(0), (3, 4))
+    with ut.tensor(x, "cpu", ut.bfloat16) as t:
+        a = np.from_dlpack(t)
+        np.testing.assert_array_equal(a, x)
+        if a.flags.writeable:
+            a[...] = 1.0001
+        np.testing.assert_array_equal(t.numpy(), x)
+        with pytest.raises(BufferError, match="copy=False"):
+            t.__dlpack__(copy=False)
+        del a
+
+
+@needs_torch
+def test_torch_bf16_cpu_writes_do_not_reach_the_tensor(live):
+    x = _bf16_exact(np.random.default_rng(1), (5,))
+    with ut.tensor(x, "cpu", ut.bfloat16) as t:
+        v = torch.from_dlpack(t)
+        assert v.dtype == torch.float32
+        v.add_(1e-4)
+        np.testing.assert_array_equal(t.numpy(), x)
+        del v
+
+
+@needs_torch
+def test_from_dlpack_copy_widens_host_bf16_exactly(live):
+    """A CPU bfloat16 producer cannot be shared (utensil keeps host values as float32), but
+    copy=True converts it, exactly, as the README says."""
+    x = _bf16_exact(np.random.default_rng(2), (2, 3, 4))
+    src = torch.from_numpy(x).to(torch.bfloat16)
+    with ut.from_dlpack(src, copy=True) as u:
+        assert u.dtype == ut.float32 and u.shape == (2, 3, 4)
+        np.testing.assert_array_equal(u.numpy(), x)
+    with pytest.raises(BufferError, match="bfloat16"):
+        ut.from_dlpack(src)
+    with ut.from_dlpack(src.transpose(0, 2), copy=True) as u:  # strided: gathered
+        np.testing.assert_array_equal(u.numpy(), np.swapaxes(x, 0, 2))

@@ -17,8 +17,9 @@ the legacy default stream (``stream=1``).
 bfloat16: a CUDA bfloat16 tensor is exported as bfloat16 (its device memory holds 2-byte
 values), and a CUDA bfloat16 producer's memory is shared as a bfloat16 tensor. A CPU bfloat16
 tensor has no bfloat16 memory (its values live in its float32 host copy, see utensil.dtypes),
-so it is exported as float32, as numpy() shows it; a CPU bfloat16 producer is refused (copy=True
-converts it where numpy can read it).
+so it is exported as a float32 copy (values as numpy() shows them; a consumer writing them must not
+leave values bfloat16 cannot hold). A CPU bfloat16 producer cannot be shared; copy=True widens
+it to float32 (exact).
 """
 
 import ctypes
@@ -194,6 +195,17 @@ def to_dlpack(t, stream=None, max_version=None, dl_device=None, copy=None):
             return to_dlpack(host, None, max_version, None, None) if not _versioned(max_version) \
                 else _export(host, None, True, copied=True)
     stream = _parse_stream(stream, here[0])
+    if here[0] == _CPU and t.ptr.dtype == lib.UT_BF16:
+        # Its host values are float32 (utensil.dtypes): shared, a consumer could write values a
+        # bfloat16 tensor cannot hold. Exported as a float32 copy instead (copy=None allows it).
+        if copy is False:
+            raise BufferError("__dlpack__: a CPU bfloat16 tensor is exported as a float32 copy "
+                              "(its host memory holds float32 values); copy=False cannot be met")
+        c = t.float()
+        try:
+            return _export(c, stream, _versioned(max_version), copied=True)
+        finally:
+            c.close()
     if copy:
         c = t.clone()
         try:
@@ -286,6 +298,23 @@ def _contiguous(dl, dims):
     return True
 
 
+def _widen_bf16(dl, dims):
+    """A float32 copy of host bfloat16 memory, any non-negative strides (exact: bfloat16 is
+    float32's upper half)."""
+    strides = [int(dl.strides[i]) for i in range(len(dims))] if dl.strides else None
+    if strides is None:
+        strides, step = [0] * len(dims), 1
+        for i in reversed(range(len(dims))):
+            strides[i], step = step, step * dims[i]
+    if any(st < 0 for st in strides):
+        raise BufferError("from_dlpack: bfloat16 memory with negative strides cannot be converted")
+    extent = 1 + sum((d - 1) * st for d, st in zip(dims, strides))
+    raw = np.frombuffer((ctypes.c_uint16 * extent).from_address((dl.data or 0) + dl.byte_offset),
+                        dtype=np.uint16)
+    view = np.lib.stride_tricks.as_strided(raw, dims, [2 * st for st in strides], writeable=False)
+    return (view.astype(np.uint32) << 16).view(np.float32)
+
+
 def consume(obj, want_dev, copy):
     """Take the DLPack capsule of ``obj`` (not a Tensor) for tensor.from_dlpack: returns
     ``("tensor", C tensor, its device)`` sharing the producer's memory, or ``("array", ndarray)``
@@ -342,7 +371,12 @@ def consume(obj, want_dev, copy):
                         % ("cuda" if src_dev == lib.UT_CUDA else "cpu"))
     if problems:
         # not consumed: the capsule's destructor frees it
-        if copy and dev_type in (_CPU, _CUDA_HOST) and not any("shape" in p for p in problems):
+        host = dev_type in (_CPU, _CUDA_HOST)
+        if copy and host and bf16 and not any("shape" in p for p in problems):
+            arr = _widen_bf16(dl, dims)  # numpy has no bfloat16 to read it with
+            del capsule, managed, dl
+            return ("array", arr)
+        if copy and host and not any("shape" in p for p in problems):
             del capsule, managed, dl
             return ("array", np.from_dlpack(obj) if hasattr(np, "from_dlpack") else np.asarray(obj))
         raise BufferError("from_dlpack: cannot share this memory: %s%s" % (
