@@ -275,3 +275,25 @@ def test_a_layer_refuses_a_dtype_with_what_to_do_instead(torch):
         assert lin.weight.dtype == ut.float32
     finally:
         lin.close()
+
+
+def test_mixed_precision_around_an_identity(device, rng):
+    """A module that returns its input (an empty Sequential) returns the converted input itself:
+    the wrapper must not close what it hands back (it raised ClosedError). Values come back
+    rounded to bf16, the gradient too; the caller's tensors stay open and unchanged."""
+    x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    g = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    mp = ut.MixedPrecision(ut.Sequential()).to(device)
+    with ut.tensor(x, device) as xt, ut.tensor(g, device) as gt:
+        with mp(xt) as y:
+            assert y.dtype == ut.float32 and y is not xt
+            np.testing.assert_array_equal(y.numpy(), nearest_even(x))
+        with mp.backward(gt) as dx:
+            np.testing.assert_array_equal(dx.numpy(), nearest_even(g))
+        assert mp.backward(gt, input_grad=False) is None
+        np.testing.assert_array_equal(xt.numpy(), x)
+        np.testing.assert_array_equal(gt.numpy(), g)
+        with xt.bfloat16() as xb:  # already bf16: no conversion, the same object back through
+            with mp(xb) as y:
+                np.testing.assert_array_equal(y.numpy(), nearest_even(x))
+            assert not xb.closed

@@ -40,6 +40,12 @@ def _convert(t, dtype):
     return t.to(dtype=dtype)
 
 
+def _close_converted(t, caller):
+    """Close ``t`` when _convert made it (it is not the caller's)."""
+    if t is not caller:
+        t.close()
+
+
 class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
     """``module`` run in ``dtype`` (utensil.bfloat16) with float32 at its edges; see the module
     docstring. Parameters, state_dict and train/eval are the wrapped module's (named
@@ -53,9 +59,11 @@ class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
         xc = _convert(x, self.dtype)
         try:
             y = self.module(xc)
-        finally:
-            if xc is not x:
-                xc.close()  # the layers that need it hold their own reference
+        except BaseException:
+            _close_converted(xc, x)
+            raise
+        if y is not xc:  # a module that returns its input (an identity) returns xc itself
+            _close_converted(xc, x)  # the layers that need it hold their own reference
         return self._out(y, x)
 
     @_takes_input_grad
@@ -64,13 +72,18 @@ class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
         ``input_grad=False`` None (no dx to compute or widen)."""
         input_grad = _args.to_bool(input_grad, "input_grad")
         g = _convert(grad_out, self.dtype)
-        try:
-            if not input_grad:
+        if not input_grad:
+            try:
                 return _backward_params_only(self.module, g)
+            finally:
+                _close_converted(g, grad_out)
+        try:
             dx = self.module.backward(g)
-        finally:
-            if g is not grad_out:
-                g.close()
+        except BaseException:
+            _close_converted(g, grad_out)
+            raise
+        if dx is not g:  # an identity's backward returns g itself
+            _close_converted(g, grad_out)
         return self._out(dx, grad_out)
 
     @staticmethod
