@@ -310,6 +310,28 @@ def test_resize_and_center_crop():
             T.Resize(bad)
 
 
+@pytest.mark.parametrize("h,w,crop,top,left", [
+    # torchvision pads d // 2 before, (d + 1) // 2 after, for a crop d larger than the image
+    (2, 3, (5, 6), 1, 1),     # odd on both sides: 1 row above, 1 column left
+    (3, 3, (4, 4), 0, 0),     # d = 1: the zeros go after
+    (4, 4, (6, 6), 1, 1),     # even: centred
+    (5, 2, (3, 5), -1, 1),    # taller than the crop, narrower: crops rows, pads columns
+])
+def test_center_crop_larger_than_the_image_pads_as_torchvision(h, w, crop, top, left):
+    """Hand-derived from torchvision's center_crop (pad, then round((H - h) / 2)): ``top`` and
+    ``left`` are where the image's first row and column land in the output (negative: cropped).
+    round(-1.5) = -2 put the image one pixel off for odd differences."""
+    img = _img(h, w, seed=3)
+    out = np.asarray(T.CenterCrop(crop)(img))
+    want = np.zeros((crop[0], crop[1], 3), np.uint8)
+    a = np.asarray(img)
+    for r in range(crop[0]):
+        for c in range(crop[1]):
+            if 0 <= r - top < h and 0 <= c - left < w:
+                want[r, c] = a[r - top, c - left]
+    np.testing.assert_array_equal(out, want)
+
+
 def test_to_array_and_normalize():
     img = _img(5, 7)
     x = T.ToArray()(img)

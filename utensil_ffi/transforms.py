@@ -144,9 +144,18 @@ class Resize:
         return "Resize(%r)" % (self.size[0] if self.square else self.size,)
 
 
+def _center_offset(size, crop):
+    """Where a centred crop starts along one side: ``round((size - crop) / 2)``; for a crop
+    larger than the image, where torchvision's padding puts the image: ``d // 2`` zeros before
+    it, ``(d + 1) // 2`` after (d the difference), where round(-1.5) = -2 put it a pixel off."""
+    if crop > size:
+        return -((crop - size) // 2)
+    return int(round((size - crop) / 2.0))
+
+
 class CenterCrop:
-    """The central ``size`` (int or (h, w)) crop; an image smaller than that is padded with 0
-    (as torchvision does). The offset is ``round((H - h) / 2)``."""
+    """The central ``size`` (int or (h, w)) crop; an image smaller than that is padded with 0,
+    placed as torchvision places it. The offset is ``round((H - h) / 2)``."""
 
     random = False
 
@@ -159,8 +168,8 @@ class CenterCrop:
         width, height = img.size
         if (width, height) == (w, h):
             return img
-        top = int(round((height - h) / 2.0))
-        left = int(round((width - w) / 2.0))
+        top = _center_offset(height, h)
+        left = _center_offset(width, w)
         return img.crop((left, top, left + w, top + h))  # PIL fills outside the image with 0
 
     def __repr__(self):
