@@ -387,6 +387,22 @@ def test_torch_compile_has_no_graph_break(dev):
     torch._dynamo.reset()
 
 
+def test_script_is_refused_with_what_works_instead_and_trace_runs_the_op():
+    """torch.jit.script cannot run a cffi call: a clear error naming trace/compile (it failed
+    inside TorchScript's compiler on a module global); trace keeps the utensil op."""
+    torch.manual_seed(0)
+    model = utt.convert(_small_mobilenet()).eval()
+    with pytest.raises(RuntimeError, match="torch.jit.trace or torch.compile"):
+        torch.jit.script(model)
+    x = torch.randn(2, 3, 17, 17)
+    traced = torch.jit.trace(model, x)
+    with _OpLog() as log:
+        y = traced(x)
+    assert log.utensil == 4
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    torch.jit.script(_small_mobilenet())  # a model before convert() still scripts
+
+
 # -- CUDA streams ---------------------------------------------------------------------------------
 @NEEDS_CUDA
 def test_side_stream_ordering():

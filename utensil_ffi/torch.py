@@ -313,6 +313,14 @@ class DepthwiseConv2d(nn.Conv2d):
                          dilation=dilation, groups=groups, bias=bias, padding_mode=padding_mode,
                          device=device, dtype=dtype)
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling: TorchScript cannot
+        # call into utensil (a cffi library), so say what works instead of its compiler's error
+        raise RuntimeError(
+            "utensil_ffi.torch.DepthwiseConv2d cannot be compiled by torch.jit.script (its forward "
+            "calls into utensil through cffi, which TorchScript cannot run); use torch.jit.trace "
+            "or torch.compile, which keep the utensil op, or script the model before convert()")
+
     def _conv_forward(self, x, weight, bias):
         (sh, sw), (dh, dw) = self.stride, self.dilation
         if sh != sw or dh != dw or x.dim() not in (3, 4) or not _runs_on_utensil(x, weight, bias):
