@@ -262,6 +262,58 @@ def test_free_port_leaves_its_successor_free():
             s.bind(("127.0.0.1", q))
 
 
+def _start_sleepers(tmp_path):
+    """The launcher over 2 ranks that write their pids and sleep; returns it once both run."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        open("pid%s" % os.environ["RANK"], "w").write(str(os.getpid()))
+        time.sleep(120)
+    """))
+    p = subprocess.Popen([sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", "2",
+                          "--grace", "2", str(script)], cwd=tmp_path, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / ("pid%d" % r)).exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.1)
+    return p, [int((tmp_path / ("pid%d" % r)).read_text()) for r in (0, 1)]
+
+
+def _all_gone(pids, within=5.0):
+    deadline = time.monotonic() + within
+    while any(_alive(q) for q in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(q) for q in pids)
+
+
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGQUIT"])
+def test_a_closed_terminal_stops_every_rank(tmp_path, signame):
+    """SIGHUP (terminal closed, ssh dropped) and SIGQUIT killed the launcher alone and left the
+    ranks running under PID 1, holding GPUs and ports."""
+    import signal
+
+    sig = getattr(signal, signame)
+    p, pids = _start_sleepers(tmp_path)
+    p.send_signal(sig)
+    assert p.wait(timeout=30) == 128 + sig
+    assert "interrupted; stopping 2 processes" in p.stderr.read()
+    assert _all_gone(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_end_when_the_launcher_is_killed_outright(tmp_path):
+    """SIGKILL cannot be handled: the parent-death signal ends each rank."""
+    import signal
+
+    p, pids = _start_sleepers(tmp_path)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    p.stderr.close()
+    assert _all_gone(pids)
+
+
 def test_interrupting_the_launcher_stops_every_rank(tmp_path):
     import signal
 

@@ -9,11 +9,16 @@ communicator's bootstrap listens there).
 
 When one process fails, the others are stopped (SIGTERM to each one's process group, SIGKILL
 after ``--grace`` seconds) and the launcher exits with the failed process's code, so no rank
-is left waiting for a peer that is gone and nothing is orphaned. Ctrl-C (or SIGTERM) stops all
-of them the same way. Output goes straight to this terminal.
+is left waiting for a peer that is gone and nothing is orphaned. Ctrl-C, SIGTERM, SIGHUP (the
+terminal closed, the ssh session dropped) and SIGQUIT stop all of them the same way. A launcher
+killed outright (SIGKILL, a crash) cannot stop them: on Linux each process is started with a
+parent-death signal (SIGTERM), so it does not run on under PID 1 holding its GPU and ports.
+Output goes straight to this terminal.
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -40,6 +45,25 @@ def free_port(host="127.0.0.1"):
                 continue
         return port
     raise RuntimeError("no free pair of TCP ports found on %s" % host)
+
+
+# The signals that stop every rank: they would otherwise end the launcher alone and leave the
+# ranks (each in its own session, so the terminal's SIGHUP does not reach them) orphaned.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent):
+    """A preexec function: the child gets SIGTERM when the launcher's thread dies (Linux's
+    PR_SET_PDEATHSIG), and exits at once if the launcher died before the call."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+    def arm():
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
+
+    return arm
 
 
 def _stop(procs, grace):
@@ -75,7 +99,8 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
     def on_signal(signum, frame):
         interrupted.append(signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    arm = _die_with(os.getpid()) if sys.platform.startswith("linux") else None
     try:
         for rank in range(nproc):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -84,7 +109,8 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
             if bind_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = visible[rank % len(visible)] if visible else str(rank)
             # each in a process group of its own: stopping it stops what it started as well
-            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+            procs.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                          preexec_fn=arm))
         while True:
             if interrupted:
                 print("utensil_ffi.launch: interrupted; stopping %d processes" % nproc,
