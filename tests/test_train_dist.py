@@ -20,6 +20,20 @@ def test_flag_is_stripped_for_the_copies():
     assert td.strip_nproc_flag(argv) == ["--epochs", "3", "--lr", "0.1"]
 
 
+
+@pytest.mark.parametrize("spelling", [["--nproc", "2"], ["--npr=2"], ["--nproc-per", "2"]])
+def test_every_spelling_argparse_accepts_is_stripped(spelling):
+    """argparse takes '--nproc 2' for --nproc-per-node; each copy got it unstripped and refused
+    ("started by a launcher already")."""
+    from utensil_ffi.train import build_parser
+
+    argv = ["--epochs", "3"] + spelling + ["--lr", "0.1"]
+    assert build_parser().parse_args(argv).nproc_per_node == 2  # argparse does accept it
+    stripped = td.strip_nproc_flag(argv)
+    assert stripped == ["--epochs", "3", "--lr", "0.1"]
+    assert build_parser().parse_args(stripped).nproc_per_node is None
+
+
 def test_launched_world_size_reads_the_launchers_variables():
     assert td.launched_world_size({}) == 0
     assert td.launched_world_size({"WORLD_SIZE": "2"}) == 0  # no RANK: not a launched copy

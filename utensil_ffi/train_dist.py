@@ -77,15 +77,30 @@ def launched_world_size(environ=None):
     return int(text) if text.isdigit() and "RANK" in environ else 0
 
 
+_NPROC = "--nproc-per-node"
+
+
+def _is_nproc(name):
+    """Whether an option name argparse accepted is a spelling of --nproc-per-node: the whole
+    name or an abbreviation (argparse takes any unambiguous prefix: '--nproc 2')."""
+    return len(name) >= 3 and _NPROC.startswith(name)
+
+
 def strip_nproc_flag(argv):
-    """argv without --nproc-per-node and its value (for the copies the launcher starts)."""
-    out, skip = [], False
+    """argv without --nproc-per-node (in any spelling argparse accepts) and its value, for the
+    copies the launcher starts: a copy that got it would refuse to start a launcher again."""
+    out, skip, options = [], False, True
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc-per-node":
+        elif not options:
+            out.append(a)
+        elif a == "--":  # what follows is positional
+            options = False
+            out.append(a)
+        elif _is_nproc(a):
             skip = True
-        elif not a.startswith("--nproc-per-node="):
+        elif not (a.startswith("--") and "=" in a and _is_nproc(a.split("=", 1)[0])):
             out.append(a)
     return out
 
