@@ -59,6 +59,16 @@ def test_bad_nproc_flags(argv, pattern, capsys):
     assert pattern in capsys.readouterr().err
 
 
+def test_without_a_gpu_the_flag_is_refused_once_up_front(monkeypatch, capsys):
+    """It printed a raw C-level error from each rank and exited 1."""
+    monkeypatch.setattr(tr, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        tr.main(["--nproc-per-node", "2", "--no-checkpoint"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("no CUDA GPU is available") == 1 and "--nproc-per-node 2" in err
+
+
 def test_under_a_launcher_the_flag_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -72,6 +82,21 @@ def test_a_batch_too_small_to_share_is_refused_up_front():
     assert d.check_batches(100, 10) is None  # last batch: 0 left over
     assert "--batch-size holds 3 images" in d.check_batches(100, 3)
     assert "the last batch of an epoch holds 2" in d.check_batches(102, 10)
+
+
+
+def test_a_last_batch_that_batches_drops_is_not_refused():
+    """65 images, batch 64, 2 ranks: the last batch of one image is dropped by data.batches, so
+    no rank gets an empty share; check_batches refused it."""
+    from utensil_ffi.data import batches
+
+    d = td.Dist(None, 0, 2)
+    assert [len(b) for b in batches(65, 64, 0, 0)] == [64]
+    assert d.check_batches(65, 64) is None
+    assert "the last batch of an epoch holds 1" not in (d.check_batches(66, 65) or "")
+    assert [len(b) for b in batches(67, 64, 0, 0)] == [64, 3]
+    assert d.check_batches(67, 64) is None
+    assert "the last batch of an epoch holds 2" in td.Dist(None, 0, 4).check_batches(66, 64)
 
 
 def test_ranks_train_one_epoch_as_one_process(tmp_path):

@@ -880,6 +880,10 @@ def main(argv=None, out=None):
             if args.device == "cpu":
                 parser.error("--nproc-per-node %d: several processes train on GPUs (NCCL); "
                              "--device cpu runs one" % args.nproc_per_node)
+            if not cuda_available():  # once, here, not once per rank after it started
+                parser.error("--nproc-per-node %d: no CUDA GPU is available (the library was "
+                             "built without CUDA or no GPU is present); leave the flag out to "
+                             "train on the CPU" % args.nproc_per_node)
             from .launch import run as launch
 
             return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.train"]

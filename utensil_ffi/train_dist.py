@@ -53,8 +53,11 @@ class Dist:
         return DistributedDataParallel(net, self.group, broadcast_buffers=not self.sync_bn)
 
     def check_batches(self, n, batch_size):
-        """Why some rank would get an empty share of a batch (None when none would)."""
+        """Why some rank would get an empty share of a batch (None when none would). A last
+        batch of one image is no batch: data.batches drops it (BatchNorm needs two values)."""
         last = n % batch_size
+        if last == 1 and n > batch_size:
+            last = 0
         for size, what in ((batch_size, "--batch-size"), (last, "the last batch of an epoch")):
             if 0 < size < self.world:
                 return ("%s holds %d images, fewer than the %d processes: every process needs at "
