@@ -282,7 +282,7 @@ def test_bad_folders(tmp_path):
 def test_without_pillow_names_the_extra(tmp_path, monkeypatch):
     root = _folder(tmp_path, {"a": 1, "b": 1})
     monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` now fails
-    with pytest.raises(DataError, match=r"pip install 'utensil\[images\]'"):
+    with pytest.raises(DataError, match=r"pip install 'utensil-ffi\[images\]'"):
         images.ImageFolder(root)
 
 

@@ -215,6 +215,6 @@ def test_bad_arguments_are_named(ort, tmp_path):
 def test_without_onnx_the_error_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx now raises ImportError
     with ut.Linear(2, 2) as net:
-        with pytest.raises(ImportError, match=r"pip install 'utensil\[onnx\]'"):
+        with pytest.raises(ImportError, match=r"pip install 'utensil-ffi\[onnx\]'"):
             export_onnx(net, str(tmp_path / "m.onnx"), (1, 2))
     assert os.listdir(tmp_path) == []

@@ -391,7 +391,7 @@ def test_plot_without_matplotlib(npz, tmp_path, monkeypatch, capsys):
     assert _run(["--data", npz, "--epochs", "1", "--no-checkpoint", "--plot",
                  str(tmp_path / "c.png")] + TINY) == 2
     err = capsys.readouterr().err
-    assert "--plot needs matplotlib" in err and "utensil[examples]" in err
+    assert "--plot needs matplotlib" in err and "utensil-ffi[examples]" in err
 
 
 def test_digits_without_sklearn(monkeypatch, capsys):
@@ -399,7 +399,7 @@ def test_digits_without_sklearn(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     assert tr.main(["--epochs", "1", "--no-checkpoint", "--no-progress", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "scikit-learn" in err and "utensil[examples]" in err and "--data" in err
+    assert "scikit-learn" in err and "utensil-ffi[examples]" in err and "--data" in err
 
 
 def test_progress_bar(npz, capsys):
@@ -416,7 +416,7 @@ def test_progress_bar_without_tqdm(npz, monkeypatch, capsys):
     assert tr.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("utensil-train: error:") and "tqdm" in err
-    assert "utensil[examples]" in err and "--no-progress" in err
+    assert "utensil-ffi[examples]" in err and "--no-progress" in err
     assert tr.main(argv + ["--no-progress"]) == 0
 
 

@@ -5,7 +5,7 @@ time, else on utensil's own CUDA kernels; the library never links or ships cuBLA
 for at the first GEMM on the GPU, in this order:
 
 1. ``$UTENSIL_CUBLAS_LIB``: a path to ``libcublas.so.*`` (set but empty: no cuBLAS);
-2. the ``nvidia-cublas`` wheel (``pip install 'utensil[cuda]'``), found here at import;
+2. the ``nvidia-cublas`` wheel (``pip install 'utensil-ffi[cuda]'``), found here at import;
 3. the system loader (``libcublas.so.13``, ``libcublas.so.12``).
 
 Not finding it is no error: the own kernels run and :func:`backends` says why.

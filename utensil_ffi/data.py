@@ -26,7 +26,7 @@ import numpy as np
 __all__ = ["DataError", "Dataset", "load_digits", "load_npz", "batches", "stratified_split",
            "EXTRA_HINT"]
 
-EXTRA_HINT = "pip install 'utensil[examples]'"
+EXTRA_HINT = "pip install 'utensil-ffi[examples]'"
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 LAYOUTS = ("auto", "nchw", "nhwc")
 

@@ -9,7 +9,7 @@ shape and class count), its weights loaded, and its eval-mode forward written as
 Unless ``--no-check``, onnxruntime (when installed) runs the file on random inputs and the
 largest difference from utensil's own forward is printed; above ``--tolerance`` (1e-4) the
 program fails and removes nothing it did not write: the file stays for inspection. Needs the
-``onnx`` package (``pip install 'utensil[onnx]'``).
+``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
 """
 
 import argparse

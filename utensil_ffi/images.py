@@ -53,7 +53,7 @@ from .transforms import RandomResizedCrop, Resize, ToArray, is_random
 __all__ = ["ImageFolder", "IMG_EXTENSIONS", "IMAGES_HINT", "open_image", "stratified_split",
            "channel_stats", "load_folder", "FolderData"]
 
-IMAGES_HINT = "pip install 'utensil[images]'"
+IMAGES_HINT = "pip install 'utensil-ffi[images]'"
 IMG_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
                   ".pgm", ".pbm")
 MODES = ("RGB", "L")

@@ -9,7 +9,7 @@ The graph is the model's eval-mode forward (BatchNorm2d with its running statist
 mode the model is in; the model itself is not changed and runs nothing. Supported modules:
 Sequential, Residual, Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv),
 BatchNorm2d (with its fused activation), ReLU, ReLU6, GlobalAvgPool2d and Linear; any other
-raises ArgumentError naming it. Needs the ``onnx`` package (``pip install 'utensil[onnx]'``).
+raises ArgumentError naming it. Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
 """
 
 import os
@@ -36,7 +36,7 @@ def _import_onnx():
         import onnx
         from onnx import helper, numpy_helper
     except ImportError as e:
-        raise ImportError("export_onnx needs the onnx package: pip install 'utensil[onnx]' "
+        raise ImportError("export_onnx needs the onnx package: pip install 'utensil-ffi[onnx]' "
                           "(or pip install onnx); importing it failed: %s" % e) from None
     return onnx, helper, numpy_helper
 

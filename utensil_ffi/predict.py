@@ -9,7 +9,7 @@ the checkpoint. (The digits and image folders are [0, 1] images, so a photo is p
 were; a network trained on a .npz of another scale expects that scale.) Prints one line per
 image: the top-k classes (their folder names when trained on an image folder) with their
 softmax probabilities. A file that cannot be read is reported and skipped; the exit status is 1
-if any was. Needs Pillow (``pip install 'utensil[images]'``).
+if any was. Needs Pillow (``pip install 'utensil-ffi[images]'``).
 """
 
 import argparse

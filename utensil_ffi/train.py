@@ -16,7 +16,7 @@ run's settings), written atomically. ``--resume FILE`` continues a run from it: 
 batches of epoch e are shuffled by a Generator seeded with (seed, e), so on the CPU a resumed run
 ends with bitwise the same weights as an uninterrupted one.
 
-The ``examples`` extra (``pip install 'utensil[examples]'``) brings what this program uses beyond
+The ``examples`` extra (``pip install 'utensil-ffi[examples]'``) brings what this program uses beyond
 the library: scikit-learn for the built-in digits, tqdm for the progress bar (``--no-progress``
 runs without it), matplotlib for ``--plot``.
 """
@@ -159,7 +159,7 @@ def build_parser():
         description="Train a depthwise-separable (MobileNet-style) CNN built from utensil "
         "layers. With no arguments: the 8x8 handwritten digits scikit-learn ships, with a fixed "
         "held-out test split.",
-        epilog="Optional extras: pip install 'utensil[examples]' (scikit-learn, tqdm, matplotlib).",
+        epilog="Optional extras: pip install 'utensil-ffi[examples]' (scikit-learn, tqdm, matplotlib).",
     )
     g = p.add_argument_group("data and model")
     g.add_argument("--data", metavar="DIR|FILE.npz", default=None,
