@@ -702,8 +702,11 @@ class Driver:
                     return None
             else:
                 ps = []
-            if s.kind == "dw" and not np.isfinite(s.obj.weight.numpy()).all():
-                return None  # a known bug (test_depthwise_forward_padding_rows_propagate_...)
+            if (s.kind == "dw" and self.dev == "cuda"
+                    and not np.isfinite(s.obj.weight.numpy()).all()):
+                # a known CUDA bug, a strict xfail there
+                # (test_depthwise_forward_padding_rows_propagate_a_nonfinite_weight)
+                return None
             if s.kind in ("bn", "ln") and not all(np.isfinite(p.numpy()).all() for p in ps):
                 return None  # inf gamma: PyTorch's formulas give inf where float64's give NaN
             if s.kind in ("bn", "ln") and not (np.abs(cur) < 1e15).all():
@@ -817,10 +820,6 @@ class Driver:
         except Refused as e:
             if ok and not bad_shape:
                 raise Finding("refused-valid", "backward refused: %r" % e.exc) from None
-            if len(set(map(id, lrec.steps))) < len(lrec.steps):
-                # a known bug: the refused backward moved the walk over a shared layer's kept
-                # forwards (test_a_refused_backward_leaves_the_kept_forwards_alone)
-                lrec.last = None
             return
         finally:
             gt.close()

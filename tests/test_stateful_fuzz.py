@@ -52,9 +52,9 @@ def run_child(sequences, seed, device, extra_env=None):
 
 # Findings of bugs outside this fuzzer's reach to fix, each with a strict xfail reproduction
 # below (which fails once the bug is fixed, so the entry gets removed): (kind, message part).
-KNOWN = [
-    ("raw-exception", ", in _keep"),  # test_stateless_forward_with_its_input_closed_meanwhile
-]
+# None now: the raw TypeError in _keep (test_stateless_forward_with_its_input_closed_meanwhile)
+# is fixed, and its reproduction passes.
+KNOWN = []
 
 
 def is_known(f):
