@@ -31,6 +31,9 @@ def _disabled(config):
 
 
 def pytest_configure(config):
+    if os.environ.get("UTENSIL_EXPECT_CUDA") == "1" and "cuda" not in ut.devices():
+        # .ci/gpu: the CUDA cases would be left out (or run on the CPU) and the run pass
+        raise pytest.UsageError("UTENSIL_EXPECT_CUDA=1 but utensil sees no usable GPU")
     config.addinivalue_line(
         "markers", "bench_op(op, shapes='all'|'tiny'|'dense3x3', impls=('ours','torch')): "
         "a benchmark parametrized by bench/conftest.py")

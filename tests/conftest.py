@@ -1,6 +1,7 @@
 """Shared fixtures: the `device` parameter, a seeded RNG, a leak check, the error report."""
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +10,16 @@ import utensil_ffi as ut
 
 ALL_DEVICES = ["cpu", "cuda"]
 PRESENT = ut.devices()
+# .ci/gpu sets it: there a missing GPU must fail the run, not skip its tests (a library built
+# without CUDA runs "cuda" tensors on the CPU paths and would pass them all)
+EXPECT_CUDA = os.environ.get("UTENSIL_EXPECT_CUDA") == "1"
+
+
+def pytest_sessionstart(session):
+    if EXPECT_CUDA and "cuda" not in PRESENT:
+        raise pytest.UsageError(
+            "UTENSIL_EXPECT_CUDA=1 but utensil sees no usable GPU (built without CUDA, or no "
+            "device): the CUDA tests would be skipped or run on the CPU")
 
 
 def _device_params():

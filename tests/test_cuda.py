@@ -76,3 +76,21 @@ def test_training_step_makes_no_host_round_trips(optimizer):
         t.close()
     opt.close()
     model.close()
+
+
+@pytest.mark.parametrize("suite", ["tests", "bench"])
+def test_expect_cuda_fails_a_run_that_sees_no_gpu(suite):
+    """.ci/gpu sets UTENSIL_EXPECT_CUDA=1: a run where utensil sees no GPU (here: hidden with
+    CUDA_VISIBLE_DEVICES="") must fail at once, not skip the CUDA cases or run them on the CPU
+    fallback and pass."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target = {"tests": "tests/test_tensor.py", "bench": "bench/test_bench_ops.py"}[suite]
+    env = dict(os.environ, UTENSIL_EXPECT_CUDA="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--benchmark-disable", "-x", target], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "UTENSIL_EXPECT_CUDA=1 but utensil sees no usable GPU" in r.stdout + r.stderr
