@@ -20,6 +20,7 @@ An entry (``OpInfo``) holds:
   defaults    the geometry a sample leaves out (``geometry(**geom)`` fills it in)
   shapes      geometry -> {input name: shape} of the differentiable inputs (x, w, b; pred)
   make        (geometry, device) -> the layer, built through the public API
+  geometry_of a live layer -> the geometry it runs at (what its reference reads)
   reference   (float64 inputs, consts, geometry) -> the float64 forward (utensil_ffi.reference)
   grad        the inputs the gradient check differentiates (() where the op is not checked)
   samples     small geometries, each marked with the checks that use it (``USES``)
@@ -291,8 +292,8 @@ class OpInfo:
     """One op of the table (see the module's doc for the fields)."""
 
     def __init__(self, name, *, layer=None, functions=(), defaults, shapes, sample_inputs,
-                 reference, describe, runner, make=None, grad=(), samples=(), bf16=_F32_ONLY,
-                 devices=("cpu", "cuda"), errors=()):
+                 reference, describe, runner, make=None, geometry_of=None, grad=(), samples=(),
+                 bf16=_F32_ONLY, devices=("cpu", "cuda"), errors=()):
         self.name = name
         self.layer = layer
         self.functions = tuple(functions)
@@ -303,6 +304,7 @@ class OpInfo:
         self._describe = describe
         self._runner = runner
         self._make = make
+        self._geometry_of = geometry_of
         self.grad = tuple(grad)
         self.samples = list(samples)
         self.bf16 = bf16
@@ -346,6 +348,11 @@ class OpInfo:
         if self._make is None:
             raise TypeError("%s is a function, not a layer" % self.name)
         return self._make(_ut(), self.geometry(**geom), device)
+
+    def geometry_of(self, layer):
+        """The geometry ``layer`` (one of this op's layers) runs at: the hyper-parameters its
+        reference reads (the input's sizes are left to the defaults)."""
+        return self.geometry(**(self._geometry_of(layer) if self._geometry_of else {}))
 
     def runner(self, geom, consts, device):
         """A runner (``forward``, and ``backward`` where the op has one) at ``geom``."""
@@ -451,6 +458,9 @@ CONV2D = OpInfo(
     describe=lambda g: "x[%d,%d,%d,%d] k%dx%d s%d p%d o%d" % (
         g["n"], g["c"], g["h"], g["w"], g["kh"], g["kw"], g["stride"], g["pad"], g["o"]),
     make=_conv_make,
+    geometry_of=lambda l: dict(c=l.in_channels, o=l.out_channels, kh=l.kernel_size[0],
+                               kw=l.kernel_size[1], stride=l.stride, pad=l.padding,
+                               bias=l.bias is not None),
     runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _conv_make),
     grad=("x", "w", "b"),
     samples=(
@@ -571,6 +581,9 @@ DWCONV2D = OpInfo(
                                          g["dilation"]),
     describe=_dw_describe,
     make=_dw_make,
+    geometry_of=lambda l: dict(c=l.channels, mult=l.out_channels // l.channels,
+                               kh=l.kernel_size[0], kw=l.kernel_size[1], stride=l.stride,
+                               pad=l.padding, dilation=l.dilation, bias=l.bias is not None),
     runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _dw_make),
     grad=("x", "w", "b"),
     samples=(
@@ -647,6 +660,8 @@ BATCHNORM2D = OpInfo(
     describe=lambda g: "%s x[%d,%d,%d,%d]" % ("train" if g["training"] else "eval", g["n"],
                                               g["c"], g["h"], g["w"]),
     make=_bn_make,
+    geometry_of=lambda l: dict(c=l.num_features, eps=l.eps, momentum=l.momentum,
+                               training=l.training),
     runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _bn_make),
     grad=("x", "w", "b"),
     samples=[
@@ -700,6 +715,7 @@ LAYERNORM = OpInfo(
     reference=lambda a, k, g: R.layernorm(a["x"], a["w"], a["b"], g["eps"]),
     describe=lambda g: "x%s" % (list(g["shape"]),),
     make=_ln_make,
+    geometry_of=lambda l: dict(shape=(1, l.dim), eps=l.eps),
     runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _ln_make),
     grad=("x", "w", "b"),
     samples=[
@@ -746,6 +762,7 @@ LINEAR = OpInfo(
     reference=lambda a, k, g: R.linear(a["x"], a["w"], a.get("b")),
     describe=lambda g: "x[%d,%d] o%d" % (g["n"], g["i"], g["o"]),
     make=_linear_make,
+    geometry_of=lambda l: dict(i=l.in_features, o=l.out_features, bias=l.bias is not None),
     runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _linear_make),
     grad=("x", "w", "b"),
     samples=[
