@@ -52,6 +52,7 @@ USES = {
     "copy": "tests/test_copy_pickle.py: copy, deepcopy and pickle of the layer (named)",
     "nonfinite": "tests/test_numerics_extremes.py: NaN/inf propagation against PyTorch (named)",
     "cuda_vs_cpu": "tests/test_reference.py: the GPU layer against the CPU layer (named)",
+    "reference": "tests/test_optable.py: the op against its float64 reference (every sample is)",
 }
 
 
@@ -97,11 +98,14 @@ class Bf16:
                  intermediate rounding), "norm", "depthwise" (their own files)
     needs_cublas the GPU's bf16 form runs on cuBLAS only (the own GEMM kernels are float32)
     out          the dtype of the result on bf16 input ("bfloat16", or "float32": a loss)
+    operands     the inputs that are activations, so may be bf16 (a layer's parameters, a
+                 bias added in place, stay float32)
     """
 
     def __init__(self, supported=True, kernel="exact", gpu_steps=4, param_steps=8,
-                 needs_cublas=False, out="bfloat16", refused=None):
+                 needs_cublas=False, out="bfloat16", refused=None, operands=("x",)):
         self.supported = supported
+        self.operands = tuple(operands)
         self.inputs = "rounded"
         self.cpu = "exact"
         self.kernel = kernel
@@ -182,25 +186,34 @@ class Case:
         return "Case(%s %s)" % (self.op, self.desc)
 
 
+def _dtype_of(dtype, name):
+    """A runner's ``dtype`` for operand ``name``: one dtype for all, or {name: dtype} (float32
+    for the names it leaves out)."""
+    return dtype.get(name) if isinstance(dtype, dict) else dtype
+
+
 class _Runner:
-    """Holds a layer for repeated forward/backward calls with given parameter values."""
+    """Holds a layer for repeated forward/backward calls with given parameter values.
+    ``forward(inputs, dtype)``: ``dtype`` (one, or {name: dtype}) is the input's, as for every
+    runner; the parameters stay float32."""
 
     def __init__(self, layer, device, names=("x", "w", "b")):
         self.layer = layer
         self.device = device
         self.names = names
 
-    def _load(self, inputs):
+    def _load(self, inputs, dtype=None):
         import utensil_ffi as ut
 
         if "w" in inputs:
             self.layer.weight.copy_from(inputs["w"])
         if "b" in inputs and self.layer.bias is not None:
             self.layer.bias.copy_from(inputs["b"])
-        return ut.tensor(inputs["x"], self.device)
+        return ut.tensor(inputs["x"], self.device, _dtype_of(dtype, "x"))
 
-    def forward(self, inputs):
-        x = self._load(inputs)
+    def forward(self, inputs, dtype=None):
+        """The output as float64; ``dtype`` is x's (the parameters stay float32)."""
+        x = self._load(inputs, dtype)
         with x, self.layer(x) as y:
             return y.numpy().astype(np.float64)
 
@@ -229,10 +242,10 @@ class _FnRunner:
     def __init__(self, device, fwd, bwd):
         self.device, self.fwd, self.bwd = device, fwd, bwd
 
-    def forward(self, inputs):
+    def forward(self, inputs, dtype=None):
         import utensil_ffi as ut
 
-        with ut.tensor(inputs["x"], self.device) as x, self.fwd(x) as y:
+        with ut.tensor(inputs["x"], self.device, _dtype_of(dtype, "x")) as x, self.fwd(x) as y:
             return y.numpy().astype(np.float64)
 
     def backward(self, inputs, go):
@@ -254,10 +267,10 @@ class _CallRunner:
     def __init__(self, device, fn):
         self.device, self.fn = device, fn
 
-    def forward(self, inputs):
+    def forward(self, inputs, dtype=None):
         import utensil_ffi as ut
 
-        ts = {k: ut.tensor(v, self.device) for k, v in inputs.items()}
+        ts = {k: ut.tensor(v, self.device, _dtype_of(dtype, k)) for k, v in inputs.items()}
         try:
             y = self.fn(ts)
             try:
@@ -1069,7 +1082,7 @@ MATMUL = OpInfo(
         Sample(dict(m=3, k=5, n=4), {"nonfinite"}, "matmul_small"),
         Sample(dict(m=67, k=131, n=45), {"nonfinite"}, "matmul_big"),
     ],
-    bf16=Bf16(False, refused=("ArgumentError", "must be float32")),
+    bf16=Bf16(False, refused=_F32_ONLY.refused, operands=("a", "b")),
     errors=[
         ErrorCase("matmul", lambda ut: ut.matmul(_t(ut, 2, 3), _t(ut, 2, 3)), "ShapeError",
                   "cannot multiply a [2, 3] by b [2, 3]"),
@@ -1090,6 +1103,7 @@ TRANSPOSE = OpInfo(
     describe=lambda g: "x%s d%d,%d" % (list(g["shape"]), g["d0"], g["d1"]),
     runner=lambda ut, g, k, dev: _CallRunner(dev, lambda t: ut.transpose(t["x"], g["d0"],
                                                                          g["d1"])),
+    samples=[Sample(dict(shape=(2, 3, 4, 5), d0=1, d1=-1), {"reference"})],
     bf16=Bf16(kernel="exact"),
     errors=[
         ErrorCase("transpose", lambda ut: ut.transpose(_t(ut, 2, 3), 0, 7), "ArgumentError",
@@ -1108,7 +1122,8 @@ ADD = OpInfo(
     reference=lambda a, k, g: R.add(a["a"], a["b"]),
     describe=lambda g: "a%s" % (list(g["shape"]),),
     runner=lambda ut, g, k, dev: _CallRunner(dev, lambda t: ut.add(t["a"], t["b"])),
-    bf16=Bf16(kernel="exact"),
+    samples=[Sample(dict(shape=(2, 3, 5)), {"reference"})],
+    bf16=Bf16(kernel="exact", operands=("a", "b")),
     errors=[
         ErrorCase("functional.add_", lambda ut: ut.functional.add_(np.zeros(2), _t(ut, 2)),
                   "ArgumentTypeError", "dst must be a Tensor"),
@@ -1131,6 +1146,7 @@ SCALE = OpInfo(
     describe=lambda g: "x%s alpha %g" % (list(g["shape"]), g["alpha"]),
     runner=lambda ut, g, k, dev: _CallRunner(dev, lambda t: ut.functional.scale_(t["x"],
                                                                                  g["alpha"])),
+    samples=[Sample(dict(shape=(3, 7)), {"reference"})],
     bf16=Bf16(kernel="exact"),
     errors=[
         ErrorCase("functional.scale_", lambda ut: ut.functional.scale_([1.0], 2.0),
@@ -1151,6 +1167,8 @@ BIAS_ADD = OpInfo(
     describe=lambda g: "x%s" % (list(g["shape"]),),
     runner=lambda ut, g, k, dev: _CallRunner(dev, lambda t: ut.functional.bias_add_(t["x"],
                                                                                     t["b"])),
+    samples=[Sample(dict(shape=(2, 3, 4, 5)), {"reference"}),
+             Sample(dict(shape=(5, 11)), {"reference"})],
     bf16=Bf16(kernel="exact"),  # the bias stays float32
     errors=[
         ErrorCase("functional.bias_add_",
@@ -1182,7 +1200,8 @@ SGD_STEP = OpInfo(
     reference=lambda a, k, g: R.sgd_step(a["p"], a["g"], a.get("v"), g["lr"], g["momentum"])[0],
     describe=lambda g: "p%s lr %g momentum %g" % (list(g["shape"]), g["lr"], g["momentum"]),
     runner=lambda ut, g, k, dev: _CallRunner(dev, _sgd_call(ut, g)),
-    bf16=Bf16(False, refused=("ArgumentError", "must be float32")),  # float32 master weights
+    samples=[Sample(dict(shape=(4, 5)), {"reference"})],
+    bf16=Bf16(False, refused=_F32_ONLY.refused, operands=("p",)),  # float32 master weights
     errors=[
         ErrorCase("sgd_step", lambda ut: ut.sgd_step(_t(ut, 3), _t(ut, 3), None, lr=-1.0),
                   "ArgumentError", "lr must be >= 0"),
@@ -1229,9 +1248,11 @@ ADAM_STEP = OpInfo(
                                           g["beta1"], g["beta2"], g["eps"])[0],
     describe=lambda g: "p%s step %d" % (list(g["shape"]), g["step"]),
     runner=lambda ut, g, k, dev: _CallRunner(dev, _adam_call(ut, g)),
-    bf16=Bf16(False, refused=("ArgumentError", "must be float32")),  # float32 master weights
+    samples=[Sample(dict(shape=(3, 7)), {"reference"})],
+    bf16=Bf16(False, refused=_F32_ONLY.refused, operands=("p",)),  # float32 master weights
     errors=[
-        ErrorCase("adam_step", lambda ut: ut.adam_step(_t(ut, 3), _t(ut, 3), _t(ut, 3), _t(ut, 3), 0),
+        ErrorCase("adam_step",
+                  lambda ut: ut.adam_step(_t(ut, 3), _t(ut, 3), _t(ut, 3), _t(ut, 3), 0),
                   "ArgumentError", "step must be in [1, 2147483647]"),
         ErrorCase("adam_step",
                   lambda ut: ut.adam_step(_t(ut, 3), _t(ut, 3), _t(ut, 3), _t(ut, 3), 2**31),
