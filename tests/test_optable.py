@@ -1,8 +1,9 @@
 """The op table itself (utensil_ffi/optable.py), and the checks run over all of it.
 
 The other files draw their cases from the table (test_gradcheck, test_bf16, test_copy_pickle,
-test_errors, test_numerics_extremes, test_reference, test_bf16_ops, test_network_grad and the
-self-check); here, as in PyTorch's OpInfo tests, every entry and every sample at once:
+test_errors, test_numerics_extremes, test_reference, test_bf16_ops, test_network_grad,
+test_input_grad and the self-check); here, as in PyTorch's OpInfo tests, every entry and every
+sample at once:
 
 - the table is well formed: its names are the library's public ones, every sample's geometry is
   the op's, every use is known and names are unique within it, the gradient-checked ops are the

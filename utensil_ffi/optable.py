@@ -52,6 +52,7 @@ USES = {
     "copy": "tests/test_copy_pickle.py: copy, deepcopy and pickle of the layer (named)",
     "nonfinite": "tests/test_numerics_extremes.py: NaN/inf propagation against PyTorch (named)",
     "cuda_vs_cpu": "tests/test_reference.py: the GPU layer against the CPU layer (named)",
+    "params_only": "tests/test_input_grad.py: backward(input_grad=False) against backward (named)",
     "reference": "tests/test_optable.py: the op against its float64 reference (every sample is)",
 }
 
@@ -492,6 +493,16 @@ CONV2D = OpInfo(
            _conv_nonfinite("conv1x1", 3, 5, 1, 1, 0, 5),
            _conv_nonfinite("conv1x1_s2", 3, 5, 1, 2, 0, 5),
            _conv_nonfinite("conv5x5_s1p2", 2, 3, 5, 1, 2, 6),
+           # the parameter-only backward's paths: im2col and col2im, 1x1 as one GEMM over the
+           # batch, 1x1 per image, strided 1x1
+           Sample(dict(n=2, c=3, o=4, h=9, w=7, kh=3, kw=3, stride=2, pad=1), {"params_only"},
+                  "3x3s2p1"),
+           Sample(dict(n=3, c=4, o=5, h=4, w=4, kh=1, kw=1, stride=1, pad=0), {"params_only"},
+                  "1x1-merged"),
+           Sample(dict(n=1, c=4, o=5, h=16, w=16, kh=1, kw=1, stride=1, pad=0, bias=False),
+                  {"params_only"}, "1x1"),
+           Sample(dict(n=2, c=3, o=2, h=5, w=5, kh=1, kw=1, stride=2, pad=0), {"params_only"},
+                  "1x1s2"),
            Sample(dict(n=2, c=3, o=5, h=9, w=8, kh=3, kw=2, stride=2, pad=1), {"cuda_vs_cpu"},
                   "conv2d s2 p1 3x2"),
            Sample(dict(n=3, c=4, o=6, h=5, w=5, kh=1, kw=1, stride=1, pad=0), {"cuda_vs_cpu"},
