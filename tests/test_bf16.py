@@ -18,6 +18,7 @@ import pytest
 import utensil_ffi as ut
 from bf16_reference import bf16_round as nearest_even
 from utensil_ffi import functional as F
+from utensil_ffi import optable
 from utensil_ffi.train import main as train_main
 
 U = 2.0 ** -8
@@ -128,24 +129,21 @@ def _round_params(layer):
         p.copy_from(nearest_even(p.numpy()))
 
 
-LAYERS = {
-    "conv3x3s2": lambda: ut.Conv2d(3, 8, 3, stride=2, padding=1, bias=True),
-    "pointwise": lambda: ut.Conv2d(8, 16, 1, bias=True),
-    "depthwise": lambda: ut.DWConv2d(8, 3, padding=1, bias=True),
-    "depthwise_s2": lambda: ut.DWConv2d(8, 3, stride=2, padding=1),
-    "batchnorm": lambda: ut.BatchNorm2d(8),
-    "relu6": lambda: ut.ReLU6(),
-    "avgpool": lambda: ut.GlobalAvgPool2d(),
-}
+# name -> (op, geometry): the op table's samples marked "bf16" (utensil_ffi/optable.py): a 3x3
+# stride-2 and a pointwise conv, depthwise at stride 1 and 2, batchnorm, relu6, avgpool, each on a
+# [2, C, 9, 9] input; the op's bf16 rule gives the GPU's tolerances
+LAYERS = {s.name: (op, s.geom) for op, s in optable.samples("bf16")}
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_in_bf16_matches_float32_on_the_same_values(name, device, rng):
-    layer = LAYERS[name]().to(device)
+    op, geom = LAYERS[name]
+    rule = op.bf16
+    assert rule.supported and rule.inputs == "rounded" and rule.cpu == "exact"
+    layer = op.make(geom, "cpu").to(device)
     try:
         _round_params(layer)
-        cin = 3 if name == "conv3x3s2" else 8
-        x = bf16_values(rng, (2, cin, 9, 9), 2.0)
+        x = bf16_values(rng, op.shapes(geom)["x"], 2.0)
         with ut.tensor(x, device) as xf:
             yf = layer(xf)
             out = yf.numpy().copy()
@@ -161,15 +159,16 @@ def test_layer_in_bf16_matches_float32_on_the_same_values(name, device, rng):
             dxb = layer.backward(gb)
             try:
                 assert yb.dtype == dxb.dtype == ut.bfloat16
-                close(yb.numpy(), out, device)
-                close(dxb.numpy(), ref_dx, device)
+                close(yb.numpy(), out, device, rule.gpu_steps)
+                close(dxb.numpy(), ref_dx, device, rule.gpu_steps)
             finally:
                 yb.close(), dxb.close()
         for p, ref in zip(layer.parameters(), ref_grads):
             assert p.grad.dtype == ut.float32  # parameter gradients stay float32
             scale = float(np.abs(ref).max()) or 1.0
             # the float32 layer's backward saw float32 intermediates where bf16 rounds some
-            np.testing.assert_allclose(p.grad.numpy(), ref, rtol=0, atol=8 * U * scale)
+            np.testing.assert_allclose(p.grad.numpy(), ref, rtol=0,
+                                       atol=rule.param_steps * U * scale)
     finally:
         layer.close()
 

@@ -32,6 +32,7 @@ import pytest
 import utensil_ffi as ut
 from bf16_reference import bf16_round
 from utensil_ffi import functional as F
+from utensil_ffi import optable
 from utensil_ffi import reference as R
 from utensil_ffi._lib import lib
 
@@ -284,22 +285,12 @@ def _check_layer(name, layer, x, go, refs, abs_refs):
         assert_within(g, f, 2e-4 * ra + 1e-30, "%s %s vs float32" % (name, what))
 
 
-# (n, c, h, w, o, (kh, kw), stride, pad): 3x3 stride 2 on im2col (the weight gradient's sum
-# over the batch on either cuBLAS plan: few channels -> reduce, 64 channels on 7x7 outputs ->
-# concatenate), the strided stem, kh != kw, 1x1 pointwise (reduce and concatenate), odd sizes;
-# 1x1 over planes of 7x7, 14x14 and 9x11 (not a multiple of 8 positions) runs as one GEMM over
-# the batch on channel-major regrouped operands (ut__conv_merges_batch)
-CONV_SHAPES = [
-    (4, 32, 7, 7, 48, (1, 1), 1, 0),
-    (2, 16, 14, 14, 24, (1, 1), 1, 0),
-    (2, 4, 9, 9, 6, (3, 3), 2, 1),
-    (2, 64, 14, 14, 64, (3, 3), 2, 1),
-    (2, 3, 33, 33, 32, (3, 3), 2, 1),
-    (3, 5, 8, 7, 7, (3, 2), 2, 1),
-    (3, 5, 9, 11, 7, (1, 1), 1, 0),
-    (8, 64, 4, 4, 96, (1, 1), 1, 0),
-    (4, 8, 20, 20, 16, (1, 1), 1, 0),
-]
+# (n, c, h, w, o, (kh, kw), stride, pad): conv2d's samples marked "bf16_gemm" in the op table
+# (utensil_ffi/optable.py, where the cuBLAS plans each one exercises are listed): 3x3 stride 2 on
+# im2col with few and 64 channels, the strided stem, kh != kw, 1x1 pointwise over planes of
+# 7x7, 14x14 and 9x11 (one GEMM over the batch), odd sizes
+CONV_SHAPES = [(g["n"], g["c"], g["h"], g["w"], g["o"], (g["kh"], g["kw"]), g["stride"], g["pad"])
+               for g in (s.geom for s in optable.OP["conv2d"].samples_for("bf16_gemm"))]
 
 
 @needs_cublas
@@ -320,7 +311,9 @@ def test_conv2d_bf16(rng, shape):
         _check_layer("conv2d %s" % (shape,), layer, x, go, refs, abs_refs)
 
 
-LINEAR_SHAPES = [(5, 37, 11), (64, 256, 130), (1, 8, 3), (33, 1000, 17)]
+# (n, i, o): linear's samples marked "bf16_gemm" in the op table
+LINEAR_SHAPES = [(s.geom["n"], s.geom["i"], s.geom["o"])
+                 for s in optable.OP["linear"].samples_for("bf16_gemm")]
 
 
 def _linear_case(rng, n, i, o):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
+from utensil_ffi import optable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPIES = {
@@ -141,21 +142,15 @@ def test_copies_balance_live_tensors(dup):
 
 
 # -- layers -------------------------------------------------------------------------------------
-LAYERS = {
-    "Conv2d": (lambda d: ut.Conv2d(2, 3, 3, stride=2, padding=1, device=d), (2, 2, 5, 5)),
-    "Conv2d-nobias": (lambda d: ut.Conv2d(2, 3, (1, 2), bias=False, device=d), (2, 2, 4, 4)),
-    "DWConv2d": (lambda d: ut.DWConv2d(2, 3, padding=1, device=d), (2, 2, 4, 4)),
-    "Linear": (lambda d: ut.Linear(4, 3, device=d), (5, 4)),
-    "LayerNorm": (lambda d: ut.LayerNorm(4, eps=1e-3, device=d), (3, 4)),
-    "BatchNorm2d": (lambda d: ut.BatchNorm2d(2, eps=1e-3, momentum=0.3, device=d), (3, 2, 2, 2)),
-    "BatchNorm2d-eval": (lambda d: ut.BatchNorm2d(2, device=d).eval(), (3, 2, 2, 2)),
-    "ReLU": (lambda d: ut.ReLU(), (3, 4)),
-    "ReLU6": (lambda d: ut.ReLU6(), (3, 4)),
-    "GlobalAvgPool2d": (lambda d: ut.GlobalAvgPool2d(), (2, 3, 2, 2)),
-    "Sequential": (lambda d: ut.Sequential(ut.Conv2d(2, 3, 1, device=d), ut.BatchNorm2d(3, device=d),
-                                           ut.ReLU6(), ut.GlobalAvgPool2d(), ut.Linear(3, 2, device=d)),
-                   (3, 2, 3, 3)),
-}
+# name -> (make(device), input shape): the op table's samples marked "copy" (utensil_ffi/optable.py:
+# Conv2d with and without bias, DWConv2d, Linear, LayerNorm, BatchNorm2d in both modes, ReLU,
+# ReLU6, GlobalAvgPool2d), and a Sequential of several
+LAYERS = {s.name: ((lambda d, op=op, g=s.geom: op.make(g, d)), op.shapes(s.geom)["x"])
+          for op, s in optable.samples("copy")}
+LAYERS["Sequential"] = (
+    lambda d: ut.Sequential(ut.Conv2d(2, 3, 1, device=d), ut.BatchNorm2d(3, device=d), ut.ReLU6(),
+                            ut.GlobalAvgPool2d(), ut.Linear(3, 2, device=d)),
+    (3, 2, 3, 3))
 
 
 def _state(layer):

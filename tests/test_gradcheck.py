@@ -17,7 +17,9 @@ and backward against PyTorch in float64 where it is installed).
 
 Shapes are small (FD costs two forwards per input element) and cover batch > 1, stride 1 and 2,
 padding 0..2, kh != kw, 1x1 kernels and odd sizes; depthwise also dilation 1..3 and channel
-multipliers 1..3 (DW_DILATED); a hypothesis test adds random conv geometries.
+multipliers 1..3; they are the op table's samples marked "gradcheck" (utensil_ffi/optable.py,
+the cases themselves are built by the table as the self-check's are); a hypothesis test adds
+random conv geometries.
 """
 
 import os
@@ -28,54 +30,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import utensil_ffi as ut
-from utensil_ffi import reference as R
+from utensil_ffi import optable
 from utensil_ffi import selftest as S
 
 EXAMPLES = int(os.environ.get("UTENSIL_HYPOTHESIS_EXAMPLES", "10"))
 
-# (N, C, O, H, W, kh, kw, stride, pad)
-CONV = [
-    (2, 2, 3, 5, 6, 3, 2, 1, 0),
-    (2, 3, 2, 6, 5, 2, 3, 2, 1),
-    (3, 2, 2, 7, 7, 3, 3, 2, 2),
-    (2, 1, 2, 4, 5, 1, 3, 1, 2),
-    (2, 2, 2, 5, 5, 1, 1, 2, 0),
-    (2, 2, 3, 3, 4, 2, 2, 1, 1),
-]
-
-# depthwise with dilation and a channel multiplier:
-# (N, C, mult, H, W, kh, kw, stride, pad, dilation)
-DW_DILATED = [
-    (2, 2, 2, 7, 6, 3, 3, 1, 2, 2),  # "same" padding at dilation 2
-    (2, 1, 3, 5, 9, 2, 3, 2, 1, 3),  # kh != kw, stride 2
-    (2, 3, 1, 5, 5, 3, 3, 1, 1, 3),  # the window is the whole padded input: 1x1 output
-    (2, 2, 3, 4, 5, 1, 1, 2, 0, 2),  # 1x1 kernel: the dilation changes nothing
-    (1, 2, 2, 9, 7, 5, 3, 3, 3, 2),  # stride 3, padding 3
-    (2, 1, 2, 5, 5, 7, 7, 1, 3, 1),  # 7x7, multiplier only
-]
-
-CASES = (
-    [("conv2d", dict(n=n, c=c, o=o, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
-     for n, c, o, h, w, kh, kw, s, p in CONV]
-    + [("dwconv2d", dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p))
-       for n, c, o, h, w, kh, kw, s, p in CONV]
-    + [("dwconv2d", dict(n=n, c=c, h=h, w=w, kh=kh, kw=kw, stride=s, pad=p, dilation=d, mult=m))
-       for n, c, m, h, w, kh, kw, s, p, d in DW_DILATED]
-    + [("batchnorm2d", dict(n=2, c=3, h=3, w=4)), ("batchnorm2d", dict(n=3, c=2, h=1, w=1)),
-       ("batchnorm2d", dict(n=2, c=1, h=5, w=3))]
-    + [("layernorm", dict(shape=(3, 7))), ("layernorm", dict(shape=(2, 3, 5))),
-       ("layernorm", dict(shape=(4, 3)))]  # not D = 2: the output is then +-1 whatever x is,
-    # dx is ~eps/var (1e-5) and float32 cancellation dominates any normalized error
-    + [("linear", dict(n=3, i=5, o=4)), ("linear", dict(n=1, i=1, o=3)),
-       ("linear", dict(n=4, i=9, o=2))]
-    + [("global_avg_pool2d", dict(n=2, c=3, h=5, w=3)),
-       ("global_avg_pool2d", dict(n=3, c=2, h=1, w=4))]
-    + [("relu", dict(shape=(2, 3, 4))), ("relu", dict(shape=(7,)))]
-    + [("relu6", dict(shape=(2, 3, 4))), ("relu6", dict(shape=(3, 11)))]
-    + [("softmax_cross_entropy", dict(n=4, k=5)), ("softmax_cross_entropy", dict(n=1, k=2)),
-       ("softmax_cross_entropy", dict(n=6, k=3))]
-    + [("mse_loss", dict(shape=(3, 5))), ("mse_loss", dict(shape=(2, 2, 3)))]
-)
+# (op, geometry): every op with a backward and its samples marked "gradcheck" in the op table
+# (utensil_ffi/optable.py): convolutions at stride 1 and 2, padding 0..2, kh != kw, 1x1 and odd
+# sizes (depthwise also dilation 1..3 and multipliers 1..3), batchnorm, layernorm, linear,
+# pooling, activations and losses at two or three shapes each
+CASES = [(op.name, s.geom) for op, s in optable.samples("gradcheck")]
 
 
 def _id(case):
@@ -84,33 +48,12 @@ def _id(case):
                                for k, v in g.items())
 
 
-def _reference(case):
-    """The utensil_ffi.reference forward of a selftest Case's op (float64 inputs)."""
-    op = case.op
-    if op == "conv2d":
-        return lambda a, s, p: R.conv2d(a["x"], a["w"], a["b"], s, p)
-    if op == "dwconv2d":
-        return lambda a, s, p, d=1: R.dwconv2d(a["x"], a["w"], a["b"], s, p, d)
-    return {
-        "batchnorm2d": lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], 1e-5)[0],
-        "layernorm": lambda a: R.layernorm(a["x"], a["w"], a["b"], 1e-5),
-        "linear": lambda a: R.linear(a["x"], a["w"], a["b"]),
-        "global_avg_pool2d": lambda a: R.global_avg_pool2d(a["x"]),
-        "relu": lambda a: R.relu(a["x"]),
-        "relu6": lambda a: R.relu6(a["x"]),
-    }.get(op)
-
-
-def _check(case, device, seed):
-    # The float64 forward the fd64 check differentiates is the reference op, geometry included.
+def _check(case, geom, device, seed):
+    # The float64 forward the fd64 check differentiates is the table's reference op at this
+    # test's geometry (not the one the case carries), on the case's inputs and constants.
     a64 = {k: v.astype(np.float64) for k, v in case.inputs.items()}
-    ref = _reference(case)
-    if ref is not None:
-        if case.op in ("conv2d", "dwconv2d"):
-            other = ref(a64, *case._geom)  # (stride, pad[, dilation])
-        else:
-            other = ref(a64)
-        np.testing.assert_allclose(case.ref(a64), other, rtol=1e-12, atol=1e-12)
+    other = optable.OP[case.op].reference(a64, case.consts, geom)
+    np.testing.assert_allclose(case.ref(a64), other, rtol=1e-12, atol=1e-12)
 
     cpu = None
     if device != "cpu":
@@ -123,10 +66,7 @@ def _check(case, device, seed):
 
 def _make(op, geom, seed):
     case = S.make_case(op, np.random.default_rng(seed), **geom)
-    if op == "conv2d":
-        case._geom = (geom["stride"], geom["pad"])
-    elif op == "dwconv2d":
-        case._geom = (geom["stride"], geom["pad"], geom.get("dilation", 1))
+    if op == "dwconv2d":
         assert case.inputs["w"].shape[0] == geom["c"] * geom.get("mult", 1)
     return case
 
@@ -134,7 +74,7 @@ def _make(op, geom, seed):
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_gradcheck(device, case):
     op, geom = case
-    _check(_make(op, geom, 1234), device, 99)
+    _check(_make(op, geom, 1234), geom, device, 99)
 
 
 def test_every_op_with_a_backward_is_covered():
@@ -170,7 +110,7 @@ def test_gradcheck_random_conv_geometry(device, op, n, c, o, h, w, kh, kw, s, p,
         while d > 1 and (h + 2 * p < d * (kh - 1) + 1 or w + 2 * p < d * (kw - 1) + 1):
             d -= 1
         geom.update(dilation=d, mult=o)
-    _check(_make(op, geom, seed), device, seed + 1)
+    _check(_make(op, geom, seed), geom, device, seed + 1)
 
 
 @pytest.mark.parametrize("factor", [1.001, 0.0])

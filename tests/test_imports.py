@@ -4,7 +4,8 @@
     -> package facade (__init__) -> onnx_export, images, loader -> models, data, transforms
     -> optim, blocks, sync_batchnorm -> layers -> functional -> tensor -> dlpack -> _args
     -> _errors -> _lib; reference (float64 numpy references of the ops, for selftest and the
-    tests) imports nothing of the package
+    tests) imports nothing of the package; optable (the op table the self-check and the tests
+    draw their cases from) sits above the facade, below selftest
 
 Every import of a package module, at the top of a file or inside a function (a lazy import is
 still an import), must name a module strictly below the importer; so there is no upward import
@@ -33,6 +34,7 @@ LAYERS = [
     ["models", "data", "transforms", "shm_ring"],
     ["onnx_export", "images", "loader"],
     ["__init__"],
+    ["optable"],
     ["distributed", "launch", "torch", "train_data"],
     ["train_dist"],
     ["train", "selftest"],

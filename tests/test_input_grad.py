@@ -14,7 +14,7 @@ import pytest
 
 import utensil_ffi as ut
 from utensil_ffi import distributed as D
-from utensil_ffi import models
+from utensil_ffi import models, optable
 from utensil_ffi.layers import _backward_params_only
 
 from thread_group import run_ranks
@@ -59,20 +59,21 @@ class _CountCBackward:
         monkeypatch.setattr(ut.Conv2d, "_c_backward", staticmethod(counted))
 
 
-@pytest.mark.parametrize("geom", [
-    dict(cin=3, cout=4, k=3, stride=2, padding=1, bias=True, hw=(9, 7), n=2),   # im2col, col2im
-    dict(cin=4, cout=5, k=1, stride=1, padding=0, bias=True, hw=(4, 4), n=3),   # batch-merged 1x1
-    dict(cin=4, cout=5, k=1, stride=1, padding=0, bias=False, hw=(16, 16), n=1),  # 1x1 per image
-    dict(cin=3, cout=2, k=1, stride=2, padding=0, bias=True, hw=(5, 5), n=2),   # strided 1x1
-], ids=["3x3s2p1", "1x1-merged", "1x1", "1x1s2"])
+# conv2d's samples marked "params_only" in the op table (utensil_ffi/optable.py): 3x3 s2 p1
+# (im2col, col2im), 1x1 merged over the batch, 1x1 per image without bias, strided 1x1
+PARAMS_ONLY = optable.OP["conv2d"].samples_for("params_only")
+
+
+@pytest.mark.parametrize("geom", [s.geom for s in PARAMS_ONLY], ids=[s.name for s in PARAMS_ONLY])
 def test_conv2d_params_only(device, geom, monkeypatch):
     ut.seed(1)
-    conv = ut.Conv2d(geom["cin"], geom["cout"], geom["k"], stride=geom["stride"],
-                     padding=geom["padding"], bias=geom["bias"], device=device)
-    h, w = geom["hw"]
-    k, s, p = geom["k"], geom["stride"], geom["padding"]
-    shape = (geom["n"], geom["cout"], (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1)
-    with ut.randn((geom["n"], geom["cin"], h, w), device=device) as x:
+    op = optable.OP["conv2d"]
+    conv = op.make(geom, device)
+    gm = op.geometry(**geom)
+    n, cout, h, w = gm["n"], gm["o"], gm["h"], gm["w"]
+    kh, kw, s, p = gm["kh"], gm["kw"], gm["stride"], gm["pad"]
+    shape = (n, cout, (h + 2 * p - kh) // s + 1, (w + 2 * p - kw) // s + 1)
+    with ut.randn(op.shapes(geom)["x"], device=device) as x:
         with ut.randn(shape, device=device) as g:
             full, part, r = _both_ways(conv, x, g)
             # and the dx path really is skipped: the full C backward is not called

@@ -13,30 +13,22 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import models
+from utensil_ffi import models, optable
 from utensil_ffi import reference as R
 
-# -- the float64 reference, built from utensil_ffi.reference ------------------------------------
-
-
+# -- the float64 reference, built from the op table's references (utensil_ffi.reference) ---------
 def _apply(layer, params, i, h):
-    """Layer ``i`` of the network on h, in float64, with the weights in ``params``."""
-    w, b = params.get("%d.weight" % i), params.get("%d.bias" % i)
-    if isinstance(layer, ut.DWConv2d):
-        # the state dict holds PyTorch's depthwise layout [C, 1, kh, kw]
-        return R.dwconv2d(h, w.reshape((w.shape[0],) + w.shape[2:]), b, layer.stride,
-                          layer.padding)
-    if isinstance(layer, ut.Conv2d):
-        return R.conv2d(h, w, b, layer.stride, layer.padding)
-    if isinstance(layer, ut.BatchNorm2d):
-        return R.batchnorm2d_train(h, w, b, layer.eps)[0]  # batch statistics, as in training
-    if isinstance(layer, ut.ReLU6):
-        return R.relu6(h)
-    if isinstance(layer, ut.GlobalAvgPool2d):
-        return R.global_avg_pool2d(h)
-    if isinstance(layer, ut.Linear):
-        return R.linear(h, w, b)
-    raise TypeError(layer)
+    """Layer ``i`` of the network on h, in float64, with the weights in ``params``: the op
+    table's float64 reference of the layer's op (utensil_ffi/optable.py; KeyError for a layer
+    the table does not know)."""
+    op = optable.for_layer(layer)
+    a = {"x": h, "w": params.get("%d.weight" % i), "b": params.get("%d.bias" % i)}
+    if op.name == "dwconv2d":  # the state dict holds PyTorch's depthwise layout [C, 1, kh, kw]
+        a["w"] = a["w"].reshape((a["w"].shape[0],) + a["w"].shape[2:])
+    geom = op.geometry_of(layer)
+    if op.name == "batchnorm2d":
+        geom["training"] = True  # the batch statistics, as in training
+    return op.reference(a, {}, geom)
 
 
 def ref_forward(net, params, x, labels, relu6_inputs=None):

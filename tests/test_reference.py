@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import utensil_ffi as ut
 from tolerances import assert_close
+from utensil_ffi import optable
 from utensil_ffi import reference as R
 
 f32 = np.float32
@@ -471,6 +472,11 @@ def test_reference_matches_pytorch(torch):
         _same("linear " + name, r, t)
     _same("matmul", R.matmul(xl, wl.T), (torch.tensor(xl) @ torch.tensor(wl.T)).numpy())
     _same("transpose", R.transpose(x, 1, -1), torch.tensor(x).transpose(1, -1).numpy())
+    tx, bc = torch.tensor(x), x[1, :, 2, 3]  # a bias of x's 3 channels
+    _same("add", R.add(x, 2 * x), torch.add(tx, 2 * tx).numpy())
+    _same("scale", R.scale(x, -2.5), tx.mul(-2.5).numpy())
+    _same("bias_add", R.bias_add(x, bc), (tx + torch.tensor(bc)[None, :, None, None]).numpy())
+    _same("bias_add [N, C]", R.bias_add(xl, xl[0]), (torch.tensor(xl) + torch.tensor(xl[0])).numpy())
 
     xn, g, b = rng.standard_normal((2, 3, 5)) * 3 + 1, rng.standard_normal(5) + 1, rng.standard_normal(5)
     go = rng.standard_normal(xn.shape)
@@ -541,16 +547,11 @@ def test_reference_matches_pytorch(torch):
 
 
 # -- every GPU layer against the same layer on the CPU ---------------------------------------------
-GPU_CASES = [
-    ("conv2d s2 p1 3x2", lambda d: ut.Conv2d(3, 5, (3, 2), stride=2, padding=1, device=d), (2, 3, 9, 8)),
-    ("conv2d 1x1", lambda d: ut.Conv2d(4, 6, 1, device=d), (3, 4, 5, 5)),
-    ("dwconv2d s2 p2 5x3", lambda d: ut.DWConv2d(4, (5, 3), stride=2, padding=2, device=d), (2, 4, 11, 7)),
-    ("dwconv2d d2 m3 s2 p3 3x5", lambda d: ut.DWConv2d(3, (3, 5), stride=2, padding=3, device=d,
-                                                       dilation=2, out_channels=9), (2, 3, 11, 9)),
-    ("linear", lambda d: ut.Linear(33, 17, device=d), (9, 33)),
-    ("layernorm", lambda d: ut.LayerNorm(7, device=d), (3, 5, 7)),
-    ("batchnorm2d", lambda d: ut.BatchNorm2d(4, device=d), (3, 4, 5, 7)),
-]
+# (name, make(device), input shape): the op table's samples marked "cuda_vs_cpu"
+# (utensil_ffi/optable.py): conv2d s2 p1 3x2 and 1x1, depthwise s2 p2 5x3 and d2 m3 s2 p3 3x5,
+# linear, layernorm, batchnorm2d
+GPU_CASES = [(s.name, (lambda d, op=op, g=s.geom: op.make(g, d)), op.shapes(s.geom)["x"])
+             for op, s in optable.samples("cuda_vs_cpu")]
 
 
 @pytest.mark.skipif(not ut.cuda_available(), reason="needs a GPU")

@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = [
     "conv2d", "conv2d_backward", "dwconv2d", "dwconv2d_backward", "linear", "linear_backward",
-    "matmul", "transpose", "layernorm", "layernorm_backward", "batchnorm2d_train",
+    "matmul", "transpose", "add", "scale", "bias_add", "layernorm", "layernorm_backward", "batchnorm2d_train",
     "batchnorm2d_eval", "batchnorm2d_backward", "batchnorm2d_eval_backward",
     "batchnorm2d_running_stats", "relu", "relu6", "relu_backward", "relu6_backward",
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
@@ -132,6 +132,22 @@ def matmul(a, b):
 def transpose(x, d0, d1):
     """x with dimensions d0 and d1 swapped (negative dimensions count from the end)."""
     return np.swapaxes(x, d0, d1)
+
+
+# -- in-place tensor arithmetic, as new arrays ------------------------------------------------------
+def add(a, b):
+    """a + b, both of one shape (``add``, ``add_``)."""
+    return a + b
+
+
+def scale(x, alpha):
+    """alpha * x (``scale_``, ``Tensor.mul_``)."""
+    return alpha * x
+
+
+def bias_add(x, b):
+    """x: [N, C, ...], b: [C] -> x + b along dimension 1 (``bias_add_``)."""
+    return x + b.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
 # -- normalization ----------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ Each number is a normalized error ||got - want||_2 / ||want||_2, the worst over 
 outputs and gradients (x, weight, bias). The bounds are in BOUNDS below. It prints one table
 and exits 0 if every row passes, 1 otherwise. It needs only numpy and the library itself.
 
-The case builders (CASES, make_case) are also used by the test suite (tests/test_gradcheck.py).
+The cases come from the op table (utensil_ffi/optable.py: each op's samples marked "selftest",
+its float64 reference and how to call it); the test suite draws its own from the same table
+(tests/test_gradcheck.py through CASES and make_case).
 """
 
 import argparse
@@ -34,7 +36,9 @@ import time
 
 import numpy as np
 
+from . import optable
 from . import reference as R
+from .optable import Case
 
 __all__ = ["BOUNDS", "CASES", "Case", "make_case", "default_cases", "check_case", "nerr", "main"]
 
@@ -58,239 +62,11 @@ def nerr(got, want):
     return num / den if den > 0 else num
 
 
-# -- cases ----------------------------------------------------------------------------------------
-class Case:
-    """One op on one set of inputs.
-
-    ``inputs``: name -> float32 array, the differentiable inputs (x, w, b or pred/logits);
-    ``ref(inputs64)``: the float64 forward; ``open(device)``: a runner with
-    ``forward(inputs) -> y`` and ``backward(inputs, go) -> (y, {name: grad})``, then ``close()``.
-    """
-
-    def __init__(self, op, desc, inputs, ref, opener):
-        self.op = op
-        self.desc = desc
-        self.inputs = inputs
-        self.ref = ref
-        self._opener = opener
-
-    def open(self, device):
-        return self._opener(device)
-
-    def __repr__(self):
-        return "Case(%s %s)" % (self.op, self.desc)
-
-
-class _Runner:
-    """Holds a layer for repeated forward/backward calls with given parameter values."""
-
-    def __init__(self, layer, device, names=("x", "w", "b")):
-        self.layer = layer
-        self.device = device
-        self.names = names
-
-    def _load(self, inputs):
-        import utensil_ffi as ut
-
-        if "w" in inputs:
-            self.layer.weight.copy_from(inputs["w"])
-        if "b" in inputs and self.layer.bias is not None:
-            self.layer.bias.copy_from(inputs["b"])
-        return ut.tensor(inputs["x"], self.device)
-
-    def forward(self, inputs):
-        x = self._load(inputs)
-        with x, self.layer(x) as y:
-            return y.numpy().astype(np.float64)
-
-    def backward(self, inputs, go):
-        import utensil_ffi as ut
-
-        x = self._load(inputs)
-        self.layer.zero_grad()
-        with x, self.layer(x) as y, ut.tensor(go, self.device) as g:
-            out = y.numpy().astype(np.float64)
-            with self.layer.backward(g) as dx:
-                grads = {"x": dx.numpy().astype(np.float64)}
-        if "w" in inputs:
-            grads["w"] = self.layer.weight.grad.numpy().astype(np.float64)
-        if "b" in inputs:
-            grads["b"] = self.layer.bias.grad.numpy().astype(np.float64)
-        return out, grads
-
-    def close(self):
-        self.layer.close()
-
-
-class _FnRunner:
-    """For ops without parameters: fwd(x_tensor) -> Tensor, bwd(go_tensor, x_tensor) -> Tensor."""
-
-    def __init__(self, device, fwd, bwd):
-        self.device, self.fwd, self.bwd = device, fwd, bwd
-
-    def forward(self, inputs):
-        import utensil_ffi as ut
-
-        with ut.tensor(inputs["x"], self.device) as x, self.fwd(x) as y:
-            return y.numpy().astype(np.float64)
-
-    def backward(self, inputs, go):
-        import utensil_ffi as ut
-
-        with ut.tensor(inputs["x"], self.device) as x, self.fwd(x) as y:
-            out = y.numpy().astype(np.float64)
-            with ut.tensor(go, self.device) as g, self.bwd(g, x) as dx:
-                return out, {"x": dx.numpy().astype(np.float64)}
-
-    def close(self):
-        pass
-
-
-def _f32(rng, *shape, scale=1.0, shift=0.0):
-    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
-
-
-def _away_from(x, points, gap):
-    """Move values within `gap` of any kink in `points` out to distance `gap` (so FD is smooth)."""
-    x = x.copy()
-    for p in points:
-        d = x - p
-        near = np.abs(d) < gap
-        x[near] = p + np.where(d[near] >= 0, gap, -gap)
-    return x
-
-
-def case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1):
-    import utensil_ffi as ut
-
-    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, o, c, kh, kw, scale=0.5), "b": _f32(rng, o)}
-    return Case(
-        "conv2d", "x[%d,%d,%d,%d] k%dx%d s%d p%d o%d" % (n, c, h, w, kh, kw, stride, pad, o), inputs,
-        lambda a: R.conv2d(a["x"], a["w"], a["b"], stride, pad),
-        lambda dev: _Runner(ut.Conv2d(c, o, (kh, kw), stride=stride, padding=pad, device=dev), dev))
-
-
-def case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1, dilation=1, mult=1):
-    """Depthwise, with taps `dilation` apart and `mult` filters per input channel (out_channels
-    c * mult); the description names the two only where they are not 1."""
-    import utensil_ffi as ut
-
-    o = c * mult
-    inputs = {"x": _f32(rng, n, c, h, w), "w": _f32(rng, o, kh, kw, scale=0.5), "b": _f32(rng, o)}
-    desc = "x[%d,%d,%d,%d] k%dx%d s%d p%d" % (n, c, h, w, kh, kw, stride, pad)
-    if dilation != 1 or mult != 1:
-        desc += " d%d m%d" % (dilation, mult)
-    return Case(
-        "dwconv2d", desc, inputs,
-        lambda a: R.dwconv2d(a["x"], a["w"], a["b"], stride, pad, dilation),
-        lambda dev: _Runner(ut.DWConv2d(c, (kh, kw), stride=stride, padding=pad, device=dev,
-                                        dilation=dilation, out_channels=o), dev))
-
-
-def case_linear(rng, n=3, i=5, o=4):
-    import utensil_ffi as ut
-
-    inputs = {"x": _f32(rng, n, i), "w": _f32(rng, o, i, scale=0.5), "b": _f32(rng, o)}
-    return Case("linear", "x[%d,%d] o%d" % (n, i, o), inputs,
-                lambda a: R.linear(a["x"], a["w"], a["b"]),
-                lambda dev: _Runner(ut.Linear(i, o, device=dev), dev))
-
-
-def case_layernorm(rng, shape=(3, 2, 7), eps=1e-5):
-    import utensil_ffi as ut
-
-    d = shape[-1]
-    inputs = {"x": _f32(rng, *shape, scale=2.0, shift=0.5), "w": _f32(rng, d, shift=1.0),
-              "b": _f32(rng, d)}
-    return Case("layernorm", "x%s" % (list(shape),), inputs,
-                lambda a: R.layernorm(a["x"], a["w"], a["b"], eps),
-                lambda dev: _Runner(ut.LayerNorm(d, eps=eps, device=dev), dev))
-
-
-def case_batchnorm2d(rng, n=2, c=3, h=3, w=4, eps=1e-5):
-    import utensil_ffi as ut
-
-    inputs = {"x": _f32(rng, n, c, h, w, scale=2.0, shift=0.5), "w": _f32(rng, c, shift=1.0),
-              "b": _f32(rng, c)}
-    return Case("batchnorm2d", "train x[%d,%d,%d,%d]" % (n, c, h, w), inputs,
-                lambda a: R.batchnorm2d_train(a["x"], a["w"], a["b"], eps)[0],
-                lambda dev: _Runner(ut.BatchNorm2d(c, eps=eps, device=dev).train(), dev))
-
-
-def case_global_avg_pool2d(rng, n=2, c=3, h=5, w=3):
-    import utensil_ffi as ut
-
-    def bwd(g, x):
-        return ut.global_avg_pool2d_backward(g, h, w)
-
-    return Case("global_avg_pool2d", "x[%d,%d,%d,%d]" % (n, c, h, w), {"x": _f32(rng, n, c, h, w)},
-                lambda a: R.global_avg_pool2d(a["x"]),
-                lambda dev: _FnRunner(dev, ut.global_avg_pool2d, bwd))
-
-
-def case_relu(rng, shape=(2, 3, 4)):
-    import utensil_ffi as ut
-
-    x = _away_from(_f32(rng, *shape, scale=2.0), [0.0], 0.05)
-    return Case("relu", "x%s" % (list(shape),), {"x": x}, lambda a: R.relu(a["x"]),
-                lambda dev: _FnRunner(dev, ut.relu, ut.relu_backward))
-
-
-def case_relu6(rng, shape=(2, 3, 4)):
-    import utensil_ffi as ut
-
-    x = rng.uniform(-2.0, 8.0, size=shape).astype(np.float32)
-    x = _away_from(x, [0.0, 6.0], 0.05)
-    return Case("relu6", "x%s" % (list(shape),), {"x": x}, lambda a: R.relu6(a["x"]),
-                lambda dev: _FnRunner(dev, ut.relu6, ut.relu6_backward))
-
-
-def case_mse(rng, shape=(3, 5)):
-    import utensil_ffi as ut
-
-    target = _f32(rng, *shape)
-
-    def fwd(p):
-        return ut.mse_loss(p, target)
-
-    def bwd(g, p):  # the loss backward is d loss / d pred; chain with the upstream scalar
-        d = ut.mse_loss_backward(p, target)
-        return d.mul_(float(g.numpy().reshape(-1)[0]))
-
-    return Case("mse_loss", "pred%s" % (list(shape),), {"x": _f32(rng, *shape)},
-                lambda a: R.mse_loss(a["x"], target.astype(np.float64)),
-                lambda dev: _FnRunner(dev, fwd, bwd))
-
-
-def case_cross_entropy(rng, n=4, k=5):
-    import utensil_ffi as ut
-
-    labels = rng.integers(0, k, size=n)
-
-    def fwd(z):
-        return ut.cross_entropy(z, labels)
-
-    def bwd(g, z):
-        d = ut.cross_entropy_backward(z, labels)
-        return d.mul_(float(g.numpy().reshape(-1)[0]))
-
-    return Case("softmax_cross_entropy", "logits[%d,%d]" % (n, k), {"x": _f32(rng, n, k, scale=2.0)},
-                lambda a: R.cross_entropy(a["x"], labels),
-                lambda dev: _FnRunner(dev, fwd, bwd))
-
-
-CASES = {
-    "conv2d": case_conv2d,
-    "dwconv2d": case_dwconv2d,
-    "batchnorm2d": case_batchnorm2d,
-    "layernorm": case_layernorm,
-    "linear": case_linear,
-    "global_avg_pool2d": case_global_avg_pool2d,
-    "relu": case_relu,
-    "relu6": case_relu6,
-    "softmax_cross_entropy": case_cross_entropy,
-    "mse_loss": case_mse,
-}
+# -- cases: drawn from the op table (utensil_ffi/optable.py) ------------------------------------
+# Each op with a backward (optable.OPS in table order) and its builder: CASES[op](rng, **geometry)
+# -> a Case with float32 inputs, the float64 reference and a runner; the geometry not given is
+# the table's default for the op.
+CASES = {op.name: op.case for op in optable.OPS if op.gradcheck}
 
 
 def make_case(op, rng, **geometry):
@@ -298,23 +74,9 @@ def make_case(op, rng, **geometry):
 
 
 def default_cases(rng):
-    """The self-check's cases: one or two geometries per op (stride 1 and 2, padding, kh != kw;
-    depthwise also with dilation and a channel multiplier)."""
-    return [
-        case_conv2d(rng, n=2, c=3, o=4, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
-        case_conv2d(rng, n=2, c=2, o=3, h=5, w=5, kh=2, kw=3, stride=1, pad=2),
-        case_dwconv2d(rng, n=2, c=3, h=7, w=6, kh=3, kw=2, stride=2, pad=1),
-        case_dwconv2d(rng, n=2, c=2, h=5, w=4, kh=3, kw=3, stride=1, pad=0),
-        case_dwconv2d(rng, n=2, c=2, h=8, w=7, kh=3, kw=2, stride=2, pad=2, dilation=3, mult=2),
-        case_batchnorm2d(rng),
-        case_layernorm(rng),
-        case_linear(rng),
-        case_global_avg_pool2d(rng),
-        case_relu(rng),
-        case_relu6(rng),
-        case_cross_entropy(rng),
-        case_mse(rng),
-    ]
+    """The self-check's cases: the table's "selftest" samples, one or two geometries per op
+    (stride 1 and 2, padding, kh != kw; depthwise also with dilation and a channel multiplier)."""
+    return [op.case(rng, **s.geom) for op, s in optable.samples("selftest")]
 
 
 # -- the checks -----------------------------------------------------------------------------------
