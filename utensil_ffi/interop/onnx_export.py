@@ -17,10 +17,10 @@ import uuid
 
 import numpy as np
 
-from . import _args
-from ._errors import ArgumentError, ArgumentTypeError, ShapeError
-from .blocks import Residual
-from .layers import (BatchNorm2d, Conv2d, DWConv2d, GlobalAvgPool2d, Linear, Module, ReLU,
+from .. import _args
+from .._errors import ArgumentError, ArgumentTypeError, ShapeError
+from ..nn.blocks import Residual
+from ..nn.module import (BatchNorm2d, Conv2d, DWConv2d, GlobalAvgPool2d, Linear, Module, ReLU,
                      ReLU6, Sequential)
 
 __all__ = ["export_onnx"]

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from ._errors import UtensilError
+from .._errors import UtensilError
 from .train import CheckpointError, build_network, load_checkpoint
 
 __all__ = ["main", "PROG", "load_network"]
@@ -49,7 +49,7 @@ def load_network(path, device="cpu"):
 def _max_difference(net, path, shape, batch=4, seed=0):
     import onnxruntime as ort
 
-    from .tensor import tensor
+    from ..tensor import tensor
 
     x = np.random.default_rng(seed).standard_normal((batch,) + tuple(shape)).astype(np.float32)
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -72,7 +72,7 @@ def main(argv=None):
                    help="largest allowed difference from utensil's forward (default 1e-4)")
     a = p.parse_args(argv)
     try:
-        from .onnx_export import export_onnx
+        from ..interop.onnx_export import export_onnx
 
         net, meta = load_network(a.checkpoint)
         try:

@@ -24,7 +24,7 @@ definition); see its docstring for its layout and state_dict keys.
 """
 
 from .blocks import Residual
-from .layers import (
+from .module import (
     BatchNorm2d,
     Conv2d,
     DWConv2d,

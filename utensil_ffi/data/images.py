@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data import DataError
+from .datasets import DataError
 from .transforms import CenterCrop, Compose, Normalize, RandomHorizontalFlip
 from .transforms import RandomResizedCrop, Resize, ToArray, is_random
 

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from . import data as _data
+from .. import data as _data
 
 __all__ = ["TrainData", "open_data", "arrays"]
 
@@ -87,7 +87,7 @@ class _Folder(TrainData):
         self._loaders = {}
 
     def _loader(self, which, batch_size, seed, share):
-        from .loader import Loader
+        from ..data.loader import Loader
 
         key = (which, batch_size, seed)
         # kept across epochs: the workers are started once, and load the next epoch's (the
@@ -142,7 +142,7 @@ def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_
     if path is None:
         return _Arrays(_data.load_digits())
     if os.path.isdir(path):
-        from .images import load_folder
+        from ..data.images import load_folder
 
         return _Folder(load_folder(path, image_size=image_size, augment=augment,
                                    on_error=on_error, cache=cache), workers, timeout)

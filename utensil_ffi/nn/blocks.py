@@ -11,11 +11,11 @@ The block is the public attribute ``block``, so its parameters are named ``block
 ``self.block`` would name them.
 """
 
-from . import _args
-from ._errors import ShapeError
-from .functional import add
-from .layers import _Wrapper, _backward_params_only, _takes_input_grad
-from .tensor import Tensor
+from .. import _args
+from .._errors import ShapeError
+from ..functional import add
+from ..tensor import Tensor
+from .module import _Wrapper, _backward_params_only, _takes_input_grad
 
 __all__ = ["Residual"]
 

@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from ._errors import UtensilError
-from .data import DataError
+from .._errors import UtensilError
+from ..data import DataError
 from .train import CheckpointError
 
 __all__ = ["main", "PROG", "prepare", "predict"]
@@ -28,8 +28,8 @@ PROG = "utensil-predict"
 
 def prepare(path, data_info):
     """The image at ``path`` as a float32 [C, H, W] array, prepared as in training."""
-    from . import transforms as T
-    from .images import open_image
+    from ..data import transforms as T
+    from ..data.images import open_image
 
     c, h, w = data_info["image_shape"]
     img = open_image(path, "L" if c == 1 else "RGB")
@@ -42,7 +42,7 @@ def prepare(path, data_info):
 
 def predict(net, batch, device="cpu"):
     """Softmax probabilities [N, classes] of ``net`` (eval mode) for a float32 batch."""
-    from .tensor import tensor
+    from ..tensor import tensor
 
     with tensor(batch, device) as x:
         logits = net(x)

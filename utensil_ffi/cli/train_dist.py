@@ -44,8 +44,8 @@ class Dist:
 
     def wrap(self, net):
         """``net`` as every rank's one model: DDP, with SyncBatchNorm unless sync_bn is off."""
-        from .distributed import DistributedDataParallel
-        from .sync_batchnorm import SyncBatchNorm
+        from ..distributed import DistributedDataParallel
+        from ..nn.sync_batchnorm import SyncBatchNorm
 
         if self.sync_bn:
             SyncBatchNorm.convert_sync_batchnorm(net, self.group)
@@ -103,7 +103,7 @@ def bind_local_gpu(local_rank, environ=None):
 
 def connect(sync_bn=True):
     """Join the run the environment describes (NCCL over the bootstrap at MASTER_ADDR)."""
-    from .distributed import ProcessGroup, env_from_environ
+    from ..distributed import ProcessGroup, env_from_environ
 
     env = env_from_environ()
     bind_local_gpu(env.local_rank)

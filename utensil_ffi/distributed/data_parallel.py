@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _args
-from . import functional as F
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DistributedError
-from ._errors import check, check_status
-from ._lib import ffi, lib
-from . import cuda as _cuda
-from .layers import _backward_params_only, _takes_input_grad
-from .tensor import Tensor, zeros
+from .. import _args
+from .. import cuda as _cuda
+from .. import functional as F
+from .._errors import ArgumentError, ArgumentTypeError, ClosedError, DistributedError
+from .._errors import check, check_status
+from .._lib import ffi, lib
+from ..nn.module import _backward_params_only, _takes_input_grad
+from ..tensor import Tensor, zeros
 
 __all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "ProcessGroup",
            "DistributedDataParallel", "GradientBuffer", "DistributedSampler", "nccl_info"]

@@ -30,18 +30,18 @@ import time
 
 import numpy as np
 
-from . import data as _data
+from .. import data as _data
+from .._errors import ArgumentError, ShapeError, UtensilError
+from ..blas import get_float32_matmul_precision, set_float32_matmul_precision
+from ..functional import cross_entropy, cross_entropy_backward
+from ..nn import models as _models
+from ..nn.amp import MixedPrecision
+from ..nn.module import _backward_params_only
+from ..optim import SGD, Adam
+from ..tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
+from ..tensor import set_num_threads, zeros
 from . import train_data as _train_data
 from . import train_dist as _dist
-from . import models as _models
-from ._errors import ArgumentError, ShapeError, UtensilError
-from .amp import MixedPrecision
-from .blas import get_float32_matmul_precision, set_float32_matmul_precision
-from .functional import cross_entropy, cross_entropy_backward
-from .layers import _backward_params_only
-from .optim import SGD, Adam
-from .tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
-from .tensor import set_num_threads, zeros
 
 __all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "CheckpointError", "PROG"]
 
@@ -880,7 +880,7 @@ def main(argv=None, out=None):
             if args.device == "cpu":
                 parser.error("--nproc-per-node %d: several processes train on GPUs (NCCL); "
                              "--device cpu runs one" % args.nproc_per_node)
-            from .launch import run as launch
+            from ..distributed.launch import run as launch
 
             return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.train"]
                           + _dist.strip_nproc_flag(argv))

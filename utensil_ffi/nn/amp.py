@@ -25,10 +25,10 @@ on float32 values rounded after each op (the same kind of numbers, no faster): u
 check a model, not for speed.
 """
 
-from . import _args
-from . import dtypes as _dtypes
-from .layers import _Wrapper, _backward_params_only, _takes_input_grad
-from .tensor import Tensor
+from .. import _args
+from .. import dtypes as _dtypes
+from ..tensor import Tensor
+from .module import _Wrapper, _backward_params_only, _takes_input_grad
 
 __all__ = ["MixedPrecision"]
 

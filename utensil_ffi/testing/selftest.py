@@ -465,7 +465,7 @@ def run(devices=None, seed=0, fd32=True, out=None):
 
 
 def _backend(dev):
-    from ._lib import ffi, lib
+    from .._lib import ffi, lib
 
     return ffi.string(lib.ut_backend_name(lib.UT_CUDA if dev == "cuda" else lib.UT_CPU)).decode()
 

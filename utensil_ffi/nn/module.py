@@ -33,14 +33,14 @@ import weakref
 
 import numpy as np
 
-from . import _args
-from . import dtypes as _dtypes
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
-from ._errors import check, check_ptr
-from ._lib import ffi, lib
-from . import functional as _F
-from .functional import _Args, fail
-from .tensor import _EXITING, Tensor, _hold, _let_go, zeros
+from .. import _args
+from .. import dtypes as _dtypes
+from .._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
+from .._errors import check, check_ptr
+from .._lib import ffi, lib
+from .. import functional as _F
+from ..functional import _Args, fail
+from ..tensor import _EXITING, Tensor, _hold, _let_go, zeros
 
 _wrap = Tensor._wrap
 _NULL = ffi.NULL
@@ -127,7 +127,7 @@ class Parameter(Tensor):
         return self.__deepcopy__({})
 
     def __reduce_ex__(self, protocol):
-        from .tensor import _host_copy
+        from ..tensor import _host_copy
 
         return (_rebuild_parameter,
                 (_host_copy(self), self.device, getattr(self, "name", None),
@@ -144,7 +144,7 @@ def _new_parameter(name):
 
 def _rebuild_parameter(data, device, name, grad):
     """Unpickle a Parameter (see Parameter.__reduce_ex__)."""
-    from .tensor import _unpickle_device
+    from ..tensor import _unpickle_device
 
     _unpickle_device(device)
     t = Tensor(data, device)
@@ -464,7 +464,7 @@ def _zero_grads(params, set_to_none):
         for p in params:
             p.grad = None  # not closed: the caller may still hold it, as in PyTorch
     else:
-        from .functional import fill_many
+        from ..functional import fill_many
 
         fill_many(grads, 0.0)  # one C call for all (a few launches on the GPU)
 
@@ -553,7 +553,7 @@ def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
     Parameters and Tensors (so an optimizer pickled or deep-copied together with the layer keeps
     pointing at the layer's parameters); no random initialization runs.
     """
-    from .tensor import _unpickle_device
+    from ..tensor import _unpickle_device
 
     _unpickle_device(device)
     own = dict(tensors, weight=weight, bias=bias)

@@ -7,9 +7,9 @@ the per-channel moments over the ranks (two all-reduces of C + 1 floats in forwa
 normalizes with the statistics of the whole global batch, as one process would.
 """
 
-from ._errors import ArgumentTypeError
-from ._lib import ffi, lib
-from .layers import BatchNorm2d, Module
+from .._errors import ArgumentTypeError
+from .._lib import ffi, lib
+from .module import BatchNorm2d, Module
 
 __all__ = ["SyncBatchNorm"]
 
@@ -55,7 +55,7 @@ class SyncBatchNorm(BatchNorm2d):
                                      onerror=self._reduce_failed)
 
     def _reduce_in_python(self, ctx, t):
-        from .tensor import Tensor
+        from ..tensor import Tensor
 
         with Tensor._borrow(t) as view:
             self._sync_group.all_reduce(view, "sum")

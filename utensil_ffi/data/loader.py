@@ -87,9 +87,9 @@ from multiprocessing import connection
 
 import numpy as np
 
-from ._errors import UtensilError
-from .data import DataError
-from .data import batches as _batches
+from .._errors import UtensilError
+from .datasets import DataError
+from .datasets import batches as _batches
 from .shm_ring import Ring, attach
 
 __all__ = ["Loader", "LoaderError", "load_batch"]

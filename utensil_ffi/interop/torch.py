@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import check_ptr, check_status
-from ._lib import ffi, lib
-from .tensor import Tensor
+from .._errors import check_ptr, check_status
+from .._lib import ffi, lib
+from ..tensor import Tensor
 
 if not hasattr(torch.library, "custom_op"):  # torch.library.custom_op came with PyTorch 2.4
     raise ImportError("utensil_ffi.torch needs PyTorch 2.4 or newer (torch.library.custom_op); "
