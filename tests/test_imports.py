@@ -3,7 +3,7 @@
     CLIs (cli.predict -> cli.export -> cli.train, testing.selftest) -> cli.train_data/_dist
     -> distributed, interop.torch -> package facade (__init__) -> _compat -> data, interop
     -> optim, nn.models -> nn (the package) -> nn's layers -> functional -> tensor -> dlpack,
-    blas, cuda -> _args, dtypes -> _errors -> _lib; testing.reference (float64 numpy
+    blas, cuda -> _args, dtypes, _lifetime -> _errors -> _lib; testing.reference (float64 numpy
     references of the ops, for selftest and the tests) imports nothing of the package
 
 Every import of a package module, at the top of a file or inside a function (a lazy import is
@@ -32,7 +32,7 @@ LAYERS = [
     ["testing.reference"],
     ["_lib"],
     ["_errors"],
-    ["_args", "dtypes"],
+    ["_args", "dtypes", "_lifetime"],
     ["dlpack", "blas", "cuda"],
     ["tensor"],
     ["functional"],

@@ -21,7 +21,7 @@ The package, one floor a folder (imports go down only; ARCHITECTURE.md draws it)
     nn/           Module, the layers, MixedPrecision, Residual, SyncBatchNorm, models
     optim.py      SGD, Adam
     functional.py, tensor.py, dtypes.py, cuda.py, blas.py, dlpack.py   the core: ops and tensors
-    _args.py, _errors.py, _lib.py                                      the binding underneath
+    _lifetime.py, _args.py, _errors.py, _lib.py                        the binding underneath
     testing/      the float64 reference, the self-check
 
 The flat package's module paths (utensil_ffi.layers, python -m utensil_ffi.train, ...) still

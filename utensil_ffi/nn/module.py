@@ -27,8 +27,6 @@ serialized per layer. ``close()`` from another thread waits for the calls in fli
 
 import copy
 import inspect
-import itertools
-import threading
 import weakref
 
 import numpy as np
@@ -40,7 +38,8 @@ from .._errors import check, check_ptr
 from .._lib import ffi, lib
 from .. import functional as _F
 from ..functional import _Args, fail
-from ..tensor import _EXITING, Tensor, _hold, _let_go, zeros
+from .._lifetime import _PASS, _Handle, _State, _hold, _in_pass, _let_go
+from ..tensor import Tensor, zeros
 
 _wrap = Tensor._wrap
 _NULL = ffi.NULL
@@ -169,22 +168,6 @@ def _kernel(value, name):
         return _args.to_int(value[0], name, 1), _args.to_int(value[1], name, 1)
     k = _args.to_int(value, name, 1)
     return k, k
-
-
-# The outermost Module call running in each thread: layers tag what forward keeps with it.
-_PASS = threading.local()
-_pass_ids = itertools.count(1)
-
-
-def _in_pass(fn, args):
-    """fn(*args) as one outer call (unless one is running in this thread already)."""
-    if getattr(_PASS, "id", None) is not None:
-        return fn(*args)
-    _PASS.id = next(_pass_ids)
-    try:
-        return fn(*args)
-    finally:
-        _PASS.id = None
 
 
 def _takes_input_grad(fn):
@@ -579,171 +562,6 @@ def _rebuild_clayer(cls, scalars, tensors, weight, bias, device, state):
 
 
 _TENSOR_PTR = ffi.typeof("ut_tensor *")
-
-
-class _Stack:
-    """One thread's forward caches on one layer: entries [(pass id, cache, versions...)], the
-    first ``pos`` not yet differentiated. Freed with its thread (threading.local drops it)."""
-
-    __slots__ = ("owner", "entries", "pos", "__weakref__")
-
-    def __init__(self, owner):
-        self.owner = owner
-        self.entries = []
-        self.pos = 0
-
-    def __del__(self):
-        if self.entries and not _EXITING[0]:
-            self.owner.retire(self.entries)
-
-
-class _State:
-    """What a layer shares between threads: its forward caches (a _Stack per thread) and the
-    count of C calls in flight, which close() waits for. ``lock`` guards both and is held only
-    briefly; ``wlock`` serializes the calls that write the layer's tensors (backward's gradient
-    accumulation, BatchNorm2d's running statistics)."""
-
-    __slots__ = ("lock", "wlock", "busy", "idle", "tls", "stacks", "pending", "drop")
-
-    def __init__(self, drop):
-        self.lock = threading.Lock()
-        self.wlock = threading.Lock()
-        self.busy = 0
-        self.idle = None  # an Event while close() waits
-        self.tls = threading.local()
-        self.stacks = weakref.WeakSet()
-        self.pending = []  # entries to free once no call is in flight
-        self.drop = drop  # frees one entry
-
-    def push(self, entry):
-        """Keep ``entry`` for this thread's backward, dropping those of an earlier outer call."""
-        st = getattr(self.tls, "st", None)
-        if st is None:
-            st = self.tls.st = _Stack(self)
-            with self.lock:
-                self.stacks.add(st)
-        pid = entry[0]
-        with self.lock:
-            old = st.entries
-            if old and (pid is None or old[-1][0] != pid):
-                st.entries = [entry]
-            else:
-                old = ()
-                st.entries.append(entry)
-            st.pos = len(st.entries)
-        if old:
-            self.retire(old)
-
-    def take(self):
-        """This thread's next entry to differentiate (the last forward's first), counted as in
-        flight (call leave() after); None if there is none. Once all were used the walk starts
-        over, so a backward can be repeated."""
-        st = getattr(self.tls, "st", None)
-        with self.lock:
-            if st is None or not st.entries:
-                return None
-            if st.pos == 0:
-                st.pos = len(st.entries)
-            st.pos -= 1
-            self.busy += 1
-            return st.entries[st.pos]
-
-    def untake(self):
-        """Undo this thread's last take(): a backward refused before it computed anything
-        leaves the walk where it was (a layer used twice would else pair the next backward with
-        the other use's forward)."""
-        st = getattr(self.tls, "st", None)
-        with self.lock:
-            if st is not None and st.pos < len(st.entries):
-                st.pos += 1
-
-    def leave(self):
-        with self.lock:
-            self.busy -= 1
-            if self.busy:
-                return
-            old, self.pending = self.pending, []
-            idle = self.idle
-        if idle is not None:
-            idle.set()
-        for e in old:
-            self.drop(e)
-
-    def retire(self, entries):
-        """Free ``entries`` now, or once the calls in flight (which may use them) end."""
-        with self.lock:
-            if self.busy:
-                self.pending.extend(entries)
-                return
-        for e in entries:
-            self.drop(e)
-
-    def clear(self):
-        """Drop every thread's entries."""
-        with self.lock:
-            old = []
-            for st in list(self.stacks):
-                old += st.entries
-                st.entries = []
-                st.pos = 0
-        if old:
-            self.retire(old)
-
-    def wait_idle(self):
-        """Block until no call is in flight (the caller has made new calls impossible)."""
-        with self.lock:
-            if not self.busy:
-                return
-            if self.idle is None:
-                self.idle = threading.Event()
-            idle = self.idle
-        idle.wait()
-
-
-class _Handle:
-    """The C side of one layer: its struct and its forward caches, freed together.
-
-    Kept apart from the layer object so a finalizer can free it without keeping the layer alive.
-    Each forward that keeps a cache fills a fresh cache struct (the layer class's ``_c_cache``)
-    of its own, so concurrent forwards share nothing mutable.
-    """
-
-    __slots__ = ("s", "state", "_ctype", "_cache_free", "_free")
-
-    def __init__(self, cls, s):
-        self.s = s
-        self._ctype = cls._c_cache
-        self._cache_free = cls._c_cache_free
-        self._free = cls._c_free
-        self.state = _State(self._drop)
-
-    def new_cache(self):
-        return ffi.new(self._ctype)
-
-    def _drop(self, entry):
-        self._cache_free(entry[1])
-
-    def enter(self):
-        """The struct, counted as in flight (call state.leave() after); ClosedError if closed."""
-        st = self.state
-        with st.lock:
-            s = self.s
-            if s is not None:
-                st.busy += 1
-                return s
-        return None
-
-    def clear_cache(self):
-        self.state.clear()
-
-    def free(self):
-        """Make the layer unusable, wait for the calls in flight, then free its C side."""
-        with self.state.lock:
-            s, self.s = self.s, None
-        self.state.wait_idle()
-        self.state.clear()
-        if s is not None:
-            self._free(s)
 
 
 class _TensorField:
