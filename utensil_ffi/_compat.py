@@ -39,7 +39,8 @@ import types
 # was split, and the old name holds the union of their names)
 MOVED = {
     # nn: layers and networks
-    "layers": ("nn.module",),
+    "layers": ("nn.module", "nn.parameter", "nn._clayer", "nn.conv", "nn.linear", "nn.norm",
+               "nn.activation", "nn.pooling", "nn.container", "nn.loss", "_lifetime"),
     "amp": ("nn.amp",),
     "blocks": ("nn.blocks",),
     "sync_batchnorm": ("nn.sync_batchnorm",),

@@ -23,7 +23,8 @@ from . import _args
 from . import functional as _F
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
 from ._lib import lib
-from .nn.module import Module, Parameter
+from .nn.module import Module
+from .nn.parameter import Parameter
 from .tensor import Tensor, zeros
 
 __all__ = ["Optimizer", "SGD", "Adam"]

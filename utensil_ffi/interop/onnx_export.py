@@ -19,9 +19,14 @@ import numpy as np
 
 from .. import _args
 from .._errors import ArgumentError, ArgumentTypeError, ShapeError
+from ..nn.activation import ReLU, ReLU6
 from ..nn.blocks import Residual
-from ..nn.module import (BatchNorm2d, Conv2d, DWConv2d, GlobalAvgPool2d, Linear, Module, ReLU,
-                     ReLU6, Sequential)
+from ..nn.container import Sequential
+from ..nn.conv import Conv2d, DWConv2d
+from ..nn.linear import Linear
+from ..nn.module import Module
+from ..nn.norm import BatchNorm2d
+from ..nn.pooling import GlobalAvgPool2d
 
 __all__ = ["export_onnx"]
 

@@ -23,16 +23,13 @@ same architecture written as a PyTorch ``nn.Sequential`` (bench/compare_mobilene
 definition); see its docstring for its layout and state_dict keys.
 """
 
+from .activation import ReLU6
 from .blocks import Residual
-from .module import (
-    BatchNorm2d,
-    Conv2d,
-    DWConv2d,
-    GlobalAvgPool2d,
-    Linear,
-    ReLU6,
-    Sequential,
-)
+from .container import Sequential
+from .conv import Conv2d, DWConv2d
+from .linear import Linear
+from .norm import BatchNorm2d
+from .pooling import GlobalAvgPool2d
 
 __all__ = ["DEFAULT_BLOCKS", "V1_BLOCKS", "V2_BLOCKS", "mobilenet", "mobilenet_v1", "mobilenet_v2",
            "block_channels", "count_parameters"]

@@ -9,7 +9,8 @@ normalizes with the statistics of the whole global batch, as one process would.
 
 from .._errors import ArgumentTypeError
 from .._lib import ffi, lib
-from .module import BatchNorm2d, Module
+from .module import Module
+from .norm import BatchNorm2d
 
 __all__ = ["SyncBatchNorm"]
 
