@@ -1,7 +1,8 @@
 """The package's import graph: data flows one way (STYLE.md section 7).
 
-    CLIs (cli.predict -> cli.export -> cli.train, testing.selftest) -> cli.train_data/_dist
-    -> distributed, interop.torch -> package facade (__init__) -> _compat -> data, interop
+    CLIs (cli.predict -> cli.export -> cli.train, testing.selftest) -> cli.train_data,
+    cli.train_dist, cli.checkpoint -> distributed, interop.torch -> package facade (__init__)
+    -> _compat -> data, interop
     -> optim, nn.models -> nn (the package) -> nn's layers -> functional -> tensor -> dlpack,
     blas, cuda -> _args, dtypes, _lifetime -> _errors -> _lib; testing.reference (float64 numpy
     references of the ops, for selftest and the tests) imports nothing of the package
@@ -48,7 +49,7 @@ LAYERS = [
     ["__init__"],
     ["distributed.data_parallel", "distributed.launch", "interop.torch"],
     ["distributed"],
-    ["cli.train_data", "cli.train_dist"],
+    ["cli.train_data", "cli.train_dist", "cli.checkpoint"],
     ["cli.train", "testing.selftest"],
     ["cli.export"],
     ["cli.predict"],

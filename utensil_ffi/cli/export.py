@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 from .._errors import UtensilError
-from .train import CheckpointError, build_network, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint
+from .train import build_network
 
 __all__ = ["main", "PROG", "load_network"]
 

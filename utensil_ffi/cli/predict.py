@@ -19,7 +19,7 @@ import numpy as np
 
 from .._errors import UtensilError
 from ..data import DataError
-from .train import CheckpointError
+from .checkpoint import CheckpointError
 
 __all__ = ["main", "PROG", "prepare", "predict"]
 

@@ -22,7 +22,6 @@ runs without it), matplotlib for ``--plot``.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,12 +41,12 @@ from ..tensor import Tensor, cuda_available, get_num_threads, seed as _seed_libr
 from ..tensor import set_num_threads, zeros
 from . import train_data as _train_data
 from . import train_dist as _dist
+# CHECKPOINT_FORMAT and CHECKPOINT_VERSION too: utensil_ffi.train, the old path, is this module
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, PROG, CheckpointError,  # noqa: F401
+                         _check_meta, load_checkpoint, save_checkpoint)
 
 __all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "CheckpointError", "PROG"]
 
-PROG = "utensil-train"
-CHECKPOINT_FORMAT = "utensil-train-checkpoint"
-CHECKPOINT_VERSION = 2  # 2: the model's and optimizer's state_dict() in PyTorch's layout
 DEFAULT_CHECKPOINT = "utensil_checkpoint.npz"
 
 # The settings that define a run. On --resume they come from the checkpoint; passing a different
@@ -72,10 +71,6 @@ SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augm
 ARCHS = ("digits", "mobilenet_v1", "mobilenet_v2")
 PRECISIONS = ("fp32", "tf32", "bf16")
 DEFAULT_EPOCHS = 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from, with a message meant for the user."""
 
 
 class _UsageError(Exception):
@@ -308,90 +303,6 @@ def _same_file(a, b):
         return os.path.samefile(a, b)
     except OSError:
         return os.path.abspath(a) == os.path.abspath(b)
-
-
-# -- checkpoints ----------------------------------------------------------------------------------
-def save_checkpoint(path, net, opt, meta):
-    """Write the checkpoint atomically (a temporary file in the same folder, then os.replace).
-
-    The arrays: ``model/<key>`` for each entry of ``net.state_dict()``, ``optim/<i>/<name>`` for
-    each array of ``opt.state_dict()["state"]``; the optimizer's param_groups go into the JSON
-    metadata with ``meta``."""
-    arrays = {"model/" + k: v for k, v in net.state_dict().items()}
-    osd = opt.state_dict()
-    for i, entry in osd["state"].items():
-        arrays.update({"optim/%d/%s" % (i, k): v for k, v in entry.items()})
-    meta = dict(meta, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION,
-                optimizer_param_groups=osd["param_groups"])
-    arrays["meta"] = np.array(json.dumps(meta))
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, ".%s.%d.tmp" % (os.path.basename(path), os.getpid()))
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_checkpoint(path):
-    """(meta, model state_dict, optimizer state_dict) from a checkpoint file; CheckpointError if
-    unusable."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise CheckpointError("%s: no such checkpoint file" % path)
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except Exception as e:
-        raise CheckpointError("%s: not a readable checkpoint (%s)" % (path, e)) from None
-    try:
-        meta = json.loads(str(arrays.pop("meta")))
-        ok = meta.get("format") == CHECKPOINT_FORMAT
-    except Exception:
-        ok = False
-    if not ok:
-        raise CheckpointError("%s: not a %s checkpoint" % (path, PROG))
-    if meta.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError("%s: checkpoint version %r, this program reads version %d"
-                              % (path, meta.get("version"), CHECKPOINT_VERSION))
-    model = {k[6:]: v for k, v in arrays.items() if k.startswith("model/")}
-    if not model:
-        raise CheckpointError("%s: the checkpoint holds no model weights" % path)
-    state = {}
-    for k, v in arrays.items():
-        if k.startswith("optim/"):
-            i, _, name = k[6:].partition("/")
-            if not (i.isdigit() and name):
-                raise CheckpointError("%s: %r is not an optimizer state entry" % (path, k))
-            state.setdefault(int(i), {})[name] = v
-    groups = meta.get("optimizer_param_groups")
-    if not isinstance(groups, list):
-        raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
-    return meta, model, {"state": state, "param_groups": groups}
-
-
-def _check_meta(path, meta):
-    """Raise CheckpointError naming ``path`` unless the metadata has what a resume reads."""
-    def bad(what):
-        raise CheckpointError("%s: the checkpoint's metadata %s" % (path, what))
-
-    if not isinstance(meta.get("epoch"), int) or isinstance(meta["epoch"], bool) \
-            or meta["epoch"] < 0:
-        bad("has no valid 'epoch' (epochs done: an integer >= 0), got %r" % (meta.get("epoch"),))
-    for k, kind in (("run", dict), ("data_info", dict), ("history", list)):
-        if not isinstance(meta.get(k, kind()), kind) or (k != "data_info" and k not in meta):
-            bad("has no valid %r (expected a %s), got %r" % (k, kind.__name__, meta.get(k)))
-    for i, h in enumerate(meta["history"]):
-        if not isinstance(h, dict) or not all(
-                isinstance(h.get(f), (int, float)) and not isinstance(h.get(f), bool)
-                for f in ("epoch", "train_loss", "test_loss", "test_acc")):
-            bad("has a malformed history entry %d: %r" % (i, h))
 
 
 # -- progress -------------------------------------------------------------------------------------
