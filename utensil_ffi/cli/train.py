@@ -1,14 +1,15 @@
 """utensil-train: train a depthwise-separable (MobileNet-style) classifier end to end.
 
-    python -m utensil_ffi.train                      # the digits scikit-learn ships, no download
-    python -m utensil_ffi.train --data mnist.npz --epochs 5 --width 32
-    python -m utensil_ffi.train --resume utensil_checkpoint.npz --epochs 30
-    python -m utensil_ffi.train --nproc-per-node 2  # data-parallel on 2 GPUs (train_dist.py)
+    utensil-train                                    # the digits scikit-learn ships, no download
+    utensil-train --data mnist.npz --epochs 5 --width 32
+    utensil-train --resume utensil_checkpoint.npz --epochs 30
+    utensil-train --nproc-per-node 2                 # data-parallel on 2 GPUs (train_dist.py)
+    python -m utensil_ffi.cli.train ...              # the same program
 
-The network (utensil_ffi.models.mobilenet) is built only from utensil layers: a 3x3 stem convolution,
-blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d -> ReLU6],
-global average pooling and a linear classifier, trained with softmax cross-entropy and Adam (or
-SGD with momentum).
+The network (utensil_ffi.nn.models.mobilenet) is built only from utensil layers: a 3x3 stem
+convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d
+-> ReLU6], global average pooling and a linear classifier, trained with softmax cross-entropy and
+Adam (or SGD with momentum).
 
 Each epoch prints the train loss, the test loss and accuracy and the training throughput, and
 saves a checkpoint (.npz: the model's and the optimizer's state_dict(), epoch, history and the
@@ -793,7 +794,7 @@ def main(argv=None, out=None):
                              "--device cpu runs one" % args.nproc_per_node)
             from ..distributed.launch import run as launch
 
-            return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.train"]
+            return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.cli.train"]
                           + _dist.strip_nproc_flag(argv))
     try:
         return _run(args, out)

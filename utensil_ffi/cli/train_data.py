@@ -4,7 +4,7 @@ it goes, behind one interface, so the training loop does not care which.
 Both give the batches of epoch e in the order ``data.batches(n, batch_size, seed, e)``, whole
 batches split over the ranks of a data-parallel run by ``share``; an image folder's batches are
 decoded (with augmentation drawn from ``(seed, epoch, index)``) by ``workers`` background
-processes of a :class:`utensil_ffi.loader.Loader`, so the result does not depend on the number
+processes of a :class:`utensil_ffi.data.loader.Loader`, so the result does not depend on the number
 of workers.
 
 A folder's two loaders are kept for the whole run, and each loads ahead for its next use (see

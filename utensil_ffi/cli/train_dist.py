@@ -1,10 +1,11 @@
 """utensil-train on several GPUs: one process per GPU, each a rank of one data-parallel run.
 
-``--nproc-per-node N`` starts N copies of the program through :mod:`utensil_ffi.launch`; under
-``torchrun`` (or ``mpirun`` with torchrun's variables) each copy finds its rank in the
-environment. The run is the one-GPU run: ``--batch-size`` is the global batch, each step's
-batch is split over the ranks (``np.array_split``: shares may differ by one image), the
-gradients are averaged with one all-reduce after backward, and BatchNorm becomes SyncBatchNorm
+``--nproc-per-node N`` starts N copies of the program through
+:mod:`utensil_ffi.distributed.launch`; under ``torchrun`` (or ``mpirun`` with torchrun's
+variables) each copy finds its rank in the environment. The run is the one-GPU run:
+``--batch-size`` is the global batch, each step's batch is split over the ranks
+(``np.array_split``: shares may differ by one image), the gradients are averaged with one
+all-reduce after backward, and BatchNorm becomes SyncBatchNorm
 (statistics of the global batch; ``--no-sync-bn`` keeps per-rank statistics, PyTorch's DDP
 default). So a checkpoint resumes with any number of GPUs. Rank 0 alone prints, draws the
 progress bar, writes the checkpoint (atomically) and the plot; the metrics are summed over the
@@ -71,7 +72,8 @@ class Dist:
 
 
 def launched_world_size(environ=None):
-    """WORLD_SIZE when a launcher (torchrun, utensil_ffi.launch) started this process, else 0."""
+    """WORLD_SIZE when a launcher (torchrun, utensil_ffi.distributed.launch) started this
+    process, else 0."""
     environ = os.environ if environ is None else environ
     text = environ.get("WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() and "RANK" in environ else 0

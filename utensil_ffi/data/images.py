@@ -4,7 +4,7 @@
     root/cat/nested/002.jpg      class folders are searched recursively
     root/dog/003.png
 
-    from utensil_ffi import images, transforms as T
+    from utensil_ffi.data import images, transforms as T
     ds = images.ImageFolder("root", transform=T.Compose([T.Resize(32), T.CenterCrop(32)]))
     x, label = ds[0]             # float32 [3, 32, 32] in [0, 1], int
 

@@ -1,7 +1,7 @@
 """Batches of a data set, epoch by epoch, in utensil-train's order, optionally decoded in the
 background by worker processes.
 
-    from utensil_ffi.loader import Loader
+    from utensil_ffi.data.loader import Loader
     with Loader(folder, batch_size=64, seed=0, workers=2) as loader:
         for epoch in range(epochs):
             for x, y in loader.epoch(epoch):      # x float32 [B, C, H, W], y int64 [B]
@@ -32,7 +32,7 @@ until then): Ctrl-C is the parent's.
 Hand-over: the parent is the process that trains, so its cost per batch is what limits a fast
 GPU (40k images/s of 3x32x32 leaves 3 ms per batch of 128 for everything). Receiving a 1.5 MB
 batch through a pipe costs it a read and an unpickling copy, over a millisecond; so workers
-write each batch into a slot of one shared-memory segment (utensil_ffi.shm_ring: W * prefetch
+write each batch into a slot of one shared-memory segment (utensil_ffi.data.shm_ring: W * prefetch
 slots of ``batch_size`` samples, sized by the first batch, which still comes through the pipe)
 and send only (batch, rows). Each submitted batch takes a free slot and keeps it until the
 parent has received the batch and its consumer is done with it: at once with ``copy=True`` (the

@@ -1,6 +1,6 @@
 """Image transforms with torchvision's names, whose randomness comes from the caller.
 
-    from utensil_ffi import transforms as T
+    from utensil_ffi.data import transforms as T
     train = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToArray(),
                        T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
     x = train(pil_image, np.random.default_rng((seed, epoch, index)))   # float32 [C, H, W]

@@ -1,6 +1,7 @@
 """Data-parallel training over several processes: who is who, meeting up, and splitting the data.
 
-One process per GPU, started by ``torchrun``, ``mpirun`` or ``python -m utensil_ffi.launch``.
+One process per GPU, started by ``torchrun``, ``mpirun`` or
+``python -m utensil_ffi.distributed.launch``.
 This module holds the parts that need no GPU library:
 
 - :func:`env_from_environ` reads the launcher's environment (torchrun's names: ``RANK``,
@@ -43,7 +44,7 @@ from ..tensor import Tensor, zeros
 __all__ = ["DistEnv", "env_from_environ", "env_from_mpi", "FileRendezvous", "ProcessGroup",
            "DistributedDataParallel", "GradientBuffer", "DistributedSampler", "nccl_info"]
 
-_LAUNCHERS = "torchrun, python -m utensil_ffi.launch or mpirun"
+_LAUNCHERS = "torchrun, python -m utensil_ffi.distributed.launch or mpirun"
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ class ProcessGroup:
     """This process's membership in the run's NCCL group (one process per GPU).
 
     ``env`` defaults to :func:`env_from_environ`. The group's id reaches every rank by
-    ``rendezvous``: None (torchrun or ``utensil_ffi.launch``: NCCL's own bootstrap on
+    ``rendezvous``: None (torchrun or ``utensil_ffi.distributed.launch``: NCCL's own bootstrap on
     ``MASTER_ADDR`` and the port after ``MASTER_PORT``, through ``NCCL_COMM_ID``), a
     :class:`FileRendezvous` or a path for one, or ``"mpi"`` (mpi4py's broadcast). Joining blocks
     until every rank has joined. ``close()`` leaves after the queued work, ``abort()`` at once.

@@ -1,4 +1,4 @@
-"""python -m utensil_ffi.launch --nproc-per-node N script.py [args...]
+"""python -m utensil_ffi.distributed.launch --nproc-per-node N script.py [args...]
 
 Start N copies of a Python script on this machine, one per GPU, with the environment torchrun
 gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -87,7 +87,7 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
         while True:
             if interrupted:
-                print("utensil_ffi.launch: interrupted; stopping %d processes" % nproc,
+                print("utensil_ffi.distributed.launch: interrupted; stopping %d processes" % nproc,
                       file=sys.stderr)
                 _stop(procs, grace)
                 return 128 + interrupted[0]
@@ -96,8 +96,8 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
             if failed:
                 rank, code = failed[0]
                 others = sum(c is None for c in codes)
-                print("utensil_ffi.launch: rank %d exited with code %d; stopping the %d still "
-                      "running" % (rank, code, others), file=sys.stderr)
+                print("utensil_ffi.distributed.launch: rank %d exited with code %d; stopping "
+                      "the %d still running" % (rank, code, others), file=sys.stderr)
                 _stop(procs, grace)
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
@@ -110,7 +110,7 @@ def run(nproc, command, master_addr="127.0.0.1", master_port=None, grace=10.0, p
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m utensil_ffi.launch",
+    p = argparse.ArgumentParser(prog="python -m utensil_ffi.distributed.launch",
                                 description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--nproc-per-node", type=int, required=True,
                    help="processes to start (one per GPU)")

@@ -1,7 +1,7 @@
 """export_onnx: a utensil model as an ONNX file, for onnxruntime, TensorRT, OpenVINO, ...
 
-    from utensil_ffi import models
-    from utensil_ffi.onnx_export import export_onnx
+    from utensil_ffi.nn import models
+    from utensil_ffi.interop.onnx_export import export_onnx
     net = models.mobilenet_v2(num_classes=10)
     export_onnx(net, "mobilenet_v2.onnx", (1, 3, 224, 224))
 

@@ -1,7 +1,7 @@
 """utensil's depthwise convolution inside a PyTorch model (needs PyTorch; the rest of utensil_ffi
 does not, and ``import utensil_ffi`` never imports this module).
 
-    import utensil_ffi.torch as utt
+    import utensil_ffi.interop.torch as utt
     utt.convert(model)          # every eligible nn.Conv2d(groups=in_channels) now runs on utensil
     loss = loss_fn(model(x), y); loss.backward(); opt.step()      # unchanged, torch.compile too
 
@@ -62,8 +62,8 @@ from .._lib import ffi, lib
 from ..tensor import Tensor
 
 if not hasattr(torch.library, "custom_op"):  # torch.library.custom_op came with PyTorch 2.4
-    raise ImportError("utensil_ffi.torch needs PyTorch 2.4 or newer (torch.library.custom_op); "
-                      "this is PyTorch %s" % torch.__version__)
+    raise ImportError("utensil_ffi.interop.torch needs PyTorch 2.4 or newer "
+                      "(torch.library.custom_op); this is PyTorch %s" % torch.__version__)
 
 __all__ = ["depthwise_conv2d", "depthwise_conv2d_backward", "DepthwiseConv2d", "convert",
            "eligible"]

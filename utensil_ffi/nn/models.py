@@ -1,6 +1,6 @@
 """Network builders, as torchvision.models: each returns a Module built from utensil layers.
 
-    from utensil_ffi import models
+    from utensil_ffi.nn import models
     net = models.mobilenet(in_channels=1, num_classes=10, width=16, device="cpu")
 
 ``mobilenet`` is the depthwise-separable (MobileNet-style) classifier utensil-train trains;
