@@ -12,6 +12,7 @@
     shm_ring.py    the shared memory the loader's workers hand batches over in
 """
 
+# every name the module utensil_ffi.data had before it became this package (KEYS, LAYOUTS too)
 from .datasets import (
     EXTRA_HINT,
     KEYS,

@@ -13,6 +13,8 @@
     launch.py         the launcher: N processes with torchrun's environment (not imported here)
 """
 
+# every name the module utensil_ffi.distributed had before it became this package (WHEEL_NCCL and
+# DistributedError too)
 from .._errors import DistributedError
 from .data_parallel import (
     WHEEL_NCCL,
