@@ -6,10 +6,10 @@ one GPU and against PyTorch's DistributedDataParallel, same network, batch and p
 
 MobileNet v1 (1000 classes, width 1.0, fused BatchNorm+ReLU6), SGD with momentum, random images
 made on each GPU (the loader is not measured), ``--batch`` images per GPU. Each configuration
-runs as its own job under ``python -m utensil_ffi.launch`` (one process per GPU, NCCL; PyTorch
-joins through the same torchrun environment with ``init_process_group("nccl")``); rank 0
-reports the global images/s of the timed steps after a warm-up. Prints utensil on 1 and N GPUs,
-the scaling (N GPUs / 1 GPU), and utensil / PyTorch DDP in each PyTorch mode:
+runs as its own job under ``python -m utensil_ffi.distributed.launch`` (one process per GPU,
+NCCL; PyTorch joins through the same torchrun environment with ``init_process_group("nccl")``);
+rank 0 reports the global images/s of the timed steps after a warm-up. Prints utensil on 1 and
+N GPUs, the scaling (N GPUs / 1 GPU), and utensil / PyTorch DDP in each PyTorch mode:
   fp32  NCHW, TF32 off: the same arithmetic as utensil at "highest"
   bf16  channels_last, bf16 autocast: what a PyTorch user picks for speed (less precise)
 Needs NCCL (the nvidia-nccl-cu13 wheel or the system's) and ``--gpus`` GPUs.
@@ -33,7 +33,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 def _utensil_rank(a):
     import utensil_ffi as ut
     from utensil_ffi import distributed as D
-    from utensil_ffi import models
+    from utensil_ffi.nn import models
 
     from bench.bench_networks import utensil_step
 
@@ -67,7 +67,7 @@ def _torch_rank(a, mode):
     import torch.distributed as dist
 
     from bench.compare_mobilenet import to_torch
-    from utensil_ffi import models
+    from utensil_ffi.nn import models
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -116,9 +116,10 @@ def _job(a, side, gpus):
     """Global images/s of one configuration, run under the launcher (None if it failed)."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        cmd = [sys.executable, "-m", "utensil_ffi.launch", "--nproc-per-node", str(gpus),
-               os.path.abspath(__file__), "--child", side, "--out", out, "--size", str(a.size),
-               "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+        cmd = [sys.executable, "-m", "utensil_ffi.distributed.launch",
+               "--nproc-per-node", str(gpus), os.path.abspath(__file__), "--child", side,
+               "--out", out, "--size", str(a.size), "--batch", str(a.batch),
+               "--steps", str(a.steps), "--warmup", str(a.warmup)]
         if a.sync_bn:
             cmd.append("--sync-bn")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -1,4 +1,4 @@
-"""Images/s from an image folder through utensil_ffi.loader, against slicing in-memory arrays.
+"""Images/s from an image folder through utensil_ffi.data.loader, against slicing in-memory arrays.
 
     python bench/bench_loader.py [--images 2000] [--classes 10] [--size 32] [--batch 128]
         [--workers 0,1,2] [--cached-workers 0] [--epochs 3] [--step-ms 40] [--device cpu]
@@ -46,9 +46,10 @@ import numpy as np
 if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utensil_ffi import data, images  # noqa: E402
-from utensil_ffi import transforms as T  # noqa: E402
-from utensil_ffi.loader import Loader  # noqa: E402
+from utensil_ffi import data  # noqa: E402
+from utensil_ffi.data import images  # noqa: E402
+from utensil_ffi.data import transforms as T  # noqa: E402
+from utensil_ffi.data.loader import Loader  # noqa: E402
 
 
 def write_folder(root, n, classes, size, seed=0):
@@ -181,7 +182,7 @@ def train_rates(feeds, x, y, classes, batch, epochs, device, width, seed=0):
     per image from memory: one fresh network per feed (the same initial weights), ``epochs``
     rounds of one epoch each, alternating feeds."""
     import utensil_ffi as ut
-    from utensil_ffi import models
+    from utensil_ffi.nn import models
 
     names = ["memory"] + [name for name, _, _ in feeds]
     nets, opts, loaders = {}, {}, {}

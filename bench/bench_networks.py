@@ -37,7 +37,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import utensil_ffi as ut  # noqa: E402
-from utensil_ffi import models  # noqa: E402
+from utensil_ffi.nn import models  # noqa: E402
 
 from bench.compare_mobilenet import to_torch  # noqa: E402
 

@@ -25,7 +25,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import utensil_ffi as ut  # noqa: E402
 import utensil_ffi.functional as F  # noqa: E402
-from utensil_ffi import models  # noqa: E402
+from utensil_ffi.nn import models  # noqa: E402
 from utensil_ffi._lib import lib  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""A PyTorch MobileNetV2 training step with and without ``utensil_ffi.torch.convert``.
+"""A PyTorch MobileNetV2 training step with and without ``utensil_ffi.interop.torch.convert``.
 
     python bench/bench_torch_op.py [--device all|cpu|cuda|cpu,cuda] [--threads 2] [--size 224]
                                    [--batch 16 (CPU), 64 (CUDA)] [--width 1.0] [--kernel 3]
@@ -124,7 +124,7 @@ def make_pair(device="cpu", width=1.0, num_classes=1000, seed=0, lr=0.01, dropou
     """(torch model, converted model, their SGD optimizers): the same weights on ``device``."""
     import torch
 
-    import utensil_ffi.torch as utt
+    import utensil_ffi.interop.torch as utt
 
     torch.manual_seed(seed)
     ref = mobilenet_v2(num_classes, width, dropout, kernel).to(device)
@@ -167,7 +167,7 @@ def run(device="cpu", threads=2, size=224, batch=16, width=1.0, steps=3, rounds=
 def _run(device, size, batch, width, steps, rounds, compile, num_classes, kernel):
     import torch
 
-    import utensil_ffi.torch as utt
+    import utensil_ffi.interop.torch as utt
 
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False

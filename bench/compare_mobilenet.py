@@ -19,8 +19,8 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import utensil_ffi as ut  # noqa: E402
 from utensil_ffi import data as _data  # noqa: E402
-from utensil_ffi import models  # noqa: E402
-from utensil_ffi.train import train_epoch  # noqa: E402
+from utensil_ffi.cli.train import train_epoch  # noqa: E402
+from utensil_ffi.nn import models  # noqa: E402
 
 
 def _BatchNormAct(*args, **kwargs):

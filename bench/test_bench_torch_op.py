@@ -1,5 +1,5 @@
 """bench_torch_op.py in quick mode: a small MobileNetV2 training step with and without
-utensil_ffi.torch.convert on each present device; checks the losses agree, not the speed."""
+utensil_ffi.interop.torch.convert on each present device; checks the losses agree, not the speed."""
 
 import pytest
 

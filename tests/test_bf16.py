@@ -18,7 +18,7 @@ import pytest
 import utensil_ffi as ut
 from bf16_reference import bf16_round as nearest_even
 from utensil_ffi import functional as F
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi.train import main as train_main
 
 U = 2.0 ** -8
@@ -129,7 +129,7 @@ def _round_params(layer):
         p.copy_from(nearest_even(p.numpy()))
 
 
-# name -> (op, geometry): the op table's samples marked "bf16" (utensil_ffi/optable.py): a 3x3
+# name -> (op, geometry): the op table's samples marked "bf16" (utensil_ffi/testing/optable.py): a 3x3
 # stride-2 and a pointwise conv, depthwise at stride 1 and 2, batchnorm, relu6, avgpool, each on a
 # [2, C, 9, 9] input; the op's bf16 rule gives the GPU's tolerances
 LAYERS = {s.name: (op, s.geom) for op, s in optable.samples("bf16")}

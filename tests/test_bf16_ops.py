@@ -32,7 +32,7 @@ import pytest
 import utensil_ffi as ut
 from bf16_reference import bf16_round
 from utensil_ffi import functional as F
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi import reference as R
 from utensil_ffi._lib import lib
 
@@ -286,7 +286,7 @@ def _check_layer(name, layer, x, go, refs, abs_refs):
 
 
 # (n, c, h, w, o, (kh, kw), stride, pad): conv2d's samples marked "bf16_gemm" in the op table
-# (utensil_ffi/optable.py, where the cuBLAS plans each one exercises are listed): 3x3 stride 2 on
+# (utensil_ffi/testing/optable.py, where the cuBLAS plans each one exercises are listed): 3x3 stride 2 on
 # im2col with few and 64 channels, the strided stem, kh != kw, 1x1 pointwise over planes of
 # 7x7, 14x14 and 9x11 (one GEMM over the batch), odd sizes
 CONV_SHAPES = [(g["n"], g["c"], g["h"], g["w"], g["o"], (g["kh"], g["kw"]), g["stride"], g["pad"])

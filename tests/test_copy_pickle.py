@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPIES = {
@@ -142,7 +142,7 @@ def test_copies_balance_live_tensors(dup):
 
 
 # -- layers -------------------------------------------------------------------------------------
-# name -> (make(device), input shape): the op table's samples marked "copy" (utensil_ffi/optable.py:
+# name -> (make(device), input shape): the op table's samples marked "copy" (utensil_ffi/testing/optable.py:
 # Conv2d with and without bias, DWConv2d, Linear, LayerNorm, BatchNorm2d in both modes, ReLU,
 # ReLU6, GlobalAvgPool2d), and a Sequential of several
 LAYERS = {s.name: ((lambda d, op=op, g=s.geom: op.make(g, d)), op.shapes(s.geom)["x"])

@@ -2,7 +2,7 @@
 
 Each case names the entry point it feeds; test_every_entry_point_is_covered checks that every
 public callable of utensil_ffi appears in the table. The ops' cases (functional forms, layers,
-losses, optimizer steps) are the op table's (utensil_ffi/optable.py, each op's ``errors``, with a
+losses, optimizer steps) are the op table's (utensil_ffi/testing/optable.py, each op's ``errors``, with a
 fragment of the message); the rest of the library's are listed here.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi._errors import check_ptr, check_status
 from utensil_ffi._lib import ffi, lib
 
@@ -135,7 +135,7 @@ _LIBRARY = [
 ]
 
 # (entry point, wrong call, exception, message fragment): the library's cases (any message), then
-# every op's wrong calls from the op table (utensil_ffi/optable.py): functional forms, layers,
+# every op's wrong calls from the op table (utensil_ffi/testing/optable.py): functional forms, layers,
 # losses, optimizer steps, each with a fragment its message must contain
 CASES = [(entry, call, exc, None) for entry, call, exc in _LIBRARY] + [
     (c.entry, functools.partial(c.call, ut), c.exception(ut), c.match)

@@ -17,7 +17,7 @@ and backward against PyTorch in float64 where it is installed).
 
 Shapes are small (FD costs two forwards per input element) and cover batch > 1, stride 1 and 2,
 padding 0..2, kh != kw, 1x1 kernels and odd sizes; depthwise also dilation 1..3 and channel
-multipliers 1..3; they are the op table's samples marked "gradcheck" (utensil_ffi/optable.py,
+multipliers 1..3; they are the op table's samples marked "gradcheck" (utensil_ffi/testing/optable.py,
 the cases themselves are built by the table as the self-check's are); a hypothesis test adds
 random conv geometries.
 """
@@ -30,13 +30,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import utensil_ffi as ut
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi import selftest as S
 
 EXAMPLES = int(os.environ.get("UTENSIL_HYPOTHESIS_EXAMPLES", "10"))
 
 # (op, geometry): every op with a backward and its samples marked "gradcheck" in the op table
-# (utensil_ffi/optable.py): convolutions at stride 1 and 2, padding 0..2, kh != kw, 1x1 and odd
+# (utensil_ffi/testing/optable.py): convolutions at stride 1 and 2, padding 0..2, kh != kw, 1x1 and odd
 # sizes (depthwise also dilation 1..3 and multipliers 1..3), batchnorm, layernorm, linear,
 # pooling, activations and losses at two or three shapes each
 CASES = [(op.name, s.geom) for op, s in optable.samples("gradcheck")]

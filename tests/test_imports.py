@@ -1,15 +1,24 @@
 """The package's import graph: data flows one way (STYLE.md section 7).
 
-    CLIs (predict -> export -> train, selftest) -> train_dist -> distributed, launch, torch
-    -> package facade (__init__) -> onnx_export, images, loader -> models, data, transforms
-    -> optim, blocks, sync_batchnorm -> layers -> functional -> tensor -> dlpack -> _args
-    -> _errors -> _lib; reference (float64 numpy references of the ops, for selftest and the
-    tests) imports nothing of the package; optable (the op table the self-check and the tests
-    draw their cases from) sits above the facade, below selftest
+    CLIs (cli.predict -> cli.export -> cli.train, testing.selftest) -> cli.train_data,
+    cli.train_dist, cli.checkpoint -> distributed, interop.torch -> package facade (__init__)
+    -> _compat -> data, interop
+    -> optim, nn.models -> nn (the package) -> nn's layers -> functional -> tensor -> dlpack,
+    blas, cuda -> _args, dtypes, _lifetime -> _errors -> _lib; testing.reference (float64 numpy
+    references of the ops, for selftest and the tests) imports nothing of the package; testing.optable (the op table the
+    self-check and the tests draw their cases from) sits above the facade, below selftest
 
 Every import of a package module, at the top of a file or inside a function (a lazy import is
 still an import), must name a module strictly below the importer; so there is no upward import
-and no circle. A new module must be given its place in LAYERS.
+and no circle. Importing a module of a sub-package from outside it runs that sub-package's
+__init__ first, so that counts as importing the sub-package too (``from ..nn.conv import
+Conv2d`` in optim imports "nn" and "nn.conv"); from inside, the sub-package is already being
+imported. A module is named by its dotted path under the package ("nn.conv"), a sub-package's
+__init__ by the sub-package's name ("nn"), the package's own by "__init__". A new module must
+be given its place in LAYERS.
+
+_compat (the old flat module paths) imports the modules its table names by name, at run time,
+when an old path is imported: those imports are not statements, and not checked here.
 """
 
 import ast
@@ -22,59 +31,103 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom first; modules on one line may not import each other
 LAYERS = [
-    ["reference"],
+    ["testing.reference"],
     ["_lib"],
     ["_errors"],
-    ["_args", "dtypes"],
+    ["_args", "dtypes", "_lifetime"],
     ["dlpack", "blas", "cuda"],
     ["tensor"],
     ["functional"],
-    ["layers"],
-    ["optim", "blocks", "sync_batchnorm", "amp"],
-    ["models", "data", "transforms", "shm_ring"],
-    ["onnx_export", "images", "loader"],
+    ["nn.module", "nn.parameter"],
+    ["nn._clayer", "nn.activation", "nn.pooling", "nn.container", "nn.loss"],
+    ["nn.conv", "nn.linear", "nn.norm", "nn.blocks", "nn.amp"],
+    ["nn.sync_batchnorm"],
+    ["nn"],
+    ["optim", "nn.models"],
+    ["data.datasets", "data.transforms", "data.shm_ring", "interop", "cli", "testing"],
+    ["data", "data.images", "data.loader", "interop.onnx_export"],
+    ["_compat"],
     ["__init__"],
-    ["optable"],
-    ["distributed", "launch", "torch", "train_data"],
-    ["train_dist"],
-    ["train", "selftest"],
-    ["export"],
-    ["predict"],
+    ["testing.optable"],
+    ["distributed.data_parallel", "distributed.launch", "interop.torch"],
+    ["distributed"],
+    ["cli.train_data", "cli.train_dist", "cli.checkpoint"],
+    ["cli.train", "testing.selftest"],
+    ["cli.export"],
+    ["cli.predict"],
 ]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 
 def _modules():
-    return sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    """The dotted name of every module of the package (see the module docstring)."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+        rel = os.path.relpath(folder, ROOT)
+        pkg = "" if rel == "." else rel.replace(os.sep, ".")
+        for f in files:
+            if f.endswith(".py"):
+                name = f[:-3]
+                if name == "__init__":
+                    out.append(pkg or "__init__")
+                else:
+                    out.append(pkg + "." + name if pkg else name)
+    return sorted(out)
+
+
+def _package_of(module):
+    """The sub-package a module is in ("" for the package itself)."""
+    if module == "__init__":
+        return ""
+    if os.path.isfile(os.path.join(ROOT, *module.split("."), "__init__.py")):
+        return module  # a sub-package's __init__
+    return module.rpartition(".")[0]
 
 
 def package_imports(source, module):
-    """[(line, imported package module)] of every import in ``source`` (the module ``module``)."""
+    """[(line, imported package module)] of every import in ``source`` (the module ``module``),
+    the sub-packages whose __init__ the import runs included."""
     modules = set(_modules())
+    here = _package_of(module)
+
+    def name(dotted):  # "" is the package facade
+        return dotted or "__init__"
+
+    def targets(dotted):
+        """dotted (a module or a sub-package) and the sub-packages above it, seen from here."""
+        parts = dotted.split(".") if dotted else []
+        out = []
+        for i in range(1, len(parts)):
+            pkg = ".".join(parts[:i])
+            if not (here == pkg or here.startswith(pkg + ".")):
+                out.append(pkg)
+        return out + [name(dotted)]
+
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for a in node.names:
                 parts = a.name.split(".")
                 if parts[0] == PACKAGE:
-                    out.append((node.lineno, parts[1] if len(parts) > 1 else "__init__"))
+                    out += [(node.lineno, t) for t in targets(".".join(parts[1:]))]
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 parts = (node.module or "").split(".")
                 if parts[0] != PACKAGE:
                     continue
-                base = parts[1:]
+                base = ".".join(parts[1:])
             else:
-                if node.level > 1:  # the package is flat: ".." leaves it
+                up = here.split(".") if here else []
+                if node.level - 1 > len(up):
                     raise AssertionError("%s:%d: relative import above the package"
                                          % (module, node.lineno))
-                base = (node.module or "").split(".") if node.module else []
-            if base:
-                out.append((node.lineno, base[0]))
-            else:  # from . import x: x is a module, or a name from the package facade
-                for a in node.names:
-                    out.append((node.lineno, a.name if a.name in modules else "__init__"))
-    return out
+                base = ".".join(up[:len(up) - (node.level - 1)] + (
+                    node.module.split(".") if node.module else []))
+            for a in node.names:  # from base import x: x is a module, or a name of base
+                sub = base + "." + a.name if base else a.name
+                out += [(node.lineno, t) for t in targets(sub if sub in modules else base)]
+    return sorted(set(out))
 
 
 def violations(source, module):
@@ -92,9 +145,15 @@ def test_every_module_has_a_place():
     assert sorted(set(_modules()) - set(RANK)) == []
 
 
+def _path(module):
+    parts = [] if module == "__init__" else module.split(".")
+    pkg = os.path.join(ROOT, *parts, "__init__.py")
+    return pkg if os.path.isfile(pkg) else os.path.join(ROOT, *parts) + ".py"
+
+
 @pytest.mark.parametrize("module", _modules())
 def test_imports_only_go_down(module):
-    with open(os.path.join(ROOT, module + ".py")) as f:
+    with open(_path(module)) as f:
         source = f.read()
     assert violations(source, module) == []
 
@@ -102,8 +161,16 @@ def test_imports_only_go_down(module):
 def test_the_checker_sees_upward_lazy_and_circular_imports():
     lazy_up = "def f():\n    from .functional import matmul\n"
     assert violations(lazy_up, "tensor") == ["tensor:2 imports functional, which is not below it"]
-    assert violations("from . import train\n", "models")
-    assert violations("import utensil_ffi as ut\n", "layers")  # the facade is above everything
-    assert violations("from utensil_ffi.models import mobilenet\n", "data")  # one layer: peers
-    assert violations("from . import layers\n", "layers")  # itself
-    assert violations("from .layers import Module\n", "optim") == []
+    assert violations("from ..cli import train\n", "nn.models")
+    assert violations("import utensil_ffi as ut\n", "nn.module")  # the facade is above everything
+    assert violations("from utensil_ffi.nn.models import mobilenet\n", "optim")  # one layer: peers
+    assert violations("from . import module\n", "nn.module")  # itself
+    assert violations("from .nn.module import Module\n", "optim") == []
+    # from outside, a sub-package's module brings its __init__, which is above nn.module
+    assert package_imports("from ..nn.module import Module\n", "cli.train") == [
+        (1, "nn"), (1, "nn.module")]
+    assert violations("from ..nn.module import Module\n", "nn.blocks") == []  # from inside
+    assert violations("from .. import nn\n", "nn.module")
+    assert violations("from ..data import DataError\n", "data.images")  # the package's __init__
+    with pytest.raises(AssertionError, match="above the package"):
+        package_imports("from ... import tensor\n", "nn.module")

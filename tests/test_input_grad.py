@@ -59,7 +59,7 @@ class _CountCBackward:
         monkeypatch.setattr(ut.Conv2d, "_c_backward", staticmethod(counted))
 
 
-# conv2d's samples marked "params_only" in the op table (utensil_ffi/optable.py): 3x3 s2 p1
+# conv2d's samples marked "params_only" in the op table (utensil_ffi/testing/optable.py): 3x3 s2 p1
 # (im2col, col2im), 1x1 merged over the batch, 1x1 per image without bias, strided 1x1
 PARAMS_ONLY = optable.OP["conv2d"].samples_for("params_only")
 

@@ -19,7 +19,7 @@ from utensil_ffi import reference as R
 # -- the float64 reference, built from the op table's references (utensil_ffi.reference) ---------
 def _apply(layer, params, i, h):
     """Layer ``i`` of the network on h, in float64, with the weights in ``params``: the op
-    table's float64 reference of the layer's op (utensil_ffi/optable.py; KeyError for a layer
+    table's float64 reference of the layer's op (utensil_ffi/testing/optable.py; KeyError for a layer
     the table does not know)."""
     op = optable.for_layer(layer)
     a = {"x": h, "w": params.get("%d.weight" % i), "b": params.get("%d.bias" % i)}

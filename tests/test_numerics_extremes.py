@@ -7,7 +7,7 @@ import pytest
 import utensil_ffi as ut
 from utensil_ffi import ArgumentError
 from utensil_ffi import functional as F
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 
 torch = pytest.importorskip("torch")
 
@@ -355,7 +355,7 @@ def _matmul_torch(t, rng, pos, v, site):
 
 
 # the PyTorch twin of each op of the table (torch stays out of the table): its samples marked
-# "nonfinite" (utensil_ffi/optable.py) -> a _LayerOp or _FuncOp at the sample's geometry
+# "nonfinite" (utensil_ffi/testing/optable.py) -> a _LayerOp or _FuncOp at the sample's geometry
 TWINS = {
     "conv2d": _conv,
     "dwconv2d": _dw,

@@ -1,4 +1,4 @@
-"""The op table itself (utensil_ffi/optable.py), and the checks run over all of it.
+"""The op table itself (utensil_ffi/testing/optable.py), and the checks run over all of it.
 
 The other files draw their cases from the table (test_gradcheck, test_bf16, test_copy_pickle,
 test_errors, test_numerics_extremes, test_reference, test_bf16_ops, test_network_grad,
@@ -21,7 +21,7 @@ import utensil_ffi as ut
 from bf16_reference import bf16_round
 from conftest import ALL_DEVICES
 from tolerances import assert_close
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi import selftest as S
 
 # every sample of every op, named op-index[-name]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import utensil_ffi as ut
 from tolerances import assert_close
-from utensil_ffi import optable
+from utensil_ffi.testing import optable
 from utensil_ffi import reference as R
 
 f32 = np.float32
@@ -548,7 +548,7 @@ def test_reference_matches_pytorch(torch):
 
 # -- every GPU layer against the same layer on the CPU ---------------------------------------------
 # (name, make(device), input shape): the op table's samples marked "cuda_vs_cpu"
-# (utensil_ffi/optable.py): conv2d s2 p1 3x2 and 1x1, depthwise s2 p2 5x3 and d2 m3 s2 p3 3x5,
+# (utensil_ffi/testing/optable.py): conv2d s2 p1 3x2 and 1x1, depthwise s2 p2 5x3 and d2 m3 s2 p3 3x5,
 # linear, layernorm, batchnorm2d
 GPU_CASES = [(s.name, (lambda d, op=op, g=s.geom: op.make(g, d)), op.shapes(s.geom)["x"])
              for op, s in optable.samples("cuda_vs_cpu")]

@@ -124,7 +124,7 @@ def test_a_shape_read_before_close_is_not_served_after_it():
 
 def test_a_call_over_many_tensors_defers_the_free_of_one_closed_meanwhile():
     # what another thread's close() meets while sgd_step_many or fill_many holds the tensors
-    T = importlib.import_module("utensil_ffi.tensor")  # ut.tensor is the function
+    T = importlib.import_module("utensil_ffi._lifetime")  # the hold/let-go protocol's owner
 
     before = ut.live_tensors()
     ts = [ut.ones(3) for _ in range(4)]

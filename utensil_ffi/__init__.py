@@ -10,7 +10,22 @@
     model.backward(ut.cross_entropy_backward(logits, y))
     opt.step()
 
-Forward and backward are explicit (no autograd tape); see utensil_ffi.layers.
+Forward and backward are explicit (no autograd tape); see utensil_ffi.nn.module.
+
+The package, one floor a folder (imports go down only; ARCHITECTURE.md draws it):
+
+    cli/          utensil-train, utensil-export, utensil-predict
+    data/         data sets, image folders, transforms, the loader
+    distributed/  process groups, DistributedDataParallel, the launcher
+    interop/      the PyTorch op, ONNX export
+    nn/           Module, the layers, MixedPrecision, Residual, SyncBatchNorm, models
+    optim.py      SGD, Adam
+    functional.py, tensor.py, dtypes.py, cuda.py, blas.py, dlpack.py   the core: ops and tensors
+    _lifetime.py, _args.py, _errors.py, _lib.py                        the binding underneath
+    testing/      the float64 reference, the self-check
+
+The flat package's module paths (utensil_ffi.layers, python -m utensil_ffi.train, ...) still
+import: see _compat.py.
 """
 
 from . import cuda, functional
@@ -32,7 +47,6 @@ from ._errors import (
 )
 from ._lib import HEADER_VERSION as __c_version__
 from ._lib import LIB_PATH as library_path
-from .blocks import Residual
 from .functional import (
     adam_step,
     add,
@@ -50,7 +64,7 @@ from .functional import (
     sgd_step,
     transpose,
 )
-from .layers import (
+from .nn import (
     BatchNorm2d,
     Conv2d,
     CrossEntropyLoss,
@@ -58,17 +72,18 @@ from .layers import (
     GlobalAvgPool2d,
     LayerNorm,
     Linear,
+    MixedPrecision,
     Module,
     MSELoss,
     Parameter,
     ReLU,
     ReLU6,
+    Residual,
     Sequential,
+    SyncBatchNorm,
 )
-from .amp import MixedPrecision
 from .dtypes import bfloat16, dtype, float32
 from .optim import SGD, Adam, Optimizer
-from .sync_batchnorm import SyncBatchNorm
 from .tensor import (
     Tensor,
     cuda_available,
@@ -86,6 +101,10 @@ from .tensor import (
     tensor,
     zeros,
 )
+
+from . import _compat
+
+_compat.install(__name__)  # the old module paths (utensil_ffi.layers, ...): see _compat.py
 
 __version__ = "0.1.0"
 

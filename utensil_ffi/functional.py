@@ -8,7 +8,7 @@ Validation is the C library's: each op calls C once, and a refused call raises t
 the exception its status names (_errors.check). Python checks only what C cannot see: argument
 kinds, array-likes and their dtypes, integer labels before their float32 conversion, scalars that
 must fit a C int or float, and closed Tensors. Each Tensor argument is held for the call
-(tensor._hold), so a close() from another thread meanwhile cannot free it under C.
+(_lifetime._hold), so a close() from another thread meanwhile cannot free it under C.
 """
 
 import numpy as np
@@ -17,8 +17,9 @@ from . import _args
 from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError
 from ._errors import check, check_ptr
 from ._lib import ffi, lib
-from .tensor import (_DEFERRED, _IN_USE, Tensor, _free_deferred, _hold, _hold_group, _let_go,
-                     _let_go_group)
+from ._lifetime import (_DEFERRED, _free_deferred, _hold, _hold_group, _let_go, _let_go_group,
+                        _list, _unlist)
+from .tensor import Tensor
 
 __all__ = [
     "relu",
@@ -43,7 +44,7 @@ __all__ = [
 
 
 class _Args:
-    """The pointers of an op's tensor arguments, each held for the call (see tensor._hold: a
+    """The pointers of an op's tensor arguments, each held for the call (see _lifetime._hold: a
     Tensor another thread closes meanwhile stays allocated until the call ends); array-likes
     become temporary tensors on the device of the first Tensor argument (the CPU if there is
     none). ``with _Args(op) as a: a.ptrs(...)``; on exit it lets go and frees the temporaries.
@@ -181,11 +182,10 @@ def _inplace(what, c_op, named, *scalars):
             fail(what, *ps)
 
 
-# The fast paths: an op whose arguments are all Tensors lists them in tensor._IN_USE and calls C
-# directly: _hold and _let_go written out, since on a small op their two calls per tensor cost
-# more than the rest of the protocol (and no _Args, whose bookkeeping would double the cost).
-_list = _IN_USE.append
-_unlist = _IN_USE.remove
+# The fast paths: an op whose arguments are all Tensors lists them in _lifetime._IN_USE and calls
+# C directly: _hold and _let_go written out (with _lifetime's _list and _unlist), since on a small
+# op their two calls per tensor cost more than the rest of the protocol (and no _Args, whose
+# bookkeeping would double the cost).
 
 
 def _unary(what, c_op, x):

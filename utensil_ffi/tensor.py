@@ -1,7 +1,9 @@
-"""Tensor: a Python handle on one reference to a C ut_tensor (float32, row-major, CPU or CUDA)."""
+"""Tensor: a Python handle on one reference to a C ut_tensor (float32, row-major, CPU or CUDA).
 
-import atexit
-import threading
+Every C call on a Tensor holds its pointer for the call and close() defers a free another
+thread's call would meet: _lifetime.py's protocol, followed here through _hold, _let_go, _close.
+"""
+
 import weakref
 
 import numpy as np
@@ -11,6 +13,7 @@ from . import dlpack as _dlpack
 from . import dtypes as _dtypes
 from ._errors import ArgumentTypeError, ClosedError, ShapeError, check_ptr, check_status
 from ._lib import ffi, lib
+from ._lifetime import _EXITING, _close, _hold, _let_go
 
 __all__ = [
     "Tensor",
@@ -33,91 +36,6 @@ __all__ = [
 
 def _release(ptr):
     lib.ut_free(ptr)
-
-
-# At interpreter exit the process's memory goes anyway (and the CUDA runtime may be gone before
-# the last Tensor is collected), so __del__ frees nothing once atexit has run.
-_EXITING = [False]
-atexit.register(_EXITING.__setitem__, 0, True)
-_CLOSE_LOCK = threading.Lock()  # close() from two threads at once frees one reference once
-
-# Closing a Tensor while another thread's C call uses it must not free the memory under that
-# call. A call lists each pointer it uses in _IN_USE for its duration (_hold ... _let_go);
-# close() frees only a pointer nobody lists, and otherwise defers the free to the _let_go that
-# drops the last listing. One list for all threads: append and remove are each atomic, and
-# cheaper than finding a per-thread list, which matters on every op's path. _hold re-reads _ptr
-# after listing, so either close() sees the listing or _hold sees the close.
-_IN_USE = []  # pointers C calls are using now, one entry per use (a multiset)
-_DEFERRED = []  # pointers close() left for the last _let_go to free
-
-
-def _hold(t, _list=_IN_USE.append, _unlist=_IN_USE.remove):
-    """t's pointer, listed as in use (pair with _let_go); ClosedError if t is closed.
-
-    Every C call on a Tensor another thread may close goes through it: functional's ops, the
-    Tensor methods, the layers."""
-    p = t._ptr
-    if p is not None:
-        _list(p)
-        if t._ptr is p:
-            return p
-        _unlist(p)
-    raise ClosedError("operation on a closed Tensor")
-
-
-def _let_go(p, _unlist=_IN_USE.remove):
-    _unlist(p)
-    if _DEFERRED:
-        _free_deferred()
-
-
-# A call over many tensors (an optimizer step over a network, zero_grad, pack) lists their
-# pointers as one entry instead: one append and one remove whatever the count, where a listing
-# per tensor costs two Python calls each. The entries compare by identity, so the remove finds
-# its own at once.
-class _Group:
-    __slots__ = ("ptrs",)
-
-    def __init__(self, ptrs):
-        self.ptrs = ptrs
-
-
-_IN_USE_GROUPS = []  # _Group entries of the calls over many tensors running now
-
-
-def _in_use(p):
-    return p in _IN_USE or any(p in g.ptrs for g in _IN_USE_GROUPS)
-
-
-def _hold_group(tensors):
-    """The tensors' pointers, listed as in use as one _Group (pair with _let_go_group);
-    ClosedError if one is closed. The same protocol as _hold: list, then re-read each _ptr."""
-    ptrs = [t._ptr for t in tensors]
-    for p in ptrs:
-        if p is None:
-            raise ClosedError("operation on a closed Tensor")
-    g = _Group(ptrs)
-    _IN_USE_GROUPS.append(g)
-    for t, p in zip(tensors, ptrs):
-        if t._ptr is not p:
-            _let_go_group(g)
-            raise ClosedError("operation on a closed Tensor")
-    return g
-
-
-def _let_go_group(g):
-    _IN_USE_GROUPS.remove(g)
-    if _DEFERRED:
-        _free_deferred()
-
-
-def _free_deferred():
-    with _CLOSE_LOCK:
-        free = [p for p in _DEFERRED if not _in_use(p)]
-        for p in free:
-            _DEFERRED.remove(p)
-    for p in free:
-        lib.ut_free(p)
 
 
 class _HostView:
@@ -220,18 +138,7 @@ class Tensor:
 
     def close(self):
         """Drop this object's reference now (idempotent). numpy views keep their own."""
-        with _CLOSE_LOCK:
-            p = getattr(self, "_ptr", None)
-            self._ptr = None
-            if p is None:
-                return
-            deferred = _in_use(p)
-            if deferred:
-                _DEFERRED.append(p)  # another thread's call is using it: freed as it ends
-        if not deferred:
-            lib.ut_free(p)
-        else:
-            _free_deferred()  # in case that call ended before the append: its _let_go missed it
+        _close(self)
 
     def __enter__(self):
         self.ptr

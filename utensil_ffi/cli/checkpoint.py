@@ -1,0 +1,109 @@
+"""utensil-train's checkpoints: one .npz file per run, written atomically.
+
+    save_checkpoint(path, net, opt, meta)            # after each epoch
+    meta, model_state, optim_state = load_checkpoint(path)
+
+The arrays ``model/<key>`` hold ``net.state_dict()``, ``optim/<i>/<name>`` the optimizer's
+per-parameter state; ``meta`` is JSON: the run's settings, epoch, history, the data's shape and
+classes, the optimizer's param_groups, and the format's name and version, which
+load_checkpoint checks. utensil-export and utensil-predict read the same files.
+"""
+
+import json
+import os
+
+import numpy as np
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CHECKPOINT_FORMAT",
+           "CHECKPOINT_VERSION"]
+
+PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
+CHECKPOINT_FORMAT = "utensil-train-checkpoint"
+CHECKPOINT_VERSION = 2  # 2: the model's and optimizer's state_dict() in PyTorch's layout
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, with a message meant for the user."""
+
+
+def save_checkpoint(path, net, opt, meta):
+    """Write the checkpoint atomically (a temporary file in the same folder, then os.replace).
+
+    The arrays: ``model/<key>`` for each entry of ``net.state_dict()``, ``optim/<i>/<name>`` for
+    each array of ``opt.state_dict()["state"]``; the optimizer's param_groups go into the JSON
+    metadata with ``meta``."""
+    arrays = {"model/" + k: v for k, v in net.state_dict().items()}
+    osd = opt.state_dict()
+    for i, entry in osd["state"].items():
+        arrays.update({"optim/%d/%s" % (i, k): v for k, v in entry.items()})
+    meta = dict(meta, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION,
+                optimizer_param_groups=osd["param_groups"])
+    arrays["meta"] = np.array(json.dumps(meta))
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".%s.%d.tmp" % (os.path.basename(path), os.getpid()))
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path):
+    """(meta, model state_dict, optimizer state_dict) from a checkpoint file; CheckpointError if
+    unusable."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError("%s: no such checkpoint file" % path)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise CheckpointError("%s: not a readable checkpoint (%s)" % (path, e)) from None
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+        ok = meta.get("format") == CHECKPOINT_FORMAT
+    except Exception:
+        ok = False
+    if not ok:
+        raise CheckpointError("%s: not a %s checkpoint" % (path, PROG))
+    if meta.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError("%s: checkpoint version %r, this program reads version %d"
+                              % (path, meta.get("version"), CHECKPOINT_VERSION))
+    model = {k[6:]: v for k, v in arrays.items() if k.startswith("model/")}
+    if not model:
+        raise CheckpointError("%s: the checkpoint holds no model weights" % path)
+    state = {}
+    for k, v in arrays.items():
+        if k.startswith("optim/"):
+            i, _, name = k[6:].partition("/")
+            if not (i.isdigit() and name):
+                raise CheckpointError("%s: %r is not an optimizer state entry" % (path, k))
+            state.setdefault(int(i), {})[name] = v
+    groups = meta.get("optimizer_param_groups")
+    if not isinstance(groups, list):
+        raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
+    return meta, model, {"state": state, "param_groups": groups}
+
+
+def _check_meta(path, meta):
+    """Raise CheckpointError naming ``path`` unless the metadata has what a resume reads."""
+    def bad(what):
+        raise CheckpointError("%s: the checkpoint's metadata %s" % (path, what))
+
+    if not isinstance(meta.get("epoch"), int) or isinstance(meta["epoch"], bool) \
+            or meta["epoch"] < 0:
+        bad("has no valid 'epoch' (epochs done: an integer >= 0), got %r" % (meta.get("epoch"),))
+    for k, kind in (("run", dict), ("data_info", dict), ("history", list)):
+        if not isinstance(meta.get(k, kind()), kind) or (k != "data_info" and k not in meta):
+            bad("has no valid %r (expected a %s), got %r" % (k, kind.__name__, meta.get(k)))
+    for i, h in enumerate(meta["history"]):
+        if not isinstance(h, dict) or not all(
+                isinstance(h.get(f), (int, float)) and not isinstance(h.get(f), bool)
+                for f in ("epoch", "train_loss", "test_loss", "test_acc")):
+            bad("has a malformed history entry %d: %r" % (i, h))

@@ -1,0 +1,110 @@
+"""utensil-export: a utensil-train checkpoint as an ONNX model, checked against onnxruntime.
+
+    utensil-export utensil_checkpoint.npz model.onnx
+    utensil-export ckpt.npz model.onnx --opset 17 --no-check
+
+The network is rebuilt from the checkpoint's settings (``--arch``, widths, the data's image
+shape and class count), its weights loaded, and its eval-mode forward written as ONNX (input
+``"input"`` [batch, C, H, W] float32, normalized as in training; output ``"output"`` the logits).
+Unless ``--no-check``, onnxruntime (when installed) runs the file on random inputs and the
+largest difference from utensil's own forward is printed; above ``--tolerance`` (1e-4) the
+program fails and removes nothing it did not write: the file stays for inspection. Needs the
+``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
+"""
+
+import argparse
+import sys
+
+import numpy as np
+
+from .._errors import UtensilError
+from .checkpoint import CheckpointError, load_checkpoint
+from .train import build_network
+
+__all__ = ["main", "PROG", "load_network"]
+
+PROG = "utensil-export"
+
+
+def load_network(path, device="cpu"):
+    """(network in eval mode with the checkpoint's weights, checkpoint metadata)."""
+    meta, model_state, _ = load_checkpoint(path)
+    info = meta.get("data_info") or {}
+    shape, k = info.get("image_shape"), info.get("num_classes")
+    if not (isinstance(shape, list) and len(shape) == 3 and isinstance(k, int)):
+        raise CheckpointError("%s: the checkpoint does not record the data's image shape and "
+                              "class count" % path)
+    run = dict(meta.get("run") or {})
+    run.setdefault("arch", "digits")
+    run.setdefault("width_mult", 1.0)
+    net = build_network(run, tuple(shape), k, device)
+    try:
+        net.load_state_dict(model_state)
+    except UtensilError as e:
+        net.close()
+        raise CheckpointError("%s: the weights do not fit the network: %s" % (path, e)) from None
+    net.eval()
+    return net, meta
+
+
+def _max_difference(net, path, shape, batch=4, seed=0):
+    import onnxruntime as ort
+
+    from ..tensor import tensor
+
+    x = np.random.default_rng(seed).standard_normal((batch,) + tuple(shape)).astype(np.float32)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    got = sess.run(["output"], {"input": x})[0]
+    with tensor(x, "cpu") as xt:
+        want = net(xt)
+        try:
+            return float(np.max(np.abs(got - want.numpy())))
+        finally:
+            want.close()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint written by utensil-train")
+    p.add_argument("output", help="the ONNX file to write")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest allowed difference from utensil's forward (default 1e-4)")
+    a = p.parse_args(argv)
+    try:
+        from ..interop.onnx_export import export_onnx
+
+        net, meta = load_network(a.checkpoint)
+        try:
+            shape = tuple(meta["data_info"]["image_shape"])
+            export_onnx(net, a.output, (1,) + shape, opset=a.opset)
+            print("wrote %s: %s, input [batch, %d, %d, %d], %d classes" % (
+                a.output, meta["run"].get("arch", "digits"), *shape,
+                meta["data_info"]["num_classes"]))
+            if a.no_check:
+                return 0
+            try:
+                import onnxruntime  # noqa: F401
+            except ImportError:
+                print("not checked: onnxruntime is not installed (pip install onnxruntime)")
+                return 0
+            diff = _max_difference(net, a.output, shape)
+            print("onnxruntime against utensil: max abs difference %.2e" % diff)
+            if not diff <= a.tolerance:
+                print("%s: error: the exported model differs from utensil's by %.2e (more than "
+                      "%g)" % (PROG, diff, a.tolerance), file=sys.stderr)
+                return 1
+            return 0
+        finally:
+            net.close()
+    except CheckpointError as e:
+        print("%s: error: %s" % (PROG, e), file=sys.stderr)
+        return 2
+    except (ImportError, UtensilError, OSError) as e:
+        print("%s: error: %s" % (PROG, e), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

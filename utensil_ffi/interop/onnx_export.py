@@ -1,0 +1,286 @@
+"""export_onnx: a utensil model as an ONNX file, for onnxruntime, TensorRT, OpenVINO, ...
+
+    from utensil_ffi.nn import models
+    from utensil_ffi.interop.onnx_export import export_onnx
+    net = models.mobilenet_v2(num_classes=10)
+    export_onnx(net, "mobilenet_v2.onnx", (1, 3, 224, 224))
+
+The graph is the model's eval-mode forward (BatchNorm2d with its running statistics), whatever
+mode the model is in; the model itself is not changed and runs nothing. Supported modules:
+Sequential, Residual, Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv),
+BatchNorm2d (with its fused activation), ReLU, ReLU6, GlobalAvgPool2d and Linear; any other
+raises ArgumentError naming it. Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
+"""
+
+import os
+import uuid
+
+import numpy as np
+
+from .. import _args
+from .._errors import ArgumentError, ArgumentTypeError, ShapeError
+from ..nn.activation import ReLU, ReLU6
+from ..nn.blocks import Residual
+from ..nn.container import Sequential
+from ..nn.conv import Conv2d, DWConv2d
+from ..nn.linear import Linear
+from ..nn.module import Module
+from ..nn.norm import BatchNorm2d
+from ..nn.pooling import GlobalAvgPool2d
+
+__all__ = ["export_onnx"]
+
+# Clip takes its bounds as inputs from opset 11 on, and Gemm's bias became optional there.
+MIN_OPSET = 11
+BATCH = "batch"  # the name of the dynamic first dimension of the input and the output
+
+
+def _import_onnx():
+    # lazily: onnx is an optional dependency, and a large import that training never needs
+    try:
+        import onnx
+        from onnx import helper, numpy_helper
+    except ImportError as e:
+        raise ImportError("export_onnx needs the onnx package: pip install 'utensil-ffi[onnx]' "
+                          "(or pip install onnx); importing it failed: %s" % e) from None
+    return onnx, helper, numpy_helper
+
+
+def export_onnx(model, path, input_shape, opset=17):
+    """Write ``model`` as an ONNX model to ``path`` (atomically) and return the ModelProto.
+
+    ``input_shape`` is the shape of one input, batch first, e.g. ``(1, 3, 224, 224)``; the
+    batch dimension is exported as the symbolic ``"batch"``, the others as given (they fix the
+    spatial size, as in torch.onnx.export). The graph has one input ``"input"`` and one output
+    ``"output"`` (float32); initializers carry the state_dict's keys (``"0.weight"``...).
+    ``opset`` is the default domain's opset version, from 11 to the newest the installed onnx
+    knows. The file is written to a temporary name in the same directory and renamed over
+    ``path`` only once it is complete and checked by ``onnx.checker``.
+    """
+    onnx, helper, numpy_helper = _import_onnx()
+    if not isinstance(model, Module):
+        raise ArgumentTypeError("export_onnx: model must be a utensil Module, got %s"
+                                % type(model).__name__)
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ArgumentTypeError("export_onnx: path must be a file name, got %s"
+                                % type(path).__name__)
+    path = os.fsdecode(path)
+    newest = onnx.defs.onnx_opset_version()
+    opset = _args.to_int(opset, "export_onnx: opset", MIN_OPSET, newest)
+    if isinstance(input_shape, (int, np.integer)) or not hasattr(input_shape, "__len__"):
+        raise ArgumentTypeError("export_onnx: input_shape must be a sequence of ints, batch "
+                                "first, e.g. (1, 3, 224, 224); got %r" % (input_shape,))
+    dims = [_args.to_int(d, "export_onnx: input_shape[%d]" % i, 1)
+            for i, d in enumerate(input_shape)]
+    if len(dims) < 2:
+        raise ShapeError("export_onnx: input_shape needs a batch dimension and at least one "
+                         "more, got %r" % (tuple(input_shape),))
+
+    g = _Graph(helper, numpy_helper)
+    shape = (BATCH,) + tuple(dims[1:])
+    out, out_shape = g.emit(model, "", "input", shape)
+    if g.nodes and g.nodes[-1].output[0] == out:
+        g.nodes[-1].output[0] = "output"
+    else:  # a model that computes nothing (an empty Sequential): the output must be a node's
+        g.node("Identity", [out], "", "output")
+
+    graph = helper.make_graph(
+        g.nodes, "utensil",
+        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, list(out_shape))],
+        initializer=g.initializers)
+    opsets = [helper.make_opsetid("", opset)]
+    proto = helper.make_model(graph, opset_imports=opsets, producer_name="utensil")
+    # the oldest IR version that carries this opset: the newest onnx's default may be newer than
+    # what a deployed runtime reads
+    proto.ir_version = helper.find_min_ir_version_for(opsets)
+    onnx.checker.check_model(proto, full_check=True)  # also infers shapes against ours
+    _write_atomically(path, proto.SerializeToString())
+    return proto
+
+
+def _write_atomically(path, data):
+    """``data`` to ``path`` through a temporary file in the same directory and os.replace, so a
+    reader never sees half a file and a failure leaves an existing file as it was."""
+    tmp = "%s.%s.tmp" % (path, uuid.uuid4().hex[:12])
+    # os.open with 0o666: the umask applies, as for any new file (mkstemp would make it 0600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _values(t):
+    """A float32 numpy copy of a Tensor's values (the host copy for a GPU tensor)."""
+    return np.array(t.numpy(), dtype=np.float32, copy=True)
+
+
+def _fmt(shape):
+    return "[%s]" % ", ".join(str(d) for d in shape)
+
+
+class _Graph:
+    """The nodes and initializers of the graph being built; emit() walks the model."""
+
+    def __init__(self, helper, numpy_helper):
+        self.helper = helper
+        self.numpy_helper = numpy_helper
+        self.nodes = []
+        self.initializers = []
+        self.names = set()
+        self.tensors = {}  # id(Tensor) -> initializer name: a shared layer's weights once
+
+    # -- names, constants, nodes ----------------------------------------------------------------
+    def fresh(self, base):
+        """A value name not used yet: ``base``, else ``base_1``, ``base_2``..."""
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = "%s_%d" % (base, i)
+        self.names.add(name)
+        return name
+
+    def const(self, name, array, owner=None):
+        """An initializer with these values; ``owner`` (a Tensor) is exported once however many
+        times its layer appears."""
+        if owner is not None and id(owner) in self.tensors:
+            return self.tensors[id(owner)]
+        name = self.fresh(name)
+        self.initializers.append(self.numpy_helper.from_array(np.asarray(array, np.float32), name))
+        if owner is not None:
+            self.tensors[id(owner)] = name
+        return name
+
+    def node(self, op, inputs, path, output=None, **attrs):
+        """One node named after the module's path; returns its output's name."""
+        base = path or "model"
+        out = output or self.fresh("%s/%s" % (base, op))
+        self.nodes.append(self.helper.make_node(op, list(inputs), [out],
+                                                name=self.fresh("%s:%s" % (base, op)), **attrs))
+        return out
+
+    # -- the walk -------------------------------------------------------------------------------
+    def emit(self, m, path, x, shape):
+        """Nodes computing module ``m`` (at dotted ``path``) on value ``x`` of ``shape`` (batch
+        symbolic) -> (output value name, output shape)."""
+        fn = _EMIT.get(type(m))
+        if fn is None and isinstance(m, BatchNorm2d):  # SyncBatchNorm: BatchNorm2d in eval mode
+            fn = _EMIT[BatchNorm2d]
+        if fn is None:
+            raise ArgumentError(
+                "export_onnx: %s at %s has no ONNX form; the exporter knows %s"
+                % (type(m).__name__, "'%s'" % path if path else "the top of the model",
+                   ", ".join(sorted(t.__name__ for t in _EMIT))))
+        return fn(self, m, path, x, shape)
+
+    def sequential(self, m, path, x, shape):
+        for i, layer in enumerate(m):
+            x, shape = self.emit(layer, _join(path, str(i)), x, shape)
+        return x, shape
+
+    def residual(self, m, path, x, shape):
+        y, yshape = self.emit(m.block, _join(path, "block"), x, shape)
+        if yshape != shape:
+            raise ShapeError("export_onnx: Residual at '%s': its block maps %s to %s; x + "
+                             "block(x) needs the shape unchanged" % (path, _fmt(shape),
+                                                                    _fmt(yshape)))
+        return self.node("Add", [x, y], path), shape
+
+    def _image(self, m, path, shape, channels):
+        if len(shape) != 4 or shape[1] != channels:
+            raise ShapeError("export_onnx: %s at '%s' takes [N, %d, H, W], but gets %s"
+                             % (type(m).__name__, path, channels, _fmt(shape)))
+        return shape[2], shape[3]
+
+    def _conv(self, m, path, x, shape, cin, weight, group, dilation):
+        h, w = self._image(m, path, shape, cin)
+        kh, kw = m.kernel_size
+        s, p = m.stride, m.padding
+        ho = (h + 2 * p - dilation * (kh - 1) - 1) // s + 1
+        wo = (w + 2 * p - dilation * (kw - 1) - 1) // s + 1
+        if ho < 1 or wo < 1:
+            raise ShapeError("export_onnx: %s at '%s': a %dx%d input is smaller than its "
+                             "kernel" % (type(m).__name__, path, h, w))
+        inputs = [x, self.const(_join(path, "weight"), weight, m.weight)]
+        if m.bias is not None:
+            inputs.append(self.const(_join(path, "bias"), _values(m.bias), m.bias))
+        y = self.node("Conv", inputs, path, kernel_shape=[kh, kw], strides=[s, s],
+                      pads=[p, p, p, p], dilations=[dilation, dilation], group=group)
+        return y, (shape[0], weight.shape[0], ho, wo)
+
+    def conv2d(self, m, path, x, shape):
+        return self._conv(m, path, x, shape, m.in_channels, _values(m.weight), 1, 1)
+
+    def dwconv2d(self, m, path, x, shape):
+        # PyTorch's and ONNX's depthwise form: a Conv with group=C, weight [out_channels, 1,
+        # kh, kw]; output channel o reads input channel o // (out_channels // C), as utensil's
+        w = _values(m.weight).reshape(m.out_channels, 1, *m.kernel_size)
+        return self._conv(m, path, x, shape, m.channels, w, m.channels, m.dilation)
+
+    def batchnorm2d(self, m, path, x, shape):
+        self._image(m, path, shape, m.num_features)
+        inputs = [x] + [self.const(_join(path, k), _values(t), t) for k, t in (
+            ("weight", m.weight), ("bias", m.bias), ("running_mean", m.running_mean),
+            ("running_var", m.running_var))]
+        y = self.node("BatchNormalization", inputs, path, epsilon=float(m.eps))
+        if m.activation == "relu":
+            y = self.node("Relu", [y], path)
+        elif m.activation == "relu6":
+            y = self._relu6(y, path)
+        return y, shape
+
+    def _relu6(self, x, path):
+        lo = self.const("relu6_min", np.array(0.0, np.float32), _RELU6_MIN)
+        hi = self.const("relu6_max", np.array(6.0, np.float32), _RELU6_MAX)
+        return self.node("Clip", [x, lo, hi], path)
+
+    def relu(self, m, path, x, shape):
+        return self.node("Relu", [x], path), shape
+
+    def relu6(self, m, path, x, shape):
+        return self._relu6(x, path), shape
+
+    def global_avg_pool2d(self, m, path, x, shape):
+        if len(shape) != 4:
+            raise ShapeError("export_onnx: GlobalAvgPool2d at '%s' takes [N, C, H, W], but gets "
+                             "%s" % (path, _fmt(shape)))
+        y = self.node("GlobalAveragePool", [x], path)
+        return self.node("Flatten", [y], path, axis=1), shape[:2]
+
+    def linear(self, m, path, x, shape):
+        if len(shape) != 2 or shape[1] != m.in_features:
+            raise ShapeError("export_onnx: Linear at '%s' takes [N, %d], but gets %s"
+                             % (path, m.in_features, _fmt(shape)))
+        inputs = [x, self.const(_join(path, "weight"), _values(m.weight), m.weight)]
+        if m.bias is not None:
+            inputs.append(self.const(_join(path, "bias"), _values(m.bias), m.bias))
+        return self.node("Gemm", inputs, path, transB=1), (shape[0], m.out_features)
+
+
+# keys for the two Clip bounds, shared by every ReLU6 of a graph (const() dedupes by identity)
+_RELU6_MIN, _RELU6_MAX = object(), object()
+
+_EMIT = {
+    Sequential: _Graph.sequential,
+    Residual: _Graph.residual,
+    Conv2d: _Graph.conv2d,
+    DWConv2d: _Graph.dwconv2d,
+    BatchNorm2d: _Graph.batchnorm2d,
+    ReLU: _Graph.relu,
+    ReLU6: _Graph.relu6,
+    GlobalAvgPool2d: _Graph.global_avg_pool2d,
+    Linear: _Graph.linear,
+}
+
+
+def _join(path, name):
+    return "%s.%s" % (path, name) if path else name
