@@ -155,47 +155,67 @@ struct ut__cuda_dwconv2d_strip_params {
 };
 
 /* ---- the row walk (forward, dx at stride 1 and dW; strip, pair, wide and tiled kernels) ----
-   An item is R output rows (stride S) x Q output columns of one plane. For each input row
-   j < ROWS it may touch and for which row(j) holds, load(j, v) fills v[0 .. NV) with the row's
-   window (zeros outside the input); then, for each output row r that input row meets (filter
-   row kr = j - r * S), each column q and each filter column kx, in that order,
-   tap(r, q, kr * KW + kx, v[PO + q * S + kx]). The forward kernels add wr[t] * v to
-   output (r, q); the dW kernels add go(r, q) * v to the tap's sum t: one walk, one order. */
-template <int ROWS, int KH, int KW, int S, int R, int Q, int PO, int NV, typename Row,
-          typename Load, typename Tap>
-static __device__ __forceinline__ void ut__cuda_dwconv2d_walk(Row&& row, Load&& load, Tap&& tap) {
+   An item is R output rows (stride S) x Q output columns of one plane; the kernel walks the
+   input rows j it touches, loads each once into v[0 .. NV) (zeros outside the input), and
+   hands it to ut__cuda_dwconv2d_row_taps, which feeds it to every output (r, q) that row j
+   meets (filter row kr = j - r * S) through each filter column kx, in that order:
+     forward (DW false): a(r, q) += f[kr * KW + kx] * v[PO + q * S + kx]   (f: the filter taps)
+     dW      (DW true):  a[kr * KW + kx] += f(r, q) * v[PO + q * S + kx]   (f: go of the item)
+   One walk and one order for both; each kernel keeps only its loop over j and its row load
+   (ut__cuda_dwconv2d_strip_row, _strip2_row, _wide_row, or shared memory in the tiled kernel).
+   Why that split, arrays by reference and no callback: with the row loop inside the helper,
+   or a lambda for the taps, the arithmetic was the same but the PTX numbered the accumulators
+   differently and ptxas allocated some kernels differently (more registers, or a spill). */
+
+/* element (r, q) of an item's per-output array: [R] for one-column items (q is 0), or [R][Q] */
+template <int R>
+static __device__ __forceinline__ float& ut__cuda_dwconv2d_at(float (&a)[R], int r, int) {
+  return a[r];
+}
+template <int R, int Q>
+static __device__ __forceinline__ float& ut__cuda_dwconv2d_at(float (&a)[R][Q], int r, int q) {
+  return a[r][q];
+}
+template <int R>
+static __device__ __forceinline__ float ut__cuda_dwconv2d_at(const float (&a)[R], int r, int) {
+  return a[r];
+}
+template <int R, int Q>
+static __device__ __forceinline__ float ut__cuda_dwconv2d_at(const float (&a)[R][Q], int r,
+                                                            int q) {
+  return a[r][q];
+}
+
+template <bool DW, int KH, int KW, int S, int R, int Q, int PO, int NV, typename F, typename A>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_row_taps(int j, const float (&v)[NV],
+                                                                  const F& f, A& a) {
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) {
-    if (row(j)) {
-      float v[NV];
-      load(j, v);
+  for (int r = 0; r < R; ++r) {
+    const int kr = j - r * S;
+    if (kr >= 0 && kr < KH) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int kr = j - r * S;
-        if (kr >= 0 && kr < KH) {
+      for (int q = 0; q < Q; ++q)
 #pragma unroll
-          for (int q = 0; q < Q; ++q)
-#pragma unroll
-            for (int kx = 0; kx < KW; ++kx) tap(r, q, kr * KW + kx, v[PO + q * S + kx]);
+        for (int kx = 0; kx < KW; ++kx) {
+          if constexpr (DW)
+            a[kr * KW + kx] =
+                fmaf(ut__cuda_dwconv2d_at(f, r, q), v[PO + q * S + kx], a[kr * KW + kx]);
+          else
+            ut__cuda_dwconv2d_at(a, r, q) =
+                fmaf(f[kr * KW + kx], v[PO + q * S + kx], ut__cuda_dwconv2d_at(a, r, q));
         }
-      }
     }
   }
 }
 
-/* every row takes part (the strip kernels: rows outside the input load zeros) */
-struct ut__cuda_dwconv2d_every_row {
-  __device__ __forceinline__ bool operator()(int) const { return true; }
-};
-
 /* the item `it` of a strip kernel, numbered column group fastest (NX per row), then strip (NS
-   per plane), then plane (forward, dx) or image (dW): *gx the column group, *t the plane or
-   image, *y0 the first output row */
-template <int R, typename T>
+   per plane), then plane (forward, dx) or image (dW): *x0 the first column (CW columns per
+   group), *t the plane or image, *y0 the first row (R rows per strip) */
+template <int R, int CW, typename T>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_strip_item(
-    const ut__cuda_dwconv2d_strip_params<T>& p, unsigned it, int* gx, unsigned* t, int* y0) {
+    const ut__cuda_dwconv2d_strip_params<T>& p, unsigned it, int* x0, unsigned* t, int* y0) {
   const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
-  *gx = (int)(it - t1 * (unsigned)p.NX);
+  *x0 = CW * (int)(it - t1 * (unsigned)p.NX);
   *t = ut__cuda_fdiv(t1, p.fd_ns);
   *y0 = (int)(t1 - *t * (unsigned)p.NS) * R;
 }
@@ -207,13 +227,12 @@ static __device__ __forceinline__ int ut__cuda_dwconv2d_strip_channel(
   return (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
 }
 
-/* a channel's NT filter taps into registers (wc: the channel's filter), rotated 180 degrees
-   when FLIP */
-template <int NT, bool FLIP>
-static __device__ __forceinline__ void ut__cuda_dwconv2d_load_w(const float* wc,
+/* channel c's NT filter taps (w: [C, NT]) into registers, rotated 180 degrees when FLIP */
+template <int NT, bool FLIP, typename I>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_load_w(const float* w, I c,
                                                                 float (&wr)[NT]) {
 #pragma unroll
-  for (int i = 0; i < NT; ++i) wr[i] = __ldg(wc + (FLIP ? NT - 1 - i : i));
+  for (int i = 0; i < NT; ++i) wr[i] = __ldg(w + c * NT + (FLIP ? NT - 1 - i : i));
 }
 
 /* which of the N columns x0 .. x0 + N lie inside a row of `iw` */
@@ -237,11 +256,11 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_strip_row(const T* __re
 }
 
 /* the end of a dW block: its NT sums, warp by warp, then the warps' in order into
-   part[base + t] (red: NT shared floats per warp of the block) */
-template <int NT>
+   part[row * NT + t] (red: NT shared floats per warp of the block) */
+template <int NT, typename I>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_dw_block_store(const float (&accw)[NT],
                                                                         float* red, float* part,
-                                                                        size_t base) {
+                                                                        I row) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -252,7 +271,7 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_dw_block_store(const fl
   for (int i = threadIdx.x; i < NT; i += blockDim.x) {
     float s = 0.f;
     for (int w = 0; w < nw; ++w) s += red[w * NT + i];
-    part[base + i] = s;
+    part[row * NT + i] = s;
   }
 }
 

@@ -27,7 +27,7 @@ static __global__ void __launch_bounds__(256)
   for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
     int ox, oy0;
     unsigned n;
-    ut__cuda_dwconv2d_strip_item<R>(p, it, &ox, &n, &oy0);
+    ut__cuda_dwconv2d_strip_item<R, 1>(p, it, &ox, &n, &oy0);
     const size_t plane = (size_t)n * p.C + c;
     const T* __restrict__ xp = p.in + plane * in_plane;
     const T* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
@@ -38,15 +38,14 @@ static __global__ void __launch_bounds__(256)
     const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
     bool cv[K];
     ut__cuda_dwconv2d_cols_in<K>(ixb, p.IW, cv);
-    ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, 1, 0, K>(
-        ut__cuda_dwconv2d_every_row(),
-        [&](int j, float (&v)[K]) {
-          ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
-        },
-        [&](int r, int, int t, float x) { accw[t] = fmaf(g[r], x, accw[t]); });
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      float v[K];
+      ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
+      ut__cuda_dwconv2d_row_taps<true, K, K, S, R, 1, 0>(j, v, g, accw);
+    }
   }
-  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part,
-                                       ((size_t)c * gridDim.x + blockIdx.x) * NT);
+  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part, (size_t)c * gridDim.x + blockIdx.x);
 }
 
 /* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x 2 columns; go is
@@ -66,10 +65,9 @@ static __global__ void __launch_bounds__(256)
   const unsigned e1 = min(e0 + p.chunk, p.items);
   const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
   for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
-    int gx, oy0;
+    int ox, oy0;
     unsigned n;
-    ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &n, &oy0);
-    const int ox = 2 * gx;
+    ut__cuda_dwconv2d_strip_item<R, 2>(p, it, &ox, &n, &oy0);
     const size_t plane = (size_t)n * p.C + c;
     const ut__cuda_bf16* __restrict__ xp = p.in + plane * in_plane;
     const __nv_bfloat162* __restrict__ gp =
@@ -84,17 +82,16 @@ static __global__ void __launch_bounds__(256)
       g[r][1] = f.y;
     }
     const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
-    ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, 2, PO, 2 * NW>(
-        ut__cuda_dwconv2d_every_row(),
-        [&](int j, float (&v)[2 * NW]) {
-          const int iy = iyb + j;
-          ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW,
-                                           (unsigned)iy < (unsigned)p.IH, v);
-        },
-        [&](int r, int q, int t, float x) { accw[t] = fmaf(g[r][q], x, accw[t]); });
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      float v[2 * NW];
+      ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH,
+                                       v);
+      ut__cuda_dwconv2d_row_taps<true, K, K, S, R, 2, PO>(j, v, g, accw);
+    }
   }
-  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part,
-                                       ((size_t)c * gridDim.x + blockIdx.x) * NT);
+  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part, (size_t)c * gridDim.x + blockIdx.x);
 }
 
 /* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x CW columns (OW a
@@ -116,10 +113,9 @@ static __global__ void __launch_bounds__(256)
   const unsigned e1 = min(e0 + p.chunk, p.items);
   const size_t in_plane = (size_t)p.IH * p.IW, out_plane = (size_t)p.OH * p.OW;
   for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
-    int gx, oy0;
+    int ox, oy0;
     unsigned n;
-    ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &n, &oy0);
-    const int ox = CW * gx;
+    ut__cuda_dwconv2d_strip_item<R, CW>(p, it, &ox, &n, &oy0);
     const size_t plane = (size_t)n * p.C + c;
     const ut__cuda_bf16* __restrict__ xp = p.in + plane * in_plane;
     const ut__cuda_bf16* __restrict__ gp = p.go + plane * out_plane + (oy0 * p.OW + ox);
@@ -139,17 +135,16 @@ static __global__ void __launch_bounds__(256)
         ut__cuda_dwconv2d_wide_load<G, NW>(xp + (iyb + j) * p.IW, a0, p.IW,
                                            (unsigned)(iyb + j) < (unsigned)p.IH, raw[j]);
     }
-    ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, CW, PO, G * NW>(
-        ut__cuda_dwconv2d_every_row(),
-        [&](int j, float (&v)[G * NW]) {
-          const int iy = iyb + j;
-          ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
-                                                (unsigned)iy < (unsigned)p.IH, v);
-        },
-        [&](int r, int q, int t, float x) { accw[t] = fmaf(g[r][q], x, accw[t]); });
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int iy = iyb + j;
+      float v[G * NW];
+      ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
+                                            (unsigned)iy < (unsigned)p.IH, v);
+      ut__cuda_dwconv2d_row_taps<true, K, K, S, R, CW, PO>(j, v, g, accw);
+    }
   }
-  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part,
-                                       ((size_t)c * gridDim.x + blockIdx.x) * NT);
+  ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part, (size_t)c * gridDim.x + blockIdx.x);
 }
 
 /* ---- the plain reduction and the final stage ---- */

@@ -47,11 +47,11 @@ static __global__ void __launch_bounds__(256)
   if (it >= p.items) return;
   int ox, oy0;
   unsigned plane;
-  ut__cuda_dwconv2d_strip_item<R>(p, it, &ox, &plane, &oy0);
+  ut__cuda_dwconv2d_strip_item<R, 1>(p, it, &ox, &plane, &oy0);
   const int c = ut__cuda_dwconv2d_strip_channel(p, plane);
   const T* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   float wr[NT];
-  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w + c * NT, wr);
+  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
   bool cv[K];
@@ -59,12 +59,12 @@ static __global__ void __launch_bounds__(256)
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = bv;
-  ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, 1, 0, K>(
-      ut__cuda_dwconv2d_every_row(),
-      [&](int j, float (&v)[K]) {
-        ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
-      },
-      [&](int r, int, int t, float x) { acc[r] = fmaf(wr[t], x, acc[r]); });
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    float v[K];
+    ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
+    ut__cuda_dwconv2d_row_taps<false, K, K, S, R, 1, 0>(j, v, wr, acc);
+  }
   T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
   const int nr = min(R, p.OH - oy0);
 #pragma unroll
@@ -72,31 +72,26 @@ static __global__ void __launch_bounds__(256)
     if (r < nr) ut__cuda_st(yp + r * p.OW, acc[r]);
 }
 
-/* The transposed walk (dx at stride S > 1, the one-column and the wide kernels): an item is R
-   dx rows x Q dx columns; with E = K - 1 + D, go row gy0 + j (j < JR) meets dx row r through
-   ky = E + r - j * S, and go column gx0 + m (m < MR) meets dx column q through
-   kx = E + q - m * S. For each go row j, load(j, v) fills v[0 .. NV) with the row's window
-   (zeros outside go); then for each r, q and m, in that order, whose taps lie inside the
-   filter, tap(r, q, ky * K + kx, v[PO + m]). */
-template <int K, int S, int R, int Q, int E, int JR, int MR, int PO, int NV, typename Load,
-          typename Tap>
-static __device__ __forceinline__ void ut__cuda_dwconv2d_walk_tdx(Load&& load, Tap&& tap) {
+/* The transposed walk (dx at stride S > 1: the one-column and the wide kernels), one go row
+   at a time: an item is R dx rows x Q dx columns; with E = K - 1 + D, go row gy0 + j meets dx
+   row r through ky = E + r - j * S, and go column gx0 + m (m < MR) meets dx column q through
+   kx = E + q - m * S. For each r, q and m, in that order, whose taps lie inside the filter:
+   acc[r][q] += wr[ky * K + kx] * v[PO + m]. */
+template <int K, int S, int R, int Q, int E, int MR, int PO, int NV>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_row_taps_tdx(int j, const float (&v)[NV],
+                                                                      const float (&wr)[K * K],
+                                                                      float (&acc)[R][Q]) {
 #pragma unroll
-  for (int j = 0; j < JR; ++j) {
-    float v[NV];
-    load(j, v);
+  for (int r = 0; r < R; ++r) {
+    const int ky = E + r - j * S;
+    if (ky >= 0 && ky < K) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int ky = E + r - j * S;
-      if (ky >= 0 && ky < K) {
+      for (int q = 0; q < Q; ++q)
 #pragma unroll
-        for (int q = 0; q < Q; ++q)
-#pragma unroll
-          for (int m = 0; m < MR; ++m) {
-            const int kx = E + q - m * S;
-            if (kx >= 0 && kx < K) tap(r, q, ky * K + kx, v[PO + m]);
-          }
-      }
+        for (int m = 0; m < MR; ++m) {
+          const int kx = E + q - m * S;
+          if (kx >= 0 && kx < K) acc[r][q] = fmaf(wr[ky * K + kx], v[PO + m], acc[r][q]);
+        }
     }
   }
 }
@@ -115,14 +110,13 @@ static __global__ void __launch_bounds__(256)
   constexpr int MR = (E + S - 1) / S + 1; /* go columns an item reads */
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
-  int gx, y0;
+  int x0, y0;
   unsigned plane;
-  ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &plane, &y0);
-  const int x0 = gx * S;
+  ut__cuda_dwconv2d_strip_item<R, S>(p, it, &x0, &plane, &y0);
   const int c = ut__cuda_dwconv2d_strip_channel(p, plane);
   const T* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   float wr[NT];
-  ut__cuda_dwconv2d_load_w<NT, false>(p.w + c * NT, wr);
+  ut__cuda_dwconv2d_load_w<NT, false>(p.w, c, wr);
   const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
   bool cv[MR];
   ut__cuda_dwconv2d_cols_in<MR>(gx0, p.IW, cv);
@@ -131,11 +125,12 @@ static __global__ void __launch_bounds__(256)
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int q = 0; q < S; ++q) acc[r][q] = 0.f;
-  ut__cuda_dwconv2d_walk_tdx<K, S, R, S, E, JR, MR, 0, MR>(
-      [&](int j, float (&v)[MR]) {
-        ut__cuda_dwconv2d_strip_row<MR>(gp, gy0 + j, gx0, p.IH, p.IW, cv, v);
-      },
-      [&](int r, int q, int t, float x) { acc[r][q] = fmaf(wr[t], x, acc[r][q]); });
+#pragma unroll
+  for (int j = 0; j < JR; ++j) {
+    float v[MR];
+    ut__cuda_dwconv2d_strip_row<MR>(gp, gy0 + j, gx0, p.IH, p.IW, cv, v);
+    ut__cuda_dwconv2d_row_taps_tdx<K, S, R, S, E, MR, 0>(j, v, wr, acc);
+  }
   T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
   const int nr = min(R, p.OH - y0);
   if (S == 2 && p.vec2) { /* x0 is even and OW is even: x0 + 1 < OW */
@@ -167,27 +162,25 @@ static __global__ void __launch_bounds__(256)
   constexpr int NW = ut__cuda_dwconv2d_strip2_window<K, S, PO>::NW;
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
-  int gx, oy0;
+  int ox, oy0;
   unsigned plane;
-  ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &plane, &oy0);
-  const int ox = 2 * gx;
+  ut__cuda_dwconv2d_strip_item<R, 2>(p, it, &ox, &plane, &oy0);
   const int c = ut__cuda_dwconv2d_strip_channel(p, plane);
   const ut__cuda_bf16* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   float wr[NT];
-  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w + c * NT, wr);
+  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
   float acc[R][2];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = bv;
-  ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, 2, PO, 2 * NW>(
-      ut__cuda_dwconv2d_every_row(),
-      [&](int j, float (&v)[2 * NW]) {
-        const int iy = iyb + j;
-        ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH,
-                                         v);
-      },
-      [&](int r, int q, int t, float x) { acc[r][q] = fmaf(wr[t], x, acc[r][q]); });
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    float v[2 * NW];
+    ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH, v);
+    ut__cuda_dwconv2d_row_taps<false, K, K, S, R, 2, PO>(j, v, wr, acc);
+  }
   ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
   const int nr = min(R, p.OH - oy0);
   if (p.vec2) { /* OW even and rows 4-byte aligned: ox + 1 < OW */
@@ -248,14 +241,13 @@ static __global__ void __launch_bounds__(256)
   constexpr int NW = (PO + (CW - 1) * S + K + G - 1) / G;
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
-  int gx, oy0;
+  int ox, oy0;
   unsigned plane;
-  ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &plane, &oy0);
-  const int ox = CW * gx;
+  ut__cuda_dwconv2d_strip_item<R, CW>(p, it, &ox, &plane, &oy0);
   const int c = ut__cuda_dwconv2d_strip_channel(p, plane);
   const ut__cuda_bf16* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   float wr[NT];
-  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w + c * NT, wr);
+  ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
   float acc[R][CW];
@@ -270,14 +262,14 @@ static __global__ void __launch_bounds__(256)
       ut__cuda_dwconv2d_wide_load<G, NW>(xp + (iyb + j) * p.IW, a0, p.IW,
                                          (unsigned)(iyb + j) < (unsigned)p.IH, raw[j]);
   }
-  ut__cuda_dwconv2d_walk<ROWS, K, K, S, R, CW, PO, G * NW>(
-      ut__cuda_dwconv2d_every_row(),
-      [&](int j, float (&v)[G * NW]) {
-        const int iy = iyb + j;
-        ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
-                                              (unsigned)iy < (unsigned)p.IH, v);
-      },
-      [&](int r, int q, int t, float x) { acc[r][q] = fmaf(wr[t], x, acc[r][q]); });
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const int iy = iyb + j;
+    float v[G * NW];
+    ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
+                                          (unsigned)iy < (unsigned)p.IH, v);
+    ut__cuda_dwconv2d_row_taps<false, K, K, S, R, CW, PO>(j, v, wr, acc);
+  }
   ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
   const int nr = min(R, p.OH - oy0), nq = min(CW, p.OW - ox);
 #pragma unroll
@@ -298,14 +290,13 @@ static __global__ void __launch_bounds__(256)
   constexpr int NW = (PO + MR + G - 1) / G;
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
-  int gx, y0;
+  int x0, y0;
   unsigned plane;
-  ut__cuda_dwconv2d_strip_item<R>(p, it, &gx, &plane, &y0);
-  const int x0 = gx * CX;
+  ut__cuda_dwconv2d_strip_item<R, CX>(p, it, &x0, &plane, &y0);
   const int c = ut__cuda_dwconv2d_strip_channel(p, plane);
   const ut__cuda_bf16* __restrict__ gp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   float wr[NT];
-  ut__cuda_dwconv2d_load_w<NT, false>(p.w + c * NT, wr);
+  ut__cuda_dwconv2d_load_w<NT, false>(p.w, c, wr);
   const int gy0 = (y0 + p.pad - E) / S, gx0 = (x0 + p.pad - E) / S;
   const int a0 = gx0 - PO;
   float acc[R][CX];
@@ -320,13 +311,14 @@ static __global__ void __launch_bounds__(256)
       ut__cuda_dwconv2d_wide_load<G, NW>(gp + (gy0 + j) * p.IW, a0, p.IW,
                                          (unsigned)(gy0 + j) < (unsigned)p.IH, raw[j]);
   }
-  ut__cuda_dwconv2d_walk_tdx<K, S, R, CX, E, JR, MR, PO, G * NW>(
-      [&](int j, float (&v)[G * NW]) {
-        const int gy = gy0 + j;
-        ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, gp + gy * p.IW, a0, p.IW,
-                                              (unsigned)gy < (unsigned)p.IH, v);
-      },
-      [&](int r, int q, int t, float x) { acc[r][q] = fmaf(wr[t], x, acc[r][q]); });
+#pragma unroll
+  for (int j = 0; j < JR; ++j) {
+    const int gy = gy0 + j;
+    float v[G * NW];
+    ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, gp + gy * p.IW, a0, p.IW,
+                                          (unsigned)gy < (unsigned)p.IH, v);
+    ut__cuda_dwconv2d_row_taps_tdx<K, S, R, CX, E, MR, PO>(j, v, wr, acc);
+  }
   ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (y0 * p.OW + x0);
   const int nr = min(R, p.OH - y0), nq = min(CX, p.OW - x0);
 #pragma unroll

@@ -137,10 +137,16 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
   const ut__i64 in_plane = (ut__i64)p.IH * p.IW;
   const ut__i64 out_plane = (ut__i64)p.OH * p.OW;
 
+  /* the filter taps and, at the end, the dW block's sums are written out here rather than
+     through ut__cuda_dwconv2d_load_w and ut__cuda_dwconv2d_dw_block_store (depthwise.cuh):
+     through them this kernel's PTX changed (the order of its parameter loads, hoisting out of
+     the persistent loop), and it is kept as it was measured */
   float wr[NT];
   float bv = 0.f;
   if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
-    ut__cuda_dwconv2d_load_w<NT, MODE == UT__CUDA_DWCONV2D_FLIP>(p.w + (ut__i64)u.c * NT, wr);
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      wr[i] = __ldg(p.w + (ut__i64)u.c * NT + (MODE == UT__CUDA_DWCONV2D_FLIP ? NT - 1 - i : i));
     if (MODE == UT__CUDA_DWCONV2D_FWD && p.bias) bv = __ldg(p.bias + u.c);
   }
   float accw[NT];
@@ -210,20 +216,20 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
         for (int r = 0; r < R; ++r) acc[r] = bv;
       }
 
-      /* the rows past the strip's last output (jmax) and outside the input are skipped */
-      ut__cuda_dwconv2d_walk<ROWS, KH, KW, S, R, 1, 0, KW>(
-          [&](int j) { return j < jmax && (unsigned)(iyb + j) < (unsigned)p.IH; },
-          [&](int j, float (&v)[KW]) {
-            const int rb = base + (iyb + j) * p.IW + ixb;
 #pragma unroll
-            for (int cc = 0; cc < KW; ++cc) v[cc] = cv[cc] ? ut__cuda_ld(sm + rb + cc) : 0.f;
-          },
-          [&](int r, int, int t, float x) {
-            if constexpr (MODE == UT__CUDA_DWCONV2D_DW)
-              accw[t] = fmaf(g[r], x, accw[t]);
-            else
-              acc[r] = fmaf(wr[t], x, acc[r]);
-          });
+      for (int j = 0; j < ROWS; ++j) {
+        const int iy = iyb + j;
+        if (j < jmax && (unsigned)iy < (unsigned)p.IH) {
+          const int rb = base + iy * p.IW + ixb;
+          float v[KW];
+#pragma unroll
+          for (int cc = 0; cc < KW; ++cc) v[cc] = cv[cc] ? ut__cuda_ld(sm + rb + cc) : 0.f;
+          if constexpr (MODE == UT__CUDA_DWCONV2D_DW)
+            ut__cuda_dwconv2d_row_taps<true, KH, KW, S, R, 1, 0>(j, v, g, accw);
+          else
+            ut__cuda_dwconv2d_row_taps<false, KH, KW, S, R, 1, 0>(j, v, wr, acc);
+        }
+      }
       if constexpr (MODE != UT__CUDA_DWCONV2D_DW) {
         T* yp = p.out + plane_idx * out_plane + (ut__i64)oys * p.OW + ox;
 #pragma unroll
@@ -235,7 +241,18 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_tile_compute(
 
   if constexpr (MODE == UT__CUDA_DWCONV2D_DW) {
     /* the unit's NT sums: warps, then warp partials in order -> part[unit] */
-    ut__cuda_dwconv2d_dw_block_store<NT>(accw, red, p.part, (size_t)((ut__i64)unit * NT));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      float v = ut__cuda_warp_sum(accw[i]);
+      if (lane == 0) red[warp * NT + i] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT; i += blockDim.x) {
+      float s = 0.f;
+      for (int w = 0; w < nw; ++w) s += red[w * NT + i];
+      p.part[(ut__i64)unit * NT + i] = s;
+    }
   }
 }
 
