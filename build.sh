@@ -81,11 +81,39 @@ want_cuda() {
 # The CUDA objects of the last build_lib ($obj/cuda_<name>.o), empty when it built without CUDA.
 cuda_objs=()
 
+cuda_seen="" # the files cuda_includes has listed
+
+# The files that $1 includes with #include "..." (found beside the including file), and the
+# ones those include, each once: native/cuda/X.cu -> common.cuh, utensil.h, depthwise.cuh, ...
+cuda_includes() {
+  local file="$1" inc dep
+  while IFS= read -r inc; do
+    dep="$(dirname "$file")/$inc"
+    [[ -f "$dep" ]] || continue
+    case " $cuda_seen " in *" $dep "*) continue ;; esac
+    cuda_seen+=" $dep"
+    printf '%s\n' "$dep"
+    cuda_includes "$dep"
+  done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$file")
+}
+
+# Whether object $1, made by command $2, is newer than source $3 and everything it includes.
+cuda_obj_fresh() {
+  local o="$1" cmd="$2" src="$3" dep deps=()
+  [[ -f "$o" && "$(cat "$o.cmd" 2>/dev/null)" == "$cmd" ]] || return 1
+  cuda_seen=""
+  mapfile -t deps < <(cuda_includes "$src")
+  for dep in "$src" "$SRC_H" "${deps[@]}"; do
+    [[ "$o" -nt "$dep" ]] || return 1
+  done
+}
+
 # Compiles each native/cuda/*.cu into $1/cuda_<name>.o, all at once (nvcc spends most of its
 # time in one file's device code, so the files overlap well); fails if any of them fails.
-# An object is kept when it is newer than its .cu, common.cuh and utensil.h (all it includes)
-# and was made by the same command (saved beside it as <object>.cmd): a full CUDA build takes
-# minutes on a small machine, and CI builds the same objects more than once.
+# An object is kept when it is newer than its .cu and every file that .cu includes with
+# #include "..." (followed through those files: common.cuh, utensil.h, the family headers such
+# as depthwise.cuh) and was made by the same command (saved beside it as <object>.cmd): a full
+# CUDA build takes minutes on a small machine, and CI builds the same objects more than once.
 build_cuda_objs() {
   local obj="$1" gencode=() a src pids=() pid status=0
   for a in $UT_CUDA_ARCHS; do
@@ -98,8 +126,7 @@ build_cuda_objs() {
     o="$obj/cuda_$(basename "$src" .cu).o"
     cuda_objs+=("$o")
     cmd="$NVCC -std=c++17 -Xcompiler -fPIC ${nvccflags[*]} ${gencode[*]} -c $src"
-    if [[ -f "$o" && "$o" -nt "$src" && "$o" -nt "$CUDA_DIR/common.cuh" && "$o" -nt "$SRC_H" &&
-          "$(cat "$o.cmd" 2>/dev/null)" == "$cmd" ]]; then
+    if cuda_obj_fresh "$o" "$cmd" "$src"; then
       log "up to date: $o"
       continue
     fi

@@ -16,7 +16,9 @@
      gemm.cu          gemm (matmul, linear and conv2d run on it): the own kernels, and
                       conv2d's im2col and col2im
      blas.cu          gemm on cuBLAS, loaded at run time (gemm.cu hands it every call first)
-     depthwise.cu     dwconv2d: forward, dx, dW
+     depthwise.cu     dwconv2d: forward, dx, dW (entry points, choice of kernel); its kernels
+                      are in dw_tiled.cu, dw_strip.cu, dw_grad.cu, dw_exact.cu around
+                      depthwise.cuh (whose top comment lists them)
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
      optim.cu         sgd, adam, and sgd and fill over many tensors per launch
