@@ -2210,8 +2210,8 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     ut_tensor* dxt = gr && dxo ? ut__new_typed(3, (int[]){K, g.n, P}, grad_out->dev, at, who)
                                : NULL;
     float* grp = gr ? ut__out(gr, be) : NULL;
-    rc = gr && (dxt || !dxo) ? be->transpose(dt, gop, grp, 1, g.n, 1, l->out_c, P)
-                             : ut__err_status;
+    rc = gr && (dxt || !dxo) ? UT_OK : ut__err_status;
+    if (rc >= 0) rc = be->transpose(dt, gop, grp, 1, g.n, 1, l->out_c, P);
     ut__gemm_args dw_mm = {.trans_b = true, .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
                            .alpha = 1.f, .beta = 1.f, .a = grp, .lda = g.n * P,
                            .b = colp, .ldb = g.n * P, .c = dWp, .ldc = K};
