@@ -53,8 +53,10 @@
      parked in its code when the process exits.
 
    CONTENTS (in this order; each section starts with a banner comment)
-     PUBLIC API          types and every op with its shape comment; UT_CDEF_BEGIN..END is
-                         also read by the Python bindings
+     PUBLIC API          types, errors, devices, tensors, every op with its shape comment
+                         (elementwise, convolutions, norms, pooling, losses, optimizers),
+                         then the GPU's extras (cuBLAS, CUDA graphs, NCCL);
+                         UT_CDEF_BEGIN..END is also read by the Python bindings
      BACKEND INTERFACE   the table of functions a backend provides (read by native/cuda/ too)
      IMPLEMENTATION      errors and library state, backend selection, tensors and the
                          host/device mirror, the op entry points (validate, allocate, call the
@@ -129,17 +131,22 @@ typedef struct ut_tensor {
                       struct is float32 */
 } ut_tensor;
 
-/* ---- library ---------------------------------------------------------------------------- */
+/* ---- library and errors ----------------------------------------------------------------------- */
 int ut_version(void);                 /* UT_VERSION the library was built from */
 const char* ut_last_error(void);      /* this thread's last error message ("" if none) */
 ut_status ut_last_status(void);       /* this thread's last error status (UT_OK if none) */
 void ut_clear_error(void);
-bool ut_cuda_available(void);         /* a GPU is present and the CUDA backend is built in */
-const char* ut_backend_name(ut_dev dev); /* "cpu" or "cuda": where ops on dev really run */
 void ut_seed(unsigned long long seed);   /* reseeds the shared RNG used by ut_randn */
 int ut_set_num_threads(int n);        /* CPU threads per op (n >= 1); returns status */
 int ut_get_num_threads(void);
 long long ut_live_tensors(void);      /* tensors allocated and not yet freed */
+/* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
+long long ut_type_size(const char* type_name);
+long long ut_field_offset(const char* type_name, const char* field_name);
+
+/* ---- devices ------------------------------------------------------------------------------ */
+bool ut_cuda_available(void);         /* a GPU is present and the CUDA backend is built in */
+const char* ut_backend_name(ut_dev dev); /* "cpu" or "cuda": where ops on dev really run */
 /* Host<->GPU copies the mirror has made since the process started (for tests and profiling). */
 void ut_transfer_counts(long long* uploads, long long* downloads);
 int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes); /* status; error without GPU */
@@ -147,84 +154,6 @@ int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op wit
 /* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
    the stream the library queues its work on). No-op without a GPU. */
 int ut_cuda_stream_wait(void* waiting, void* signalling);
-/* ---- captured GPU work (CUDA graphs) -------------------------------------------------------
-   A training step on small shapes spends more time launching kernels than running them.
-   Between ut_cuda_graph_begin() and ut_cuda_graph_end() the GPU work of the library's calls
-   made by the calling thread is recorded instead of run (the calls return as usual, their
-   outputs not yet computed); ut_cuda_graph_replay() runs the recording again as one launch:
-   the same kernels on the same memory. So a replay reads whatever the recorded input tensors
-   hold then (write the next batch into them; a tensor changed on the host is uploaded before
-   the replay) and writes the same output tensors, which the graph keeps alive until
-   ut_cuda_graph_free. Rules; breaking one is an error, never a wrong replay:
-   - run the work once before recording it: first calls load cuBLAS and size workspaces, which
-     waits for the GPU, and nothing may wait for the GPU while recording;
-   - while recording, no GPU tensor is read on the host or uploaded (inputs must be current on
-     the GPU when the recording starts), and GPU calls from other threads fail;
-   - host-side values are recorded as they were: scalars such as a learning rate or Adam's bias
-     correction, shapes, train/eval mode. CPU tensors are computed at once, not recorded.
-   One recording at a time; graphs hold their device memory until freed. */
-typedef struct ut_cuda_graph ut_cuda_graph;
-int ut_cuda_graph_begin(void);              /* status; an error without a GPU */
-ut_cuda_graph* ut_cuda_graph_end(void);     /* NULL + error when the recording failed */
-int ut_cuda_graph_replay(ut_cuda_graph* g); /* status */
-void ut_cuda_graph_free(ut_cuda_graph* g);  /* NULL is ignored */
-/* ---- several processes: NCCL, loaded at run time ------------------------------------------
-   Data-parallel training runs one process per GPU, each on the GPU current for it (the
-   launcher gives each process one). Their gradients are averaged by NVIDIA's NCCL, loaded at
-   the first ut_dist_* call and never linked or shipped: $UTENSIL_NCCL_LIB when set (a path; set
-   but empty: no NCCL), else the path given to ut_nccl_hint (the Python bindings give the
-   nvidia-nccl-cu13 wheel's), then libnccl.so.2 from the system loader. Without it every
-   ut_dist_* call fails with UT_ERR_DEVICE and ut_nccl_info() says why; one-GPU work is not
-   affected. The id that makes processes one group comes from ut_dist_unique_id on one rank (or
-   on every rank, given NCCL_COMM_ID=host:port) and reaches the others by any channel. */
-#define UT_DIST_ID_BYTES 128
-typedef struct ut_dist ut_dist;
-int ut_nccl_hint(const char* path);       /* a path the search tries first; loads nothing */
-const char* ut_nccl_info(void);           /* "NCCL 2.28.9 (path)", or why it is not loaded */
-int ut_dist_unique_id(unsigned char* id); /* UT_DIST_ID_BYTES bytes; status */
-/* joins the group (blocks until all world_size ranks have joined); NULL + error on failure */
-ut_dist* ut_dist_init(int world_size, int rank, const unsigned char* id);
-/* t (a GPU tensor) becomes the sum of every rank's t, or their mean with average: queued on the
-   library's stream, in place, the same call on every rank in the same order */
-int ut_dist_all_reduce(ut_dist* d, ut_tensor* t, bool average);
-int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root); /* every rank's t = root's t */
-/* status: an error when NCCL reported one in the background (a peer died, a network failure);
-   poll it while waiting so a dead peer becomes an error, not a hang */
-int ut_dist_check(ut_dist* d);
-/* waits for the library's queued GPU work (collectives included) while polling NCCL's errors:
-   a peer that died or hangs makes it abort the group (every later call on d fails) and fail
-   with UT_ERR_DEVICE after at most timeout_s seconds, instead of blocking forever. The
-   collectives themselves return at once; call this where the host would wait anyway. */
-int ut_dist_wait(ut_dist* d, double timeout_s);
-int ut_dist_sum(void* d, ut_tensor* t); /* ut_dist_all_reduce(d, t, false) as a ut_reduce_fn */
-void ut_dist_free(ut_dist* d);  /* leaves the group, after its queued work */
-void ut_dist_abort(ut_dist* d); /* leaves at once, work in flight dropped (a peer is gone) */
-/* ---- matrix products on the GPU ----------------------------------------------------------
-   GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
-   time, else on utensil's own kernels; the library never links it. The default search runs at
-   the first GEMM on the GPU: $UTENSIL_CUBLAS_LIB when set (a path; set but empty: no cuBLAS),
-   else the path given to ut_cublas_hint (the Python bindings give the nvidia-cublas wheel's),
-   then the system loader (libcublas.so.13, libcublas.so.12). Not finding it is no error: the
-   own kernels run and ut_cublas_info() says why. */
-int ut_cublas_load(const char* path); /* load now from path (NULL: the default search); status */
-int ut_cublas_hint(const char* path); /* a path the default search tries first; loads nothing */
-/* on (the default): GEMMs on cuBLAS, loading it if needed (an error when it cannot be loaded);
-   off: on the own kernels (the reference the tests compare cuBLAS with) */
-int ut_cublas_enable(bool on);
-bool ut_cublas_active(void);          /* GEMMs on the GPU run on cuBLAS now */
-/* "cuBLAS 13.1.0 (path)", or why GEMMs run on the own kernels. Valid until the next
-   ut_cublas_load or ut_cublas_enable. */
-const char* ut_cublas_info(void);
-/* How float32 GEMMs on the GPU may round, with PyTorch's names (torch.set_float32_matmul_
-   precision): "highest" (the default) multiplies and adds in fp32. "high" and "medium" let
-   cuBLAS use TF32 tensor cores: each product's inputs are rounded to a 10-bit mantissa (relative
-   error up to 2^-11 each) and sums stay fp32, so a k-term dot product is off by about
-   2^-11 sqrt(k) of the magnitude of its terms. The own kernels and the CPU are always fp32. */
-int ut_set_float32_matmul_precision(const char* precision);
-const char* ut_get_float32_matmul_precision(void);
-/* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
-long long ut_type_size(const char* type_name);
-long long ut_field_offset(const char* type_name, const char* field_name);
 
 /* ---- tensors ------------------------------------------------------------------------------ */
 ut_shape ut_shape_new(int ndim, const int* shape); /* nelem = 0 if invalid (see ut_last_error) */
@@ -455,6 +384,82 @@ int ut_unpack(ut_tensor* flat, ut_tensor** ts, int count);
 /* Adam with bias correction; step is the 1-based update count; m, v start at zero */
 int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
                  float beta1, float beta2, float eps);
+
+/* ---- matrix products on the GPU ----------------------------------------------------------
+   GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
+   time, else on utensil's own kernels; the library never links it. The default search runs at
+   the first GEMM on the GPU: $UTENSIL_CUBLAS_LIB when set (a path; set but empty: no cuBLAS),
+   else the path given to ut_cublas_hint (the Python bindings give the nvidia-cublas wheel's),
+   then the system loader (libcublas.so.13, libcublas.so.12). Not finding it is no error: the
+   own kernels run and ut_cublas_info() says why. */
+int ut_cublas_load(const char* path); /* load now from path (NULL: the default search); status */
+int ut_cublas_hint(const char* path); /* a path the default search tries first; loads nothing */
+/* on (the default): GEMMs on cuBLAS, loading it if needed (an error when it cannot be loaded);
+   off: on the own kernels (the reference the tests compare cuBLAS with) */
+int ut_cublas_enable(bool on);
+bool ut_cublas_active(void);          /* GEMMs on the GPU run on cuBLAS now */
+/* "cuBLAS 13.1.0 (path)", or why GEMMs run on the own kernels. Valid until the next
+   ut_cublas_load or ut_cublas_enable. */
+const char* ut_cublas_info(void);
+/* How float32 GEMMs on the GPU may round, with PyTorch's names (torch.set_float32_matmul_
+   precision): "highest" (the default) multiplies and adds in fp32. "high" and "medium" let
+   cuBLAS use TF32 tensor cores: each product's inputs are rounded to a 10-bit mantissa (relative
+   error up to 2^-11 each) and sums stay fp32, so a k-term dot product is off by about
+   2^-11 sqrt(k) of the magnitude of its terms. The own kernels and the CPU are always fp32. */
+int ut_set_float32_matmul_precision(const char* precision);
+const char* ut_get_float32_matmul_precision(void);
+/* ---- captured GPU work (CUDA graphs) -------------------------------------------------------
+   A training step on small shapes spends more time launching kernels than running them.
+   Between ut_cuda_graph_begin() and ut_cuda_graph_end() the GPU work of the library's calls
+   made by the calling thread is recorded instead of run (the calls return as usual, their
+   outputs not yet computed); ut_cuda_graph_replay() runs the recording again as one launch:
+   the same kernels on the same memory. So a replay reads whatever the recorded input tensors
+   hold then (write the next batch into them; a tensor changed on the host is uploaded before
+   the replay) and writes the same output tensors, which the graph keeps alive until
+   ut_cuda_graph_free. Rules; breaking one is an error, never a wrong replay:
+   - run the work once before recording it: first calls load cuBLAS and size workspaces, which
+     waits for the GPU, and nothing may wait for the GPU while recording;
+   - while recording, no GPU tensor is read on the host or uploaded (inputs must be current on
+     the GPU when the recording starts), and GPU calls from other threads fail;
+   - host-side values are recorded as they were: scalars such as a learning rate or Adam's bias
+     correction, shapes, train/eval mode. CPU tensors are computed at once, not recorded.
+   One recording at a time; graphs hold their device memory until freed. */
+typedef struct ut_cuda_graph ut_cuda_graph;
+int ut_cuda_graph_begin(void);              /* status; an error without a GPU */
+ut_cuda_graph* ut_cuda_graph_end(void);     /* NULL + error when the recording failed */
+int ut_cuda_graph_replay(ut_cuda_graph* g); /* status */
+void ut_cuda_graph_free(ut_cuda_graph* g);  /* NULL is ignored */
+/* ---- several processes: NCCL, loaded at run time ------------------------------------------
+   Data-parallel training runs one process per GPU, each on the GPU current for it (the
+   launcher gives each process one). Their gradients are averaged by NVIDIA's NCCL, loaded at
+   the first ut_dist_* call and never linked or shipped: $UTENSIL_NCCL_LIB when set (a path; set
+   but empty: no NCCL), else the path given to ut_nccl_hint (the Python bindings give the
+   nvidia-nccl-cu13 wheel's), then libnccl.so.2 from the system loader. Without it every
+   ut_dist_* call fails with UT_ERR_DEVICE and ut_nccl_info() says why; one-GPU work is not
+   affected. The id that makes processes one group comes from ut_dist_unique_id on one rank (or
+   on every rank, given NCCL_COMM_ID=host:port) and reaches the others by any channel. */
+#define UT_DIST_ID_BYTES 128
+typedef struct ut_dist ut_dist;
+int ut_nccl_hint(const char* path);       /* a path the search tries first; loads nothing */
+const char* ut_nccl_info(void);           /* "NCCL 2.28.9 (path)", or why it is not loaded */
+int ut_dist_unique_id(unsigned char* id); /* UT_DIST_ID_BYTES bytes; status */
+/* joins the group (blocks until all world_size ranks have joined); NULL + error on failure */
+ut_dist* ut_dist_init(int world_size, int rank, const unsigned char* id);
+/* t (a GPU tensor) becomes the sum of every rank's t, or their mean with average: queued on the
+   library's stream, in place, the same call on every rank in the same order */
+int ut_dist_all_reduce(ut_dist* d, ut_tensor* t, bool average);
+int ut_dist_broadcast(ut_dist* d, ut_tensor* t, int root); /* every rank's t = root's t */
+/* status: an error when NCCL reported one in the background (a peer died, a network failure);
+   poll it while waiting so a dead peer becomes an error, not a hang */
+int ut_dist_check(ut_dist* d);
+/* waits for the library's queued GPU work (collectives included) while polling NCCL's errors:
+   a peer that died or hangs makes it abort the group (every later call on d fails) and fail
+   with UT_ERR_DEVICE after at most timeout_s seconds, instead of blocking forever. The
+   collectives themselves return at once; call this where the host would wait anyway. */
+int ut_dist_wait(ut_dist* d, double timeout_s);
+int ut_dist_sum(void* d, ut_tensor* t); /* ut_dist_all_reduce(d, t, false) as a ut_reduce_fn */
+void ut_dist_free(ut_dist* d);  /* leaves the group, after its queued work */
+void ut_dist_abort(ut_dist* d); /* leaves at once, work in flight dropped (a peer is gone) */
 /* UT_CDEF_END */
 
 #ifndef __cplusplus
@@ -479,6 +484,18 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
    outputs, make inputs current on the backend's side, call one or more of these, and mark which
    side they wrote. Every function returns UT_OK or a negative ut_status after ut__set_error().
    Counts are elements, not bytes. Outputs are fully overwritten unless the comment says "+=".
+
+   Element types: one slot per op. A slot that reads or writes activations takes their element
+   type as its first parameter, `ut_dtype dt` (cast and gemm, whose buffers have two types, take
+   two), and those buffers as void*; parameters (w, bias, gamma, beta), statistics, sums and
+   gradient accumulators (dw, dgamma, dbeta, channel_sum's out) are float* and float32 whatever
+   dt says. Activations are read into float32, computed in float32 and rounded to nearest even
+   when stored as bf16. Each backend switches on dt inside its own function, to one kernel per
+   type, and fails with UT_ERR_ARG (never an abort) on a type it has no kernel for. The core
+   passes the type of the buffer on the backend's side (ut__buf_dtype): the CUDA backend gets
+   UT_F32 or UT_BF16; the CPU backend only ever gets UT_F32, since it computes a bf16 tensor on
+   its float32 host copy and the core rounds what it wrote (ut__wrote). Slots without dt (copy,
+   layernorm, losses, optimizers, the running statistics) are float32 only.
    ============================================================================================ */
 #if defined(UT_IMPLEMENTATION) || defined(UT_BACKEND_INTERFACE)
 #ifndef UTENSIL_BACKEND_INTERFACE_H
@@ -500,22 +517,20 @@ typedef struct ut__conv_geom {
    A_i = a + i*stride_a is [m, k] with row stride lda, or [k, m] when trans_a (likewise B).
    With sum_batch the products of all batch items are summed into one C (stride_c ignored):
      C = alpha * sum_i op(A_i) op(B_i) + beta * C.
-   beta == 0 means C is not read (it may hold garbage).
-   type_ab, type_c: the element types of A and B (both the same) and of C. Anything but UT_F32
-   only reaches a device backend (the pointers then point at bf16 values); the products and
-   sums are float32 either way. */
+   beta == 0 means C is not read (it may hold garbage). Strides and leading dimensions count
+   elements of the buffers' types, which the gemm slot takes (ab_dt for A and B, c_dt for C);
+   the products and sums are float32 whatever the types. */
 typedef struct ut__gemm_args {
   bool trans_a, trans_b, sum_batch;
-  ut_dtype type_ab, type_c;
   int m, n, k, batch;
   float alpha, beta;
-  const float* a;
+  const void* a;
   int lda;
   ut__i64 stride_a;
-  const float* b;
+  const void* b;
   int ldb;
   ut__i64 stride_b;
-  float* c;
+  void* c;
   int ldc;
   ut__i64 stride_c;
 } ut__gemm_args;
@@ -540,43 +555,50 @@ typedef struct ut__backend {
   void (*graph_free)(void* g);
 
   /* elementwise; cap > 0 clamps at cap (relu6), cap <= 0 is plain relu */
-  int (*fill)(float* x, ut__i64 n, float v);
+  int (*fill)(ut_dtype dt, void* x, ut__i64 n, float v);
   int (*copy)(float* dst, const float* src, ut__i64 n);
-  int (*axpy)(float* y, const float* x, ut__i64 n, float alpha);        /* y += alpha x */
-  int (*scale)(float* x, ut__i64 n, float alpha);                       /* x *= alpha */
-  int (*relu_fwd)(const float* x, float* y, ut__i64 n, float cap);
+  /* dst[i] = src[i] converted (any pair of types, also equal: then a copy) */
+  int (*cast)(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst, ut__i64 n);
+  int (*axpy)(ut_dtype dt, void* y, const void* x, ut__i64 n, float alpha); /* y += alpha x */
+  int (*scale)(ut_dtype dt, void* x, ut__i64 n, float alpha);              /* x *= alpha */
+  int (*relu_fwd)(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap);
   /* gi = 0 where x <= 0 (or x >= cap when cap > 0), else go (NaN x passes go, like PyTorch) */
-  int (*relu_bwd)(const float* go, const float* x, float* gi, ut__i64 n, float cap);
+  int (*relu_bwd)(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n, float cap);
 
   /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner] */
-  int (*transpose)(const float* in, float* out, int outer, int d0, int mid, int d1, int inner);
-  int (*gemm)(const ut__gemm_args* args);
+  int (*transpose)(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid, int d1,
+                   int inner);
+  /* ab_dt: A's and B's type; c_dt: C's. The pairs there are: float32 throughout, and bf16 A
+     and B into a bf16 or a float32 C (a device backend's) */
+  int (*gemm)(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* args);
   /* x: [n, c, inner]; x[i, j, :] += bias[j] */
-  int (*bias_add)(float* x, const float* bias, int n, int c, ut__i64 inner);
+  int (*bias_add)(ut_dtype dt, void* x, const float* bias, int n, int c, ut__i64 inner);
   /* x: [n, c, inner]; out[j] = beta * out[j] + sum_{i, :} x[i, j, :]  (beta is 0 or 1) */
-  int (*channel_sum)(const float* x, float* out, int n, int c, ut__i64 inner, float beta);
+  int (*channel_sum)(ut_dtype dt, const void* x, float* out, int n, int c, ut__i64 inner,
+                     float beta);
   /* x: [rows, cols] -> y: [rows] mean of each row */
-  int (*row_mean)(const float* x, float* y, int rows, ut__i64 cols);
+  int (*row_mean)(ut_dtype dt, const void* x, void* y, int rows, ut__i64 cols);
   /* go: [rows] -> dx: [rows, cols], dx[r, :] = go[r] / cols */
-  int (*row_mean_bwd)(const float* go, float* dx, int rows, ut__i64 cols);
+  int (*row_mean_bwd)(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols);
 
   /* x: [n, c, h, w] -> col: [n, c*kh*kw, ho*wo] (zero where the window hits padding) */
-  int (*im2col)(const float* x, float* col, const ut__conv_geom* g);
+  int (*im2col)(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g);
   /* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], the adjoint of im2col (overwrites dx) */
-  int (*col2im)(const float* col, float* dx, const ut__conv_geom* g);
+  int (*col2im)(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g);
 
   /* depthwise: x: [n, c, h, w], w: [c, kh, kw], bias: [c] or NULL -> y: [n, c, ho, wo], the
      taps g->dil apart (the channel multiplier is the core's: see ut__dw_repeat) */
-  int (*dw_fwd)(const float* x, const float* w, const float* bias, float* y, const ut__conv_geom* g);
+  int (*dw_fwd)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                const ut__conv_geom* g);
   /* go: [n, c, ho, wo], w -> dx: [n, c, h, w] (overwrites) */
-  int (*dw_bwd_dx)(const float* go, const float* w, float* dx, const ut__conv_geom* g);
+  int (*dw_bwd_dx)(ut_dtype dt, const void* go, const float* w, void* dx, const ut__conv_geom* g);
   /* go, x -> dw: [c, kh, kw]  += */
-  int (*dw_bwd_dw)(const float* go, const float* x, float* dw, const ut__conv_geom* g);
+  int (*dw_bwd_dw)(ut_dtype dt, const void* go, const void* x, float* dw, const ut__conv_geom* g);
   /* x: [n, c, inner] -> y: [n, c*m, inner], y[i, j*m + r, :] = x[i, j, :] */
-  int (*chan_repeat)(const float* x, float* y, int n, int c, int m, ut__i64 inner);
+  int (*chan_repeat)(ut_dtype dt, const void* x, void* y, int n, int c, int m, ut__i64 inner);
   /* x: [n, c*m, inner] -> y: [n, c, inner], y[i, j, :] = sum over r = 0..m-1 in order of
      x[i, j*m + r, :] (overwrites) */
-  int (*chan_group_sum)(const float* x, float* y, int n, int c, int m, ut__i64 inner);
+  int (*chan_group_sum)(ut_dtype dt, const void* x, void* y, int n, int c, int m, ut__i64 inner);
 
   /* x: [rows, dim] -> y, mean: [rows], rstd: [rows]; y = (x - mean) * rstd * gamma + beta */
   int (*layernorm_fwd)(const float* x, const float* gamma, const float* beta, float* y,
@@ -587,21 +609,22 @@ typedef struct ut__backend {
                        int dim);
 
   /* x: [n, c, inner] -> mean, var: [c], the biased batch statistics per channel */
-  int (*bn_stats)(const float* x, float* mean, float* var, int n, int c, ut__i64 inner);
+  int (*bn_stats)(ut_dtype dt, const void* x, float* mean, float* var, int n, int c,
+                  ut__i64 inner);
   /* running = (1 - momentum) running + momentum * stat, with var scaled by unbias first */
   int (*bn_update_running)(float* running_mean, float* running_var, const float* mean,
                            const float* var, int c, float momentum, float unbias);
   /* rstd[j] = 1/sqrt(var[j] + eps); z = (x - mean) * (rstd * gamma) + beta; y = act(z), where
      act < 0: none, act = 0: relu, act > 0: relu capped at act (relu_fwd's rules) */
-  int (*bn_apply)(const float* x, float* y, const float* mean, const float* var,
+  int (*bn_apply)(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                   const float* gamma, const float* beta, float* rstd, int n, int c,
                   ut__i64 inner, float eps, float act);
   /* g = go masked as relu_bwd masks it at z (z recomputed as bn_apply computes it, to the
      bit; act < 0: g = go). training: dx = gamma rstd (g - mean(g) - xhat mean(g xhat)) per
      channel; eval: dx = gamma rstd g. dgamma += sum(g xhat), dbeta += sum(g) (each may be
      NULL) */
-  int (*bn_bwd)(const float* go, const float* x, const float* mean, const float* rstd,
-                const float* gamma, const float* beta, float* dx, float* dgamma, float* dbeta,
+  int (*bn_bwd)(ut_dtype dt, const void* go, const void* x, const float* mean, const float* rstd,
+                const float* gamma, const float* beta, void* dx, float* dgamma, float* dbeta,
                 int n, int c, ut__i64 inner, bool training, float act);
   /* synchronized batchnorm, in the order the core calls them (a and b summed over the ranks
      in between): a == NULL: out[j] = count mean[j], out[c] = count; else, with the common
@@ -615,12 +638,12 @@ typedef struct ut__backend {
   /* bn_bwd in two halves around the sum over the ranks: sums[2j] = sum g, sums[2j+1] =
      sum g xhat, sums[2c] = n inner, dgamma/dbeta += them (each may be NULL); then dx as bn_bwd
      in training mode with the (summed) sums and count sums[2c] */
-  int (*bn_bwd_sums)(const float* go, const float* x, const float* mean, const float* rstd,
-                     const float* gamma, const float* beta, float* sums, float* dgamma,
-                     float* dbeta, int n, int c, ut__i64 inner, float act);
-  int (*bn_bwd_dx)(const float* go, const float* x, const float* mean, const float* rstd,
-                   const float* gamma, const float* beta, const float* sums, float* dx, int n,
-                   int c, ut__i64 inner, float act);
+  int (*bn_bwd_sums)(ut_dtype dt, const void* go, const void* x, const float* mean,
+                     const float* rstd, const float* gamma, const float* beta, float* sums,
+                     float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act);
+  int (*bn_bwd_dx)(ut_dtype dt, const void* go, const void* x, const float* mean,
+                   const float* rstd, const float* gamma, const float* beta, const float* sums,
+                   void* dx, int n, int c, ut__i64 inner, float act);
 
   /* out[0] = mean((p - t)^2);  g = 2 (p - t) / n */
   int (*mse_fwd)(const float* p, const float* t, float* out, ut__i64 n);
@@ -647,47 +670,6 @@ typedef struct ut__backend {
   int (*blas_enable)(bool on);
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
-
-  /* bf16 activations (device backends only: NULL in the CPU backend, whose bf16 tensors are
-     computed on their float32 host copies by the functions above). Each is the float32
-     function of the same name with the activation buffers (void*) holding bf16 values, read
-     into float32, computed as there and rounded to nearest even when stored. Parameters (w,
-     bias, gamma, beta), statistics, sums and gradient accumulators (dw, dgamma, dbeta, out of
-     channel_sum) stay float32. gemm takes bf16 through ut__gemm_args' types. */
-  /* dst[i] = src[i] converted; the types are ut_dtype values (any pair, also equal) */
-  int (*cast)(const void* src, int src_type, void* dst, int dst_type, ut__i64 n);
-  int (*fill_bf16)(void* x, ut__i64 n, float v);
-  int (*axpy_bf16)(void* y, const void* x, ut__i64 n, float alpha);
-  int (*scale_bf16)(void* x, ut__i64 n, float alpha);
-  int (*relu_fwd_bf16)(const void* x, void* y, ut__i64 n, float cap);
-  int (*relu_bwd_bf16)(const void* go, const void* x, void* gi, ut__i64 n, float cap);
-  int (*transpose_bf16)(const void* in, void* out, int outer, int d0, int mid, int d1,
-                        int inner);
-  int (*bias_add_bf16)(void* x, const float* bias, int n, int c, ut__i64 inner);
-  int (*channel_sum_bf16)(const void* x, float* out, int n, int c, ut__i64 inner, float beta);
-  int (*row_mean_bf16)(const void* x, void* y, int rows, ut__i64 cols);
-  int (*row_mean_bwd_bf16)(const void* go, void* dx, int rows, ut__i64 cols);
-  int (*im2col_bf16)(const void* x, void* col, const ut__conv_geom* g);
-  int (*col2im_bf16)(const void* col, void* dx, const ut__conv_geom* g);
-  int (*dw_fwd_bf16)(const void* x, const float* w, const float* bias, void* y,
-                     const ut__conv_geom* g);
-  int (*dw_bwd_dx_bf16)(const void* go, const float* w, void* dx, const ut__conv_geom* g);
-  int (*dw_bwd_dw_bf16)(const void* go, const void* x, float* dw, const ut__conv_geom* g);
-  int (*chan_repeat_bf16)(const void* x, void* y, int n, int c, int m, ut__i64 inner);
-  int (*chan_group_sum_bf16)(const void* x, void* y, int n, int c, int m, ut__i64 inner);
-  int (*bn_stats_bf16)(const void* x, float* mean, float* var, int n, int c, ut__i64 inner);
-  int (*bn_apply_bf16)(const void* x, void* y, const float* mean, const float* var,
-                       const float* gamma, const float* beta, float* rstd, int n, int c,
-                       ut__i64 inner, float eps, float act);
-  int (*bn_bwd_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
-                     const float* gamma, const float* beta, void* dx, float* dgamma,
-                     float* dbeta, int n, int c, ut__i64 inner, bool training, float act);
-  int (*bn_bwd_sums_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
-                          const float* gamma, const float* beta, float* sums, float* dgamma,
-                          float* dbeta, int n, int c, ut__i64 inner, float act);
-  int (*bn_bwd_dx_bf16)(const void* go, const void* x, const float* mean, const float* rstd,
-                        const float* gamma, const float* beta, const float* sums, void* dx,
-                        int n, int c, ut__i64 inner, float act);
 
   /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
   int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
@@ -1273,12 +1255,13 @@ static int ut__check_arg(const ut_tensor* t, const ut_tensor* ref, long long nel
             "%s: %s must have %lld elements, got %d", who, name, nelem, t->shape.nelem);
   return UT_OK;
 }
-/* bf16 (see ut_dtype): an op whose activations are bf16 calls the backend's _bf16 function on
-   a device backend; on the CPU it calls the float function on the float host copies, and
-   ut__wrote rounds what it wrote. Arguments that must be float32 (parameters, gradients,
-   statistics, what an op does not take in bf16) are checked with ut__check_f32. */
-static bool ut__bf16_on(const ut_tensor* t, const ut__backend* be) {
-  return t->dtype == UT_BF16 && ut__is_device_backend(be);
+/* The element type of t's buffer on be's side, the dt a backend slot takes (see ut_dtype and
+   BACKEND INTERFACE): t's dtype on a device backend; float32 on the CPU, which computes a bf16
+   tensor on its float32 host copy (ut__wrote rounds what it wrote). Arguments that must be
+   float32 (parameters, gradients, statistics, what an op does not take in bf16) are checked
+   with ut__check_f32. */
+static ut_dtype ut__buf_dtype(const ut_tensor* t, const ut__backend* be) {
+  return ut__is_device_backend(be) ? t->dtype : UT_F32;
 }
 static int ut__check_f32(const ut_tensor* t, const char* who, const char* name) {
   UT__CHECK(!t || t->dtype == UT_F32, UT_ERR_ARG,
@@ -1727,14 +1710,13 @@ void ut_dist_free(ut_dist* d) { ut__dist_leave(d, false); }
 void ut_dist_abort(ut_dist* d) { ut__dist_leave(d, true); }
 
 /* ---- whole-tensor utilities --------------------------------------------------------------- */
-/* dst = src converted to dst's dtype, both checked, on dst's backend */
+/* dst = src converted to dst's dtype, both checked, on dst's backend (on the CPU a float32
+   copy, which ut__wrote rounds for a bf16 dst) */
 static int ut__convert(ut_tensor* dst, ut_tensor* src, const ut__backend* be) {
   const float* s = ut__in(src, be);
   if (!s) return ut__err_status;
-  if (ut__is_device_backend(be) && (src->dtype != UT_F32 || dst->dtype != UT_F32))
-    UT__TRY(be->cast(s, src->dtype, ut__out(dst, be), dst->dtype, dst->shape.nelem));
-  else
-    UT__TRY(be->copy(ut__out(dst, be), s, dst->shape.nelem)); /* ut__wrote rounds to bf16 */
+  UT__TRY(be->cast(ut__buf_dtype(src, be), ut__buf_dtype(dst, be), s, ut__out(dst, be),
+                   dst->shape.nelem));
   ut__wrote(dst, be);
   return UT_OK;
 }
@@ -1775,20 +1757,11 @@ int ut_fill(ut_tensor* t, float value) {
   UT__TRY(ut__check_tensor(t, "ut_fill", "t"));
   const ut__backend* be = ut__backend_for(t->dev);
   UT__TRY(ut__device_gate(be, "ut_fill"));
-  if (ut__bf16_on(t, be))
-    UT__TRY(be->fill_bf16(ut__out(t, be), t->shape.nelem, value));
-  else
-    UT__TRY(be->fill(ut__out(t, be), t->shape.nelem, value));
+  UT__TRY(be->fill(ut__buf_dtype(t, be), ut__out(t, be), t->shape.nelem, value));
   ut__wrote(t, be);
   return UT_OK;
 }
 
-/* be->transpose in the element type of the data (h: bf16 on the device) */
-static int ut__transpose_typed(const ut__backend* be, bool h, const float* in, float* out,
-                               int outer, int d0, int mid, int d1, int inner) {
-  return h ? be->transpose_bf16(in, out, outer, d0, mid, d1, inner)
-           : be->transpose(in, out, outer, d0, mid, d1, inner);
-}
 ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
   if (ut__check_tensor(t, "ut_transpose", "t") < 0) return NULL;
   int nd = t->shape.ndim;
@@ -1814,8 +1787,8 @@ ut_tensor* ut_transpose(ut_tensor* t, int d0, int d1) {
   if (!src) return NULL;
   ut_tensor* out = ut__new_typed(nd, oshape, t->dev, t->dtype, "ut_transpose");
   if (!out) return NULL;
-  return ut__finish(out, be, ut__transpose_typed(be, ut__bf16_on(t, be), src, ut__out(out, be),
-                                                 outer, sh[d0], mid, sh[d1], inner));
+  return ut__finish(out, be, be->transpose(ut__buf_dtype(t, be), src, ut__out(out, be), outer,
+                                           sh[d0], mid, sh[d1], inner));
 }
 
 /* ---- elementwise -------------------------------------------------------------------------- */
@@ -1826,9 +1799,8 @@ static ut_tensor* ut__relu_fwd(ut_tensor* x, float cap, const char* who) {
   if (!xp) return NULL;
   ut_tensor* y = ut__new_like(x, who);
   if (!y) return NULL;
-  return ut__finish(y, be, ut__bf16_on(x, be)
-                               ? be->relu_fwd_bf16(xp, ut__out(y, be), x->shape.nelem, cap)
-                               : be->relu_fwd(xp, ut__out(y, be), x->shape.nelem, cap));
+  return ut__finish(y, be,
+                    be->relu_fwd(ut__buf_dtype(x, be), xp, ut__out(y, be), x->shape.nelem, cap));
 }
 ut_tensor* ut_relu(ut_tensor* x) { return ut__relu_fwd(x, 0.f, "ut_relu"); }
 ut_tensor* ut_relu6(ut_tensor* x) { return ut__relu_fwd(x, 6.f, "ut_relu6"); }
@@ -1846,9 +1818,8 @@ static ut_tensor* ut__relu_bwd(ut_tensor* go, ut_tensor* x, float cap, const cha
   if (!xp) return NULL;
   ut_tensor* gi = ut__new_like(go, who);
   if (!gi) return NULL;
-  return ut__finish(gi, be, ut__bf16_on(go, be)
-                                ? be->relu_bwd_bf16(gp, xp, ut__out(gi, be), go->shape.nelem, cap)
-                                : be->relu_bwd(gp, xp, ut__out(gi, be), go->shape.nelem, cap));
+  return ut__finish(gi, be, be->relu_bwd(ut__buf_dtype(go, be), gp, xp, ut__out(gi, be),
+                                         go->shape.nelem, cap));
 }
 ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
   return ut__relu_bwd(grad_out, fwd_input, 0.f, "ut_relu_backward");
@@ -1865,10 +1836,7 @@ int ut_add_into(ut_tensor* dst, ut_tensor* src) {
   const float* s = ut__in(src, be);
   float* d = s ? ut__inout(dst, be) : NULL;
   if (!d) return ut__err_status;
-  if (ut__bf16_on(dst, be))
-    UT__TRY(be->axpy_bf16(d, s, dst->shape.nelem, 1.f));
-  else
-    UT__TRY(be->axpy(d, s, dst->shape.nelem, 1.f));
+  UT__TRY(be->axpy(ut__buf_dtype(dst, be), d, s, dst->shape.nelem, 1.f));
   ut__wrote(dst, be);
   return UT_OK;
 }
@@ -1878,10 +1846,7 @@ int ut_scale(ut_tensor* t, float alpha) {
   const ut__backend* be = ut__backend_for(t->dev);
   float* p = ut__inout(t, be);
   if (!p) return ut__err_status;
-  if (ut__bf16_on(t, be))
-    UT__TRY(be->scale_bf16(p, t->shape.nelem, alpha));
-  else
-    UT__TRY(be->scale(p, t->shape.nelem, alpha));
+  UT__TRY(be->scale(ut__buf_dtype(t, be), p, t->shape.nelem, alpha));
   ut__wrote(t, be);
   return UT_OK;
 }
@@ -1904,7 +1869,7 @@ ut_tensor* ut_matmul(ut_tensor* a, ut_tensor* b) {
   if (!c) return NULL;
   ut__gemm_args g = {.m = M, .n = N, .k = K, .batch = 1, .alpha = 1.f, .beta = 0.f,
                      .a = ap, .lda = K, .b = bp, .ldb = N, .c = ut__out(c, be), .ldc = N};
-  return ut__finish(c, be, be->gemm(&g));
+  return ut__finish(c, be, be->gemm(UT_F32, UT_F32, &g));
 }
 
 int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
@@ -1920,10 +1885,7 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
   float* xp = bp ? ut__inout(x, be) : NULL;
   if (!xp) return ut__err_status;
   ut__i64 inner = (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * C);
-  if (ut__bf16_on(x, be))
-    UT__TRY(be->bias_add_bf16(xp, bp, x->shape.shape[0], C, inner));
-  else
-    UT__TRY(be->bias_add(xp, bp, x->shape.shape[0], C, inner));
+  UT__TRY(be->bias_add(ut__buf_dtype(x, be), xp, bp, x->shape.shape[0], C, inner));
   ut__wrote(x, be);
   return UT_OK;
 }
@@ -2102,8 +2064,8 @@ static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
   int P = g->ho * g->wo;
   ut_tensor* col = xp ? ut__new_typed(3, (int[]){g->c, g->n, P}, x->dev, x->dtype, who) : NULL;
   if (!col) return NULL;
-  return ut__finish(col, be, ut__transpose_typed(be, ut__bf16_on(x, be), xp, ut__out(col, be),
-                                                 1, g->n, 1, g->c, P));
+  return ut__finish(col, be, be->transpose(ut__buf_dtype(x, be), xp, ut__out(col, be), 1, g->n,
+                                           1, g->c, P));
 }
 /* The im2col buffer [n, c*kh*kw, ho*wo] of a convolution that needs one must be a tensor. */
 static int ut__check_col(const ut__conv_geom* g, const char* who) {
@@ -2124,8 +2086,7 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
-  bool h = ut__bf16_on(x, be);
-  ut_dtype gt = h ? UT_BF16 : UT_F32; /* the GEMMs' element type */
+  ut_dtype dt = ut__buf_dtype(x, be); /* the activations', the columns' and the GEMMs' */
   const float* xp = ut__in(x, be);
   ut_tensor* wt = xp ? ut__gemm_weight(l->weight, x, who) : NULL;
   const float* wp = wt ? ut__in(wt, be) : NULL;
@@ -2140,9 +2101,7 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     col = ut_retain(x); /* a 1x1 window's columns are the input itself */
   } else {
     col = ut__new_typed(3, (int[]){g.n, K, P}, x->dev, x->dtype, who);
-    if (col)
-      col = ut__finish(col, be, h ? be->im2col_bf16(xp, ut__out(col, be), &g)
-                                  : be->im2col(xp, ut__out(col, be), &g));
+    if (col) col = ut__finish(col, be, be->im2col(dt, xp, ut__out(col, be), &g));
   }
   ut_tensor* out = col ? ut__new_typed(4, (int[]){g.n, l->out_c, g.ho, g.wo}, x->dev, x->dtype,
                                        who)
@@ -2160,23 +2119,20 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
       ut_free(col);
       return ut__drop(out);
     }
-    ut__gemm_args mm = {.type_ab = gt, .type_c = gt,
-                        .m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
+    ut__gemm_args mm = {.m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
                         .beta = 0.f, .a = wp, .lda = K, .b = ut__in(col, be), .ldb = g.n * P,
                         .c = ut__out(yt, be), .ldc = g.n * P};
-    rc = be->gemm(&mm);
-    if (rc >= 0) rc = ut__transpose_typed(be, h, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
+    rc = be->gemm(dt, dt, &mm);
+    if (rc >= 0) rc = be->transpose(dt, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free(yt);
   } else {
-    ut__gemm_args mm = {.type_ab = gt, .type_c = gt,
-                        .m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
+    ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
                         .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
                         .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
-    rc = be->gemm(&mm);
+    rc = be->gemm(dt, dt, &mm);
   }
-  if (rc >= 0 && bp)
-    rc = h ? be->bias_add_bf16(op, bp, g.n, l->out_c, P) : be->bias_add(op, bp, g.n, l->out_c, P);
+  if (rc >= 0 && bp) rc = be->bias_add(dt, op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
   if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
       !ut__cpu_all_finite(wp, l->weight->shape.nelem))
@@ -2212,9 +2168,8 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
   int K = l->in_c * l->kh * l->kw, P = g.ho * g.wo;
   bool pointwise = ut__conv_is_pointwise(&g),
        merged = ut__conv_merges_batch(&g, be, grad_out->dtype);
-  bool h = ut__bf16_on(grad_out, be);
-  ut_dtype gt = h ? UT_BF16 : UT_F32;
-  ut_dtype at = grad_out->dtype; /* dx's and the columns' */
+  ut_dtype dt = ut__buf_dtype(grad_out, be); /* the buffers' and the GEMMs' element type */
+  ut_dtype at = grad_out->dtype;              /* the tensors': dx's and the columns' */
 
   ut_tensor* col = cache->col;
   bool own_col = false;
@@ -2231,8 +2186,7 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     } else {
       const float* xp = ut__in(cache->input, be);
       col = xp ? ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who) : NULL;
-      if (!col || !ut__finish(col, be, h ? be->im2col_bf16(xp, ut__out(col, be), &g)
-                                         : be->im2col(xp, ut__out(col, be), &g)))
+      if (!col || !ut__finish(col, be, be->im2col(dt, xp, ut__out(col, be), &g)))
         return ut__err_status;
     }
   }
@@ -2249,35 +2203,31 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     if (!pointwise && dx) dcol = ut__new_typed(3, (int[]){g.n, K, P}, grad_out->dev, at, who);
     if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
   }
-  if (rc >= 0 && dbp)
-    rc = h ? be->channel_sum_bf16(gop, dbp, g.n, l->out_c, P, 1.f)
-           : be->channel_sum(gop, dbp, g.n, l->out_c, P, 1.f);
+  if (rc >= 0 && dbp) rc = be->channel_sum(dt, gop, dbp, g.n, l->out_c, P, 1.f);
   if (rc >= 0 && merged) {
     /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
     ut_tensor* gr = ut__new_typed(3, (int[]){l->out_c, g.n, P}, grad_out->dev, at, who);
     ut_tensor* dxt = gr && dxo ? ut__new_typed(3, (int[]){K, g.n, P}, grad_out->dev, at, who)
                                : NULL;
     float* grp = gr ? ut__out(gr, be) : NULL;
-    rc = gr && (dxt || !dxo) ? ut__transpose_typed(be, h, gop, grp, 1, g.n, 1, l->out_c, P)
-                             : ut__err_status;
-    ut__gemm_args dw_mm = {.trans_b = true, .type_ab = gt, .type_c = UT_F32,
-                           .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
+    rc = gr && (dxt || !dxo) ? UT_OK : ut__err_status;
+    if (rc >= 0) rc = be->transpose(dt, gop, grp, 1, g.n, 1, l->out_c, P);
+    ut__gemm_args dw_mm = {.trans_b = true, .m = l->out_c, .n = K, .k = g.n * P, .batch = 1,
                            .alpha = 1.f, .beta = 1.f, .a = grp, .lda = g.n * P,
                            .b = colp, .ldb = g.n * P, .c = dWp, .ldc = K};
-    if (rc >= 0) rc = be->gemm(&dw_mm);
-    ut__gemm_args dx_mm = {.trans_a = true, .type_ab = gt, .type_c = gt,
-                           .m = K, .n = g.n * P, .k = l->out_c, .batch = 1,
+    if (rc >= 0) rc = be->gemm(dt, UT_F32, &dw_mm);
+    ut__gemm_args dx_mm = {.trans_a = true, .m = K, .n = g.n * P, .k = l->out_c, .batch = 1,
                            .alpha = 1.f, .beta = 0.f, .a = wp, .lda = K,
                            .b = grp, .ldb = g.n * P, .c = dxt ? ut__out(dxt, be) : NULL,
                            .ldc = g.n * P};
-    if (rc >= 0 && dxo) rc = be->gemm(&dx_mm);
+    if (rc >= 0 && dxo) rc = be->gemm(dt, dt, &dx_mm);
     if (rc >= 0 && dxo)
-      rc = ut__transpose_typed(be, h, ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
+      rc = be->transpose(dt, ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
     ut_free(gr);
     ut_free(dxt);
   } else if (rc >= 0) {
     /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
-    ut__gemm_args mm = {.trans_b = true, .sum_batch = true, .type_ab = gt, .type_c = UT_F32,
+    ut__gemm_args mm = {.trans_b = true, .sum_batch = true,
                         .m = l->out_c, .n = K, .k = P, .batch = g.n, .alpha = 1.f, .beta = 1.f,
                         .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
                         .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
@@ -2290,19 +2240,18 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     if (xp)
       ut__cpu_conv_exact(UT__CONV_DW, xp, gop, NULL, NULL, dWp, l->out_c, false, &g);
     else
-      rc = be->gemm(&mm);
+      rc = be->gemm(dt, UT_F32, &mm);
   }
   if (rc >= 0 && !merged && dxo) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
     float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
-    ut__gemm_args mm = {.trans_a = true, .type_ab = gt, .type_c = gt,
+    ut__gemm_args mm = {.trans_a = true,
                         .m = K, .n = P, .k = l->out_c, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
                         .b = gop, .ldb = P, .stride_b = (ut__i64)l->out_c * P,
                         .c = dst, .ldc = P, .stride_c = (ut__i64)K * P};
-    rc = be->gemm(&mm);
-    if (rc >= 0 && !pointwise)
-      rc = h ? be->col2im_bf16(dst, ut__out(dx, be), &g) : be->col2im(dst, ut__out(dx, be), &g);
+    rc = be->gemm(dt, dt, &mm);
+    if (rc >= 0 && !pointwise) rc = be->col2im(dt, dst, ut__out(dx, be), &g);
   }
   ut_free(wt);
   if (own_col) ut_free(col);
@@ -2392,9 +2341,8 @@ static ut_tensor* ut__dw_repeat(ut_tensor* x, const float* xp, int m, const ut__
   ut_tensor* r = ut__new_typed(4, (int[]){s[0], s[1] * m, s[2], s[3]}, x->dev, x->dtype, who);
   if (!r) return NULL;
   ut__i64 inner = (ut__i64)s[2] * s[3];
-  return ut__finish(r, be, ut__bf16_on(x, be)
-                               ? be->chan_repeat_bf16(xp, ut__out(r, be), s[0], s[1], m, inner)
-                               : be->chan_repeat(xp, ut__out(r, be), s[0], s[1], m, inner));
+  return ut__finish(r, be, be->chan_repeat(ut__buf_dtype(x, be), xp, ut__out(r, be), s[0], s[1],
+                                           m, inner));
 }
 
 ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
@@ -2418,9 +2366,7 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
   }
   ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
   if (out)
-    out = ut__finish(out, be, ut__bf16_on(x, be)
-                                  ? be->dw_fwd_bf16(xp, wp, bp, ut__out(out, be), &g)
-                                  : be->dw_fwd(xp, wp, bp, ut__out(out, be), &g));
+    out = ut__finish(out, be, be->dw_fwd(ut__buf_dtype(x, be), xp, wp, bp, ut__out(out, be), &g));
   ut_free(xr);
   if (out && cache) cache->input = ut_retain(x);
   return out;
@@ -2443,7 +2389,7 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   float* dWp = wp ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
   if (!dWp || (db && l->bias && !dbp)) return NULL;
-  bool h = ut__bf16_on(grad_out, be);
+  ut_dtype dt = ut__buf_dtype(grad_out, be);
   ut_tensor* dx = ut__new_like(cache->input, who);
   if (!dx) return NULL;
   ut_tensor *xr = NULL, *dxr = NULL;
@@ -2460,14 +2406,10 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
     }
   }
   ut__i64 P = (ut__i64)g.ho * g.wo, HW = (ut__i64)g.h * g.w;
-  if (rc >= 0) rc = h ? be->dw_bwd_dw_bf16(gop, xp, dWp, &g) : be->dw_bwd_dw(gop, xp, dWp, &g);
-  if (rc >= 0 && dbp)
-    rc = h ? be->channel_sum_bf16(gop, dbp, g.n, g.c, P, 1.f)
-           : be->channel_sum(gop, dbp, g.n, g.c, P, 1.f);
-  if (rc >= 0) rc = h ? be->dw_bwd_dx_bf16(gop, wp, dxp, &g) : be->dw_bwd_dx(gop, wp, dxp, &g);
-  if (rc >= 0 && dxr)
-    rc = h ? be->chan_group_sum_bf16(dxp, ut__out(dx, be), g.n, l->c, m, HW)
-           : be->chan_group_sum(dxp, ut__out(dx, be), g.n, l->c, m, HW);
+  if (rc >= 0) rc = be->dw_bwd_dw(dt, gop, xp, dWp, &g);
+  if (rc >= 0 && dbp) rc = be->channel_sum(dt, gop, dbp, g.n, g.c, P, 1.f);
+  if (rc >= 0) rc = be->dw_bwd_dx(dt, gop, wp, dxp, &g);
+  if (rc >= 0 && dxr) rc = be->chan_group_sum(dt, dxp, ut__out(dx, be), g.n, l->c, m, HW);
   ut_free_all(xr, dxr);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
@@ -2521,8 +2463,7 @@ ut_tensor* ut_linear_forward(ut_linear* l, ut_tensor* x, ut_linear_cache* cache)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   int N = x->shape.shape[0];
-  bool h = ut__bf16_on(x, be);
-  ut_dtype gt = h ? UT_BF16 : UT_F32;
+  ut_dtype dt = ut__buf_dtype(x, be);
   const float* xp = ut__in(x, be);
   ut_tensor* wt = xp ? ut__gemm_weight(l->weight, x, who) : NULL;
   const float* wp = wt ? ut__in(wt, be) : NULL;
@@ -2532,13 +2473,11 @@ ut_tensor* ut_linear_forward(ut_linear* l, ut_tensor* x, ut_linear_cache* cache)
                      : NULL;
   if (!y) return ut__drop(wt);
   float* yp = ut__out(y, be);
-  ut__gemm_args mm = {.trans_b = true, .type_ab = gt, .type_c = gt,
-                      .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
+  ut__gemm_args mm = {.trans_b = true, .m = N, .n = l->out_f, .k = l->in_f, .batch = 1,
                       .alpha = 1.f, .beta = 0.f, .a = xp, .lda = l->in_f, .b = wp,
                       .ldb = l->in_f, .c = yp, .ldc = l->out_f};
-  int rc = be->gemm(&mm);
-  if (rc >= 0 && bp)
-    rc = h ? be->bias_add_bf16(yp, bp, N, l->out_f, 1) : be->bias_add(yp, bp, N, l->out_f, 1);
+  int rc = be->gemm(dt, dt, &mm);
+  if (rc >= 0 && bp) rc = be->bias_add(dt, yp, bp, N, l->out_f, 1);
   ut_free(wt);
   y = ut__finish(y, be, rc);
   if (y && cache) cache->input = ut_retain(x);
@@ -2572,8 +2511,7 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
       (db && l->bias && ut__check_distinct(dW, db, who, "dW", "db") < 0))
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
-  bool h = ut__bf16_on(grad_out, be);
-  ut_dtype gt = h ? UT_BF16 : UT_F32;
+  ut_dtype dt = ut__buf_dtype(grad_out, be);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
   ut_tensor* wt = xp ? ut__gemm_weight(l->weight, grad_out, who) : NULL;
@@ -2585,19 +2523,15 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
                       : NULL;
   if (!dx) return ut__drop(wt);
   /* dW += grad_out^T [out, N] . x [N, in];  dx = grad_out [N, out] . W [out, in] */
-  ut__gemm_args dw = {.trans_a = true, .type_ab = gt, .type_c = UT_F32,
-                      .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
+  ut__gemm_args dw = {.trans_a = true, .m = l->out_f, .n = l->in_f, .k = N, .batch = 1,
                       .alpha = 1.f, .beta = 1.f, .a = gop, .lda = l->out_f, .b = xp,
                       .ldb = l->in_f, .c = dWp, .ldc = l->in_f};
-  ut__gemm_args dxa = {.type_ab = gt, .type_c = gt,
-                       .m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
+  ut__gemm_args dxa = {.m = N, .n = l->in_f, .k = l->out_f, .batch = 1, .alpha = 1.f,
                        .beta = 0.f, .a = gop, .lda = l->out_f, .b = wp, .ldb = l->in_f,
                        .c = ut__out(dx, be), .ldc = l->in_f};
-  int rc = be->gemm(&dw);
-  if (rc >= 0 && dbp)
-    rc = h ? be->channel_sum_bf16(gop, dbp, N, l->out_f, 1, 1.f)
-           : be->channel_sum(gop, dbp, N, l->out_f, 1, 1.f);
-  if (rc >= 0) rc = be->gemm(&dxa);
+  int rc = be->gemm(dt, UT_F32, &dw);
+  if (rc >= 0 && dbp) rc = be->channel_sum(dt, gop, dbp, N, l->out_f, 1, 1.f);
+  if (rc >= 0) rc = be->gemm(dt, dt, &dxa);
   ut_free(wt);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
@@ -2783,13 +2717,12 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   return UT_OK;
 }
 
-/* bn_stats, bn_apply and bn_bwd on x's element type (see ut__bf16_on) */
+/* bn_stats and bn_apply over x [n, c, h, w] */
 static int ut__bn_stats(const ut__backend* be, const ut_tensor* x, const float* xp, float* mean,
                         float* var) {
   const int* s = x->shape.shape;
   ut__i64 inner = (ut__i64)s[2] * s[3];
-  return ut__bf16_on(x, be) ? be->bn_stats_bf16(xp, mean, var, s[0], s[1], inner)
-                            : be->bn_stats(xp, mean, var, s[0], s[1], inner);
+  return be->bn_stats(ut__buf_dtype(x, be), xp, mean, var, s[0], s[1], inner);
 }
 static int ut__bn_apply(const ut__backend* be, const ut_tensor* x, const float* xp, ut_tensor* y,
                         const float* mean, const float* var, const float* gamma,
@@ -2797,10 +2730,8 @@ static int ut__bn_apply(const ut__backend* be, const ut_tensor* x, const float* 
   const int* s = x->shape.shape;
   ut__i64 inner = (ut__i64)s[2] * s[3];
   float act = ut__act_cap(activation);
-  return ut__bf16_on(x, be) ? be->bn_apply_bf16(xp, ut__out(y, be), mean, var, gamma, beta, rstd,
-                                                s[0], s[1], inner, eps, act)
-                            : be->bn_apply(xp, ut__out(y, be), mean, var, gamma, beta, rstd,
-                                           s[0], s[1], inner, eps, act);
+  return be->bn_apply(ut__buf_dtype(x, be), xp, ut__out(y, be), mean, var, gamma, beta, rstd,
+                      s[0], s[1], inner, eps, act);
 }
 
 /* The plain and the synchronized forward start alike: one place checks the layer and x,
@@ -2950,11 +2881,9 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
   float act = ut__act_cap(cache->activation);
-  int rc = ut__bf16_on(x, be)
-               ? be->bn_bwd_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(dx, be),
-                                 bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, cache->training, act)
-               : be->bn_bwd(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(dx, be), bw.dWp,
-                            bw.dbp, bw.n, bw.c, bw.inner, cache->training, act);
+  int rc = be->bn_bwd(ut__buf_dtype(x, be), bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp,
+                      ut__out(dx, be), bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, cache->training,
+                      act);
   return ut__backward_done(rc, be, dx, dW, bw.dWp, db, bw.dbp);
 }
 
@@ -3029,11 +2958,9 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
   ut_tensor* dx = sums ? ut__new_like(x, who) : NULL;
   if (!dx) return ut__drop(sums);
   float act = ut__act_cap(cache->activation);
-  bool h = ut__bf16_on(x, be);
-  int rc = h ? be->bn_bwd_sums_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
-                                    bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act)
-             : be->bn_bwd_sums(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
-                               bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act);
+  ut_dtype dt = ut__buf_dtype(x, be);
+  int rc = be->bn_bwd_sums(dt, bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
+                           bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act);
   if (rc >= 0) {
     /* this rank's share of dW and db is final: mark it before the reduce runs other code */
     if (bw.dWp) ut__wrote(dW, be);
@@ -3041,10 +2968,8 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
     rc = ut__reduce_call(reduce, ctx, sums, be, who);
   }
   if (rc >= 0)
-    rc = h ? be->bn_bwd_dx_bf16(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__in(sums, be),
-                                ut__out(dx, be), bw.n, bw.c, bw.inner, act)
-           : be->bn_bwd_dx(bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__in(sums, be),
-                           ut__out(dx, be), bw.n, bw.c, bw.inner, act);
+    rc = be->bn_bwd_dx(dt, bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__in(sums, be),
+                       ut__out(dx, be), bw.n, bw.c, bw.inner, act);
   ut_free(sums);
   return ut__finish(dx, be, rc);
 }
@@ -3073,8 +2998,7 @@ ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x) {
   ut_tensor* y = ut__new_typed(2, (int[]){N, C}, x->dev, x->dtype, who);
   if (!y) return NULL;
   ut__i64 hw = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
-  return ut__finish(y, be, ut__bf16_on(x, be) ? be->row_mean_bf16(xp, ut__out(y, be), N * C, hw)
-                                              : be->row_mean(xp, ut__out(y, be), N * C, hw));
+  return ut__finish(y, be, be->row_mean(ut__buf_dtype(x, be), xp, ut__out(y, be), N * C, hw));
 }
 
 ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
@@ -3091,9 +3015,8 @@ ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
   ut_tensor* dx = ut__new_typed(4, (int[]){N, C, h, w}, grad_out->dev, grad_out->dtype, who);
   if (!dx) return NULL;
   ut__i64 hw = (ut__i64)h * w;
-  return ut__finish(dx, be, ut__bf16_on(grad_out, be)
-                                ? be->row_mean_bwd_bf16(gp, ut__out(dx, be), N * C, hw)
-                                : be->row_mean_bwd(gp, ut__out(dx, be), N * C, hw));
+  return ut__finish(dx, be,
+                    be->row_mean_bwd(ut__buf_dtype(grad_out, be), gp, ut__out(dx, be), N * C, hw));
 }
 
 /* ---- losses ------------------------------------------------------------------------------- */
@@ -3760,7 +3683,7 @@ UT__CPU_OPT static void ut__cpu_fill_part(void* vc, int tid, int nt) {
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) x[i] = v;
 }
-UT__CPU_OPT static int ut__cpu_fill(float* x, ut__i64 n, float v) {
+UT__CPU_OPT static int ut__cpu_fill_f32(float* x, ut__i64 n, float v) {
   int nt = ut__cpu_nt((double)n);
   ut__cpu_fill_ctx c = {x, n, v};
   ut__parallel_run(nt, ut__cpu_fill_part, &c);
@@ -3810,8 +3733,8 @@ UT__CPU_OPT static void ut__cpu_axpy_part(void* vc, int tid, int nt) {
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) y[i] += alpha * x[i];
 }
-UT__CPU_OPT static int ut__cpu_axpy(float* restrict y, const float* restrict x, ut__i64 n,
-                                    float alpha) {
+UT__CPU_OPT static int ut__cpu_axpy_f32(float* restrict y, const float* restrict x, ut__i64 n,
+                                        float alpha) {
   int nt = ut__cpu_nt((double)n);
   ut__cpu_axpy_ctx c = {y, x, n, alpha};
   ut__parallel_run(nt, ut__cpu_axpy_part, &c);
@@ -3853,7 +3776,7 @@ UT__CPU_OPT static void ut__cpu_scale_part(void* vc, int tid, int nt) {
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) x[i] *= alpha;
 }
-UT__CPU_OPT static int ut__cpu_scale(float* x, ut__i64 n, float alpha) {
+UT__CPU_OPT static int ut__cpu_scale_f32(float* x, ut__i64 n, float alpha) {
   int nt = ut__cpu_nt((double)n);
   ut__cpu_scale_ctx c = {x, n, alpha};
   ut__parallel_run(nt, ut__cpu_scale_part, &c);
@@ -3884,8 +3807,8 @@ UT__CPU_OPT static void ut__cpu_relu_fwd_part(void* vc, int tid, int nt) {
     for (ut__i64 i = lo; i < hi; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
   }
 }
-UT__CPU_OPT static int ut__cpu_relu_fwd(const float* restrict x, float* restrict y, ut__i64 n,
-                                        float cap) {
+UT__CPU_OPT static int ut__cpu_relu_fwd_f32(const float* restrict x, float* restrict y, ut__i64 n,
+                                            float cap) {
   int nt = ut__cpu_nt((double)n);
   ut__cpu_relu_ctx c = {x, NULL, y, n, cap};
   ut__parallel_run(nt, ut__cpu_relu_fwd_part, &c);
@@ -3913,8 +3836,8 @@ UT__CPU_OPT static void ut__cpu_relu_bwd_part(void* vc, int tid, int nt) {
     }
   }
 }
-UT__CPU_OPT static int ut__cpu_relu_bwd(const float* restrict go, const float* restrict x,
-                                        float* restrict gi, ut__i64 n, float cap) {
+UT__CPU_OPT static int ut__cpu_relu_bwd_f32(const float* restrict go, const float* restrict x,
+                                            float* restrict gi, ut__i64 n, float cap) {
   int nt = ut__cpu_nt((double)n);
   ut__cpu_relu_ctx c = {x, go, gi, n, cap};
   ut__parallel_run(nt, ut__cpu_relu_bwd_part, &c);
@@ -3960,8 +3883,8 @@ static void ut__cpu_transpose_part(void* vc, int tid, int nt) {
     }
   }
 }
-static int ut__cpu_transpose(const float* in, float* out, int outer, int d0, int mid, int d1,
-                             int inner) {
+static int ut__cpu_transpose_f32(const float* in, float* out, int outer, int d0, int mid, int d1,
+                                 int inner) {
   const int T = 32;
   ut__i64 nti = (d0 + T - 1) / T, ntj = (d1 + T - 1) / T;
   ut__i64 tasks = (ut__i64)outer * mid * ntj;
@@ -3993,7 +3916,8 @@ UT__CPU_OPT static void ut__cpu_bias_add_part(void* vc, int tid, int nt) {
     for (ut__i64 i = 0; i < inner; i++) p[i] += b;
   }
 }
-UT__CPU_OPT static int ut__cpu_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
+UT__CPU_OPT static int ut__cpu_bias_add_f32(float* x, const float* bias, int n, int c,
+                                            ut__i64 inner) {
   ut__i64 rows = (ut__i64)n * c;
   int nt = ut__cpu_nt((double)rows * inner);
   ut__cpu_bias_add_ctx cx = {x, bias, c, inner, rows};
@@ -4030,12 +3954,13 @@ UT__CPU_OPT static void ut__cpu_chan_group_sum_part(void* vc, int tid, int nt) {
       for (ut__i64 i = 0; i < inner; i++) y[i] += x[k * inner + i];
   }
 }
-static int ut__cpu_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+static int ut__cpu_chan_repeat_f32(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
   ut__cpu_chan_ctx cx = {x, y, m, inner, (ut__i64)n * c};
   ut__parallel_run(ut__cpu_nt((double)cx.rows * m * inner), ut__cpu_chan_repeat_part, &cx);
   return UT_OK;
 }
-static int ut__cpu_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
+static int ut__cpu_chan_group_sum_f32(const float* x, float* y, int n, int c, int m,
+                                      ut__i64 inner) {
   ut__cpu_chan_ctx cx = {x, y, m, inner, (ut__i64)n * c};
   ut__parallel_run(ut__cpu_nt((double)cx.rows * m * inner), ut__cpu_chan_group_sum_part, &cx);
   return UT_OK;
@@ -4059,8 +3984,8 @@ static void ut__cpu_channel_sum_part(void* vc, int tid, int nt) {
 }
 
 /* Per-row partial sums (in parallel), then each channel adds its rows in order of i. */
-static int ut__cpu_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner,
-                               float beta) {
+static int ut__cpu_channel_sum_f32(const float* x, float* out, int n, int c, ut__i64 inner,
+                                   float beta) {
   ut__i64 rows = (ut__i64)n * c;
   double stackbuf[256];
   double* part = rows <= 256 ? stackbuf : (double*)malloc((size_t)rows * sizeof(double));
@@ -4087,7 +4012,7 @@ static void ut__cpu_row_mean_part(void* vc, int tid, int nt) {
   for (int r = (int)lo; r < hi; r++)
     y[r] = cols > 0 ? (float)(ut__cpu_sum(x + (ut__i64)r * cols, cols) / (double)cols) : 0.0f;
 }
-static int ut__cpu_row_mean(const float* x, float* y, int rows, ut__i64 cols) {
+static int ut__cpu_row_mean_f32(const float* x, float* y, int rows, ut__i64 cols) {
   int nt = ut__cpu_nt((double)rows * cols);
   ut__cpu_rows_ctx c = {x, NULL, y, rows, cols};
   ut__parallel_run(nt, ut__cpu_row_mean_part, &c);
@@ -4108,7 +4033,8 @@ UT__CPU_OPT static void ut__cpu_row_mean_bwd_part(void* vc, int tid, int nt) {
     for (ut__i64 i = 0; i < cols; i++) p[i] = v;
   }
 }
-UT__CPU_OPT static int ut__cpu_row_mean_bwd(const float* go, float* dx, int rows, ut__i64 cols) {
+UT__CPU_OPT static int ut__cpu_row_mean_bwd_f32(const float* go, float* dx, int rows,
+                                                ut__i64 cols) {
   int nt = ut__cpu_nt((double)rows * cols);
   ut__cpu_rows_ctx c = {go, NULL, dx, rows, cols};
   ut__parallel_run(nt, ut__cpu_row_mean_bwd_part, &c);
@@ -4260,7 +4186,7 @@ static void ut__cpu_im2col_part(void* vc, int tid, int nt) {
 }
 
 /* x: [n, c, h, w] -> col: [n, c*kh*kw, ho*wo]; one task per (n, c, ky, kx) row of col. */
-static int ut__cpu_im2col(const float* x, float* col, const ut__conv_geom* g) {
+static int ut__cpu_im2col_f32(const float* x, float* col, const ut__conv_geom* g) {
   ut__i64 rows = (ut__i64)g->n * g->c * g->kh * g->kw, hw = (ut__i64)g->ho * g->wo;
   int nt = ut__cpu_nt((double)rows * hw);
   ut__cpu_im2col_ctx c = {x, col, g};
@@ -4296,7 +4222,7 @@ static void ut__cpu_col2im_part(void* vc, int tid, int nt) {
 }
 
 /* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], gathered per (n, c) plane. */
-static int ut__cpu_col2im(const float* col, float* dx, const ut__conv_geom* g) {
+static int ut__cpu_col2im_f32(const float* col, float* dx, const ut__conv_geom* g) {
   int w = g->w, kh = g->kh, kw = g->kw, s = g->stride, ho = g->ho, wo = g->wo;
   ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)ho * wo, taps = (ut__i64)kh * kw;
   int nt = ut__cpu_nt((double)planes * taps * hw);
@@ -4558,10 +4484,12 @@ static ut__cpu_dw_undilated ut__cpu_dw_undilate(const float* wt, const ut__conv_
               wt[(ch * g->kh + ky) * g->kw + kx];
   return r;
 }
-static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
-                          const ut__conv_geom* g);
-static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const ut__conv_geom* g);
-static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g);
+static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
+                              const ut__conv_geom* g);
+static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
+                                 const ut__conv_geom* g);
+static int ut__cpu_dw_bwd_dw_f32(const float* go, const float* x, float* dw,
+                                 const ut__conv_geom* g);
 static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go, const float* wt,
                               const float* bias, float* dst, const ut__conv_geom* g) {
   ut__i64 planes = (ut__i64)g->n * g->c;
@@ -4576,10 +4504,10 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   ut__cpu_dw_undilated f = ut__cpu_dw_undilate(dir == UT__CONV_DW ? NULL : wt, g);
   if (!f.w) return ut__err_status;
   int st;
-  if (dir == UT__CONV_Y) st = ut__cpu_dw_fwd(x, f.w, bias, dst, &f.g);
-  else if (dir == UT__CONV_DX) st = ut__cpu_dw_bwd_dx(go, f.w, dst, &f.g);
+  if (dir == UT__CONV_Y) st = ut__cpu_dw_fwd_f32(x, f.w, bias, dst, &f.g);
+  else if (dir == UT__CONV_DX) st = ut__cpu_dw_bwd_dx_f32(go, f.w, dst, &f.g);
   else { /* dW of the spread filter (its exact per-tap fallback included), then the real taps */
-    st = ut__cpu_dw_bwd_dw(go, x, f.w, &f.g);
+    st = ut__cpu_dw_bwd_dw_f32(go, x, f.w, &f.g);
     int d = g->dil, eh = f.g.kh, ew = f.g.kw;
     for (ut__i64 ch = 0; st >= 0 && ch < g->c; ch++)
       for (int ky = 0; ky < g->kh; ky++)
@@ -4591,15 +4519,15 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   return st;
 }
 
-static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, float* y,
-                          const ut__conv_geom* g) {
+static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
+                              const ut__conv_geom* g) {
   if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
     float* full = (float*)malloc((size_t)(planes * hw) * sizeof(float) + 1);
     if (!full) return ut__set_error(UT_ERR_MEMORY, "dw_fwd: out of memory");
-    int st = ut__cpu_dw_fwd(x, wt, bias, full, &g1);
+    int st = ut__cpu_dw_fwd_f32(x, wt, bias, full, &g1);
     int s = g->stride;
     for (ut__i64 q = 0; st >= 0 && q < planes; q++)
       for (int oy = 0; oy < g->ho; oy++)
@@ -4636,13 +4564,14 @@ static int ut__cpu_dw_fwd(const float* x, const float* wt, const float* bias, fl
 /* Stride 1: dx is the correlation of go with the filter turned by 180 degrees and padding
    k-1-p (negative when p > k-1, which the row engine handles). Larger strides gather per
    column phase (ut__dwdx_range_body). */
-static int ut__cpu_dw_bwd_dx(const float* go, const float* wt, float* dx, const ut__conv_geom* g) {
+static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
+                                 const ut__conv_geom* g) {
   if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1) && ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
     float* up = ut__cpu_dw_spread(go, g);
     if (!up) return ut__set_error(UT_ERR_MEMORY, "dw_bwd_dx: out of memory");
-    int st = ut__cpu_dw_bwd_dx(up, wt, dx, &g1);
+    int st = ut__cpu_dw_bwd_dx_f32(up, wt, dx, &g1);
     free(up);
     return st;
   }
@@ -4750,7 +4679,8 @@ static void ut__cpu_dw_bwd_dw_part(void* vc, int tid, int nt) {
 static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* g, const float* ex_go,
                                  const ut__conv_geom* ex_g);
-static int ut__cpu_dw_bwd_dw(const float* go, const float* x, float* dw, const ut__conv_geom* g) {
+static int ut__cpu_dw_bwd_dw_f32(const float* go, const float* x, float* dw,
+                                 const ut__conv_geom* g) {
   if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
@@ -4883,8 +4813,8 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
   int b_full = mc <= 2 * MR && !g->trans_b ? nc / NR * NR : 0; /* columns of B read in place */
   ut__i64 a_rs = g->trans_a ? 1 : g->lda, a_ks = g->trans_a ? g->lda : 1;
   for (int bb = b0; bb < b1; bb++) {
-    const float* a = g->a + (ut__i64)bb * g->stride_a;
-    const float* b = g->b + (ut__i64)bb * g->stride_b;
+    const float* a = (const float*)g->a + (ut__i64)bb * g->stride_a;
+    const float* b = (const float*)g->b + (ut__i64)bb * g->stride_b;
     for (int k0 = 0; k0 < g->k; k0 += UT__CPU_KC) {
       int kc = UT__CPU_MIN(UT__CPU_KC, g->k - k0);
       if (b_full < nc)
@@ -4927,7 +4857,7 @@ static void ut__cpu_gemm_scale_c(float* c, int ldc, int m, int n, float beta) {
 UT__CPU_OPT static void ut__cpu_gemm_sum_parts(const ut__gemm_args* g, const float* part,
                                                size_t pstride, int nck, int i) {
   int n = g->n;
-  float* restrict cr = g->c + (ut__i64)i * g->ldc;
+  float* restrict cr = (float*)g->c + (ut__i64)i * g->ldc;
   const float* restrict p0 = part + (ut__i64)i * n;
   if (g->beta != 0.0f) {
     for (int j = 0; j < n; j++) cr[j] = g->beta * cr[j] + p0[j];
@@ -4991,8 +4921,8 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
       int ntj = (nc + RN - 1) / RN;
       memset(acc, 0, (size_t)((mc + RM - 1) / RM) * ntj * RM * RN * VL * sizeof(float));
       for (int bb = b0; bb < b1; bb++) {
-        const float* a = g->a + (ut__i64)bb * g->stride_a + (ut__i64)i0 * g->lda;
-        const float* b = g->b + (ut__i64)bb * g->stride_b + (ut__i64)j0 * g->ldb;
+        const float* a = (const float*)g->a + (ut__i64)bb * g->stride_a + (ut__i64)i0 * g->lda;
+        const float* b = (const float*)g->b + (ut__i64)bb * g->stride_b + (ut__i64)j0 * g->ldb;
         for (int k0 = 0; k0 < k; k0 += UT__CPU_DOT_KC)
           kern(a + k0, g->lda, b + k0, g->ldb, mc, nc, UT__CPU_MIN(UT__CPU_DOT_KC, k - k0), acc);
       }
@@ -5004,7 +4934,7 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
         ldc = n;
         beta = 0.0f;
       } else {
-        c = g->c;
+        c = (float*)g->c;
         ldc = g->ldc;
         beta = g->beta;
       }
@@ -5024,7 +4954,8 @@ static void ut__cpu_gemm_dot_part(void* vc, int tid, int nt) {
 }
 
 /* sum_batch (or one batch item) with A [m, k] and B^T [n, k] (both k-contiguous): blocks of C
-   summed per batch chunk (chunks as in ut__cpu_gemm) with the dot-product engine, no packing. */
+   summed per batch chunk (chunks as in ut__cpu_gemm_f32) with the dot-product engine, no
+   packing. */
 static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();
@@ -5096,11 +5027,11 @@ static void ut__cpu_gemm_part(void* vc, int tid, int nt) {
       } else if (g->sum_batch) {
         b0 = 0;
         b1 = g->batch;
-        c = g->c;
+        c = (float*)g->c;
       } else {
         b0 = (int)bi;
         b1 = b0 + 1;
-        c = g->c + (ut__i64)bi * g->stride_c;
+        c = (float*)g->c + (ut__i64)bi * g->stride_c;
       }
       ut__cpu_gemm_task(g, kern, MR, NR, b0, b1, c, ldc, beta, i0, UT__CPU_MIN(MC, m - i0), j0,
                         UT__CPU_MIN(NC, n - j0), abuf, bbuf);
@@ -5108,14 +5039,14 @@ static void ut__cpu_gemm_part(void* vc, int tid, int nt) {
   }
 }
 
-static int ut__cpu_gemm(const ut__gemm_args* g) {
+static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
   int nbt = g->sum_batch ? 1 : g->batch;
   if (m <= 0 || n <= 0 || nbt <= 0) return UT_OK;
   if (k <= 0 || g->batch <= 0) {
     for (int bi = 0; bi < nbt; bi++)
-      ut__cpu_gemm_scale_c(g->c + (g->sum_batch ? 0 : (ut__i64)bi * g->stride_c), g->ldc, m, n,
-                           g->beta);
+      ut__cpu_gemm_scale_c((float*)g->c + (g->sum_batch ? 0 : (ut__i64)bi * g->stride_c), g->ldc,
+                           m, n, g->beta);
     return UT_OK;
   }
   /* where packing would cost about as much as the products: a short side, a long k (a weight
@@ -5406,8 +5337,8 @@ UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
     var[j] = (float)(v < 0.0 ? 0.0 : v); /* a NaN variance stays NaN, as in PyTorch */
   }
 }
-UT__CPU_OPT static int ut__cpu_bn_stats(const float* x, float* mean, float* var, int n, int c,
-                                        ut__i64 inner) {
+UT__CPU_OPT static int ut__cpu_bn_stats_f32(const float* x, float* mean, float* var, int n, int c,
+                                            ut__i64 inner) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {0};
@@ -5458,10 +5389,10 @@ UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
     }
   }
 }
-UT__CPU_OPT static int ut__cpu_bn_apply(const float* x, float* y, const float* mean,
-                                        const float* var, const float* gamma, const float* beta,
-                                        float* rstd, int n, int c, ut__i64 inner, float eps,
-                                        float act) {
+UT__CPU_OPT static int ut__cpu_bn_apply_f32(const float* x, float* y, const float* mean,
+                                            const float* var, const float* gamma, const float* beta,
+                                            float* rstd, int n, int c, ut__i64 inner, float eps,
+                                            float act) {
   for (int j = 0; j < c; j++) {
     float rs = (float)(1.0 / sqrt((double)var[j] + (double)eps));
     if (rstd) rstd[j] = rs;
@@ -5567,10 +5498,10 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     }
   }
 }
-UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const float* mean,
-                                      const float* rstd, const float* gamma, const float* beta,
-                                      float* dx, float* dgamma, float* dbeta, int n, int c,
-                                      ut__i64 inner, bool training, float act) {
+UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const float* mean,
+                                          const float* rstd, const float* gamma, const float* beta,
+                                          float* dx, float* dgamma, float* dbeta, int n, int c,
+                                          ut__i64 inner, bool training, float act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {0};
@@ -5591,10 +5522,10 @@ UT__CPU_OPT static int ut__cpu_bn_bwd(const float* go, const float* x, const flo
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
   return UT_OK;
 }
-static int ut__cpu_bn_bwd_sums(const float* go, const float* x, const float* mean,
-                               const float* rstd, const float* gamma, const float* beta,
-                               float* sums, float* dgamma, float* dbeta, int n, int c,
-                               ut__i64 inner, float act) {
+static int ut__cpu_bn_bwd_sums_f32(const float* go, const float* x, const float* mean,
+                                   const float* rstd, const float* gamma, const float* beta,
+                                   float* sums, float* dgamma, float* dbeta, int n, int c,
+                                   ut__i64 inner, float act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
@@ -5604,10 +5535,10 @@ static int ut__cpu_bn_bwd_sums(const float* go, const float* x, const float* mea
   sums[2 * c] = (float)((double)n * inner);
   return UT_OK;
 }
-static int ut__cpu_bn_bwd_dx(const float* go, const float* x, const float* mean,
-                             const float* rstd, const float* gamma, const float* beta,
-                             const float* sums, float* dx, int n, int c, ut__i64 inner,
-                             float act) {
+static int ut__cpu_bn_bwd_dx_f32(const float* go, const float* x, const float* mean,
+                                 const float* rstd, const float* gamma, const float* beta,
+                                 const float* sums, float* dx, int n, int c, ut__i64 inner,
+                                 float act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
@@ -5913,6 +5844,129 @@ UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, 
   return UT_OK;
 }
 
+/* ---- the slots: one per op, dt switched here -------------------------------------------------
+   The table's element-typed slots (BACKEND INTERFACE) land here and go on to the float32
+   kernels above. The CPU computes a bf16 tensor on its float32 host copy (the core rounds what
+   it wrote), so UT_F32 is the one type it is given; any other is refused, not guessed at. */
+static int ut__cpu_no_dtype(const char* op, ut_dtype dt) {
+  return ut__set_error(UT_ERR_ARG,
+                       "cpu %s: element type %s (%d) has no kernel here (the CPU backend "
+                       "computes on float32 host copies)",
+                       op, ut_dtype_name(dt), (int)dt);
+}
+static int ut__cpu_fill(ut_dtype dt, void* x, ut__i64 n, float v) {
+  return dt == UT_F32 ? ut__cpu_fill_f32(x, n, v) : ut__cpu_no_dtype("fill", dt);
+}
+static int ut__cpu_cast(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst,
+                        ut__i64 n) {
+  if (src_dt != UT_F32) return ut__cpu_no_dtype("cast", src_dt);
+  return dst_dt == UT_F32 ? ut__cpu_copy(dst, src, n) : ut__cpu_no_dtype("cast", dst_dt);
+}
+static int ut__cpu_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float alpha) {
+  return dt == UT_F32 ? ut__cpu_axpy_f32(y, x, n, alpha) : ut__cpu_no_dtype("axpy", dt);
+}
+static int ut__cpu_scale(ut_dtype dt, void* x, ut__i64 n, float alpha) {
+  return dt == UT_F32 ? ut__cpu_scale_f32(x, n, alpha) : ut__cpu_no_dtype("scale", dt);
+}
+static int ut__cpu_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap) {
+  return dt == UT_F32 ? ut__cpu_relu_fwd_f32(x, y, n, cap) : ut__cpu_no_dtype("relu_fwd", dt);
+}
+static int ut__cpu_relu_bwd(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n,
+                            float cap) {
+  return dt == UT_F32 ? ut__cpu_relu_bwd_f32(go, x, gi, n, cap)
+                      : ut__cpu_no_dtype("relu_bwd", dt);
+}
+static int ut__cpu_transpose(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid,
+                             int d1, int inner) {
+  return dt == UT_F32 ? ut__cpu_transpose_f32(in, out, outer, d0, mid, d1, inner)
+                      : ut__cpu_no_dtype("transpose", dt);
+}
+static int ut__cpu_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g) {
+  if (ab_dt != UT_F32) return ut__cpu_no_dtype("gemm", ab_dt);
+  return c_dt == UT_F32 ? ut__cpu_gemm_f32(g) : ut__cpu_no_dtype("gemm", c_dt);
+}
+static int ut__cpu_bias_add(ut_dtype dt, void* x, const float* bias, int n, int c,
+                            ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_bias_add_f32(x, bias, n, c, inner)
+                      : ut__cpu_no_dtype("bias_add", dt);
+}
+static int ut__cpu_channel_sum(ut_dtype dt, const void* x, float* out, int n, int c,
+                               ut__i64 inner, float beta) {
+  return dt == UT_F32 ? ut__cpu_channel_sum_f32(x, out, n, c, inner, beta)
+                      : ut__cpu_no_dtype("channel_sum", dt);
+}
+static int ut__cpu_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 cols) {
+  return dt == UT_F32 ? ut__cpu_row_mean_f32(x, y, rows, cols) : ut__cpu_no_dtype("row_mean", dt);
+}
+static int ut__cpu_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols) {
+  return dt == UT_F32 ? ut__cpu_row_mean_bwd_f32(go, dx, rows, cols)
+                      : ut__cpu_no_dtype("row_mean_bwd", dt);
+}
+static int ut__cpu_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g) {
+  return dt == UT_F32 ? ut__cpu_im2col_f32(x, col, g) : ut__cpu_no_dtype("im2col", dt);
+}
+static int ut__cpu_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g) {
+  return dt == UT_F32 ? ut__cpu_col2im_f32(col, dx, g) : ut__cpu_no_dtype("col2im", dt);
+}
+static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                          const ut__conv_geom* g) {
+  return dt == UT_F32 ? ut__cpu_dw_fwd_f32(x, w, bias, y, g) : ut__cpu_no_dtype("dw_fwd", dt);
+}
+static int ut__cpu_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
+                             const ut__conv_geom* g) {
+  return dt == UT_F32 ? ut__cpu_dw_bwd_dx_f32(go, w, dx, g) : ut__cpu_no_dtype("dw_bwd_dx", dt);
+}
+static int ut__cpu_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
+                             const ut__conv_geom* g) {
+  return dt == UT_F32 ? ut__cpu_dw_bwd_dw_f32(go, x, dw, g) : ut__cpu_no_dtype("dw_bwd_dw", dt);
+}
+static int ut__cpu_chan_repeat(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                               ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_chan_repeat_f32(x, y, n, c, m, inner)
+                      : ut__cpu_no_dtype("chan_repeat", dt);
+}
+static int ut__cpu_chan_group_sum(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                                  ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_chan_group_sum_f32(x, y, n, c, m, inner)
+                      : ut__cpu_no_dtype("chan_group_sum", dt);
+}
+static int ut__cpu_bn_stats(ut_dtype dt, const void* x, float* mean, float* var, int n, int c,
+                            ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_bn_stats_f32(x, mean, var, n, c, inner)
+                      : ut__cpu_no_dtype("bn_stats", dt);
+}
+static int ut__cpu_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean,
+                            const float* var, const float* gamma, const float* beta, float* rstd,
+                            int n, int c, ut__i64 inner, float eps, float act) {
+  return dt == UT_F32
+             ? ut__cpu_bn_apply_f32(x, y, mean, var, gamma, beta, rstd, n, c, inner, eps, act)
+             : ut__cpu_no_dtype("bn_apply", dt);
+}
+static int ut__cpu_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
+                          const float* rstd, const float* gamma, const float* beta, void* dx,
+                          float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
+                          bool training, float act) {
+  return dt == UT_F32 ? ut__cpu_bn_bwd_f32(go, x, mean, rstd, gamma, beta, dx, dgamma, dbeta, n,
+                                           c, inner, training, act)
+                      : ut__cpu_no_dtype("bn_bwd", dt);
+}
+static int ut__cpu_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
+                               const float* rstd, const float* gamma, const float* beta,
+                               float* sums, float* dgamma, float* dbeta, int n, int c,
+                               ut__i64 inner, float act) {
+  return dt == UT_F32 ? ut__cpu_bn_bwd_sums_f32(go, x, mean, rstd, gamma, beta, sums, dgamma,
+                                                dbeta, n, c, inner, act)
+                      : ut__cpu_no_dtype("bn_bwd_sums", dt);
+}
+static int ut__cpu_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
+                             const float* rstd, const float* gamma, const float* beta,
+                             const float* sums, void* dx, int n, int c, ut__i64 inner,
+                             float act) {
+  return dt == UT_F32 ? ut__cpu_bn_bwd_dx_f32(go, x, mean, rstd, gamma, beta, sums, dx, n, c,
+                                              inner, act)
+                      : ut__cpu_no_dtype("bn_bwd_dx", dt);
+}
+
 static const ut__backend ut__cpu_backend = {
     .name = "cpu",
     .mem_alloc = NULL,
@@ -5922,6 +5976,7 @@ static const ut__backend ut__cpu_backend = {
     .mem_info = NULL,
     .fill = ut__cpu_fill,
     .copy = ut__cpu_copy,
+    .cast = ut__cpu_cast,
     .axpy = ut__cpu_axpy,
     .scale = ut__cpu_scale,
     .relu_fwd = ut__cpu_relu_fwd,

@@ -324,6 +324,38 @@ static void ut__cuda_graph_free(void* h) {
 }
 
 /* ============================================================================================
+   Depthwise: depthwise.cu's entry points are one per op and element type; the table's slots
+   switch to them here
+   ============================================================================================ */
+
+static int ut__cuda_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                           const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_dwconv2d_forward((const float*)x, w, bias, (float*)y, g);
+    case UT_BF16: return ut__cuda_dwconv2d_forward_bf16(x, w, bias, y, g);
+  }
+  return ut__cuda_no_dtype("dw_fwd", dt);
+}
+
+static int ut__cuda_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
+                              const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_dwconv2d_backward_dx((const float*)go, w, (float*)dx, g);
+    case UT_BF16: return ut__cuda_dwconv2d_backward_dx_bf16(go, w, dx, g);
+  }
+  return ut__cuda_no_dtype("dw_bwd_dx", dt);
+}
+
+static int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
+                              const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_dwconv2d_backward_dw((const float*)go, (const float*)x, dw, g);
+    case UT_BF16: return ut__cuda_dwconv2d_backward_dw_bf16(go, x, dw, g);
+  }
+  return ut__cuda_no_dtype("dw_bwd_dw", dt);
+}
+
+/* ============================================================================================
    The table
    ============================================================================================ */
 
@@ -360,39 +392,40 @@ static void ut__cuda_init(void) {
   t->mem_info = ut__cuda_mem_info;
   t->synchronize = ut__cuda_synchronize;
   t->stream_wait = ut__cuda_stream_wait;
-  t->fill = ut__cuda_fill;
+  t->fill = ut__cuda_fill; /* the overload with the slot's signature */
   t->copy = ut__cuda_copy;
+  t->cast = ut__cuda_cast;
   t->axpy = ut__cuda_axpy;
   t->scale = ut__cuda_scale;
-  t->relu_fwd = ut__cuda_relu_forward;
-  t->relu_bwd = ut__cuda_relu_backward;
+  t->relu_fwd = ut__cuda_relu_fwd;
+  t->relu_bwd = ut__cuda_relu_bwd;
   t->transpose = ut__cuda_transpose;
   t->gemm = ut__cuda_gemm;
   t->bias_add = ut__cuda_bias_add;
   t->chan_repeat = ut__cuda_chan_repeat;
   t->chan_group_sum = ut__cuda_chan_group_sum;
   t->channel_sum = ut__cuda_channel_sum;
-  t->row_mean = ut__cuda_global_avgpool2d_forward;
-  t->row_mean_bwd = ut__cuda_global_avgpool2d_backward;
-  t->im2col = ut__cuda_conv2d_im2col;
-  t->col2im = ut__cuda_conv2d_col2im;
-  t->dw_fwd = ut__cuda_dwconv2d_forward;
-  t->dw_bwd_dx = ut__cuda_dwconv2d_backward_dx;
-  t->dw_bwd_dw = ut__cuda_dwconv2d_backward_dw;
-  t->layernorm_fwd = ut__cuda_layernorm_forward;
-  t->layernorm_bwd = ut__cuda_layernorm_backward;
-  t->bn_stats = ut__cuda_batchnorm2d_stats;
-  t->bn_update_running = ut__cuda_batchnorm2d_update_running;
-  t->bn_apply = ut__cuda_batchnorm2d_apply;
-  t->bn_bwd = ut__cuda_batchnorm2d_backward;
-  t->bn_sync_pack = ut__cuda_batchnorm2d_sync_pack;
-  t->bn_sync_unpack = ut__cuda_batchnorm2d_sync_unpack;
-  t->bn_bwd_sums = ut__cuda_batchnorm2d_backward_sums;
-  t->bn_bwd_dx = ut__cuda_batchnorm2d_backward_dx;
-  t->mse_fwd = ut__cuda_mse_loss_forward;
-  t->mse_bwd = ut__cuda_mse_loss_backward;
-  t->ce_fwd = ut__cuda_cross_entropy_forward;
-  t->ce_bwd = ut__cuda_cross_entropy_backward;
+  t->row_mean = ut__cuda_row_mean;
+  t->row_mean_bwd = ut__cuda_row_mean_bwd;
+  t->im2col = ut__cuda_im2col;
+  t->col2im = ut__cuda_col2im;
+  t->dw_fwd = ut__cuda_dw_fwd;
+  t->dw_bwd_dx = ut__cuda_dw_bwd_dx;
+  t->dw_bwd_dw = ut__cuda_dw_bwd_dw;
+  t->layernorm_fwd = ut__cuda_layernorm_fwd;
+  t->layernorm_bwd = ut__cuda_layernorm_bwd;
+  t->bn_stats = ut__cuda_bn_stats;
+  t->bn_update_running = ut__cuda_bn_update_running;
+  t->bn_apply = ut__cuda_bn_apply;
+  t->bn_bwd = ut__cuda_bn_bwd;
+  t->bn_sync_pack = ut__cuda_bn_sync_pack;
+  t->bn_sync_unpack = ut__cuda_bn_sync_unpack;
+  t->bn_bwd_sums = ut__cuda_bn_bwd_sums;
+  t->bn_bwd_dx = ut__cuda_bn_bwd_dx;
+  t->mse_fwd = ut__cuda_mse_fwd;
+  t->mse_bwd = ut__cuda_mse_bwd;
+  t->ce_fwd = ut__cuda_ce_fwd;
+  t->ce_bwd = ut__cuda_ce_bwd;
   t->blas_load = ut__cuda_blas_load;
   t->blas_enable = ut__cuda_blas_enable;
   t->blas_active = ut__cuda_blas_active;
@@ -405,29 +438,6 @@ static void ut__cuda_init(void) {
   t->graph_end = ut__cuda_graph_end;
   t->graph_replay = ut__cuda_graph_replay;
   t->graph_free = ut__cuda_graph_free;
-  t->cast = ut__cuda_cast;
-  t->fill_bf16 = ut__cuda_fill_bf16;
-  t->axpy_bf16 = ut__cuda_axpy_bf16;
-  t->scale_bf16 = ut__cuda_scale_bf16;
-  t->relu_fwd_bf16 = ut__cuda_relu_forward_bf16;
-  t->relu_bwd_bf16 = ut__cuda_relu_backward_bf16;
-  t->transpose_bf16 = ut__cuda_transpose_bf16;
-  t->bias_add_bf16 = ut__cuda_bias_add_bf16;
-  t->channel_sum_bf16 = ut__cuda_channel_sum_bf16;
-  t->row_mean_bf16 = ut__cuda_global_avgpool2d_forward_bf16;
-  t->row_mean_bwd_bf16 = ut__cuda_global_avgpool2d_backward_bf16;
-  t->im2col_bf16 = ut__cuda_conv2d_im2col_bf16;
-  t->col2im_bf16 = ut__cuda_conv2d_col2im_bf16;
-  t->dw_fwd_bf16 = ut__cuda_dwconv2d_forward_bf16;
-  t->dw_bwd_dx_bf16 = ut__cuda_dwconv2d_backward_dx_bf16;
-  t->dw_bwd_dw_bf16 = ut__cuda_dwconv2d_backward_dw_bf16;
-  t->chan_repeat_bf16 = ut__cuda_chan_repeat_bf16;
-  t->chan_group_sum_bf16 = ut__cuda_chan_group_sum_bf16;
-  t->bn_stats_bf16 = ut__cuda_batchnorm2d_stats_bf16;
-  t->bn_apply_bf16 = ut__cuda_batchnorm2d_apply_bf16;
-  t->bn_bwd_bf16 = ut__cuda_batchnorm2d_backward_bf16;
-  t->bn_bwd_sums_bf16 = ut__cuda_batchnorm2d_backward_sums_bf16;
-  t->bn_bwd_dx_bf16 = ut__cuda_batchnorm2d_backward_dx_bf16;
   ut__cuda_nccl_fill(t);
   ut__cuda_table_ok = true;
 }

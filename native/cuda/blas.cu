@@ -18,7 +18,7 @@
      sums them in item order (deterministic), in chunks that keep the workspace bounded.
    The choice depends only on the shapes, so results are reproducible run to run.
 
-   bf16 activations (ut__gemm_args' type_ab, type_c): bf16 A and B into a bf16 or a float32 C
+   bf16 activations (the gemm slot's ab_dt, c_dt): bf16 A and B into a bf16 or a float32 C
    go to the same call with CUDA_R_16BF operands and float32 compute (tensor cores; TF32 is a
    float32 setting and does not apply). The reduce plan keeps its workspace float32, so
    conv2d's float32 dW gets float32 products summed in float32 as on the float32 path. The own
@@ -203,7 +203,7 @@ const char* ut__cuda_blas_info(void) {
    GEMM on cuBLAS
    ============================================================================================ */
 
-/* A GEMM's element types (ut__gemm_args' type_ab, type_c) as cuBLAS sees them. bf16 A and B
+/* A GEMM's element types (the gemm slot's ab_dt, c_dt) as cuBLAS sees them. bf16 A and B
    go into a bf16 or a float32 C; the products and sums are float32 (CUBLAS_COMPUTE_32F, alpha
    and beta float), so a float32 C with beta != 0 accumulates in float32 exactly as the float32
    path does. */
@@ -282,10 +282,11 @@ static __global__ void ut__cuda_gemm_sum_items_kernel(const float* __restrict__ 
 /* the reduce plan for sum_batch (see the top of the file). The items' products go to the
    workspace as float32 whatever C's type (so a bf16 C is rounded once, not per chunk of
    items, unless the items need more than one chunk). */
-static int ut__cuda_blas_sum_by_reduce(const ut__cuda_blas* b, const ut__gemm_args* g) {
+static int ut__cuda_blas_sum_by_reduce(const ut__cuda_blas* b, ut__cuda_blas_types ty,
+                                       const ut__gemm_args* g) {
   const ut__i64 mn = (ut__i64)g->m * g->n;
   const ut__i64 cap = (ut__i64)1 << 26; /* workspace floats: 256 MiB */
-  const ut__cuda_blas_types ty = {g->type_ab, g->type_c}, to_ws = {g->type_ab, UT_F32};
+  const ut__cuda_blas_types to_ws = {ty.ab, UT_F32};
   ut__i64 chunk = cap / mn;
   if (chunk < 1) chunk = 1;
   if (chunk > g->batch) chunk = g->batch;
@@ -305,17 +306,16 @@ static int ut__cuda_blas_sum_by_reduce(const ut__cuda_blas* b, const ut__gemm_ar
           ws, (int)nb, g->m, g->n, (ut__cuda_bf16*)g->c, g->ldc, beta);
     else
       ut__cuda_gemm_sum_items_kernel<<<ut__cuda_grid_for(mn, 256), 256, 0, ut__cuda_stream>>>(
-          ws, (int)nb, g->m, g->n, g->c, g->ldc, beta);
+          ws, (int)nb, g->m, g->n, (float*)g->c, g->ldc, beta);
     UT__CUDA_LAUNCHED("gemm sum over items");
   }
   return st;
 }
 
 /* the concatenate plan for sum_batch; an operand not regrouped is used as it is */
-static int ut__cuda_blas_sum_by_concat(const ut__cuda_blas* b, const ut__gemm_args* g,
-                                       bool regroup_a, bool regroup_b) {
+static int ut__cuda_blas_sum_by_concat(const ut__cuda_blas* b, ut__cuda_blas_types ty,
+                                       const ut__gemm_args* g, bool regroup_a, bool regroup_b) {
   const ut__i64 kk = (ut__i64)g->batch * g->k;
-  const ut__cuda_blas_types ty = {g->type_ab, g->type_c};
   const size_t es = ut__cuda_blas_size(ty.ab);
   void* at = NULL;
   void* bt = NULL;
@@ -329,13 +329,8 @@ static int ut__cuda_blas_sum_by_concat(const ut__cuda_blas* b, const ut__gemm_ar
     return UT__CUDA_BLAS_DECLINED;
   }
   /* [batch, rows, k] -> [rows, batch, k] */
-  if (ty.ab == UT_BF16) {
-    if (at) st = ut__cuda_transpose_bf16(g->a, at, 1, g->batch, 1, g->m, g->k);
-    if (st >= 0 && bt) st = ut__cuda_transpose_bf16(g->b, bt, 1, g->batch, 1, g->n, g->k);
-  } else {
-    if (at) st = ut__cuda_transpose(g->a, (float*)at, 1, g->batch, 1, g->m, g->k);
-    if (st >= 0 && bt) st = ut__cuda_transpose(g->b, (float*)bt, 1, g->batch, 1, g->n, g->k);
-  }
+  if (at) st = ut__cuda_transpose(ty.ab, g->a, at, 1, g->batch, 1, g->m, g->k);
+  if (st >= 0 && bt) st = ut__cuda_transpose(ty.ab, g->b, bt, 1, g->batch, 1, g->n, g->k);
   /* a regrouped A is [m, k'] plain; one used as is is [k', m] transposed (lda = its row
      length); likewise B: regrouped [n, k'] transposed, as is [k', n] plain */
   if (st >= 0)
@@ -347,9 +342,9 @@ static int ut__cuda_blas_sum_by_concat(const ut__cuda_blas* b, const ut__gemm_ar
   return st;
 }
 
-int ut__cuda_blas_gemm(const ut__gemm_args* g) {
+int ut__cuda_blas_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g) {
   const ut__cuda_blas* b = ut__cuda_blas_use();
-  const ut__cuda_blas_types ty = {g->type_ab, g->type_c};
+  const ut__cuda_blas_types ty = {ab_dt, c_dt};
   /* k = 0 (C = beta C) and leading dimensions cuBLAS would refuse stay with the own kernels,
      and so do type pairs other than float32 throughout and bf16 A, B into bf16 or float32 C */
   if (!b || g->k <= 0 || g->lda < (g->trans_a ? g->m : g->k) ||
@@ -376,6 +371,6 @@ int ut__cuda_blas_gemm(const ut__gemm_args* g) {
   ut__i64 reduce_moves = 2 * batch * m * n * (ut__i64)sizeof(float);
   bool can_concat = (a_as_is || a_regroup) && (b_as_is || b_regroup) && batch * k <= INT_MAX;
   if (can_concat && concat_moves <= reduce_moves)
-    return ut__cuda_blas_sum_by_concat(b, g, a_regroup, b_regroup);
-  return ut__cuda_blas_sum_by_reduce(b, g);
+    return ut__cuda_blas_sum_by_concat(b, ty, g, a_regroup, b_regroup);
+  return ut__cuda_blas_sum_by_reduce(b, ty, g);
 }

@@ -9,10 +9,11 @@
    Files
      common.cuh       this: error checks, launch helpers, block reductions, the reduction
                       workspace, and the declarations of what one file gives another
-     backend.cu       ut__cuda_backend(), the table the C core calls; the device memory cache,
-                      copies, synchronization
-     elementwise.cu   fill, copy, axpy, scale, relu, transpose, bias_add, global_avgpool2d,
-                      mse_loss, cross_entropy
+     backend.cu       ut__cuda_backend(), the table the C core calls (and the element-type
+                      switches of depthwise.cu's ops); the device memory cache, copies,
+                      synchronization
+     elementwise.cu   fill, copy, cast, axpy, scale, relu, transpose, bias_add, chan_repeat,
+                      chan_group_sum, global_avgpool2d (row_mean), mse_loss, cross_entropy
      gemm.cu          gemm (matmul, linear and conv2d run on it): the own kernels, and
                       conv2d's im2col and col2im
      blas.cu          gemm on cuBLAS, loaded at run time (gemm.cu hands it every call first)
@@ -26,10 +27,16 @@
 
    Naming
      Every file-level name starts with ut__cuda_ (macros and constants: UT__CUDA_), kernels end
-     in _kernel, and a name carries the op it serves as the C header spells it (dwconv2d,
-     conv2d, gemm, batchnorm2d, layernorm, relu, global_avgpool2d, mse_loss, cross_entropy,
-     sgd, adam), so `grep -rn dwconv2d native/` lands on the CUDA kernels too. The functions
-     of the backend table are ut__cuda_<op>_<forward|backward|...>. What a file gives another is
+     in _kernel. The functions of the backend table carry their slot's name, ut__cuda_<slot>
+     (ut__cuda_row_mean, ut__cuda_bn_stats, ut__cuda_im2col), with the slot's signature: one
+     function per op that switches on its ut_dtype to the kernels of that element type, so
+     `grep -rn row_mean native/` lands on the slot, the CPU kernel and the CUDA one; their
+     per-type bodies are ut__cuda_<slot>_t<T> or _impl<T>. Kernels carry the op as the C header
+     spells it (dwconv2d, conv2d, gemm, batchnorm2d, layernorm, relu, global_avgpool2d,
+     mse_loss, cross_entropy, sgd, adam), so `grep -rn dwconv2d native/` lands on the CUDA
+     kernels too. depthwise.cu's entry points are still
+     one per op and type (ut__cuda_dwconv2d_forward, ..._bf16); backend.cu's ut__cuda_dw_fwd,
+     ut__cuda_dw_bwd_dx and ut__cuda_dw_bwd_dw switch to them. What a file gives another is
      declared at the end of this header; everything else is static. Without relocatable device
      code a kernel or device function cannot be called across files, so the device helpers
      here are inline and each file launches only its own kernels.
@@ -217,7 +224,7 @@ void ut__cuda_retire(void* p);
 /* blas.cu: gemm on cuBLAS; UT__CUDA_BLAS_DECLINED when the own kernels are to run it (cuBLAS
    absent or off, or a call it cannot take) */
 #define UT__CUDA_BLAS_DECLINED 1
-int ut__cuda_blas_gemm(const ut__gemm_args* g);
+int ut__cuda_blas_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
 int ut__cuda_blas_load(const char* path);
 int ut__cuda_blas_enable(bool on);
 bool ut__cuda_blas_active(void);
@@ -226,120 +233,91 @@ const char* ut__cuda_blas_info(void);
 /* nccl.cu: fills the table's dist_* and nccl_info slots */
 void ut__cuda_nccl_fill(ut__backend* t);
 
+/* The failure of a table function given an element type it has no kernel for (see utensil.h,
+   BACKEND INTERFACE, "Element types"): UT_ERR_ARG, never an abort. */
+static inline int ut__cuda_no_dtype(const char* op, ut_dtype dt) {
+  return ut__set_error(UT_ERR_ARG, "cuda %s: element type %s (%d) has no kernel here", op,
+                       ut_dtype_name(dt), (int)dt);
+}
+
 /* elementwise.cu (init launches nothing: it asks the runtime whether ut__cuda_fill_kernel has
    code for the device) */
 __global__ void ut__cuda_fill_kernel(float* __restrict__ x, ut__i64 n, float v);
-int ut__cuda_fill(float* x, ut__i64 n, float v);
+int ut__cuda_fill(ut_dtype dt, void* x, ut__i64 n, float v);
 int ut__cuda_copy(float* dst, const float* src, ut__i64 n);
-int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha);
-int ut__cuda_scale(float* x, ut__i64 n, float alpha);
-int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap);
-int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap);
-int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner);
-int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner);
-int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner);
-int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner);
-int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols);
-int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols);
-int ut__cuda_mse_loss_forward(const float* p, const float* t, float* out, ut__i64 n);
-int ut__cuda_mse_loss_backward(const float* p, const float* t, float* g, ut__i64 n);
-int ut__cuda_cross_entropy_forward(const float* logits, const float* labels, float* out, int n,
-                                   int k);
-int ut__cuda_cross_entropy_backward(const float* logits, const float* labels, float* g, int n,
-                                    int k);
+int ut__cuda_cast(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst, ut__i64 n);
+int ut__cuda_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float alpha);
+int ut__cuda_scale(ut_dtype dt, void* x, ut__i64 n, float alpha);
+int ut__cuda_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap);
+int ut__cuda_relu_bwd(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n,
+                      float cap);
+int ut__cuda_transpose(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid,
+                       int d1, int inner);
+int ut__cuda_bias_add(ut_dtype dt, void* x, const float* bias, int n, int c, ut__i64 inner);
+int ut__cuda_chan_repeat(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                         ut__i64 inner);
+int ut__cuda_chan_group_sum(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                            ut__i64 inner);
+int ut__cuda_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 cols);
+int ut__cuda_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols);
+int ut__cuda_mse_fwd(const float* p, const float* t, float* out, ut__i64 n);
+int ut__cuda_mse_bwd(const float* p, const float* t, float* g, ut__i64 n);
+int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k);
+int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k);
+/* elementwise.cu: fill by type, as depthwise.cu calls it (overloads of the table's fill, which
+   switches to them) */
+int ut__cuda_fill(float* x, ut__i64 n, float v);
+int ut__cuda_fill_bf16(void* x, ut__i64 n, float v);
 
 /* gemm.cu */
-int ut__cuda_gemm(const ut__gemm_args* g);
-int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g);
-int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g);
+int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
+int ut__cuda_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g);
+int ut__cuda_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g);
 
-/* depthwise.cu */
+/* depthwise.cu: one function per op and element type; backend.cu's dw_fwd, dw_bwd_dx and
+   dw_bwd_dw switch to them */
 int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
                               const ut__conv_geom* g);
 int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
                                   const ut__conv_geom* g);
 int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
                                   const ut__conv_geom* g);
-
-/* norm.cu */
-int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta);
-int ut__cuda_layernorm_forward(const float* x, const float* gamma, const float* beta, float* y,
-                               float* mean, float* rstd, int rows, int dim, float eps);
-int ut__cuda_layernorm_backward(const float* go, const float* x, const float* gamma,
-                                const float* mean, const float* rstd, float* dx, float* dgamma,
-                                float* dbeta, int rows, int dim);
-int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
-                               ut__i64 inner);
-int ut__cuda_batchnorm2d_update_running(float* running_mean, float* running_var, const float* mean,
-                                        const float* var, int c, float momentum, float unbias);
-int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
-                               const float* gamma, const float* beta, float* rstd, int n, int c,
-                               ut__i64 inner, float eps, float act);
-int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
-                                  const float* rstd, const float* gamma, const float* beta,
-                                  float* dx, float* dgamma, float* dbeta, int n, int c,
-                                  ut__i64 inner, bool training, float act);
-int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
-                                       const float* rstd, const float* gamma, const float* beta,
-                                       float* sums, float* dgamma, float* dbeta, int n, int c,
-                                       ut__i64 inner, float act);
-int ut__cuda_batchnorm2d_backward_dx(const float* go, const float* x, const float* mean,
-                                     const float* rstd, const float* gamma, const float* beta,
-                                     const float* sums, float* dx, int n, int c, ut__i64 inner,
-                                     float act);
-int ut__cuda_batchnorm2d_sync_pack(const float* mean, const float* var, const float* a,
-                                   float* out, int c, float count);
-int ut__cuda_batchnorm2d_sync_unpack(const float* a, const float* b, float* mean, float* var,
-                                     float* running_mean, float* running_var, int c,
-                                     float momentum);
-
-/* bf16 activations (the ut__backend fields of the same names without the ut__cuda_ prefix
-   and with _bf16; see there) */
-/* elementwise.cu */
-int ut__cuda_cast(const void* src, int src_type, void* dst, int dst_type, ut__i64 n);
-int ut__cuda_fill_bf16(void* x, ut__i64 n, float v);
-int ut__cuda_axpy_bf16(void* y, const void* x, ut__i64 n, float alpha);
-int ut__cuda_scale_bf16(void* x, ut__i64 n, float alpha);
-int ut__cuda_relu_forward_bf16(const void* x, void* y, ut__i64 n, float cap);
-int ut__cuda_relu_backward_bf16(const void* go, const void* x, void* gi, ut__i64 n, float cap);
-int ut__cuda_transpose_bf16(const void* in, void* out, int outer, int d0, int mid, int d1,
-                            int inner);
-int ut__cuda_bias_add_bf16(void* x, const float* bias, int n, int c, ut__i64 inner);
-int ut__cuda_chan_repeat_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner);
-int ut__cuda_chan_group_sum_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner);
-int ut__cuda_global_avgpool2d_forward_bf16(const void* x, void* y, int rows, ut__i64 cols);
-int ut__cuda_global_avgpool2d_backward_bf16(const void* go, void* dx, int rows, ut__i64 cols);
-/* gemm.cu */
-int ut__cuda_conv2d_im2col_bf16(const void* x, void* col, const ut__conv_geom* g);
-int ut__cuda_conv2d_col2im_bf16(const void* col, void* dx, const ut__conv_geom* g);
-/* depthwise.cu */
 int ut__cuda_dwconv2d_forward_bf16(const void* x, const float* w, const float* bias, void* y,
                                    const ut__conv_geom* g);
 int ut__cuda_dwconv2d_backward_dx_bf16(const void* go, const float* w, void* dx,
                                        const ut__conv_geom* g);
 int ut__cuda_dwconv2d_backward_dw_bf16(const void* go, const void* x, float* dw,
                                        const ut__conv_geom* g);
+
 /* norm.cu */
-int ut__cuda_channel_sum_bf16(const void* x, float* out, int n, int c, ut__i64 inner,
-                              float beta);
-int ut__cuda_batchnorm2d_stats_bf16(const void* x, float* mean, float* var, int n, int c,
-                                    ut__i64 inner);
-int ut__cuda_batchnorm2d_apply_bf16(const void* x, void* y, const float* mean, const float* var,
-                                    const float* gamma, const float* beta, float* rstd, int n,
-                                    int c, ut__i64 inner, float eps, float act);
-int ut__cuda_batchnorm2d_backward_bf16(const void* go, const void* x, const float* mean,
-                                       const float* rstd, const float* gamma, const float* beta,
-                                       void* dx, float* dgamma, float* dbeta, int n, int c,
-                                       ut__i64 inner, bool training, float act);
-int ut__cuda_batchnorm2d_backward_sums_bf16(const void* go, const void* x, const float* mean,
-                                            const float* rstd, const float* gamma,
-                                            const float* beta, float* sums, float* dgamma,
-                                            float* dbeta, int n, int c, ut__i64 inner,
-                                            float act);
-int ut__cuda_batchnorm2d_backward_dx_bf16(const void* go, const void* x, const float* mean,
-                                          const float* rstd, const float* gamma,
-                                          const float* beta, const float* sums, void* dx, int n,
-                                          int c, ut__i64 inner, float act);
+int ut__cuda_channel_sum(ut_dtype dt, const void* x, float* out, int n, int c, ut__i64 inner,
+                         float beta);
+int ut__cuda_layernorm_fwd(const float* x, const float* gamma, const float* beta, float* y,
+                           float* mean, float* rstd, int rows, int dim, float eps);
+int ut__cuda_layernorm_bwd(const float* go, const float* x, const float* gamma,
+                           const float* mean, const float* rstd, float* dx, float* dgamma,
+                           float* dbeta, int rows, int dim);
+int ut__cuda_bn_stats(ut_dtype dt, const void* x, float* mean, float* var, int n, int c,
+                      ut__i64 inner);
+int ut__cuda_bn_update_running(float* running_mean, float* running_var, const float* mean,
+                               const float* var, int c, float momentum, float unbias);
+int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
+                      const float* gamma, const float* beta, float* rstd, int n, int c,
+                      ut__i64 inner, float eps, float act);
+int ut__cuda_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
+                    const float* rstd, const float* gamma, const float* beta, void* dx,
+                    float* dgamma, float* dbeta, int n, int c, ut__i64 inner, bool training,
+                    float act);
+int ut__cuda_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
+                         const float* rstd, const float* gamma, const float* beta, float* sums,
+                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act);
+int ut__cuda_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
+                       const float* rstd, const float* gamma, const float* beta, const float* sums,
+                       void* dx, int n, int c, ut__i64 inner, float act);
+int ut__cuda_bn_sync_pack(const float* mean, const float* var, const float* a, float* out, int c,
+                          float count);
+int ut__cuda_bn_sync_unpack(const float* a, const float* b, float* mean, float* var,
+                            float* running_mean, float* running_var, int c, float momentum);
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,

@@ -1,11 +1,13 @@
-/* elementwise.cu — fill, copy, cast, axpy, scale, relu; transpose and bias_add;
-   global_avgpool2d; mse_loss and cross_entropy. The files and the naming: common.cuh.
+/* elementwise.cu — fill, copy, cast, axpy, scale, relu; transpose, bias_add and the depthwise
+   multiplier's chan_repeat / chan_group_sum; global_avgpool2d (row_mean); mse_loss and
+   cross_entropy. The files and the naming: common.cuh.
 
    The activation ops are templates over the element type T (float or ut__cuda_bf16, see
    common.cuh "bf16 activations"): float32 arithmetic either way, a bf16 store rounds to nearest
-   even. The streaming ones (cast, axpy, scale, relu, bias_add) move bf16 8 values per 16-byte
-   access when every buffer they touch is 16-byte aligned (the rest, and unaligned buffers, one
-   value at a time): bf16 is there to halve the bytes, so the accesses must stay wide. */
+   even; each table function switches on its ut_dtype to the T it instantiates. The streaming
+   ones (cast, axpy, scale, relu, bias_add) move bf16 8 values per 16-byte access when every
+   buffer they touch is 16-byte aligned (the rest, and unaligned buffers, one value at a time):
+   bf16 is there to halve the bytes, so the accesses must stay wide. */
 #include "common.cuh"
 
 #include <type_traits>
@@ -168,6 +170,7 @@ static __global__ void ut__cuda_fill_bf16_kernel(ut__cuda_bf16* __restrict__ x, 
   for (ut__i64 i = nv * 8 + start; i < n; i += step) x[i] = __ushort_as_bfloat16(bits);
 }
 
+/* the two fills by type (depthwise.cu calls them by these names) */
 int ut__cuda_fill(float* x, ut__i64 n, float v) {
   if (n <= 0) return UT_OK;
   ut__cuda_fill_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, v);
@@ -185,6 +188,14 @@ int ut__cuda_fill_bf16(void* x, ut__i64 n, float v) {
   return UT_OK;
 }
 
+int ut__cuda_fill(ut_dtype dt, void* x, ut__i64 n, float v) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_fill((float*)x, n, v);
+    case UT_BF16: return ut__cuda_fill_bf16(x, n, v);
+  }
+  return ut__cuda_no_dtype("fill", dt);
+}
+
 int ut__cuda_copy(float* dst, const float* src, ut__i64 n) {
   if (n <= 0 || dst == src) return UT_OK;
   UT__CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice,
@@ -193,55 +204,73 @@ int ut__cuda_copy(float* dst, const float* src, ut__i64 n) {
   return UT_OK;
 }
 
-int ut__cuda_cast(const void* src, int src_type, void* dst, int dst_type, ut__i64 n) {
-  if ((src_type != UT_F32 && src_type != UT_BF16) || (dst_type != UT_F32 && dst_type != UT_BF16))
-    return ut__set_error(UT_ERR_ARG, "cast: invalid dtype (%d -> %d)", src_type, dst_type);
+int ut__cuda_cast(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst, ut__i64 n) {
+  if ((src_dt != UT_F32 && src_dt != UT_BF16) || (dst_dt != UT_F32 && dst_dt != UT_BF16))
+    return ut__set_error(UT_ERR_ARG, "cast: invalid dtype (%d -> %d)", (int)src_dt, (int)dst_dt);
   if (n <= 0) return UT_OK;
-  if (src_type == dst_type) {
+  if (src_dt == dst_dt) {
     if (src == dst) return UT_OK;
-    size_t bytes = (size_t)n * (src_type == UT_BF16 ? sizeof(ut__cuda_bf16) : sizeof(float));
+    size_t bytes = (size_t)n * (src_dt == UT_BF16 ? sizeof(ut__cuda_bf16) : sizeof(float));
     UT__CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ut__cuda_stream),
                    "cast");
     return UT_OK;
   }
-  if (src_type == UT_F32)
+  if (src_dt == UT_F32)
     return ut__cuda_map1((const float*)src, (ut__cuda_bf16*)dst, n, ut__cuda_cast_fn{},
                          "cast to bf16");
   return ut__cuda_map1((const ut__cuda_bf16*)src, (float*)dst, n, ut__cuda_cast_fn{},
                        "cast to float32");
 }
 
-int ut__cuda_axpy(float* y, const float* x, ut__i64 n, float alpha) {
-  return ut__cuda_map2<float>(y, x, y, n, ut__cuda_axpy_fn{alpha}, "axpy");
-}
-int ut__cuda_axpy_bf16(void* y, const void* x, ut__i64 n, float alpha) {
-  return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)y, (const ut__cuda_bf16*)x,
-                                      (ut__cuda_bf16*)y, n, ut__cuda_axpy_fn{alpha}, "axpy_bf16");
-}
-
-int ut__cuda_scale(float* x, ut__i64 n, float alpha) {
-  return ut__cuda_map1<float, float>(x, x, n, ut__cuda_scale_fn{alpha}, "scale");
-}
-int ut__cuda_scale_bf16(void* x, ut__i64 n, float alpha) {
-  return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
-      (const ut__cuda_bf16*)x, (ut__cuda_bf16*)x, n, ut__cuda_scale_fn{alpha}, "scale_bf16");
+int ut__cuda_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float alpha) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_map2<float>((const float*)y, (const float*)x, (float*)y, n,
+                                  ut__cuda_axpy_fn{alpha}, "axpy");
+    case UT_BF16:
+      return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)y, (const ut__cuda_bf16*)x,
+                                          (ut__cuda_bf16*)y, n, ut__cuda_axpy_fn{alpha},
+                                          "axpy_bf16");
+  }
+  return ut__cuda_no_dtype("axpy", dt);
 }
 
-int ut__cuda_relu_forward(const float* x, float* y, ut__i64 n, float cap) {
-  return ut__cuda_map1<float, float>(x, y, n, ut__cuda_relu_fn{cap}, "relu");
-}
-int ut__cuda_relu_forward_bf16(const void* x, void* y, ut__i64 n, float cap) {
-  return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
-      (const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, ut__cuda_relu_fn{cap}, "relu_bf16");
+int ut__cuda_scale(ut_dtype dt, void* x, ut__i64 n, float alpha) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_map1<float, float>((const float*)x, (float*)x, n,
+                                         ut__cuda_scale_fn{alpha}, "scale");
+    case UT_BF16:
+      return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
+          (const ut__cuda_bf16*)x, (ut__cuda_bf16*)x, n, ut__cuda_scale_fn{alpha}, "scale_bf16");
+  }
+  return ut__cuda_no_dtype("scale", dt);
 }
 
-int ut__cuda_relu_backward(const float* go, const float* x, float* gi, ut__i64 n, float cap) {
-  return ut__cuda_map2<float>(go, x, gi, n, ut__cuda_relu_backward_fn{cap}, "relu_bwd");
+int ut__cuda_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_map1<float, float>((const float*)x, (float*)y, n, ut__cuda_relu_fn{cap},
+                                         "relu");
+    case UT_BF16:
+      return ut__cuda_map1<ut__cuda_bf16, ut__cuda_bf16>(
+          (const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, ut__cuda_relu_fn{cap}, "relu_bf16");
+  }
+  return ut__cuda_no_dtype("relu_fwd", dt);
 }
-int ut__cuda_relu_backward_bf16(const void* go, const void* x, void* gi, ut__i64 n, float cap) {
-  return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x,
-                                      (ut__cuda_bf16*)gi, n, ut__cuda_relu_backward_fn{cap},
-                                      "relu_bwd_bf16");
+
+int ut__cuda_relu_bwd(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n,
+                      float cap) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_map2<float>((const float*)go, (const float*)x, (float*)gi, n,
+                                  ut__cuda_relu_backward_fn{cap}, "relu_bwd");
+    case UT_BF16:
+      return ut__cuda_map2<ut__cuda_bf16>((const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x,
+                                          (ut__cuda_bf16*)gi, n, ut__cuda_relu_backward_fn{cap},
+                                          "relu_bwd_bf16");
+  }
+  return ut__cuda_no_dtype("relu_bwd", dt);
 }
 
 /* ============================================================================================
@@ -299,13 +328,17 @@ static int ut__cuda_transpose_t(const T* in, T* out, int outer, int d0, int mid,
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_transpose(const float* in, float* out, int outer, int d0, int mid, int d1, int inner) {
-  return ut__cuda_transpose_t(in, out, outer, d0, mid, d1, inner, "transpose");
-}
-int ut__cuda_transpose_bf16(const void* in, void* out, int outer, int d0, int mid, int d1,
-                            int inner) {
-  return ut__cuda_transpose_t((const ut__cuda_bf16*)in, (ut__cuda_bf16*)out, outer, d0, mid, d1,
-                              inner, "transpose_bf16");
+int ut__cuda_transpose(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid,
+                       int d1, int inner) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_transpose_t((const float*)in, (float*)out, outer, d0, mid, d1, inner,
+                                  "transpose");
+    case UT_BF16:
+      return ut__cuda_transpose_t((const ut__cuda_bf16*)in, (ut__cuda_bf16*)out, outer, d0, mid,
+                                  d1, inner, "transpose_bf16");
+  }
+  return ut__cuda_no_dtype("transpose", dt);
 }
 
 /* x: [n, c, inner]; x[i, j, :] += bias[j] (bias float32). bf16: nv groups of 8 values first,
@@ -350,11 +383,13 @@ static int ut__cuda_bias_add_t(T* x, const float* bias, int n, int c, ut__i64 in
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_bias_add(float* x, const float* bias, int n, int c, ut__i64 inner) {
-  return ut__cuda_bias_add_t(x, bias, n, c, inner, "bias_add");
-}
-int ut__cuda_bias_add_bf16(void* x, const float* bias, int n, int c, ut__i64 inner) {
-  return ut__cuda_bias_add_t((ut__cuda_bf16*)x, bias, n, c, inner, "bias_add_bf16");
+int ut__cuda_bias_add(ut_dtype dt, void* x, const float* bias, int n, int c, ut__i64 inner) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_bias_add_t((float*)x, bias, n, c, inner, "bias_add");
+    case UT_BF16:
+      return ut__cuda_bias_add_t((ut__cuda_bf16*)x, bias, n, c, inner, "bias_add_bf16");
+  }
+  return ut__cuda_no_dtype("bias_add", dt);
 }
 
 /* The depthwise channel multiplier's repeat and its adjoint (see ut__dw_repeat in utensil.h):
@@ -398,19 +433,28 @@ static int ut__cuda_chan_group_sum_t(const T* x, T* y, int n, int c, int m, ut__
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_chan_repeat(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
-  return ut__cuda_chan_repeat_t(x, y, n, c, m, inner, "chan_repeat");
+int ut__cuda_chan_repeat(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                         ut__i64 inner) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_chan_repeat_t((const float*)x, (float*)y, n, c, m, inner, "chan_repeat");
+    case UT_BF16:
+      return ut__cuda_chan_repeat_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
+                                    "chan_repeat_bf16");
+  }
+  return ut__cuda_no_dtype("chan_repeat", dt);
 }
-int ut__cuda_chan_repeat_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner) {
-  return ut__cuda_chan_repeat_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
-                                "chan_repeat_bf16");
-}
-int ut__cuda_chan_group_sum(const float* x, float* y, int n, int c, int m, ut__i64 inner) {
-  return ut__cuda_chan_group_sum_t(x, y, n, c, m, inner, "chan_group_sum");
-}
-int ut__cuda_chan_group_sum_bf16(const void* x, void* y, int n, int c, int m, ut__i64 inner) {
-  return ut__cuda_chan_group_sum_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
-                                   "chan_group_sum_bf16");
+int ut__cuda_chan_group_sum(ut_dtype dt, const void* x, void* y, int n, int c, int m,
+                            ut__i64 inner) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_chan_group_sum_t((const float*)x, (float*)y, n, c, m, inner,
+                                       "chan_group_sum");
+    case UT_BF16:
+      return ut__cuda_chan_group_sum_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, n, c, m, inner,
+                                       "chan_group_sum_bf16");
+  }
+  return ut__cuda_no_dtype("chan_group_sum", dt);
 }
 
 /* ============================================================================================
@@ -430,24 +474,20 @@ static __global__ void ut__cuda_global_avgpool2d_kernel(const T* __restrict__ x,
 }
 
 template <typename T>
-static int ut__cuda_global_avgpool2d_forward_t(const T* x, T* y, int rows, ut__i64 cols,
-                                               const char* what) {
+static int ut__cuda_row_mean_t(const T* x, T* y, int rows, ut__i64 cols, const char* what) {
   ut__cuda_global_avgpool2d_kernel<T>
       <<<(unsigned)rows, ut__cuda_row_threads(cols), 0, ut__cuda_stream>>>(
       x, y, cols);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_global_avgpool2d_forward(const float* x, float* y, int rows, ut__i64 cols) {
+int ut__cuda_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 cols) {
+  if (dt != UT_F32 && dt != UT_BF16) return ut__cuda_no_dtype("row_mean", dt);
   if (rows <= 0) return UT_OK;
-  if (cols <= 0) return ut__cuda_fill(y, rows, 0.f);
-  return ut__cuda_global_avgpool2d_forward_t(x, y, rows, cols, "row_mean");
-}
-int ut__cuda_global_avgpool2d_forward_bf16(const void* x, void* y, int rows, ut__i64 cols) {
-  if (rows <= 0) return UT_OK;
-  if (cols <= 0) return ut__cuda_fill_bf16(y, rows, 0.f);
-  return ut__cuda_global_avgpool2d_forward_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, rows,
-                                             cols, "row_mean_bf16");
+  if (cols <= 0) return ut__cuda_fill(dt, y, rows, 0.f);
+  if (dt == UT_F32) return ut__cuda_row_mean_t((const float*)x, (float*)y, rows, cols, "row_mean");
+  return ut__cuda_row_mean_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, rows, cols,
+                             "row_mean_bf16");
 }
 
 template <typename T>
@@ -459,8 +499,7 @@ static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const T* __rest
 }
 
 template <typename T>
-static int ut__cuda_global_avgpool2d_backward_t(const T* go, T* dx, int rows, ut__i64 cols,
-                                                const char* what) {
+static int ut__cuda_row_mean_bwd_t(const T* go, T* dx, int rows, ut__i64 cols, const char* what) {
   ut__i64 total = (ut__i64)rows * cols;
   if (total <= 0) return UT_OK;
   ut__cuda_global_avgpool2d_backward_kernel<T>
@@ -469,12 +508,15 @@ static int ut__cuda_global_avgpool2d_backward_t(const T* go, T* dx, int rows, ut
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
-int ut__cuda_global_avgpool2d_backward(const float* go, float* dx, int rows, ut__i64 cols) {
-  return ut__cuda_global_avgpool2d_backward_t(go, dx, rows, cols, "row_mean_bwd");
-}
-int ut__cuda_global_avgpool2d_backward_bf16(const void* go, void* dx, int rows, ut__i64 cols) {
-  return ut__cuda_global_avgpool2d_backward_t((const ut__cuda_bf16*)go, (ut__cuda_bf16*)dx, rows,
-                                              cols, "row_mean_bwd_bf16");
+int ut__cuda_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_row_mean_bwd_t((const float*)go, (float*)dx, rows, cols, "row_mean_bwd");
+    case UT_BF16:
+      return ut__cuda_row_mean_bwd_t((const ut__cuda_bf16*)go, (ut__cuda_bf16*)dx, rows, cols,
+                                     "row_mean_bwd_bf16");
+  }
+  return ut__cuda_no_dtype("row_mean_bwd", dt);
 }
 
 /* ============================================================================================
@@ -510,8 +552,8 @@ static __global__ void ut__cuda_loss_sum_final_kernel(const float* __restrict__ 
   if (threadIdx.x == 0) out[0] = (float)(sh[0] * scale);
 }
 
-int ut__cuda_mse_loss_forward(const float* p, const float* t, float* out, ut__i64 n) {
-  if (n <= 0) return ut__cuda_fill(out, 1, 0.f);
+int ut__cuda_mse_fwd(const float* p, const float* t, float* out, ut__i64 n) {
+  if (n <= 0) return ut__cuda_fill(UT_F32, out, 1, 0.f);
   ut__i64 blocks = ut__cuda_cdiv(n, 256 * 8);
   if (blocks > 1024) blocks = 1024;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
@@ -533,7 +575,7 @@ static __global__ void ut__cuda_mse_loss_backward_kernel(const float* __restrict
   UT__CUDA_GRID_STRIDE(i, n) g[i] = scale * (p[i] - t[i]);
 }
 
-int ut__cuda_mse_loss_backward(const float* p, const float* t, float* g, ut__i64 n) {
+int ut__cuda_mse_bwd(const float* p, const float* t, float* g, ut__i64 n) {
   if (n <= 0) return UT_OK;
   ut__cuda_mse_loss_backward_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(
       p, t, g, n, 2.0f / (float)n);
@@ -566,9 +608,8 @@ static __global__ void ut__cuda_cross_entropy_rows_kernel(const float* __restric
   }
 }
 
-int ut__cuda_cross_entropy_forward(const float* logits, const float* labels, float* out, int n,
-                                   int k) {
-  if (n <= 0 || k <= 0) return ut__cuda_fill(out, 1, n > 0 ? NAN : 0.f);
+int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+  if (n <= 0 || k <= 0) return ut__cuda_fill(UT_F32, out, 1, n > 0 ? NAN : 0.f);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)n * sizeof(float), &ws);
@@ -603,8 +644,7 @@ static __global__ void ut__cuda_cross_entropy_backward_kernel(const float* __res
   }
 }
 
-int ut__cuda_cross_entropy_backward(const float* logits, const float* labels, float* g, int n,
-                                    int k) {
+int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k) {
   if (n <= 0 || k <= 0) return UT_OK;
   ut__cuda_cross_entropy_backward_kernel
       <<<(unsigned)n, ut__cuda_row_threads(k), 0, ut__cuda_stream>>>(

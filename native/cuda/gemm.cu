@@ -208,16 +208,16 @@ static __global__ void ut__cuda_gemm_beta_kernel(T* __restrict__ c, int n, int l
 
 /* A GEMM with bf16 operands that cuBLAS did not take: k = 0 is C = beta C; anything else is
    an error, since the kernels above are float32 only (they would read bf16 as float). */
-static int ut__cuda_gemm_bf16_declined(const ut__gemm_args* g) {
+static int ut__cuda_gemm_bf16_declined(ut_dtype c_dt, const ut__gemm_args* g) {
   if (g->k <= 0) {
     const ut__i64 items = g->sum_batch ? 1 : g->batch, mn = (ut__i64)g->m * g->n;
     const ut__i64 total = items * mn;
-    if (g->type_c == UT_BF16)
+    if (c_dt == UT_BF16)
       ut__cuda_gemm_beta_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
           (ut__cuda_bf16*)g->c, g->n, g->ldc, g->stride_c, mn, total, g->beta);
     else
       ut__cuda_gemm_beta_kernel<<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-          g->c, g->n, g->ldc, g->stride_c, mn, total, g->beta);
+          (float*)g->c, g->n, g->ldc, g->stride_c, mn, total, g->beta);
     UT__CUDA_LAUNCHED("gemm_bf16 (k = 0)");
     return UT_OK;
   }
@@ -234,19 +234,19 @@ static int ut__cuda_gemm_bf16_declined(const ut__gemm_args* g) {
                        ut__cuda_blas_info());
 }
 
-int ut__cuda_gemm(const ut__gemm_args* g) {
+int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g) {
   if (!g) return ut__set_error(UT_ERR_ARG, "gemm: NULL arguments");
-  const bool bf16 = g->type_ab != UT_F32 || g->type_c != UT_F32;
+  const bool bf16 = ab_dt != UT_F32 || c_dt != UT_F32;
   /* the pairs there are: float32 throughout, bf16 A and B into a bf16 or a float32 C */
-  if (bf16 && (g->type_ab != UT_BF16 || (g->type_c != UT_F32 && g->type_c != UT_BF16)))
+  if (bf16 && (ab_dt != UT_BF16 || (c_dt != UT_F32 && c_dt != UT_BF16)))
     return ut__set_error(UT_ERR_ARG, "gemm: A and B of type %d with C of type %d are not supported",
-                         (int)g->type_ab, (int)g->type_c);
+                         (int)ab_dt, (int)c_dt);
   if (g->m <= 0 || g->n <= 0 || g->batch <= 0) return UT_OK;
-  int blas = ut__cuda_blas_gemm(g);
+  int blas = ut__cuda_blas_gemm(ab_dt, c_dt, g);
   if (blas != UT__CUDA_BLAS_DECLINED) return blas;
-  if (bf16) return ut__cuda_gemm_bf16_declined(g);
-  ut__cuda_gemm_params p;
-  p.a = g->a; p.b = g->b; p.c = g->c; p.ws = NULL;
+  if (bf16) return ut__cuda_gemm_bf16_declined(c_dt, g);
+  ut__cuda_gemm_params p; /* float32 from here on */
+  p.a = (const float*)g->a; p.b = (const float*)g->b; p.c = (float*)g->c; p.ws = NULL;
   p.sa = g->stride_a; p.sb = g->stride_b; p.sc = g->stride_c;
   p.m = g->m; p.n = g->n; p.k = g->k > 0 ? g->k : 0;
   p.lda = g->lda; p.ldb = g->ldb; p.ldc = g->ldc;
@@ -399,8 +399,7 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
 }
 
 template <typename T>
-static int ut__cuda_conv2d_im2col_t(const T* x, T* col, const ut__conv_geom* g,
-                                    const char* what) {
+static int ut__cuda_im2col_t(const T* x, T* col, const ut__conv_geom* g, const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
   if (total <= 0) return UT_OK;
   const ut__i64 hw = (ut__i64)g->ho * g->wo;
@@ -438,8 +437,7 @@ static int ut__cuda_conv2d_im2col_t(const T* x, T* col, const ut__conv_geom* g,
 }
 
 template <typename T>
-static int ut__cuda_conv2d_col2im_t(const T* col, T* dx, const ut__conv_geom* g,
-                                    const char* what) {
+static int ut__cuda_col2im_t(const T* col, T* dx, const ut__conv_geom* g, const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
   ut__cuda_conv2d_col2im_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
@@ -448,18 +446,20 @@ static int ut__cuda_conv2d_col2im_t(const T* col, T* dx, const ut__conv_geom* g,
   return UT_OK;
 }
 
-int ut__cuda_conv2d_im2col(const float* x, float* col, const ut__conv_geom* g) {
-  return ut__cuda_conv2d_im2col_t(x, col, g, "im2col");
-}
-int ut__cuda_conv2d_im2col_bf16(const void* x, void* col, const ut__conv_geom* g) {
-  return ut__cuda_conv2d_im2col_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)col, g,
-                                  "im2col_bf16");
+int ut__cuda_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_im2col_t((const float*)x, (float*)col, g, "im2col");
+    case UT_BF16:
+      return ut__cuda_im2col_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)col, g, "im2col_bf16");
+  }
+  return ut__cuda_no_dtype("im2col", dt);
 }
 
-int ut__cuda_conv2d_col2im(const float* col, float* dx, const ut__conv_geom* g) {
-  return ut__cuda_conv2d_col2im_t(col, dx, g, "col2im");
-}
-int ut__cuda_conv2d_col2im_bf16(const void* col, void* dx, const ut__conv_geom* g) {
-  return ut__cuda_conv2d_col2im_t((const ut__cuda_bf16*)col, (ut__cuda_bf16*)dx, g,
-                                  "col2im_bf16");
+int ut__cuda_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_col2im_t((const float*)col, (float*)dx, g, "col2im");
+    case UT_BF16:
+      return ut__cuda_col2im_t((const ut__cuda_bf16*)col, (ut__cuda_bf16*)dx, g, "col2im_bf16");
+  }
+  return ut__cuda_no_dtype("col2im", dt);
 }

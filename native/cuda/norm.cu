@@ -4,12 +4,13 @@
    common.cuh.
 
    bf16 activations: channel_sum and batchnorm2d's kernels are templates over the activation
-   element type T (float or ut__cuda_bf16, common.cuh), instantiated for both; each entry point
-   and its _bf16 twin call one ut__cuda_<op>_impl<T>. x, y, go and dx are T; statistics, sums,
-   parameters and their gradients are float32 in both. The arithmetic, the element-to-thread
-   walk and the workspace are the same for both types, so a bf16 call gives bit for bit what
-   the float32 call gives on the same values widened to float (up to the rounding of the bf16
-   outputs). What differs is the width of the loads: see ut__cuda_vec and ut__cuda_reduce_width. */
+   element type T (float or ut__cuda_bf16, common.cuh), instantiated for both; each table
+   function switches on its ut_dtype to one ut__cuda_<slot>_impl<T>. x, y, go and dx are T;
+   statistics, sums, parameters and their gradients are float32 in both. The arithmetic, the
+   element-to-thread walk and the workspace are the same for both types, so a bf16 call gives
+   bit for bit what the float32 call gives on the same values widened to float (up to the
+   rounding of the bf16 outputs). What differs is the width of the loads: see ut__cuda_vec and
+   ut__cuda_reduce_width. */
 #include "common.cuh"
 
 /* ============================================================================================
@@ -293,7 +294,7 @@ static int ut__cuda_channel_sum_impl(const T* x, float* out, int n, int c, ut__i
   if (c <= 0) return UT_OK;
   ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) {
-    if (beta == 0.f) return ut__cuda_fill(out, c, 0.f);
+    if (beta == 0.f) return ut__cuda_fill(UT_F32, out, c, 0.f);
     return UT_OK;
   }
   ut__i64 chunk;
@@ -310,13 +311,15 @@ static int ut__cuda_channel_sum_impl(const T* x, float* out, int n, int c, ut__i
                                                                  ws, chunks, chunk, w, o);
 }
 
-int ut__cuda_channel_sum(const float* x, float* out, int n, int c, ut__i64 inner, float beta) {
-  return ut__cuda_channel_sum_impl<float>(x, out, n, c, inner, beta);
-}
-
-int ut__cuda_channel_sum_bf16(const void* x, float* out, int n, int c, ut__i64 inner,
-                              float beta) {
-  return ut__cuda_channel_sum_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, out, n, c, inner, beta);
+int ut__cuda_channel_sum(ut_dtype dt, const void* x, float* out, int n, int c, ut__i64 inner,
+                         float beta) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_channel_sum_impl<float>((const float*)x, out, n, c, inner, beta);
+    case UT_BF16:
+      return ut__cuda_channel_sum_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, out, n, c, inner,
+                                                      beta);
+  }
+  return ut__cuda_no_dtype("channel_sum", dt);
 }
 
 /* ============================================================================================
@@ -353,8 +356,8 @@ static __global__ void ut__cuda_layernorm_forward_kernel(
   }
 }
 
-int ut__cuda_layernorm_forward(const float* x, const float* gamma, const float* beta, float* y,
-                               float* mean, float* rstd, int rows, int dim, float eps) {
+int ut__cuda_layernorm_fwd(const float* x, const float* gamma, const float* beta, float* y,
+                           float* mean, float* rstd, int rows, int dim, float eps) {
   if (rows <= 0 || dim <= 0) return UT_OK;
   ut__cuda_layernorm_forward_kernel
       <<<(unsigned)rows, ut__cuda_row_threads(dim), 0, ut__cuda_stream>>>(
@@ -425,9 +428,9 @@ static __global__ void ut__cuda_layernorm_cols_final_kernel(const float* __restr
   if (dbeta) dbeta[j] += (float)sb;
 }
 
-int ut__cuda_layernorm_backward(const float* go, const float* x, const float* gamma,
-                                const float* mean, const float* rstd, float* dx, float* dgamma,
-                                float* dbeta, int rows, int dim) {
+int ut__cuda_layernorm_bwd(const float* go, const float* x, const float* gamma,
+                           const float* mean, const float* rstd, float* dx, float* dgamma,
+                           float* dbeta, int rows, int dim) {
   if (rows <= 0 || dim <= 0) return UT_OK;
   if (dx) {
     ut__cuda_layernorm_dx_kernel<<<(unsigned)rows, ut__cuda_row_threads(dim), 0, ut__cuda_stream>>>(
@@ -577,13 +580,13 @@ static __global__ void __launch_bounds__(256)
 }
 
 template <typename T>
-static int ut__cuda_batchnorm2d_stats_impl(const T* x, float* mean, float* var, int n, int c,
-                                           ut__i64 inner) {
+static int ut__cuda_bn_stats_impl(const T* x, float* mean, float* var, int n, int c,
+                                  ut__i64 inner) {
   if (c <= 0) return UT_OK;
   ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) {
-    int st = ut__cuda_fill(mean, c, 0.f);
-    return st ? st : ut__cuda_fill(var, c, 0.f);
+    int st = ut__cuda_fill(UT_F32, mean, c, 0.f);
+    return st ? st : ut__cuda_fill(UT_F32, var, c, 0.f);
   }
   ut__i64 chunk;
   const int w = ut__cuda_reduce_width<T>(inner, x, NULL);
@@ -609,15 +612,15 @@ static int ut__cuda_batchnorm2d_stats_impl(const T* x, float* mean, float* var, 
   return UT_OK;
 }
 
-int ut__cuda_batchnorm2d_stats(const float* x, float* mean, float* var, int n, int c,
-                               ut__i64 inner) {
-  return ut__cuda_batchnorm2d_stats_impl<float>(x, mean, var, n, c, inner);
-}
-
-int ut__cuda_batchnorm2d_stats_bf16(const void* x, float* mean, float* var, int n, int c,
-                                    ut__i64 inner) {
-  return ut__cuda_batchnorm2d_stats_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, mean, var, n, c,
-                                                        inner);
+int ut__cuda_bn_stats(ut_dtype dt, const void* x, float* mean, float* var, int n, int c,
+                      ut__i64 inner) {
+  switch (dt) {
+    case UT_F32: return ut__cuda_bn_stats_impl<float>((const float*)x, mean, var, n, c, inner);
+    case UT_BF16:
+      return ut__cuda_bn_stats_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, mean, var, n, c,
+                                                   inner);
+  }
+  return ut__cuda_no_dtype("bn_stats", dt);
 }
 
 static __global__ void ut__cuda_batchnorm2d_running_kernel(float* __restrict__ rm,
@@ -631,8 +634,8 @@ static __global__ void ut__cuda_batchnorm2d_running_kernel(float* __restrict__ r
   rv[j] = (1.f - momentum) * rv[j] + momentum * (var[j] * unbias);
 }
 
-int ut__cuda_batchnorm2d_update_running(float* running_mean, float* running_var, const float* mean,
-                                        const float* var, int c, float momentum, float unbias) {
+int ut__cuda_bn_update_running(float* running_mean, float* running_var, const float* mean,
+                               const float* var, int c, float momentum, float unbias) {
   if (c <= 0) return UT_OK;
   ut__cuda_batchnorm2d_running_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       running_mean, running_var, mean, var, c, momentum, unbias);
@@ -696,9 +699,9 @@ static void ut__cuda_bn_apply_launch(const T* x, T* y, const float* mean, const 
 }
 
 template <typename T>
-static int ut__cuda_batchnorm2d_apply_impl(const T* x, T* y, const float* mean, const float* var,
-                                           const float* gamma, const float* beta, float* rstd,
-                                           int n, int c, ut__i64 inner, float eps, float act) {
+static int ut__cuda_bn_apply_impl(const T* x, T* y, const float* mean, const float* var,
+                                  const float* gamma, const float* beta, float* rstd, int n, int c,
+                                  ut__i64 inner, float eps, float act) {
   if (c <= 0) return UT_OK;
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) { /* nothing to apply: rstd alone, for the caller's cache */
@@ -727,19 +730,19 @@ static int ut__cuda_batchnorm2d_apply_impl(const T* x, T* y, const float* mean, 
   return UT_OK;
 }
 
-int ut__cuda_batchnorm2d_apply(const float* x, float* y, const float* mean, const float* var,
-                               const float* gamma, const float* beta, float* rstd, int n, int c,
-                               ut__i64 inner, float eps, float act) {
-  return ut__cuda_batchnorm2d_apply_impl<float>(x, y, mean, var, gamma, beta, rstd, n, c, inner,
-                                                eps, act);
-}
-
-int ut__cuda_batchnorm2d_apply_bf16(const void* x, void* y, const float* mean, const float* var,
-                                    const float* gamma, const float* beta, float* rstd, int n,
-                                    int c, ut__i64 inner, float eps, float act) {
-  return ut__cuda_batchnorm2d_apply_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x,
-                                                        (ut__cuda_bf16*)y, mean, var, gamma, beta,
-                                                        rstd, n, c, inner, eps, act);
+int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
+                      const float* gamma, const float* beta, float* rstd, int n, int c,
+                      ut__i64 inner, float eps, float act) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_bn_apply_impl<float>((const float*)x, (float*)y, mean, var, gamma, beta,
+                                           rstd, n, c, inner, eps, act);
+    case UT_BF16:
+      return ut__cuda_bn_apply_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y,
+                                                   mean, var, gamma, beta, rstd, n, c, inner,
+                                                   eps, act);
+  }
+  return ut__cuda_no_dtype("bn_apply", dt);
 }
 
 template <int W, typename I, typename T>
@@ -831,11 +834,10 @@ static void ut__cuda_bn_dx(const T* go, const T* x, const float* mean, const flo
 }
 
 template <typename T>
-static int ut__cuda_batchnorm2d_backward_impl(const T* go, const T* x, const float* mean,
-                                              const float* rstd, const float* gamma,
-                                              const float* beta, T* dx, float* dgamma,
-                                              float* dbeta, int n, int c, ut__i64 inner,
-                                              bool training, float act) {
+static int ut__cuda_bn_bwd_impl(const T* go, const T* x, const float* mean, const float* rstd,
+                                const float* gamma, const float* beta, T* dx, float* dgamma,
+                                float* dbeta, int n, int c, ut__i64 inner, bool training,
+                                float act) {
   if (c <= 0) return UT_OK;
   const ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) return UT_OK;
@@ -863,29 +865,28 @@ static int ut__cuda_batchnorm2d_backward_impl(const T* go, const T* x, const flo
   return UT_OK;
 }
 
-int ut__cuda_batchnorm2d_backward(const float* go, const float* x, const float* mean,
-                                  const float* rstd, const float* gamma, const float* beta,
-                                  float* dx, float* dgamma, float* dbeta, int n, int c,
-                                  ut__i64 inner, bool training, float act) {
-  return ut__cuda_batchnorm2d_backward_impl<float>(go, x, mean, rstd, gamma, beta, dx, dgamma,
-                                                   dbeta, n, c, inner, training, act);
-}
-
-int ut__cuda_batchnorm2d_backward_bf16(const void* go, const void* x, const float* mean,
-                                       const float* rstd, const float* gamma, const float* beta,
-                                       void* dx, float* dgamma, float* dbeta, int n, int c,
-                                       ut__i64 inner, bool training, float act) {
-  return ut__cuda_batchnorm2d_backward_impl<ut__cuda_bf16>(
-      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta,
-      (ut__cuda_bf16*)dx, dgamma, dbeta, n, c, inner, training, act);
+int ut__cuda_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
+                    const float* rstd, const float* gamma, const float* beta, void* dx,
+                    float* dgamma, float* dbeta, int n, int c, ut__i64 inner, bool training,
+                    float act) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_bn_bwd_impl<float>((const float*)go, (const float*)x, mean, rstd, gamma,
+                                         beta, (float*)dx, dgamma, dbeta, n, c, inner, training,
+                                         act);
+    case UT_BF16:
+      return ut__cuda_bn_bwd_impl<ut__cuda_bf16>(
+          (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta,
+          (ut__cuda_bf16*)dx, dgamma, dbeta, n, c, inner, training, act);
+  }
+  return ut__cuda_no_dtype("bn_bwd", dt);
 }
 
 template <typename T>
-static int ut__cuda_batchnorm2d_backward_sums_impl(const T* go, const T* x, const float* mean,
-                                                   const float* rstd, const float* gamma,
-                                                   const float* beta, float* sums, float* dgamma,
-                                                   float* dbeta, int n, int c, ut__i64 inner,
-                                                   float act) {
+static int ut__cuda_bn_bwd_sums_impl(const T* go, const T* x, const float* mean,
+                                     const float* rstd, const float* gamma, const float* beta,
+                                     float* sums, float* dgamma, float* dbeta, int n, int c,
+                                     ut__i64 inner, float act) {
   const ut__i64 m = (ut__i64)n * inner;
   if (c <= 0 || m <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
@@ -899,50 +900,44 @@ static int ut__cuda_batchnorm2d_backward_sums_impl(const T* go, const T* x, cons
                              chunks, chunk, w, act, (float)m);
 }
 
-int ut__cuda_batchnorm2d_backward_sums(const float* go, const float* x, const float* mean,
-                                       const float* rstd, const float* gamma, const float* beta,
-                                       float* sums, float* dgamma, float* dbeta, int n, int c,
-                                       ut__i64 inner, float act) {
-  return ut__cuda_batchnorm2d_backward_sums_impl<float>(go, x, mean, rstd, gamma, beta, sums,
-                                                        dgamma, dbeta, n, c, inner, act);
-}
-
-int ut__cuda_batchnorm2d_backward_sums_bf16(const void* go, const void* x, const float* mean,
-                                            const float* rstd, const float* gamma,
-                                            const float* beta, float* sums, float* dgamma,
-                                            float* dbeta, int n, int c, ut__i64 inner,
-                                            float act) {
-  return ut__cuda_batchnorm2d_backward_sums_impl<ut__cuda_bf16>(
-      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums, dgamma,
-      dbeta, n, c, inner, act);
+int ut__cuda_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
+                         const float* rstd, const float* gamma, const float* beta, float* sums,
+                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_bn_bwd_sums_impl<float>((const float*)go, (const float*)x, mean, rstd,
+                                              gamma, beta, sums, dgamma, dbeta, n, c, inner, act);
+    case UT_BF16:
+      return ut__cuda_bn_bwd_sums_impl<ut__cuda_bf16>(
+          (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
+          dgamma, dbeta, n, c, inner, act);
+  }
+  return ut__cuda_no_dtype("bn_bwd_sums", dt);
 }
 
 template <typename T>
-static int ut__cuda_batchnorm2d_backward_dx_impl(const T* go, const T* x, const float* mean,
-                                                 const float* rstd, const float* gamma,
-                                                 const float* beta, const float* sums, T* dx,
-                                                 int n, int c, ut__i64 inner, float act) {
+static int ut__cuda_bn_bwd_dx_impl(const T* go, const T* x, const float* mean, const float* rstd,
+                                   const float* gamma, const float* beta, const float* sums, T* dx,
+                                   int n, int c, ut__i64 inner, float act) {
   if (c <= 0 || (ut__i64)n * inner <= 0) return UT_OK;
   ut__cuda_bn_dx<T>(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, 2, act);
   UT__CUDA_LAUNCHED("bn_bwd_dx");
   return UT_OK;
 }
 
-int ut__cuda_batchnorm2d_backward_dx(const float* go, const float* x, const float* mean,
-                                     const float* rstd, const float* gamma, const float* beta,
-                                     const float* sums, float* dx, int n, int c, ut__i64 inner,
-                                     float act) {
-  return ut__cuda_batchnorm2d_backward_dx_impl<float>(go, x, mean, rstd, gamma, beta, sums, dx, n,
-                                                      c, inner, act);
-}
-
-int ut__cuda_batchnorm2d_backward_dx_bf16(const void* go, const void* x, const float* mean,
-                                          const float* rstd, const float* gamma,
-                                          const float* beta, const float* sums, void* dx, int n,
-                                          int c, ut__i64 inner, float act) {
-  return ut__cuda_batchnorm2d_backward_dx_impl<ut__cuda_bf16>(
-      (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
-      (ut__cuda_bf16*)dx, n, c, inner, act);
+int ut__cuda_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
+                       const float* rstd, const float* gamma, const float* beta, const float* sums,
+                       void* dx, int n, int c, ut__i64 inner, float act) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_bn_bwd_dx_impl<float>((const float*)go, (const float*)x, mean, rstd, gamma,
+                                            beta, sums, (float*)dx, n, c, inner, act);
+    case UT_BF16:
+      return ut__cuda_bn_bwd_dx_impl<ut__cuda_bf16>(
+          (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
+          (ut__cuda_bf16*)dx, n, c, inner, act);
+  }
+  return ut__cuda_no_dtype("bn_bwd_dx", dt);
 }
 
 /* synchronized batchnorm's statistics (the core's order: pack, sum, pack, sum, unpack) */
@@ -961,8 +956,8 @@ static __global__ void ut__cuda_bn_sync_pack_kernel(const float* __restrict__ me
   }
 }
 
-int ut__cuda_batchnorm2d_sync_pack(const float* mean, const float* var, const float* a,
-                                   float* out, int c, float count) {
+int ut__cuda_bn_sync_pack(const float* mean, const float* var, const float* a, float* out, int c,
+                          float count) {
   ut__cuda_bn_sync_pack_kernel<<<(unsigned)ut__cuda_cdiv(c + 1, 128), 128, 0, ut__cuda_stream>>>(
       mean, var, a, out, c, count);
   UT__CUDA_LAUNCHED("bn_sync_pack");
@@ -986,9 +981,8 @@ static __global__ void ut__cuda_bn_sync_unpack_kernel(const float* __restrict__ 
   rv[j] = (1.f - momentum) * rv[j] + momentum * (v * unbias);
 }
 
-int ut__cuda_batchnorm2d_sync_unpack(const float* a, const float* b, float* mean, float* var,
-                                     float* running_mean, float* running_var, int c,
-                                     float momentum) {
+int ut__cuda_bn_sync_unpack(const float* a, const float* b, float* mean, float* var,
+                            float* running_mean, float* running_var, int c, float momentum) {
   ut__cuda_bn_sync_unpack_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
       a, b, mean, var, running_mean, running_var, c, momentum);
   UT__CUDA_LAUNCHED("bn_sync_unpack");
