@@ -324,38 +324,6 @@ static void ut__cuda_graph_free(void* h) {
 }
 
 /* ============================================================================================
-   Depthwise: depthwise.cu's entry points are one per op and element type; the table's slots
-   switch to them here
-   ============================================================================================ */
-
-static int ut__cuda_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
-                           const ut__conv_geom* g) {
-  switch (dt) {
-    case UT_F32: return ut__cuda_dwconv2d_forward((const float*)x, w, bias, (float*)y, g);
-    case UT_BF16: return ut__cuda_dwconv2d_forward_bf16(x, w, bias, y, g);
-  }
-  return ut__cuda_no_dtype("dw_fwd", dt);
-}
-
-static int ut__cuda_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
-                              const ut__conv_geom* g) {
-  switch (dt) {
-    case UT_F32: return ut__cuda_dwconv2d_backward_dx((const float*)go, w, (float*)dx, g);
-    case UT_BF16: return ut__cuda_dwconv2d_backward_dx_bf16(go, w, dx, g);
-  }
-  return ut__cuda_no_dtype("dw_bwd_dx", dt);
-}
-
-static int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
-                              const ut__conv_geom* g) {
-  switch (dt) {
-    case UT_F32: return ut__cuda_dwconv2d_backward_dw((const float*)go, (const float*)x, dw, g);
-    case UT_BF16: return ut__cuda_dwconv2d_backward_dw_bf16(go, x, dw, g);
-  }
-  return ut__cuda_no_dtype("dw_bwd_dw", dt);
-}
-
-/* ============================================================================================
    The table
    ============================================================================================ */
 

@@ -35,8 +35,7 @@
      spells it (dwconv2d, conv2d, gemm, batchnorm2d, layernorm, relu, global_avgpool2d,
      mse_loss, cross_entropy, sgd, adam), so `grep -rn dwconv2d native/` lands on the CUDA
      kernels too. depthwise.cu's entry points are still
-     one per op and type (ut__cuda_dwconv2d_forward, ..._bf16); backend.cu's ut__cuda_dw_fwd,
-     ut__cuda_dw_bwd_dx and ut__cuda_dw_bwd_dw switch to them. What a file gives another is
+     ut__cuda_dw_fwd, ut__cuda_dw_bwd_dx and ut__cuda_dw_bwd_dw, each switching on the type. What a file gives another is
      declared at the end of this header; everything else is static. Without relocatable device
      code a kernel or device function cannot be called across files, so the device helpers
      here are inline and each file launches only its own kernels.
@@ -264,30 +263,19 @@ int ut__cuda_mse_fwd(const float* p, const float* t, float* out, ut__i64 n);
 int ut__cuda_mse_bwd(const float* p, const float* t, float* g, ut__i64 n);
 int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k);
 int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k);
-/* elementwise.cu: fill by type, as depthwise.cu calls it (overloads of the table's fill, which
-   switches to them) */
-int ut__cuda_fill(float* x, ut__i64 n, float v);
-int ut__cuda_fill_bf16(void* x, ut__i64 n, float v);
 
 /* gemm.cu */
 int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
 int ut__cuda_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g);
 int ut__cuda_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g);
 
-/* depthwise.cu: one function per op and element type; backend.cu's dw_fwd, dw_bwd_dx and
-   dw_bwd_dw switch to them */
-int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
-                              const ut__conv_geom* g);
-int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
-                                  const ut__conv_geom* g);
-int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
-                                  const ut__conv_geom* g);
-int ut__cuda_dwconv2d_forward_bf16(const void* x, const float* w, const float* bias, void* y,
-                                   const ut__conv_geom* g);
-int ut__cuda_dwconv2d_backward_dx_bf16(const void* go, const float* w, void* dx,
-                                       const ut__conv_geom* g);
-int ut__cuda_dwconv2d_backward_dw_bf16(const void* go, const void* x, float* dw,
-                                       const ut__conv_geom* g);
+/* depthwise.cu (its kernel families in dw_*.cu) */
+int ut__cuda_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                    const ut__conv_geom* g);
+int ut__cuda_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
+                       const ut__conv_geom* g);
+int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
+                       const ut__conv_geom* g);
 
 /* norm.cu */
 int ut__cuda_channel_sum(ut_dtype dt, const void* x, float* out, int n, int c, ut__i64 inner,

@@ -270,9 +270,9 @@ static void ut__cuda_dwconv2d_tile_params_set(ut__cuda_dwconv2d_tile_params<T>* 
 
 /* dx when no output reads it: zeros (bf16 zero is all-zero bits, but the fill keeps to the
    backend's own op) */
-static int ut__cuda_dwconv2d_zero(float* x, ut__i64 n) { return ut__cuda_fill(x, n, 0.f); }
+static int ut__cuda_dwconv2d_zero(float* x, ut__i64 n) { return ut__cuda_fill(UT_F32, x, n, 0.f); }
 static int ut__cuda_dwconv2d_zero(ut__cuda_bf16* x, ut__i64 n) {
-  return ut__cuda_fill_bf16(x, n, 0.f);
+  return ut__cuda_fill(UT_BF16, x, n, 0.f);
 }
 
 /* The fastest kernel for the geometry; *exact tells whether that was the plain kernel, which
@@ -407,34 +407,44 @@ static int ut__cuda_dwconv2d_backward_dx_run(const T* go, const float* w, T* dx,
   return ut__cuda_dwconv2d_exact_run<T, true>(go, w, NULL, dx, g);
 }
 
-/* The entry points: float32, and bf16 activations (the same kernels on ut__cuda_bf16; see the
+/* The table's slots: float32, and bf16 activations (the same kernels on ut__cuda_bf16; see the
    top of this file). */
-int ut__cuda_dwconv2d_forward(const float* x, const float* w, const float* bias, float* y,
-                              const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_forward_run<float>(x, w, bias, y, g);
-}
-int ut__cuda_dwconv2d_backward_dx(const float* go, const float* w, float* dx,
-                                  const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_backward_dx_run<float>(go, w, dx, g);
-}
-int ut__cuda_dwconv2d_backward_dw(const float* go, const float* x, float* dw,
-                                  const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_backward_dw_run<float>(go, x, dw, g);
+int ut__cuda_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                    const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_dwconv2d_forward_run<float>(static_cast<const float*>(x), w, bias,
+                                                  static_cast<float*>(y), g);
+    case UT_BF16:
+      return ut__cuda_dwconv2d_forward_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(x),
+                                                          w, bias,
+                                                          static_cast<ut__cuda_bf16*>(y), g);
+  }
+  return ut__cuda_no_dtype("dw_fwd", dt);
 }
 
-int ut__cuda_dwconv2d_forward_bf16(const void* x, const float* w, const float* bias, void* y,
-                                   const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_forward_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(x), w,
-                                                      bias, static_cast<ut__cuda_bf16*>(y), g);
+int ut__cuda_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
+                       const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_dwconv2d_backward_dx_run<float>(static_cast<const float*>(go), w,
+                                                      static_cast<float*>(dx), g);
+    case UT_BF16:
+      return ut__cuda_dwconv2d_backward_dx_run<ut__cuda_bf16>(
+          static_cast<const ut__cuda_bf16*>(go), w, static_cast<ut__cuda_bf16*>(dx), g);
+  }
+  return ut__cuda_no_dtype("dw_bwd_dx", dt);
 }
-int ut__cuda_dwconv2d_backward_dx_bf16(const void* go, const float* w, void* dx,
-                                       const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_backward_dx_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(go),
-                                                          w, static_cast<ut__cuda_bf16*>(dx), g);
-}
-int ut__cuda_dwconv2d_backward_dw_bf16(const void* go, const void* x, float* dw,
-                                       const ut__conv_geom* g) {
-  return ut__cuda_dwconv2d_backward_dw_run<ut__cuda_bf16>(static_cast<const ut__cuda_bf16*>(go),
-                                                          static_cast<const ut__cuda_bf16*>(x),
-                                                          dw, g);
+
+int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
+                       const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_dwconv2d_backward_dw_run<float>(static_cast<const float*>(go),
+                                                      static_cast<const float*>(x), dw, g);
+    case UT_BF16:
+      return ut__cuda_dwconv2d_backward_dw_run<ut__cuda_bf16>(
+          static_cast<const ut__cuda_bf16*>(go), static_cast<const ut__cuda_bf16*>(x), dw, g);
+  }
+  return ut__cuda_no_dtype("dw_bwd_dw", dt);
 }

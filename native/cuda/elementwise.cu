@@ -171,14 +171,14 @@ static __global__ void ut__cuda_fill_bf16_kernel(ut__cuda_bf16* __restrict__ x, 
 }
 
 /* the two fills by type (depthwise.cu calls them by these names) */
-int ut__cuda_fill(float* x, ut__i64 n, float v) {
+static int ut__cuda_fill_f32(float* x, ut__i64 n, float v) {
   if (n <= 0) return UT_OK;
   ut__cuda_fill_kernel<<<ut__cuda_grid_for(n, 256), 256, 0, ut__cuda_stream>>>(x, n, v);
   UT__CUDA_LAUNCHED("fill");
   return UT_OK;
 }
 
-int ut__cuda_fill_bf16(void* x, ut__i64 n, float v) {
+static int ut__cuda_fill_bf16(void* x, ut__i64 n, float v) {
   if (n <= 0) return UT_OK;
   const ut__i64 nv = ut__cuda_aligned16(x) ? n / 8 : 0;
   const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
@@ -190,7 +190,7 @@ int ut__cuda_fill_bf16(void* x, ut__i64 n, float v) {
 
 int ut__cuda_fill(ut_dtype dt, void* x, ut__i64 n, float v) {
   switch (dt) {
-    case UT_F32: return ut__cuda_fill((float*)x, n, v);
+    case UT_F32: return ut__cuda_fill_f32((float*)x, n, v);
     case UT_BF16: return ut__cuda_fill_bf16(x, n, v);
   }
   return ut__cuda_no_dtype("fill", dt);
