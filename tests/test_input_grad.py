@@ -14,7 +14,8 @@ import pytest
 
 import utensil_ffi as ut
 from utensil_ffi import distributed as D
-from utensil_ffi import models, optable
+from utensil_ffi import models
+from utensil_ffi.testing import optable
 from utensil_ffi.layers import _backward_params_only
 
 from thread_group import run_ranks

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import models, optable
+from utensil_ffi import models
+from utensil_ffi.testing import optable
 from utensil_ffi import reference as R
 
 # -- the float64 reference, built from the op table's references (utensil_ffi.reference) ---------
