@@ -47,8 +47,8 @@
    block reduction tap by tap, with the same deterministic second stage.
 
    bf16 activations (the entry points ut__cuda_dw_fwd, _dw_bwd_dx and _dw_bwd_dw switch on the
-   type): every kernel is a template over the activation type T (float or ut__cuda_bf16) that reads x and go through
-   ut__cuda_dwconv2d_ldg and writes y and dx through ut__cuda_st; w, bias, the dW partials
+   type): every kernel is a template over the activation type T (float or ut__cuda_bf16) that
+   reads x and go through ut__cuda_dwconv2d_ldg and writes y and dx through ut__cuda_st; w, bias, the dW partials
    and dW stay float32, and the arithmetic, its order and the choice of kernel are the float32
    ones, so a bf16 result is the float32 result on the same (bf16) inputs, rounded once when
    stored. Where the float32 code moves several floats at once the bf16 code has its own
