@@ -1234,6 +1234,13 @@ static int ut__check_tensor(const ut_tensor* t, const char* who, const char* nam
   return UT_OK;
 }
 /* Two arguments an op reads and writes in an order that needs them apart. */
+/* The one rule for a learning rate, in every optimizer: finite and >= 0 (0 freezes the weights,
+   as in PyTorch). The Python layer applies the same rule up front (_args.to_lr). */
+static int ut__check_lr(float lr, const char* who) {
+  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  return UT_OK;
+}
+
 static int ut__check_distinct(const ut_tensor* a, const ut_tensor* b, const char* who,
                               const char* an, const char* bn) {
   UT__CHECK(!a || !b || (a != b && a->data != b->data && (!a->gpu_buf || a->gpu_buf != b->gpu_buf)),
@@ -3121,7 +3128,7 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   UT__TRY(ut__check_f32(velocity, who, "velocity"));
   UT__TRY(ut__check_distinct(velocity, param, who, "velocity", "param"));
   UT__TRY(ut__check_distinct(velocity, grad, who, "velocity", "grad"));
-  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__TRY(ut__check_lr(lr, who));
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
   const ut__backend* be = ut__backend_for(param->dev);
@@ -3183,7 +3190,7 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
   const char* who = "ut_sgd_step_many";
   UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
   UT__CHECK(count == 0 || (params && grads), UT_ERR_ARG, "%s: NULL params or grads", who);
-  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__TRY(ut__check_lr(lr, who));
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
   for (int i = 0; i < count; i++) {
@@ -3326,7 +3333,7 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   for (int i = 0; i < 4; i++)
     for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
-  UT__CHECK(isfinite(lr) && lr >= 0.f, UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__TRY(ut__check_lr(lr, who));
   UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,
             "%s: betas must be in [0, 1)", who);
   UT__CHECK(isfinite(eps) && eps >= 0.f, UT_ERR_ARG, "%s: eps must be finite and >= 0", who);

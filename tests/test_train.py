@@ -478,3 +478,46 @@ def test_main_leaves_the_thread_count_alone(npz):
     assert tr.main(["--data", npz, "--epochs", "1", "--threads", "1", "--no-checkpoint",
                     "--device", "cpu"] + TINY) == 0
     assert ut.get_num_threads() == n
+
+
+@pytest.mark.parametrize("value, ok", [(0.0, True), (0.1, True), (-1e-3, False),
+                                       (float("nan"), False), (float("inf"), False),
+                                       (1e39, False)])
+def test_one_rule_for_the_learning_rate(value, ok, capsys):
+    """lr was checked five times under two rules ("positive" in the CLI, ">= 0" in the
+    optimizers and C). Now one rule, finite float32 >= 0: --lr, a checkpoint's setting, the
+    optimizers, a param group and the C call agree on every value."""
+    import utensil_ffi as ut
+    from utensil_ffi._lib import lib
+
+    verdicts = []
+    try:
+        tr.build_parser().parse_args(["--lr", repr(value)])
+        verdicts.append(True)
+    except SystemExit:
+        verdicts.append(False)
+    try:
+        tr._saved_setting("lr", value)
+        verdicts.append(True)
+    except tr.CheckpointError:
+        verdicts.append(False)
+    w = ut.Parameter(np.ones(3, np.float32))
+    try:
+        ut.SGD([w], lr=value)
+        verdicts.append(True)
+    except ut.ArgumentError:
+        verdicts.append(False)
+    opt = ut.SGD([w], lr=0.1)
+    try:
+        sd = opt.state_dict()
+        sd["param_groups"][0]["lr"] = value
+        opt.load_state_dict(sd)
+        verdicts.append(True)
+    except ut.ArgumentError:
+        verdicts.append(False)
+    with ut.zeros((3,)) as g:
+        verdicts.append(lib.ut_sgd_step(w.ptr, g.ptr, ut._lib.ffi.NULL, value, 0.0) == 0)
+    opt.close()
+    w.close()
+    capsys.readouterr()
+    assert verdicts == [ok] * 5

@@ -128,6 +128,14 @@ def to_float32(value, name, lo=None, below=None, finite=True):
     return v
 
 
+def to_lr(value, name="lr"):
+    """A learning rate: the one rule for it, wherever it comes from (an optimizer, a param
+    group, utensil-train's --lr or a checkpoint's settings): a finite float32 >= 0, as PyTorch's
+    optimizers take it (0 freezes the weights). The C optimizers check the same (ut__check_lr)
+    for callers that do not come through here."""
+    return to_float32(value, name, lo=0.0)
+
+
 def to_shape(shape, name="shape"):
     """A shape (an int or a sequence of positive ints) -> tuple, checked against C limits."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):

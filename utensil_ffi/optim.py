@@ -52,7 +52,7 @@ class Optimizer:
         # its parameters twice, and stepping them twice per step() would double the update.
         seen = set()
         self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-        self.lr = _args.to_float32(lr, "lr", lo=0.0)
+        self.lr = _args.to_lr(lr)
         self._state = [None] * len(self.params)
         self._closed = False
         self.t = 0  # steps taken
@@ -89,7 +89,7 @@ class Optimizer:
 
     def _set_group(self, group, name):
         """Check a saved group's hyperparameters; return a function that applies them."""
-        lr = _args.to_float32(group.get("lr", self.lr), "%s: lr" % name, lo=0.0)
+        lr = _args.to_lr(group.get("lr", self.lr), "%s: lr" % name)
 
         def apply():
             self.lr = lr

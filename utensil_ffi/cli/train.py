@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from .. import _args
 from .. import data as _data
 from .._errors import ArgumentError, ShapeError, UtensilError
 from ..blas import get_float32_matmul_precision, set_float32_matmul_precision
@@ -94,10 +95,30 @@ def _number(kind, what, ok):
     return parse
 
 
+def _valid(rule, v):
+    try:
+        rule(v)
+        return True
+    except ArgumentError:
+        return False
+
+
 _POSITIVE_INT = _number(int, "a positive integer", lambda v: v >= 1)
 _NONNEG_INT = _number(int, "an integer >= 0", lambda v: v >= 0)
 _POSITIVE_FLOAT = _number(float, "a positive number", lambda v: v > 0)
 _SEED = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+
+
+def _lr(s):
+    """--lr through the library's one rule for a learning rate (_args.to_lr)."""
+    try:
+        return _args.to_lr(float(s), "--lr")
+    except (ValueError, ArgumentError) as e:
+        raise argparse.ArgumentTypeError(
+            str(e) if isinstance(e, ArgumentError) else "expected a number, got %r" % s) from None
+
+
+_lr.__name__ = "a learning rate"
 _MOMENTUM = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
@@ -203,7 +224,7 @@ def build_parser():
                    help="images per step (default %d)" % RUN_DEFAULTS["batch_size"])
     g.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                    help="adam, or sgd with momentum (default adam)")
-    g.add_argument("--lr", type=_POSITIVE_FLOAT, default=None,
+    g.add_argument("--lr", type=_lr, default=None,
                    help="learning rate (default %g for adam, %g for sgd)"
                    % (LR_DEFAULTS["adam"], LR_DEFAULTS["sgd"]))
     g.add_argument("--momentum", type=_MOMENTUM, default=None,
@@ -287,7 +308,7 @@ def _saved_setting(k, v):
         "width_mult": num and math.isfinite(v) and v > 0,
         "batch_size": integer and v >= 1,
         "seed": integer and 0 <= v < 2**63,
-        "lr": v is None or (num and math.isfinite(v) and v > 0),
+        "lr": v is None or (num and _valid(_args.to_lr, v)),
         "momentum": num and 0.0 <= v < 1.0,
         "optimizer": v in ("adam", "sgd"),
         "lr_schedule": v in ("cosine", "constant"),
