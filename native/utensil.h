@@ -5671,7 +5671,7 @@ UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab) {
   for (int j = 1; j < k; j++) mx = row[j] > mx ? row[j] : mx;
   double s = 0.0;
   for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
-  return log(s) + (double)mx - (double)row[lab];
+  return log(s) - ((double)row[lab] - (double)mx); /* log(s) + mx loses log(s) for mx ~ 1e30 */
 }
 
 static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {

@@ -427,3 +427,20 @@ def test_nonfinite_like_torch(request, device, op, site):
                 except AssertionError as e:
                     bad.append("%s at %s = %s: %s differs: %s" % (site, pos, value, name, e))
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("shift", [0.0, 1e4, 1e30, -3e38])
+def test_cross_entropy_is_shift_invariant_like_torch(device, shift):
+    """Softmax ignores a common shift of the logits: CE of [c, c, ..., c] is log(K) for every
+    finite c (PyTorch: 1.7918 for K = 6 at c = 1e30). utensil computed log(s) + max - x[label]
+    and returned 0 there (found by the stateful fuzzer)."""
+    rng = np.random.default_rng(5)
+    small = rng.standard_normal((4, 6)).astype(np.float32) * (shift == 0.0)
+    x = (small + np.float32(shift)).astype(np.float32)
+    labels = np.array([0, 2, 5, 1], np.float32)
+    with ut.tensor(x, device) as xt, ut.tensor(labels, device) as lt:
+        with ut.cross_entropy(xt, lt) as loss:
+            got = float(loss.numpy()[0])
+    z = x.astype(np.float64) - x.astype(np.float64).max(axis=1, keepdims=True)
+    ref = float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(4), labels.astype(int)]))
+    assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)

@@ -604,7 +604,8 @@ static __global__ void ut__cuda_cross_entropy_rows_kernel(const float* __restric
   ut__cuda_block_sum<1>(a, sh);
   if (threadIdx.x == 0) {
     int lab = ut__cuda_cross_entropy_label(labels[r], k);
-    loss[r] = lab < 0 ? NAN : logf(a[0]) + mx - x[lab];
+    /* x[lab] - mx first: logf(a) + mx would lose logf(a) beside a large mx (1e30 + 1.8) */
+    loss[r] = lab < 0 ? NAN : logf(a[0]) - (x[lab] - mx);
   }
 }
 
