@@ -343,3 +343,26 @@ def test_layout_flag_trains_on_the_named_layout(tmp_path, layout, channels):
 def test_unambiguous_layouts_need_no_flag(tmp_path):
     assert ud.load_npz(_layout_file(tmp_path, (2, 6, 6))).image_shape == (2, 6, 6)  # NCHW
     assert ud.load_npz(_layout_file(tmp_path, (6, 7))).image_shape == (1, 6, 7)  # NHW
+
+
+def test_data_and_checkpoint_errors_are_utensil_errors():
+    """The README says every error utensil raises is a ut.UtensilError (and still a ValueError)."""
+    import utensil_ffi as ut
+    from utensil_ffi.data import DataError
+    from utensil_ffi.train import CheckpointError, load_checkpoint
+
+    for cls in (DataError, CheckpointError):
+        assert issubclass(cls, ut.UtensilError) and issubclass(cls, ValueError)
+    with pytest.raises(ut.UtensilError, match="no such checkpoint"):
+        load_checkpoint("/nonexistent/ck.npz")
+
+
+def test_predict_names_a_foreign_file_as_not_a_checkpoint(tmp_path, capsys):
+    """utensil-predict model.onnx answered with numpy's advice to unpickle unsafely."""
+    from utensil_ffi.cli import predict
+
+    f = tmp_path / "model.onnx"
+    f.write_bytes(b"\x08\x07\x12\x04onnx not an npz")
+    assert predict.main([str(f), str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "not an .npz of arrays written by utensil-train" in err and "allow_pickle" not in err

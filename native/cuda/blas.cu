@@ -145,7 +145,7 @@ static void ut__cuda_blas_search_locked(void) {
   }
   snprintf(ut__cuda_blas_why, sizeof ut__cuda_blas_why,
            "cuBLAS not found (%s): GEMMs run on utensil's own kernels; the nvidia-cublas wheel "
-           "(pip install 'utensil[cuda]') or UTENSIL_CUBLAS_LIB provides it", tried);
+           "(pip install 'utensil-ffi[cuda]') or UTENSIL_CUBLAS_LIB provides it", tried);
   ut__cuda_blas_searched.store(true);
 }
 

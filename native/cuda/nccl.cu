@@ -106,7 +106,7 @@ static ut__nccl* ut__nccl_get(const char* who) {
     if (!ut__nccl_current && tried[0])
       snprintf(ut__nccl_info_text, sizeof ut__nccl_info_text,
                "NCCL not found (%s): install the nvidia-nccl-cu13 wheel (pip install "
-               "'utensil[cuda]') or set UTENSIL_NCCL_LIB",
+               "'utensil-ffi[cuda]') or set UTENSIL_NCCL_LIB",
                tried);
   }
   if (!ut__nccl_current) ut__set_error(UT_ERR_DEVICE, "%s: %s", who, ut__nccl_info_text);

@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from .._errors import UtensilError
+
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CHECKPOINT_FORMAT",
            "CHECKPOINT_VERSION"]
 
@@ -22,7 +24,7 @@ CHECKPOINT_FORMAT = "utensil-train-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: the model's and optimizer's state_dict() in PyTorch's layout
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UtensilError, ValueError):
     """A checkpoint that cannot be resumed from, with a message meant for the user."""
 
 
@@ -64,7 +66,10 @@ def load_checkpoint(path):
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
     except Exception as e:
-        raise CheckpointError("%s: not a readable checkpoint (%s)" % (path, e)) from None
+        # np.load reads any .npy/.npz/pickle: what it says of a foreign file (advice to unpickle
+        # it unsafely, say) is no help; say what the file is not
+        raise CheckpointError("%s: not a readable checkpoint (not an .npz of arrays written by "
+                              "%s; numpy: %s)" % (path, PROG, type(e).__name__)) from None
     try:
         meta = json.loads(str(arrays.pop("meta")))
         ok = meta.get("format") == CHECKPOINT_FORMAT

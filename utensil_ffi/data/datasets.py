@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._errors import UtensilError
+
 __all__ = ["DataError", "Dataset", "load_digits", "load_npz", "batches", "stratified_split",
            "EXTRA_HINT"]
 
@@ -31,7 +33,7 @@ KEYS = ("x_train", "y_train", "x_test", "y_test")
 LAYOUTS = ("auto", "nchw", "nhwc")
 
 
-class DataError(ValueError):
+class DataError(UtensilError, ValueError):
     """A data set that cannot be used, with a message meant for the user."""
 
 
