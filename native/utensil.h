@@ -511,6 +511,8 @@ typedef long long ut__i64;
 typedef struct ut__conv_geom {
   int n, c, h, w, kh, kw, stride, pad, ho, wo, dil;
 } ut__conv_geom;
+/* A convolution's three directions: y = conv(x, w) + b, dx = conv^T(go, w), dW += go (x) x. */
+typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
 
 /* Row-major batched GEMM: for each i < batch,
      C_i = alpha * op(A_i) * op(B_i) + beta * C_i,   op(A_i): [m, k], op(B_i): [k, n], C_i: [m, n]
@@ -585,6 +587,20 @@ typedef struct ut__backend {
   int (*im2col)(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g);
   /* col: [n, c*kh*kw, ho*wo] -> dx: [n, c, h, w], the adjoint of im2col (overwrites dx) */
   int (*col2im)(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g);
+  /* The dense conv2d's exact pass, after the im2col GEMM of a padded convolution (pad > 0): the
+     GEMM multiplies the columns' padding zeros too, which a non-finite weight (forward) or
+     grad_out (dW) turns into NaN where the convolution, summed over real input only as
+     PyTorch's is, keeps the value.
+     UT__CONV_Y: y [n, out_c, ho, wo] (the GEMM's, bias added) is recomputed from x and
+       w [out_c, c*kh*kw] (and bias [out_c] or NULL) for every output channel whose weights are
+       not all finite.
+     UT__CONV_DW: dw [out_c, c*kh*kw] (float32) += part, the GEMM's sum of go (x) columns taken
+       with beta 0 (float32), each element whose part could have met padding (a NaN; on the CPU
+       every element once grad_out is not all finite) summed again over real input from go and
+       x. x, go and w are of type dt. */
+  int (*conv_exact)(ut_dtype dt, ut__conv_dir dir, const void* x, const void* go, const void* w,
+                    const float* bias, const float* part, void* dst, int out_c,
+                    const ut__conv_geom* g);
 
   /* depthwise: x: [n, c, h, w], w: [c, kh, kw], bias: [c] or NULL -> y: [n, c, ho, wo], the
      taps g->dil apart (the channel multiplier is the core's: see ut__dw_repeat) */
@@ -1898,14 +1914,6 @@ int ut_bias_add(ut_tensor* x, ut_tensor* bias) {
 }
 
 /* ---- convolutions ------------------------------------------------------------------------- */
-/* The CPU backend's exact convolution (real input only, for non-finite weights or grad_out; see
-   ut__cpu_conv_exact): the conv2d entry points call it where the im2col GEMM would multiply the
-   columns' padding zeros. */
-typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
-static bool ut__cpu_all_finite(const float* x, ut__i64 n);
-static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
-                               const float* bias, float* dst, int out_c, bool depthwise,
-                               const ut__conv_geom* g);
 /* x must be [N, c, H, W] and the window (kh x kw taps, dil apart) must fit the padded input;
    fills g. */
 static int ut__conv_geometry(ut__conv_geom* g, const ut_tensor* x, int c, int out_c, int kh,
@@ -2141,9 +2149,8 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   }
   if (rc >= 0 && bp) rc = be->bias_add(dt, op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
-  if (rc >= 0 && !ut__is_device_backend(be) && g.pad > 0 &&
-      !ut__cpu_all_finite(wp, l->weight->shape.nelem))
-    ut__cpu_conv_exact(UT__CONV_Y, xp, NULL, wp, bp, op, l->out_c, false, &g);
+  if (rc >= 0 && g.pad > 0)
+    rc = be->conv_exact(dt, UT__CONV_Y, xp, NULL, wp, bp, NULL, op, l->out_c, &g);
   ut_free(wt);
   if (rc < 0) {
     ut_free(col);
@@ -2233,21 +2240,24 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     ut_free(gr);
     ut_free(dxt);
   } else if (rc >= 0) {
-    /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K] */
+    /* dW += sum_n grad_out[n] [out_c, P] . col[n]^T [P, K]; with padding, the sum goes to a
+       part of its own first, for the exact pass to add: a non-finite grad_out times the
+       columns' padding zeros is NaN there, where the sum over real input is not */
+    ut_tensor* part = g.pad > 0 ? ut__new_typed(2, (int[]){l->out_c, K}, grad_out->dev, UT_F32,
+                                                who)
+                                : NULL;
+    float* partp = part ? ut__out(part, be) : NULL;
     ut__gemm_args mm = {.trans_b = true, .sum_batch = true,
-                        .m = l->out_c, .n = K, .k = P, .batch = g.n, .alpha = 1.f, .beta = 1.f,
+                        .m = l->out_c, .n = K, .k = P, .batch = g.n, .alpha = 1.f,
+                        .beta = part ? 0.f : 1.f,
                         .a = gop, .lda = P, .stride_a = (ut__i64)l->out_c * P,
                         .b = colp, .ldb = P, .stride_b = (ut__i64)K * P,
-                        .c = dWp, .ldc = K};
-    /* a non-finite grad_out times the columns' padding zeros: sum real input only */
-    const float* xp = g.pad > 0 && !ut__is_device_backend(be) &&
-                              !ut__cpu_all_finite(gop, grad_out->shape.nelem)
-                          ? ut__in(cache->input, be)
-                          : NULL;
-    if (xp)
-      ut__cpu_conv_exact(UT__CONV_DW, xp, gop, NULL, NULL, dWp, l->out_c, false, &g);
-    else
-      rc = be->gemm(dt, UT_F32, &mm);
+                        .c = part ? partp : dWp, .ldc = K};
+    rc = g.pad > 0 && !partp ? ut__err_status : be->gemm(dt, UT_F32, &mm);
+    if (rc >= 0 && part)
+      rc = be->conv_exact(dt, UT__CONV_DW, ut__in(cache->input, be), gop, NULL, NULL, partp, dWp,
+                          l->out_c, &g);
+    ut_free(part);
   }
   if (rc >= 0 && !merged && dxo) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
@@ -4393,9 +4403,9 @@ UT__CPU_OPT static bool ut__cpu_all_finite(const float* x, ut__i64 n) {
    padding zeros, which a non-finite weight or grad_out turns into NaN where PyTorch keeps the
    value finite. groups == c: depthwise ([c, kh, kw] weights), groups == 1: dense. The three
    directions: y = conv(x, w) + b (dst = y), dx = conv^T(go, w) (dst = dx), dW += go (x) x. */
-static void ut__cpu_conv_exact(ut__conv_dir dir, const float* x, const float* go, const float* w,
-                               const float* bias, float* dst, int out_c, bool depthwise,
-                               const ut__conv_geom* g) {
+static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const float* go,
+                                    const float* w, const float* bias, float* dst, int out_c,
+                                    bool depthwise, const ut__conv_geom* g) {
   int kh = g->kh, kw = g->kw, s = g->stride, p = g->pad, cin = g->c, d = g->dil;
   ut__i64 hw = (ut__i64)g->h * g->w, ohw = (ut__i64)g->ho * g->wo, taps = (ut__i64)kh * kw;
   int in_per = depthwise ? 1 : cin;
@@ -4501,11 +4511,11 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
                               const float* bias, float* dst, const ut__conv_geom* g) {
   ut__i64 planes = (ut__i64)g->n * g->c;
   if (dir == UT__CONV_Y && !ut__cpu_all_finite(x, planes * g->h * g->w)) {
-    ut__cpu_conv_exact(UT__CONV_Y, x, NULL, wt, bias, dst, g->c, true, g);
+    ut__cpu_conv_real_input(UT__CONV_Y, x, NULL, wt, bias, dst, g->c, true, g);
     return UT_OK;
   }
   if (dir == UT__CONV_DX && !ut__cpu_all_finite(go, planes * g->ho * g->wo)) {
-    ut__cpu_conv_exact(UT__CONV_DX, NULL, go, wt, NULL, dst, g->c, true, g);
+    ut__cpu_conv_real_input(UT__CONV_DX, NULL, go, wt, NULL, dst, g->c, true, g);
     return UT_OK;
   }
   ut__cpu_dw_undilated f = ut__cpu_dw_undilate(dir == UT__CONV_DW ? NULL : wt, g);
@@ -4544,7 +4554,7 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
     return st;
   }
   if (!ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
-    ut__cpu_conv_exact(UT__CONV_Y, x, NULL, wt, bias, y, g->c, true, g);
+    ut__cpu_conv_real_input(UT__CONV_Y, x, NULL, wt, bias, y, g->c, true, g);
     return UT_OK;
   }
   ut__dwctx C;
@@ -4586,7 +4596,7 @@ static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
   ut__i64 planes = (ut__i64)g->n * c, taps = (ut__i64)kh * kw;
   if (planes <= 0 || g->h <= 0 || g->w <= 0) return UT_OK;
   if (!ut__cpu_all_finite(wt, c * taps)) { /* the engines multiply go's padding zeros by w */
-    ut__cpu_conv_exact(UT__CONV_DX, NULL, go, wt, NULL, dx, c, true, g);
+    ut__cpu_conv_real_input(UT__CONV_DX, NULL, go, wt, NULL, dx, c, true, g);
     return UT_OK;
   }
   double work = (double)planes * g->h * g->w * taps / 4;
@@ -5909,6 +5919,26 @@ static int ut__cpu_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows,
   return dt == UT_F32 ? ut__cpu_row_mean_bwd_f32(go, dx, rows, cols)
                       : ut__cpu_no_dtype("row_mean_bwd", dt);
 }
+/* after the dense conv's GEMM (see the slot): the forward redone when a weight is not finite,
+   dW summed over real input when grad_out is not (the GEMM's part then unused) */
+static int ut__cpu_conv_exact(ut_dtype dt, ut__conv_dir dir, const void* x, const void* go,
+                             const void* w, const float* bias, const float* part, void* dst,
+                             int out_c, const ut__conv_geom* g) {
+  if (dt != UT_F32) return ut__cpu_no_dtype("conv_exact", dt);
+  ut__i64 K = (ut__i64)g->c * g->kh * g->kw;
+  if (dir == UT__CONV_Y) {
+    if (!ut__cpu_all_finite(w, out_c * K))
+      ut__cpu_conv_real_input(UT__CONV_Y, x, NULL, w, bias, dst, out_c, false, g);
+    return UT_OK;
+  }
+  if (dir != UT__CONV_DW) return ut__set_error(UT_ERR_ARG, "conv_exact: no dx pass");
+  float* dw = (float*)dst;
+  if (ut__cpu_all_finite(go, (ut__i64)g->n * out_c * g->ho * g->wo))
+    for (ut__i64 i = 0; i < out_c * K; i++) dw[i] += part[i];
+  else
+    ut__cpu_conv_real_input(UT__CONV_DW, x, go, NULL, NULL, dw, out_c, false, g);
+  return UT_OK;
+}
 static int ut__cpu_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g) {
   return dt == UT_F32 ? ut__cpu_im2col_f32(x, col, g) : ut__cpu_no_dtype("im2col", dt);
 }
@@ -5998,6 +6028,7 @@ static const ut__backend ut__cpu_backend = {
     .row_mean_bwd = ut__cpu_row_mean_bwd,
     .im2col = ut__cpu_im2col,
     .col2im = ut__cpu_col2im,
+    .conv_exact = ut__cpu_conv_exact,
     .dw_fwd = ut__cpu_dw_fwd,
     .dw_bwd_dx = ut__cpu_dw_bwd_dx,
     .dw_bwd_dw = ut__cpu_dw_bwd_dw,

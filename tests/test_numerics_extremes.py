@@ -400,17 +400,8 @@ def same_nonfinite_up_to_order(got, want):
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-5)
 
 
-# The CUDA dense convolution (im2col and GEMM) still multiplies the columns' padding zeros by a
-# non-finite weight (forward) or grad_out (dW); the CPU sums real input only.
-CUDA_PADDED_DENSE = {(op, site) for op in ("conv3x3_s1p1", "conv3x3_s2p1", "conv5x5_s1p2")
-                     for site in ("w", "go")}
-
-
 @pytest.mark.parametrize("op, site", CASES)
-def test_nonfinite_like_torch(request, device, op, site):
-    if device == "cuda" and (op, site) in CUDA_PADDED_DENSE:
-        request.applymarker(pytest.mark.xfail(reason="CUDA dense conv multiplies padding zeros",
-                                              strict=False))
+def test_nonfinite_like_torch(device, op, site):
     # every position and value in one test: the per-test leak check's full collections would
     # otherwise cost more than the ops
     bad = []

@@ -377,6 +377,7 @@ static void ut__cuda_init(void) {
   t->row_mean_bwd = ut__cuda_row_mean_bwd;
   t->im2col = ut__cuda_im2col;
   t->col2im = ut__cuda_col2im;
+  t->conv_exact = ut__cuda_conv_exact;
   t->dw_fwd = ut__cuda_dw_fwd;
   t->dw_bwd_dx = ut__cuda_dw_bwd_dx;
   t->dw_bwd_dw = ut__cuda_dw_bwd_dw;

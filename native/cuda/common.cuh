@@ -268,6 +268,9 @@ int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, i
 int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
 int ut__cuda_im2col(ut_dtype dt, const void* x, void* col, const ut__conv_geom* g);
 int ut__cuda_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom* g);
+int ut__cuda_conv_exact(ut_dtype dt, ut__conv_dir dir, const void* x, const void* go,
+                        const void* w, const float* bias, const float* part, void* dst,
+                        int out_c, const ut__conv_geom* g);
 
 /* depthwise.cu (its kernel families in dw_*.cu) */
 int ut__cuda_dw_fwd(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,

@@ -1,6 +1,7 @@
-/* gemm.cu — the GEMM engine (matmul, linear and conv2d run on it) and conv2d's im2col and
-   col2im. Every GEMM goes to cuBLAS first (blas.cu); the kernels here run the ones it declines,
-   all of them when cuBLAS is absent or off. The files and the naming: common.cuh. */
+/* gemm.cu — the GEMM engine (matmul, linear and conv2d run on it), conv2d's im2col and
+   col2im, and the exact pass after a padded conv2d's GEMM. Every GEMM goes to cuBLAS first
+   (blas.cu); the kernels here run the ones it declines, all of them when cuBLAS is absent or
+   off. The files and the naming: common.cuh. */
 #include "common.cuh"
 
 /* ============================================================================================
@@ -462,4 +463,134 @@ int ut__cuda_col2im(ut_dtype dt, const void* col, void* dx, const ut__conv_geom*
       return ut__cuda_col2im_t((const ut__cuda_bf16*)col, (ut__cuda_bf16*)dx, g, "col2im_bf16");
   }
   return ut__cuda_no_dtype("col2im", dt);
+}
+
+/* ============================================================================================
+   conv2d: the exact pass after the GEMM of a padded convolution (the conv_exact slot)
+   ============================================================================================
+   The GEMM multiplies the columns' padding zeros too: a non-finite weight (forward) or
+   grad_out (dW) turns those products into NaN, where the sum over real input only (PyTorch's,
+   the CPU backend's) keeps the value. As dwconv2d's reruns (dw_exact.cu), the check is part
+   of the pass, so finite data costs one launch of early-exiting blocks and no host round
+   trip: a forward block reads its output channel's weights, a dW block its row of the GEMM's
+   part (only a NaN there can have met padding). */
+
+/* blocks (q, o): output channel o in steps of gridDim.y; a channel with a non-finite weight
+   has its outputs recomputed by the blocks q in steps of gridDim.x */
+template <typename T>
+static __global__ void ut__cuda_conv2d_exact_y_kernel(const T* __restrict__ x,
+                                                      const T* __restrict__ w,
+                                                      const float* __restrict__ bias,
+                                                      T* __restrict__ y, ut__conv_geom g,
+                                                      int out_c) {
+  const int taps = g.kh * g.kw, K = g.c * taps;
+  const ut__i64 hw = (ut__i64)g.ho * g.wo, m = (ut__i64)g.n * hw, plane = (ut__i64)g.h * g.w;
+  for (int o = blockIdx.y; o < out_c; o += gridDim.y) {
+    const T* wo = w + (ut__i64)o * K;
+    int bad = 0;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) bad |= !isfinite(ut__cuda_ld(wo + k));
+    if (!__syncthreads_or(bad)) continue;
+    for (ut__i64 j = (ut__i64)blockIdx.x * blockDim.x + threadIdx.x; j < m;
+         j += (ut__i64)gridDim.x * blockDim.x) {
+      const ut__i64 ni = j / hw;
+      const int pos = (int)(j - ni * hw), oy = pos / g.wo, ox = pos % g.wo;
+      float s = bias ? bias[o] : 0.f;
+      for (int ci = 0; ci < g.c; ++ci) {
+        const T* xp = x + (ni * g.c + ci) * plane;
+        for (int ky = 0; ky < g.kh; ++ky) {
+          const int iy = oy * g.stride - g.pad + ky * g.dil;
+          if (iy < 0 || iy >= g.h) continue;
+          for (int kx = 0; kx < g.kw; ++kx) {
+            const int ix = ox * g.stride - g.pad + kx * g.dil;
+            if (ix < 0 || ix >= g.w) continue;
+            s = fmaf(ut__cuda_ld(wo + ci * taps + ky * g.kw + kx),
+                     ut__cuda_ld(xp + (ut__i64)iy * g.w + ix), s);
+          }
+        }
+      }
+      ut__cuda_st(y + (ni * out_c + o) * hw + pos, s);
+    }
+  }
+}
+
+/* one block per row o of dw (in steps of gridDim.x): dw[o, :] += part[o, :], and each NaN of
+   part summed again, by the whole block, over the outputs whose input is real (in double, as
+   the CPU's) */
+template <typename T>
+static __global__ void ut__cuda_conv2d_exact_dw_kernel(const T* __restrict__ x,
+                                                       const T* __restrict__ go,
+                                                       const float* __restrict__ part,
+                                                       float* __restrict__ dw, ut__conv_geom g,
+                                                       int out_c) {
+  __shared__ double sums[256];
+  const int taps = g.kh * g.kw, K = g.c * taps;
+  const ut__i64 hw = (ut__i64)g.ho * g.wo, m = (ut__i64)g.n * hw, plane = (ut__i64)g.h * g.w;
+  for (int o = blockIdx.x; o < out_c; o += gridDim.x) {
+    const float* po = part + (ut__i64)o * K;
+    float* dwo = dw + (ut__i64)o * K;
+    int nan = 0;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      const float v = po[k];
+      if (v != v) nan = 1;
+      else dwo[k] += v;
+    }
+    if (!__syncthreads_or(nan)) continue;
+    for (int k = 0; k < K; ++k) {
+      if (po[k] == po[k]) continue; /* the same in every thread */
+      const int ci = k / taps, ky = (k % taps) / g.kw, kx = k % g.kw;
+      double s = 0.0;
+      for (ut__i64 j = threadIdx.x; j < m; j += blockDim.x) {
+        const ut__i64 ni = j / hw;
+        const int pos = (int)(j - ni * hw), oy = pos / g.wo, ox = pos % g.wo;
+        const int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
+        if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+        s += (double)ut__cuda_ld(go + (ni * out_c + o) * hw + pos) *
+             ut__cuda_ld(x + (ni * g.c + ci) * plane + (ut__i64)iy * g.w + ix);
+      }
+      sums[threadIdx.x] = s;
+      __syncthreads();
+      for (int h = blockDim.x / 2; h > 0; h /= 2) {
+        if ((int)threadIdx.x < h) sums[threadIdx.x] += sums[threadIdx.x + h];
+        __syncthreads();
+      }
+      if (threadIdx.x == 0) dwo[k] += (float)sums[0];
+      __syncthreads();
+    }
+  }
+}
+
+template <typename T>
+static int ut__cuda_conv_exact_t(ut__conv_dir dir, const T* x, const T* go, const T* w,
+                                 const float* bias, const float* part, void* dst, int out_c,
+                                 const ut__conv_geom* g) {
+  const int cy = out_c < 65535 ? out_c : 65535;
+  if (dir == UT__CONV_Y) {
+    const ut__i64 m = (ut__i64)g->n * g->ho * g->wo;
+    ut__i64 qx = ut__cuda_cdiv((ut__i64)ut__cuda_sms * 16, cy), need = ut__cuda_cdiv(m, 256);
+    if (qx > need) qx = need;
+    if (qx < 1) qx = 1;
+    ut__cuda_conv2d_exact_y_kernel<T><<<dim3((unsigned)qx, (unsigned)cy), 256, 0,
+                                        ut__cuda_stream>>>(x, w, bias, (T*)dst, *g, out_c);
+    UT__CUDA_LAUNCHED("conv_exact y");
+    return UT_OK;
+  }
+  if (dir != UT__CONV_DW) return ut__set_error(UT_ERR_ARG, "cuda conv_exact: no dx pass");
+  ut__cuda_conv2d_exact_dw_kernel<T><<<(unsigned)cy, 256, 0, ut__cuda_stream>>>(
+      x, go, part, (float*)dst, *g, out_c);
+  UT__CUDA_LAUNCHED("conv_exact dw");
+  return UT_OK;
+}
+
+int ut__cuda_conv_exact(ut_dtype dt, ut__conv_dir dir, const void* x, const void* go,
+                        const void* w, const float* bias, const float* part, void* dst,
+                        int out_c, const ut__conv_geom* g) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_conv_exact_t(dir, (const float*)x, (const float*)go, (const float*)w, bias,
+                                   part, dst, out_c, g);
+    case UT_BF16:
+      return ut__cuda_conv_exact_t(dir, (const ut__cuda_bf16*)x, (const ut__cuda_bf16*)go,
+                                   (const ut__cuda_bf16*)w, bias, part, dst, out_c, g);
+  }
+  return ut__cuda_no_dtype("conv_exact", dt);
 }
