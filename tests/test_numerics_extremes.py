@@ -8,6 +8,7 @@ import utensil_ffi as ut
 from utensil_ffi import ArgumentError
 from utensil_ffi import functional as F
 from utensil_ffi.testing import optable
+from bf16_reference import bf16_round
 
 torch = pytest.importorskip("torch")
 
@@ -435,3 +436,60 @@ def test_cross_entropy_is_shift_invariant_like_torch(device, shift):
     z = x.astype(np.float64) - x.astype(np.float64).max(axis=1, keepdims=True)
     ref = float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(4), labels.astype(int)]))
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
+
+
+def _conv_real_input(x, w, b, go, s, p):
+    """float64 y = conv(x, w) + b and dW = go (x) x summed over the windows' real input only
+    (padding adds nothing, so an inf meets no padding zero), as PyTorch's CPU convolution."""
+    x, w, go = (np.asarray(a, np.float64) for a in (x, w, go))
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    ho, wo = (h + 2 * p - kh) // s + 1, (wd + 2 * p - kw) // s + 1
+    y = np.zeros((n, o, ho, wo)) + np.asarray(b, np.float64)[None, :, None, None]
+    dw = np.zeros_like(w)
+    for ky in range(kh):
+        for kx in range(kw):
+            iy, ix = np.arange(ho) * s - p + ky, np.arange(wo) * s - p + kx
+            vy, vx = (iy >= 0) & (iy < h), (ix >= 0) & (ix < wd)
+            sub = x[:, :, iy[vy]][:, :, :, ix[vx]]
+            sel = np.ix_(range(n), range(o), np.flatnonzero(vy), np.flatnonzero(vx))
+            y[sel] += np.einsum("nchw,oc->nohw", sub, w[:, :, ky, kx])
+            dw[:, :, ky, kx] = np.einsum("nohw,nchw->oc", go[sel], sub)
+    return y, dw
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("site", ["w", "go"])
+def test_padded_conv_nonfinite_sums_real_input_only(device, dtype, site):
+    """A padded dense conv's GEMM multiplies the columns' padding zeros too; an inf weight
+    (forward) or grad_out (dW) made those products NaN where the convolution over real input
+    is finite or +-inf (CUDA, until the exact pass: float32 and bf16 activations both)."""
+    rng = np.random.default_rng(3)
+    x = bf16_round(rng.standard_normal((2, 3, 7, 7)).astype(np.float32))
+    w = bf16_round((0.5 * rng.standard_normal((4, 3, 3, 3))).astype(np.float32))
+    b = bf16_round(rng.standard_normal(4).astype(np.float32))
+    if site == "w":
+        w[1, 2, 0, 0] = np.inf  # its top-left tap reads padding at the first row and column
+    conv = ut.Conv2d(3, 4, 3, stride=2, padding=1).to(device)
+    conv.weight, conv.bias = w, b
+    dt = ut.bfloat16 if dtype == "bfloat16" else ut.float32
+    with ut.tensor(x, device, dt) as xt, conv(xt) as y:
+        go = bf16_round(rng.standard_normal(y.shape).astype(np.float32))
+        if site == "go":
+            go[1, 3, 0, 0] = -np.inf
+        with ut.tensor(go, device, dt) as gt, conv.backward(gt) as dx:
+            got = {"y": y.numpy(), "dW": conv.weight.grad.numpy()}
+            assert np.isfinite(dx.numpy()).sum() > 0
+    ref = dict(zip(("y", "dW"), _conv_real_input(x, w, b, go, 2, 1)))
+    steps = 0 if dtype == "float32" else 4
+    for name in ref:
+        want = ref[name]
+        if name == {"w": "y", "go": "dW"}[site]:  # the output the inf reaches
+            assert (~np.isfinite(want)).any() and np.isfinite(want).any(), name
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(want), err_msg=name)
+        inf = np.isinf(want)
+        np.testing.assert_array_equal(got[name][inf], want[inf], err_msg=name)
+        fin = np.isfinite(want)
+        scale = float(np.abs(want[fin]).max())
+        np.testing.assert_allclose(got[name][fin], want[fin], rtol=1e-5,
+                                   atol=1e-5 * scale + steps * 2.0 ** -8 * scale, err_msg=name)
