@@ -16,6 +16,7 @@ from utensil_ffi.cli import checkpoint as ckmod
 from utensil_ffi.cli import image_limits, paths
 from utensil_ffi.cli.metrics import topk_correct
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--width", "2", "--batch-size", "16", "--no-progress", "--device", "cpu"]
 
 
@@ -243,13 +244,50 @@ def test_image_size_too_large_for_memory_is_refused_up_front(tmp_path, monkeypat
 
 def test_image_size_bound_is_one_batch_against_memory():
     gib = 2 ** 30
-    assert image_limits.image_size_problem(None, 64, memory=1) is None
-    assert image_limits.image_size_problem(64, 64, memory=gib) is None  # 3 MiB
+    f = image_limits.image_size_problem
+    assert f(None, 64, memory=1) is None
+    assert f(64, 64, 500, memory=gib) is None  # 24 MiB for the evaluation's batch
     # 16 * 3 * 8192^2 * 4 bytes = 12 GiB
-    assert image_limits.image_size_problem(8192, 16, memory=16 * gib) is None
-    why = image_limits.image_size_problem(8192, 16, memory=8 * gib)
-    assert "12.0 GiB" in why and "8.0 GiB" in why and "--batch-size" in why
+    assert f(8192, 16, memory=16 * gib) is None
+    why = f(8192, 16, memory=8 * gib)
+    assert "12.0 GiB" in why and "8.0 GiB" in why and "(--batch-size)" in why
+    # the evaluation's batch is the larger one by default (500): it is what must fit
+    why = f(2048, 64, 500, memory=8 * gib)
+    assert "500 images (--eval-batch-size)" in why and "23.4 GiB" in why
+    assert f(2048, 64, 64, memory=8 * gib) is None
     assert image_limits.physical_memory() is None or image_limits.physical_memory() > 0
+
+
+def test_stray_memory_error_is_one_line(npz, monkeypatch, capsys):
+    def out_of_memory(*a, **k):
+        raise MemoryError()
+
+    monkeypatch.setattr(tr._train_data, "open_data", out_of_memory)
+    assert tr.main(["--data", npz, "--epochs", "1", "--no-checkpoint"] + FAST) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("utensil-train: error: out of memory") and "Traceback" not in err
+
+
+def test_export_names_its_output_when_the_write_fails(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("onnx")
+    from utensil_ffi.interop import onnx_export
+
+    class Net:
+        def close(self):
+            pass
+
+    meta = {"data_info": {"image_shape": [1, 4, 4], "num_classes": 2}, "run": {}}
+    monkeypatch.setattr(ex, "load_network", lambda path: (Net(), meta))
+
+    def full_disk(net, path, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path + ".abc123.tmp")
+
+    monkeypatch.setattr(onnx_export, "export_onnx", full_disk)
+    out = str(tmp_path / "m.onnx")
+    assert ex.main([str(tmp_path / "ck.npz"), out, "--no-check"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "utensil-export: error: could not write %s: %s" % (
+        out, os.strerror(errno.ENOSPC))
 
 
 def test_image_size_with_the_digits_is_refused_as_for_an_npz(npz, monkeypatch, capsys):
@@ -266,3 +304,27 @@ def test_image_size_with_the_digits_is_refused_as_for_an_npz(npz, monkeypatch, c
     npz_err = capsys.readouterr().err
     same = "utensil-train: error: --image-size resizes the images of a folder; "
     assert digits_err.startswith(same) and npz_err.startswith(same), (digits_err, npz_err)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="resource limits are POSIX")
+def test_file_size_limit_mid_run_is_a_clear_error(npz, tmp_path):
+    # a real EFBIG from the kernel, not a stand-in: the child may write files of 4 KiB at most
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    ck = str(tmp_path / "ck.npz")
+    r = subprocess.run([sys.executable, "-m", "utensil_ffi.cli.train", "--data", npz,
+                        "--epochs", "1", "--checkpoint", ck] + FAST, preexec_fn=limit,
+                       capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path), env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                                                   PYTHONPATH=ROOT + os.pathsep
+                                                   + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("utensil-train: error: could not save the checkpoint to %s: %s"
+                               % (ck, os.strerror(errno.EFBIG))), r.stderr
+    assert "epoch   1/1" in r.stdout and "Traceback" not in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["toy.npz"]  # no partial file, no temporary one

@@ -18,21 +18,23 @@ def physical_memory():
         return None
 
 
-def image_size_problem(image_size, batch_size, memory=None):
-    """Why ``--image-size`` cannot work with ``--batch-size`` here (None if it may): one batch of
-    float32 RGB inputs, batch * 3 * size * size * 4 bytes, must fit in the physical memory (the
-    network's activations need several times more, so this is a floor, not a promise)."""
+def image_size_problem(image_size, batch_size, eval_batch_size=0, memory=None):
+    """Why ``--image-size`` cannot work with these batch sizes here (None if it may): the larger
+    batch of float32 RGB inputs, batch * 3 * size * size * 4 bytes, must fit in the physical
+    memory (the network's activations need several times more, so this is a floor, not a
+    promise)."""
     if image_size is None:
         return None
     memory = physical_memory() if memory is None else memory
     if not memory:
         return None
-    need = batch_size * _CHANNELS * image_size * image_size * _FLOAT32
+    batch, flag = max((batch_size, "--batch-size"), (eval_batch_size, "--eval-batch-size"))
+    need = batch * _CHANNELS * image_size * image_size * _FLOAT32
     if need <= memory:
         return None
-    return ("--image-size %d: one batch of %d images of 3x%dx%d float32 takes %s, more than this "
-            "machine's memory (%s); use a smaller --image-size (or --batch-size)"
-            % (image_size, batch_size, image_size, image_size, _gib(need), _gib(memory)))
+    return ("--image-size %d: one batch of %d images (%s) of 3x%dx%d float32 takes %s, more "
+            "than this machine's memory (%s); use a smaller --image-size (or %s)"
+            % (image_size, batch, flag, image_size, image_size, _gib(need), _gib(memory), flag))
 
 
 def _gib(n):

@@ -628,7 +628,7 @@ def _run_ranked(args, out, dist):
 
     # data
     why = run["data"] and os.path.isdir(run["data"]) and image_size_problem(
-        run["image_size"], run["batch_size"])  # other data refuse --image-size in open_data
+        run["image_size"], run["batch_size"], args.eval_batch_size)  # others refuse the flag
     if why:
         raise _UsageError(why)
     ds = _train_data.open_data(run["data"], args.layout, run["image_size"], run["augment"],

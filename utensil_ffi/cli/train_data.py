@@ -138,8 +138,8 @@ def arrays(x_train, y_train, x_test=None, y_test=None, name="arrays"):
 def _no_test_images(path, fd):
     if fd.split == "folders":
         return "%s: its held-out folder %s holds no images" % (path, fd.test.root)
-    return ("%s: no image is held out for testing: 10%% of each class's images is, from classes "
-            "with at least 2 images, and here every class has 1; add images, or give train/ and "
+    return ("%s: no image is held out for testing: the split holds out 10%% of each class that "
+            "has 2 images or more, and every class here has 1; add images, or give train/ and "
             "val/ sub-folders" % path)
 
 
