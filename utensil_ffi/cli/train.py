@@ -429,9 +429,9 @@ def evaluate(net, x, y, batch_size, device, dist=None):
 
 def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
     """{"loss", "top1", "top5", "confusion"} over (x, y) in eval mode: the mean cross-entropy,
-    the share whose label is strictly the first (or among the first 5) of the logits: ties and
-    NaN count against it (metrics.topk_correct), and the confusion
-    matrix (rows: true class, columns: predicted; num_classes defaults to the logits' width)."""
+    the share whose label is strictly the first (or among the first 5) of the logits (ties and
+    NaN count against it: metrics.topk_correct), and the confusion matrix of the argmax (rows:
+    true class, columns: predicted; num_classes defaults to the logits' width)."""
     net.eval()
     loss_sum, top1, top5 = 0.0, 0, 0
     confusion = None

@@ -135,14 +135,6 @@ def arrays(x_train, y_train, x_test=None, y_test=None, name="arrays"):
     return _Arrays(_data.Dataset(name, x_train, y_train, x_test, y_test, 0))
 
 
-def _no_test_images(path, fd):
-    if fd.split == "folders":
-        return "%s: its held-out folder %s holds no images" % (path, fd.test.root)
-    return ("%s: no image is held out for testing: the split holds out 10%% of each class that "
-            "has 2 images or more, and every class here has 1; add images, or give train/ and "
-            "val/ sub-folders" % path)
-
-
 def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_error="raise",
               timeout=None, cache=False):
     """The data of ``--data PATH``: a folder of class folders (or train/ and val/ ones), a .npz,
@@ -158,7 +150,10 @@ def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_
         fd = load_folder(path, image_size=image_size, augment=augment, on_error=on_error,
                          cache=cache)
         if len(fd.test_indices) == 0:  # as an .npz with an empty x_test: nothing to report on
-            raise _data.DataError(_no_test_images(path, fd))
+            raise _data.DataError(
+                "%s: no image is held out for testing (without train/ and val/ sub-folders, "
+                "10%% of each class that has 2 images or more is); add images, or give train/ "
+                "and val/ sub-folders" % path)
         return _Folder(fd, workers, timeout)
     if image_size is not None:
         raise _data.DataError("--image-size resizes the images of a folder; %s is a file (its "
