@@ -51,6 +51,7 @@ LAYERS = [
     ["testing.optable"],
     ["distributed.data_parallel", "distributed.launch", "interop.torch"],
     ["distributed"],
+    ["cli.paths", "cli.metrics", "cli.image_limits"],
     ["cli.train_data", "cli.train_dist", "cli.checkpoint"],
     ["cli.train", "testing.selftest"],
     ["cli.export"],

@@ -15,9 +15,10 @@ import os
 import numpy as np
 
 from .._errors import UtensilError
+from .paths import temporary_name
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CHECKPOINT_FORMAT",
-           "CHECKPOINT_VERSION"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointSaveError",
+           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION"]
 
 PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
@@ -26,6 +27,11 @@ CHECKPOINT_VERSION = 2  # 2: the model's and optimizer's state_dict() in PyTorch
 
 class CheckpointError(UtensilError, ValueError):
     """A checkpoint that cannot be resumed from, with a message meant for the user."""
+
+
+class CheckpointSaveError(UtensilError, OSError):
+    """A checkpoint that could not be written (a full disk, a folder gone): names the path, the
+    cause, and what is kept. Not a CheckpointError: the run was fine, the file system was not."""
 
 
 def save_checkpoint(path, net, opt, meta):
@@ -42,9 +48,8 @@ def save_checkpoint(path, net, opt, meta):
                 optimizer_param_groups=osd["param_groups"])
     arrays["meta"] = np.array(json.dumps(meta))
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, ".%s.%d.tmp" % (os.path.basename(path), os.getpid()))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
@@ -54,6 +59,35 @@ def save_checkpoint(path, net, opt, meta):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+class CheckpointWriter:
+    """utensil-train's saves, one per epoch, to ``path``; ``saved_epoch``: the epoch of the
+    checkpoint already there when resuming from this same file (else None).
+
+    A save that fails (OSError: a full disk, a file-size limit, the folder removed) raises
+    CheckpointSaveError naming the path and the cause and saying what is kept: the atomic write
+    leaves the last good checkpoint as it was, and the user learns how to continue from it."""
+
+    def __init__(self, path, saved_epoch=None):
+        self.path, self.saved_epoch = path, saved_epoch
+
+    def save(self, net, opt, meta):
+        try:
+            save_checkpoint(self.path, net, opt, meta)
+        except OSError as e:
+            cause = e.strerror or str(e) or type(e).__name__
+            if self.saved_epoch is None:
+                kept = ("no checkpoint of this run was saved (a file already at %s is left as "
+                        "it was)" % self.path)
+            else:
+                kept = ("the last good checkpoint, after epoch %d, is kept: continue with %s "
+                        "--resume %s --epochs %d (and --checkpoint elsewhere if this disk is full)"
+                        % (self.saved_epoch, PROG, self.path,
+                                                     meta.get("epochs", meta["epoch"])))
+            raise CheckpointSaveError("could not save the checkpoint to %s: %s; %s"
+                                      % (self.path, cause, kept)) from None
+        self.saved_epoch = meta["epoch"]
 
 
 def load_checkpoint(path):

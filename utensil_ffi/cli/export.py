@@ -19,6 +19,7 @@ import numpy as np
 
 from .._errors import UtensilError
 from .checkpoint import CheckpointError, load_checkpoint
+from .paths import writable_file_problem
 from .train import build_network
 
 __all__ = ["main", "PROG", "load_network"]
@@ -72,13 +73,19 @@ def main(argv=None):
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest allowed difference from utensil's forward (default 1e-4)")
     a = p.parse_args(argv)
+    why = writable_file_problem(a.output, create_dirs=False)
+    if why:  # before the work: loading, tracing and checking the model take a while
+        p.error("%s: cannot write the ONNX file there: %s" % (a.output, why))
     try:
         from ..interop.onnx_export import export_onnx
 
         net, meta = load_network(a.checkpoint)
         try:
             shape = tuple(meta["data_info"]["image_shape"])
-            export_onnx(net, a.output, (1,) + shape, opset=a.opset)
+            try:
+                export_onnx(net, a.output, (1,) + shape, opset=a.opset)
+            except OSError as e:  # its temporary file's name is no help: say which file
+                raise OSError("could not write %s: %s" % (a.output, e.strerror or e)) from None
             print("wrote %s: %s, input [batch, %d, %d, %d], %d classes" % (
                 a.output, meta["run"].get("arch", "digits"), *shape,
                 meta["data_info"]["num_classes"]))

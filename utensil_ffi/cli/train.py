@@ -45,7 +45,10 @@ from . import train_data as _train_data
 from . import train_dist as _dist
 # CHECKPOINT_FORMAT and CHECKPOINT_VERSION too: utensil_ffi.train, the old path, is this module
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, PROG, CheckpointError,  # noqa: F401
-                         _check_meta, load_checkpoint, save_checkpoint)
+                         CheckpointWriter, _check_meta, load_checkpoint, save_checkpoint)
+from .image_limits import image_size_problem
+from .metrics import topk_correct
+from .paths import writable_file_problem as _writable_file_problem
 
 __all__ = ["main", "build_parser", "save_checkpoint", "load_checkpoint", "CheckpointError", "PROG"]
 
@@ -129,29 +132,6 @@ def _threads(s):
     return "auto" if s == "auto" else _THREAD_COUNT(s)
 
 
-def _writable_file_problem(path, create_dirs):
-    """Why ``path`` cannot be written as a file (None if it can): checked before training, so a
-    bad path fails in a second, not after the first epoch."""
-    if path == "":
-        return "an empty path"
-    if os.path.isdir(path):
-        return "%s is a directory; give a file name" % path
-    if os.path.exists(path) and not os.path.isfile(path):
-        return "%s exists and is not a regular file" % path
-    folder = os.path.dirname(os.path.abspath(path))
-    if create_dirs:  # the nearest folder that exists is where the missing ones are made
-        while not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        return "the folder %s %s" % (folder, "is not a directory" if os.path.exists(folder)
-                                     else "does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return "the folder %s is not writable" % folder
-    if os.path.isfile(path) and not os.access(path, os.W_OK):
-        return "%s is not writable" % path
-    return None
-
-
 def _check_output_paths(parser, args):
     """--checkpoint (or the file it defaults to) and --plot: parser errors up front."""
     if args.plot is not None:
@@ -183,10 +163,12 @@ def build_parser():
                    help="train on your own data: a folder of images with one sub-folder per "
                    "class (PNG/JPEG...; with train/ and val/ sub-folders, or else 10%% of each "
                    "class held out), or an .npz with x_train, y_train, x_test, y_test (images "
-                   "NCHW or NHW, integer labels); default: scikit-learn's digits")
+                   "NCHW or NHW, integer labels); data without a test image are refused; "
+                   "default: scikit-learn's digits")
     g.add_argument("--image-size", type=_POSITIVE_INT, default=None, metavar="S",
                    help="an image folder's images become S x S (resized, then cropped; default: "
-                   "the first training image's size)")
+                   "the first training image's size); only for a folder, and refused when one "
+                   "batch of them would not fit in this machine's memory")
     g.add_argument("--no-augment", dest="augment", action="store_const", const=False,
                    default=None, help="no random resized crops and flips of a folder's "
                    "training images")
@@ -447,8 +429,9 @@ def evaluate(net, x, y, batch_size, device, dist=None):
 
 def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
     """{"loss", "top1", "top5", "confusion"} over (x, y) in eval mode: the mean cross-entropy,
-    the share whose label is the first (or among the first 5) of the logits, and the confusion
-    matrix (rows: true class, columns: predicted; num_classes defaults to the logits' width)."""
+    the share whose label is strictly the first (or among the first 5) of the logits (ties and
+    NaN count against it: metrics.topk_correct), and the confusion matrix of the argmax (rows:
+    true class, columns: predicted; num_classes defaults to the logits' width)."""
     net.eval()
     loss_sum, top1, top5 = 0.0, 0, 0
     confusion = None
@@ -467,10 +450,8 @@ def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
             if confusion is None:
                 confusion = np.zeros((num_classes or k, num_classes or k), np.int64)
             pred = z.argmax(axis=1)
-            top1 += int((pred == yb).sum())
-            # the label's rank: how many logits beat it (ties count against it)
-            beat = (z > z[np.arange(len(yb)), yb][:, None]).sum(axis=1)
-            top5 += int((beat < min(5, k)).sum())
+            top1 += int(topk_correct(z, yb, 1).sum())  # ties and NaN count against the label
+            top5 += int(topk_correct(z, yb, 5).sum())
             np.add.at(confusion, (yb, pred), 1)
             for t in (xb, logits, loss):
                 t.close()
@@ -646,6 +627,10 @@ def _run_ranked(args, out, dist):
         ckpt_path = args.checkpoint or args.resume or DEFAULT_CHECKPOINT
 
     # data
+    why = run["data"] and os.path.isdir(run["data"]) and image_size_problem(
+        run["image_size"], run["batch_size"], args.eval_batch_size)  # others refuse the flag
+    if why:
+        raise _UsageError(why)
     ds = _train_data.open_data(run["data"], args.layout, run["image_size"], run["augment"],
                                args.workers, "skip" if args.skip_bad_images else "raise",
                                cache=args.cache_images)
@@ -747,6 +732,8 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
     show_progress = not (args.no_progress or args.quiet) and main_rank
     epoch = start
     confusion = None  # the last evaluation's, for the plot
+    writer = ckpt_path and CheckpointWriter(ckpt_path, start if args.resume and _same_file(
+        ckpt_path, args.resume) else None)
     try:
         for epoch in range(start, epochs):
             opt.lr = _lr_at(run, epoch, epochs)
@@ -770,8 +757,8 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
             say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%%s  %7.0f img/s"
                 "  (%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc, top5,
                                 rec["images_per_s"], secs))
-            if ckpt_path:
-                save_checkpoint(ckpt_path, net, opt, {
+            if writer:
+                writer.save(net, opt, {
                     "epoch": epoch + 1, "run": run, "epochs": epochs, "history": history,
                     "data_info": data_info})
     except KeyboardInterrupt:
@@ -799,7 +786,8 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
 
 
 def main(argv=None, out=None):
-    """Run the program; returns the exit status (0: trained; 2: bad usage, data or checkpoint)."""
+    """Run the program; returns the exit status (0: trained; 2: bad usage, data or checkpoint;
+    1: a failure on the way, such as a checkpoint that could not be saved)."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)  # exits with status 2 on bad flags
@@ -834,6 +822,10 @@ def main(argv=None, out=None):
         return 2
     except UtensilError as e:  # DistributedError too: a peer died or hung
         print("%s: error: %s" % (PROG, e), file=sys.stderr)
+        return 1
+    except MemoryError:  # numpy's, say: not one of utensil's allocations (those are above)
+        print("%s: error: out of memory; try a smaller --batch-size, --image-size or "
+              "--eval-batch-size" % PROG, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

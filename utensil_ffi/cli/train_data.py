@@ -140,12 +140,21 @@ def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_
     """The data of ``--data PATH``: a folder of class folders (or train/ and val/ ones), a .npz,
     or the digits when ``path`` is None."""
     if path is None:
+        if image_size is not None:
+            raise _data.DataError("--image-size resizes the images of a folder; the built-in "
+                                  "digits are not one (their arrays are used as they are)")
         return _Arrays(_data.load_digits())
     if os.path.isdir(path):
         from ..data.images import load_folder
 
-        return _Folder(load_folder(path, image_size=image_size, augment=augment,
-                                   on_error=on_error, cache=cache), workers, timeout)
+        fd = load_folder(path, image_size=image_size, augment=augment, on_error=on_error,
+                         cache=cache)
+        if len(fd.test_indices) == 0:  # as an .npz with an empty x_test: nothing to report on
+            raise _data.DataError(
+                "%s: no image is held out for testing (without train/ and val/ sub-folders, "
+                "10%% of each class that has 2 images or more is); add images, or give train/ "
+                "and val/ sub-folders" % path)
+        return _Folder(fd, workers, timeout)
     if image_size is not None:
         raise _data.DataError("--image-size resizes the images of a folder; %s is a file (its "
                               "arrays are used as they are)" % path)

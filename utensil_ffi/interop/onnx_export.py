@@ -102,7 +102,8 @@ def export_onnx(model, path, input_shape, opset=17):
 def _write_atomically(path, data):
     """``data`` to ``path`` through a temporary file in the same directory and os.replace, so a
     reader never sees half a file and a failure leaves an existing file as it was."""
-    tmp = "%s.%s.tmp" % (path, uuid.uuid4().hex[:12])
+    # a short name: ``path``'s own may be at the file system's limit (NAME_MAX) already
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), ".%s.tmp" % uuid.uuid4().hex[:16])
     # os.open with 0o666: the umask applies, as for any new file (mkstemp would make it 0600)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
