@@ -17,7 +17,7 @@ import numpy as np
 from .._errors import UtensilError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CHECKPOINT_FORMAT",
-           "CHECKPOINT_VERSION"]
+           "CHECKPOINT_VERSION", "saved_words"]
 
 PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
@@ -94,6 +94,19 @@ def load_checkpoint(path):
     if not isinstance(groups, list):
         raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
     return meta, model, {"state": state, "param_groups": groups}
+
+
+# what a checkpoint's run setting of None means, in words (its JSON null is no answer to a user)
+_NONE_WORDS = {"data": "data: it was trained on the built-in digits",
+               "image_size": "image size: none, the images were used at the first one's size"}
+
+
+def saved_words(key, value):
+    """A checkpoint's run setting ``key`` = ``value`` as an error message shows it, after "the
+    checkpoint's"."""
+    if value is None:
+        return _NONE_WORDS.get(key, "%s: none" % key.replace("_", " "))
+    return str(value)
 
 
 def _check_meta(path, meta):
