@@ -18,7 +18,7 @@ from .._errors import UtensilError
 from .paths import temporary_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointSaveError",
-           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION"]
+           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "saved_words"]
 
 PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
@@ -128,6 +128,19 @@ def load_checkpoint(path):
     if not isinstance(groups, list):
         raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
     return meta, model, {"state": state, "param_groups": groups}
+
+
+# what a checkpoint's run setting of None means, in words (its JSON null is no answer to a user)
+_NONE_WORDS = {"data": "data: it was trained on the built-in digits",
+               "image_size": "image size: none, the images were used at the first one's size"}
+
+
+def saved_words(key, value):
+    """A checkpoint's run setting ``key`` = ``value`` as an error message shows it, after "the
+    checkpoint's"."""
+    if value is None:
+        return _NONE_WORDS.get(key, "%s: none" % key.replace("_", " "))
+    return str(value)
 
 
 def _check_meta(path, meta):

@@ -43,9 +43,11 @@ from ..tensor import Tensor, cuda_available, get_num_threads, seed as _seed_libr
 from ..tensor import set_num_threads, zeros
 from . import train_data as _train_data
 from . import train_dist as _dist
+from ._warn import cli_warnings
 # CHECKPOINT_FORMAT and CHECKPOINT_VERSION too: utensil_ffi.train, the old path, is this module
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, PROG, CheckpointError,  # noqa: F401
-                         CheckpointWriter, _check_meta, load_checkpoint, save_checkpoint)
+                         CheckpointWriter, _check_meta, load_checkpoint, save_checkpoint,
+                         saved_words)
 from .image_limits import image_size_problem
 from .metrics import topk_correct
 from .paths import writable_file_problem as _writable_file_problem
@@ -267,7 +269,7 @@ def _resolve(args, saved=None):
                 raise _UsageError(
                     "--%s %s differs from the checkpoint's %s; a resumed run keeps the saved "
                     "run's settings (leave the flag out, or start a new run without --resume)"
-                    % (k.replace("_", "-"), given, saved[k]))
+                    % (k.replace("_", "-"), given, saved_words(k, saved[k])))
             run[k] = _saved_setting(k, saved[k])
         else:
             run[k] = given if given is not None else default
@@ -648,7 +650,8 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
                  # what utensil-predict needs to prepare an image as training saw it
                  "mean": None if ds.mean is None else [float(v) for v in ds.mean],
                  "std": None if ds.std is None else [float(v) for v in ds.std],
-                 "class_names": None if ds.class_names is None else list(ds.class_names)}
+                 "class_names": None if ds.class_names is None else list(ds.class_names),
+                 "eval_transform": ds.eval_spec}
     if resumed is not None:
         saved = resumed[0].get("data_info", {})
         for k in ("image_shape", "num_classes", "n_train", "n_test"):
@@ -810,7 +813,8 @@ def main(argv=None, out=None):
             return launch(args.nproc_per_node, [sys.executable, "-m", "utensil_ffi.cli.train"]
                           + _dist.strip_nproc_flag(argv))
     try:
-        return _run(args, out)
+        with cli_warnings(PROG):
+            return _run(args, out)
     except CheckpointError as e:
         msg = str(e)
         if args.resume and not msg.startswith(args.resume):

@@ -23,12 +23,27 @@ import numpy as np
 
 from .. import data as _data
 
-__all__ = ["TrainData", "open_data", "arrays"]
+__all__ = ["TrainData", "open_data", "arrays", "FOLDER_HINTS"]
+
+# An image folder's files are all decoded once before training (check="decode"), train and
+# held-out alike: Pillow's verify() passes a truncated JPEG, which would otherwise stop the run
+# only when it is loaded (mid-epoch, or after a whole epoch when it is in val/), or slip past
+# --skip-bad-images. The advice of the errors names the flags, not ImageFolder's arguments.
+FOLDER_CHECK = "decode"
+FOLDER_HINTS = {"skip": "pass --skip-bad-images to leave unreadable files out",
+                "load": "it was decoded when the run started: was it changed since? (fix or "
+                        "restore it, then --resume from the checkpoint)",
+                "cache": "more than %d bytes of memory, --cache-images's limit; leave "
+                         "--cache-images out to decode them as they are used"}
 
 
 class TrainData:
     """name, image_shape (C, H, W), num_classes, n_train, n_test, mean/std (the per-channel
-    normalization applied), class_names (or None); ``train_batches`` and ``test_batches``."""
+    normalization applied), class_names (or None), eval_spec (an image folder's evaluation
+    transform, images.eval_spec's dict; None for arrays); ``train_batches`` and
+    ``test_batches``."""
+
+    eval_spec = None
 
     def __init__(self, name, image_shape, num_classes, n_train, n_test, mean, std, class_names,
                  describe):
@@ -84,6 +99,7 @@ class _Folder(TrainData):
         super().__init__(fd.name, fd.image_shape, fd.num_classes, len(fd.train_indices),
                          len(fd.test_indices), fd.mean, fd.std, tuple(fd.classes), fd.describe())
         self.fd, self.workers, self.timeout = fd, workers, timeout
+        self.eval_spec = fd.eval_spec
         self._loaders = {}
 
     def _loader(self, which, batch_size, seed, share):
@@ -148,7 +164,7 @@ def open_data(path, layout="auto", image_size=None, augment=True, workers=0, on_
         from ..data.images import load_folder
 
         fd = load_folder(path, image_size=image_size, augment=augment, on_error=on_error,
-                         cache=cache)
+                         cache=cache, check=FOLDER_CHECK, hints=FOLDER_HINTS)
         if len(fd.test_indices) == 0:  # as an .npz with an empty x_test: nothing to report on
             raise _data.DataError(
                 "%s: no image is held out for testing (without train/ and val/ sub-folders, "

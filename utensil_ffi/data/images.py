@@ -21,7 +21,8 @@ and each file Pillow cannot read. The scan costs one ``Image.open`` per file: ``
 to its end, but not a JPEG's compressed data); ``check="decode"`` decodes every file (finds a
 truncated JPEG too, at the cost of a full pass); ``check="none"`` only lists the files. A file that
 still fails to decode later (a truncated JPEG under "verify", a file changed since) raises a
-DataError naming it when it is loaded. With ``on_error="skip"`` the files that fail the scan are
+DataError naming it when it is loaded. ``hints`` rewords the advice these errors end with, for a
+program whose users pass flags rather than arguments (utensil-train). With ``on_error="skip"`` the files that fail the scan are
 left out, each with one ``warnings.warn`` naming it (``ds.skipped`` lists them); a class left with
 no images is still an error, since dropping it would renumber the classes after it.
 
@@ -36,7 +37,10 @@ Loader workers each receive a copy, so it suits data sets of small images.
 
 ``load_folder(root, image_size)`` is what utensil-train's ``--data DIR`` builds: train/val (or
 train/test) sub-folders, or one class folder split by ``stratified_split``, with training and
-evaluation transforms normalized by the training images' channel statistics.
+evaluation transforms normalized by the training images' channel statistics. The evaluation
+transform is built from a JSON-able description, ``eval_spec(size, mean, std)``, which
+``eval_transform(spec)`` turns back into the same transform: utensil-train records it in its
+checkpoints and utensil-predict replays it.
 """
 
 import copy
@@ -51,7 +55,7 @@ from .transforms import CenterCrop, Compose, Normalize, RandomHorizontalFlip
 from .transforms import RandomResizedCrop, Resize, ToArray, is_random
 
 __all__ = ["ImageFolder", "IMG_EXTENSIONS", "IMAGES_HINT", "open_image", "stratified_split",
-           "channel_stats", "load_folder", "FolderData"]
+           "channel_stats", "load_folder", "FolderData", "eval_spec", "eval_transform"]
 
 IMAGES_HINT = "pip install 'utensil-ffi[images]'"
 IMG_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
@@ -64,6 +68,13 @@ _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _CONVERTIBLE = frozenset(("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK",
                           "YCbCr") + _SIXTEEN_BIT)
 _TO_ARRAY = ToArray()
+# the advice ending a scan failure ("skip"), a decode failure at load time ("load") and cached()'s
+# refusal ("cache", formatted with max_bytes), worded for Python callers; ImageFolder(hints=...)
+# rewords it (utensil-train names its flags)
+HINTS = {"skip": "pass on_error='skip' to leave unreadable files out",
+         "load": "ImageFolder(check='decode') finds every such file before training",
+         "cache": "more than max_bytes=%d bytes of memory; read them from the files instead, or "
+                  "raise the limit"}
 
 
 def _pil():
@@ -138,14 +149,14 @@ class ImageFolder:
     """One sub-folder of images per class under ``root`` (see the module doc).
 
     ``ImageFolder(root, transform=None, on_error="raise", extensions=IMG_EXTENSIONS,
-    mode="RGB", check="verify")``: ``ds[i]`` / ``ds.load(i, rng)`` -> (float32 [C, H, W] array,
+    mode="RGB", check="verify", hints=None)``: ``ds[i]`` / ``ds.load(i, rng)`` -> (float32 [C, H, W] array,
     int label); the transform gets the image in ``mode`` and a Generator, and a PIL image it
     returns is turned into an array by ToArray. Attributes as torchvision's: ``classes``,
     ``class_to_idx``, ``samples`` [(path, label)], ``targets``; and ``skipped`` [(path, why)].
     """
 
     def __init__(self, root, transform=None, on_error="raise", extensions=IMG_EXTENSIONS,
-                 mode="RGB", check="verify"):
+                 mode="RGB", check="verify", hints=None):
         if on_error not in ON_ERROR:
             raise ValueError("on_error must be one of %s, got %r" % (", ".join(ON_ERROR), on_error))
         if mode not in MODES:
@@ -162,6 +173,7 @@ class ImageFolder:
         self.transform = transform
         self.mode = mode
         self.on_error = on_error
+        self.hints = dict(HINTS, **(hints or {}))
         self._cache = None  # the decoded images, when cached()
         Image = _pil()
         self.classes = self._find_classes()
@@ -224,8 +236,8 @@ class ImageFolder:
         except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error...)
             why = _reason(e)
         if self.on_error == "raise":
-            raise DataError("%s: cannot read this image (%s); fix or remove it, or pass "
-                            "on_error='skip' to leave unreadable files out" % (path, why))
+            raise DataError("%s: cannot read this image (%s); fix or remove it, or %s"
+                            % (path, why, self.hints["skip"]))
         self.skipped.append((path, why))
         warnings.warn("skipping %s: cannot read this image (%s)" % (path, why), stacklevel=3)
         return False
@@ -237,8 +249,7 @@ class ImageFolder:
         """The PIL image of sample ``index`` in ``mode``, before the transform."""
         if self._cache is not None:
             return self._cache[index].copy()  # a transform may change its image in place
-        return open_image(self.samples[index][0], self.mode,
-                          "; ImageFolder(check='decode') finds every such file before training")
+        return open_image(self.samples[index][0], self.mode, "; " + self.hints["load"])
 
     @property
     def random(self):
@@ -268,9 +279,8 @@ class ImageFolder:
             img = self.image(i)
             total += img.size[0] * img.size[1] * len(img.getbands())
             if total > max_bytes:
-                raise DataError("%s: the decoded images need more than max_bytes=%d bytes of "
-                                "memory; read them from the files instead, or raise the limit"
-                                % (self.root, max_bytes))
+                raise DataError("%s: the decoded images need %s"
+                                % (self.root, self.hints["cache"] % max_bytes))
             images.append(img)
         other = copy.copy(self)
         other._cache = images
@@ -346,6 +356,7 @@ class FolderData:
     mean: np.ndarray             # the per-channel normalization both transforms end with
     std: np.ndarray
     split: str                   # "folders" (train/ and val/ or test/) or "stratified"
+    eval_spec: dict = None       # what ``test``'s transform is, as eval_transform reads it
 
     @property
     def classes(self):
@@ -380,8 +391,27 @@ def _split_folders(root):
     return None
 
 
+def eval_spec(size, mean, std):
+    """The evaluation transform of ``size`` (an int: shorter side resized to it, then a center
+    crop; (h, w): stretched to it, then the crop is the whole image) normalized by ``mean`` and
+    ``std``, as a JSON-able dict for eval_transform."""
+    square = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+    return {"resize": int(size) if square else [int(s) for s in size],
+            "crop": list(CenterCrop(size).size),
+            "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+
+
+def eval_transform(spec):
+    """The transform ``spec`` (from eval_spec) describes: Resize, CenterCrop, ToArray,
+    Normalize."""
+    resize = spec["resize"]
+    return Compose([Resize(resize if isinstance(resize, int) else tuple(resize)),
+                    CenterCrop(tuple(spec["crop"])), ToArray(),
+                    Normalize(spec["mean"], spec["std"])])
+
+
 def load_folder(root, image_size=None, mode="RGB", val_fraction=0.1, split_seed=0, augment=True,
-                on_error="raise", check="verify", stats_images=1000, cache=False):
+                on_error="raise", check="verify", stats_images=1000, cache=False, hints=None):
     """An image folder as train and test ImageFolders for utensil-train (``--data DIR``).
 
     Layout: ``root/train/<class>/...`` with ``root/val/<class>/...`` (or ``test/``), the class
@@ -392,10 +422,11 @@ def load_folder(root, image_size=None, mode="RGB", val_fraction=0.1, split_seed=
     RandomHorizontalFlip, without: as evaluation. Both end with Normalize by the per-channel
     mean and std of up to ``stats_images`` training images (channel_stats, evaluation transform).
     ``cache=True``: the images are decoded once, here, and kept in memory (ImageFolder.cached).
+    ``hints``: as ImageFolder's.
     """
     root = os.fspath(root)
     pair = _split_folders(root) if os.path.isdir(root) else None
-    kw = dict(on_error=on_error, mode=mode, check=check)
+    kw = dict(on_error=on_error, mode=mode, check=check, hints=hints)
     if pair:
         train = ImageFolder(pair[0], **kw)
         test = ImageFolder(pair[1], **kw)
@@ -425,7 +456,8 @@ def load_folder(root, image_size=None, mode="RGB", val_fraction=0.1, split_seed=
     base = Compose([Resize(size), CenterCrop(size)])
     mean, std = channel_stats(train.with_transform(base), train_idx, stats_images)
     norm = [ToArray(), Normalize(mean, std)]
-    evaluate = Compose([Resize(size), CenterCrop(size)] + norm)
+    spec = eval_spec(size, mean, std)
+    evaluate = eval_transform(spec)
     if augment:
         training = Compose([RandomResizedCrop(size, scale=(0.25, 1.0)), RandomHorizontalFlip()]
                            + norm)
@@ -434,4 +466,4 @@ def load_folder(root, image_size=None, mode="RGB", val_fraction=0.1, split_seed=
     h, w = CenterCrop(size).size
     return FolderData(os.path.basename(os.path.normpath(root)), train.with_transform(training),
                       test.with_transform(evaluate), train_idx, test_idx,
-                      (1 if mode == "L" else 3, h, w), mean, std, split)
+                      (1 if mode == "L" else 3, h, w), mean, std, split, spec)
