@@ -51,7 +51,7 @@ LAYERS = [
     ["testing.optable"],
     ["distributed.data_parallel", "distributed.launch", "interop.torch"],
     ["distributed"],
-    ["cli.paths", "cli.metrics", "cli.image_limits"],
+    ["cli.paths", "cli.metrics", "cli.image_limits", "cli._warn"],
     ["cli.train_data", "cli.train_dist", "cli.checkpoint"],
     ["cli.train", "testing.selftest"],
     ["cli.export"],
