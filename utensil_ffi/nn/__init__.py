@@ -19,7 +19,8 @@ state dicts and threads work for all of them:
     container.py       Sequential
     loss.py            MSELoss, CrossEntropyLoss
     amp.py             MixedPrecision: bfloat16 activations around float32 weights
-    blocks.py          Residual, SqueezeExcitation
+    blocks.py          Residual
+    squeeze_excitation.py  SqueezeExcitation (torchvision.ops.SqueezeExcitation)
     sync_batchnorm.py  SyncBatchNorm (the statistics of every rank's batch)
     models.py          network builders (mobilenet, mobilenet_v1, mobilenet_v2), as
                        torchvision.models; imported on use: ``from utensil_ffi.nn import models``
@@ -27,7 +28,7 @@ state dicts and threads work for all of them:
 
 from .activation import ReLU, ReLU6
 from .amp import MixedPrecision
-from .blocks import Residual, SqueezeExcitation
+from .blocks import Residual
 from .container import Sequential
 from .conv import Conv2d, DWConv2d
 from .linear import Linear
@@ -36,6 +37,7 @@ from .module import Module
 from .norm import BatchNorm2d, LayerNorm, LayerNorm2d
 from .parameter import Parameter
 from .pooling import GlobalAvgPool2d
+from .squeeze_excitation import SqueezeExcitation
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
