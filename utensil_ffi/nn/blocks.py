@@ -55,4 +55,3 @@ class Residual(_Wrapper, child="block"):
         finally:
             if g is not grad_out:
                 g.close()
-
