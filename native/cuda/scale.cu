@@ -112,7 +112,8 @@ static int ut__cuda_chan_dot_t(const void* a, const void* b, float* out, int n, 
 int ut__cuda_chan_dot(ut_dtype dt, const void* a, const void* b, float* out, int n, int c,
                       ut__i64 inner, bool shared, float beta) {
   switch (dt) {
-    case UT_F32: return ut__cuda_chan_dot_t<float>(a, b, out, n, c, inner, shared, beta, "chan_dot");
+    case UT_F32:
+      return ut__cuda_chan_dot_t<float>(a, b, out, n, c, inner, shared, beta, "chan_dot");
     case UT_BF16:
       return ut__cuda_chan_dot_t<ut__cuda_bf16>(a, b, out, n, c, inner, shared, beta,
                                                 "chan_dot bf16");

@@ -328,7 +328,7 @@ def numeric_grad(f, x, go, eps=1e-6):
     return g
 
 
-# -- channel scales (squeeze-and-excitation, ConvNeXt's layer scale) --------------------------------
+# -- channel scales (squeeze-and-excitation, ConvNeXt's layer scale) -------------------------------
 def _per_channel(s, x, shared):
     """s ([N, C, 1...] per sample, or [C, 1...] shared) broadcast against x [N, C, ...]."""
     lead = (1, x.shape[1]) if shared else x.shape[:2]
