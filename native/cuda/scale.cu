@@ -7,14 +7,13 @@
    sum each (sample, channel) row in one block (fixed-order tree), and a second kernel sums
    the rows of a channel over the samples in order, in double.
 
-   LayerNorm2d: one thread per (sample, position) walks the C channels at stride H*W. Adjacent
-   threads read adjacent positions of one channel, so every access is coalesced without
-   moving data: the alternative, the rows layernorm between two NCHW<->NHWC transposes (three
-   in backward), reads and writes the whole tensor twice more per direction and would need a
-   bf16 rows layernorm too. The walk reads x three times (mean, then the spread around it, then
-   the output: no cancellation as in sum-of-squares), twice through L1/L2. Known limit: with
-   few positions (N*H*W below a few thousand, ConvNeXt's last stage at small batch) the grid is
-   small and each thread walks all C channels; a block-per-position variant would serve that. */
+   LayerNorm2d works on NCHW directly: a lane per position walks (its share of) the C channels
+   at stride H*W, and adjacent lanes read adjacent positions of one channel, so every access is
+   coalesced without moving data. The alternative, the rows layernorm between NCHW<->NHWC
+   transposes (two in forward, three in backward), reads and writes the whole tensor twice more
+   per direction and would need a bf16 rows layernorm too. The walk reads x three times (the
+   mean, then the spread around it: no sum-of-squares cancellation, then the output), the last
+   two mostly from L1/L2. */
 #include "common.cuh"
 
 /* ---- chan_scale: y[i, j, :] = x[i, j, :] * s[i*c + j] (shared: s[j]) ---- */
@@ -121,30 +120,54 @@ int ut__cuda_chan_dot(ut_dtype dt, const void* a, const void* b, float* out, int
   return ut__cuda_no_dtype("chan_dot", dt);
 }
 
-/* ---- LayerNorm2d: one thread per (sample i, position k) of [n, c, inner] ---- */
+/* ---- LayerNorm2d: blocks of (32 positions) x (g channel groups) over [n, c, inner] ----
+   Lane threadIdx.x owns position p = 32 blockIdx.x + threadIdx.x of the n*inner positions;
+   group threadIdx.y walks the channels j = y, y + g, y + 2g, ... of it. For one j the 32 lanes
+   read 32 consecutive positions (coalesced); the g groups multiply the threads of a small
+   plane (ConvNeXt's 7x7 stage: n*49 positions) without giving that up. The groups' partial
+   sums meet in shared memory and are added in group order (deterministic). */
+#define UT__CUDA_LN2D_MAX_GROUPS 32
+
+/* every thread of the block: the sum over the groups of v at this thread's position */
+static __device__ __forceinline__ float ut__cuda_ln2d_group_sum(float v, float (*sh)[33]) {
+  __syncthreads(); /* sh may still be read by the previous sum */
+  sh[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int q = 0; q < (int)blockDim.y; ++q) t += sh[q][threadIdx.x];
+  return t;
+}
+
 template <typename T>
 static __global__ void ut__cuda_layernorm2d_forward_kernel(
     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
     T* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int n, int c,
     ut__i64 inner, float eps) {
-  UT__CUDA_GRID_STRIDE(p, (ut__i64)n * inner) {
-    const ut__i64 i = p / inner, k = p - i * inner;
-    const T* xp = x + i * c * inner + k;
-    T* yp = y + i * c * inner + k;
-    float s = 0.f;
-    for (int j = 0; j < c; ++j) s += ut__cuda_ld(xp + j * inner);
-    const float mu = s / (float)c;
-    float q = 0.f;
-    for (int j = 0; j < c; ++j) {
-      const float d = ut__cuda_ld(xp + j * inner) - mu;
+  __shared__ float sh[UT__CUDA_LN2D_MAX_GROUPS][33];
+  const int g = (int)blockDim.y;
+  const ut__i64 p = (ut__i64)blockIdx.x * 32 + threadIdx.x;
+  const bool live = p < (ut__i64)n * inner;
+  const ut__i64 i = live ? p / inner : 0;
+  const ut__i64 off = live ? i * c * inner + (p - i * inner) : 0;
+  float s = 0.f;
+  if (live)
+    for (int j = threadIdx.y; j < c; j += g) s += ut__cuda_ld(x + off + j * inner);
+  const float mu = ut__cuda_ln2d_group_sum(s, sh) / (float)c;
+  float q = 0.f;
+  if (live)
+    for (int j = threadIdx.y; j < c; j += g) {
+      const float d = ut__cuda_ld(x + off + j * inner) - mu;
       q += d * d;
     }
-    const float rs = 1.0f / sqrtf(q / (float)c + eps);
+  const float rs = 1.0f / sqrtf(ut__cuda_ln2d_group_sum(q, sh) / (float)c + eps);
+  if (!live) return; /* after the block's last __syncthreads */
+  if (threadIdx.y == 0) {
     mean[p] = mu;
     rstd[p] = rs;
-    for (int j = 0; j < c; ++j)
-      ut__cuda_st(yp + j * inner, (ut__cuda_ld(xp + j * inner) - mu) * rs * gamma[j] + beta[j]);
   }
+  for (int j = threadIdx.y; j < c; j += g)
+    ut__cuda_st(y + off + j * inner, (ut__cuda_ld(x + off + j * inner) - mu) * rs * gamma[j] +
+                                         beta[j]);
 }
 
 /* dx = rstd (g - mean_j(g) - xhat mean_j(g xhat)), g = go gamma */
@@ -153,22 +176,41 @@ static __global__ void ut__cuda_layernorm2d_dx_kernel(
     const T* __restrict__ go, const T* __restrict__ x, const float* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx, int n,
     int c, ut__i64 inner) {
-  UT__CUDA_GRID_STRIDE(p, (ut__i64)n * inner) {
-    const ut__i64 i = p / inner, k = p - i * inner, off = i * c * inner + k;
-    const float mu = mean[p], rs = rstd[p];
-    float s1 = 0.f, s2 = 0.f;
-    for (int j = 0; j < c; ++j) {
-      const float g = ut__cuda_ld(go + off + j * inner) * gamma[j];
-      s1 += g;
-      s2 += g * ((ut__cuda_ld(x + off + j * inner) - mu) * rs);
+  __shared__ float sh[UT__CUDA_LN2D_MAX_GROUPS][33];
+  const int g = (int)blockDim.y;
+  const ut__i64 p = (ut__i64)blockIdx.x * 32 + threadIdx.x;
+  const bool live = p < (ut__i64)n * inner;
+  const ut__i64 i = live ? p / inner : 0;
+  const ut__i64 off = live ? i * c * inner + (p - i * inner) : 0;
+  const float mu = live ? mean[p] : 0.f, rs = live ? rstd[p] : 0.f;
+  float s1 = 0.f, s2 = 0.f;
+  if (live)
+    for (int j = threadIdx.y; j < c; j += g) {
+      const float gv = ut__cuda_ld(go + off + j * inner) * gamma[j];
+      s1 += gv;
+      s2 += gv * ((ut__cuda_ld(x + off + j * inner) - mu) * rs);
     }
-    const float m1 = s1 / (float)c, m2 = s2 / (float)c;
-    for (int j = 0; j < c; ++j) {
-      const float g = ut__cuda_ld(go + off + j * inner) * gamma[j];
-      const float xh = (ut__cuda_ld(x + off + j * inner) - mu) * rs;
-      ut__cuda_st(dx + off + j * inner, rs * (g - m1 - xh * m2));
-    }
+  const float m1 = ut__cuda_ln2d_group_sum(s1, sh) / (float)c;
+  const float m2 = ut__cuda_ln2d_group_sum(s2, sh) / (float)c;
+  if (!live) return; /* after the block's last __syncthreads */
+  for (int j = threadIdx.y; j < c; j += g) {
+    const float gv = ut__cuda_ld(go + off + j * inner) * gamma[j];
+    const float xh = (ut__cuda_ld(x + off + j * inner) - mu) * rs;
+    ut__cuda_st(dx + off + j * inner, rs * (gv - m1 - xh * m2));
   }
+}
+
+/* The launch shape for pos positions of c channels: 32 positions a block and the groups per
+   block, at least 4 (128 threads), doubled up to 32 while the grid has fewer than about 32
+   warps per multiprocessor, and never more than the channels. */
+static dim3 ut__cuda_ln2d_block(ut__i64 pos, int c, unsigned* blocks) {
+  const ut__i64 b = ut__cuda_cdiv(pos, 32);
+  const ut__i64 want = ut__cuda_cdiv((ut__i64)ut__cuda_sms * 32, b);
+  int g = 4;
+  while (g < UT__CUDA_LN2D_MAX_GROUPS && g < want) g *= 2;
+  if (g > c) g = c;
+  *blocks = (unsigned)b;
+  return dim3(32, (unsigned)g);
 }
 
 /* one block per row r = (i, j): ws[2r] = sum_k go xhat, ws[2r + 1] = sum_k go */
@@ -216,7 +258,9 @@ static int ut__cuda_ln2d_fwd_t(const void* x, const float* gamma, const float* b
                                const char* what) {
   const ut__i64 pos = (ut__i64)n * inner;
   if (pos <= 0 || c <= 0) return UT_OK;
-  ut__cuda_layernorm2d_forward_kernel<T><<<ut__cuda_grid_for(pos, 128), 128, 0, ut__cuda_stream>>>(
+  unsigned blocks;
+  const dim3 block = ut__cuda_ln2d_block(pos, c, &blocks);
+  ut__cuda_layernorm2d_forward_kernel<T><<<blocks, block, 0, ut__cuda_stream>>>(
       (const T*)x, gamma, beta, (T*)y, mean, rstd, n, c, inner, eps);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
@@ -229,7 +273,9 @@ static int ut__cuda_ln2d_bwd_t(const void* go, const void* x, const float* gamma
   const ut__i64 pos = (ut__i64)n * inner, rows = (ut__i64)n * c;
   if (pos <= 0 || c <= 0) return UT_OK;
   if (dx) {
-    ut__cuda_layernorm2d_dx_kernel<T><<<ut__cuda_grid_for(pos, 128), 128, 0, ut__cuda_stream>>>(
+    unsigned blocks;
+    const dim3 block = ut__cuda_ln2d_block(pos, c, &blocks);
+    ut__cuda_layernorm2d_dx_kernel<T><<<blocks, block, 0, ut__cuda_stream>>>(
         (const T*)go, (const T*)x, gamma, mean, rstd, (T*)dx, n, c, inner);
     UT__CUDA_LAUNCHED(what);
   }
