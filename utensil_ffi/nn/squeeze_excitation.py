@@ -21,6 +21,7 @@ from .pooling import GlobalAvgPool2d
 
 __all__ = ["SqueezeExcitation"]
 
+
 def _default_scale_activation():
     # TODO(issue 30, after the activations branch is merged): make ``scale_activation``'s
     # default ``Sigmoid`` itself, as torchvision's, and drop this look-up.
@@ -123,10 +124,14 @@ class SqueezeExcitation(Module):
         finally:
             p.close()
         cur = p4
-        for m in (self.fc1, self.activation, self.fc2, self.scale_activation):
-            nxt = m(cur)
-            _close_unless(cur, nxt)  # the layers keep their own references
-            cur = nxt
+        try:
+            for m in (self.fc1, self.activation, self.fc2, self.scale_activation):
+                nxt = m(cur)
+                _close_unless(cur, nxt)  # the layers keep their own references
+                cur = nxt
+        except BaseException:
+            _close_unless(cur, x)
+            raise
         return cur
 
     @_takes_input_grad
