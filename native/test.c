@@ -1287,6 +1287,84 @@ static void test_linear(ut_dev dev) {
   ut_linear_free(&nb);
 }
 
+/* issue 30: squeeze-and-excitation's channel scale, ConvNeXt's layer scale and LayerNorm2d */
+static void test_channel_scale_layernorm2d(ut_dev dev) {
+  // channel_scale: x [1,2,1,2] = {1,2 | 3,4}, s [1,2] = {2,-1} -> y = {2,4 | -3,-4};
+  //   go = {1,1 | 1,2}: dx = go s = {2,2 | -1,-2}, ds = {1+2, 3+8} = {3, 11}
+  ut_tensor* x = ut_from_data(4, S(1, 2, 1, 2), F(1, 2, 3, 4), dev);
+  ut_tensor* s = ut_from_data(2, S(1, 2), F(2, -1), dev);
+  ut_tensor* go = ut_from_data(4, S(1, 2, 1, 2), F(1, 1, 1, 2), dev);
+  ut_tensor* y = ut_channel_scale(x, s);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 4, 1, 2, 1, 2);
+  assert_data(y, F(2, 4, -3, -4), 0.f);
+  ut_tensor *dx = NULL, *ds = NULL;
+  assert(ut_channel_scale_backward(go, x, s, &dx, &ds) == UT_OK);
+  require(dx && ds);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(ds);
+  assert_shape(ds, 2, 1, 2);
+  assert_data(dx, F(2, 2, -1, -2), 0.f);
+  assert_data(ds, F(3, 11), 0.f);
+  ut_free_all(y, dx, ds);
+  // a shape that is not [N, C, 1...] is refused, and nothing is made
+  ut_tensor* bad = ut_from_data(1, S(2), F(1, 1), dev);
+  assert(ut_channel_scale(x, bad) == NULL && ut_last_status() == UT_ERR_SHAPE);
+  assert(ut_channel_scale_backward(go, x, bad, &dx, &ds) == UT_ERR_SHAPE && !dx && !ds);
+  ut_free_all(x, s, go, bad);
+
+  // layer_scale: x [2,2,1,1] = {1,2 | 3,4}, gamma [2,1,1] = {0.5, 2} -> y = {0.5,4 | 1.5,8};
+  //   go = ones: dx = {0.5,2 | 0.5,2}; dgamma = {1,1} + {1+3, 2+4} = {5, 7}
+  x = ut_from_data(4, S(2, 2, 1, 1), F(1, 2, 3, 4), dev);
+  ut_tensor* gamma = ut_from_data(3, S(2, 1, 1), F(0.5f, 2), dev);
+  go = ut_from_data(4, S(2, 2, 1, 1), F(1, 1, 1, 1), dev);
+  ut_tensor* dgamma = ut_from_data(1, S(2), F(1, 1), dev);
+  y = ut_layer_scale(x, gamma);
+  require(y);
+  ut_sync_cpu(y);
+  assert_data(y, F(0.5f, 4, 1.5f, 8), 0.f);
+  dx = ut_layer_scale_backward(go, x, gamma, dgamma);
+  require(dx);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dgamma);
+  assert_data(dx, F(0.5f, 2, 0.5f, 2), 0.f);
+  assert_data(dgamma, F(5, 7), 0.f);
+  ut_free_all(x, gamma, go, dgamma, y, dx);
+
+  // LayerNorm2d over C = 4 at 2 positions: position 0 holds {-1,-1,1,1}, position 1 {1,2,3,4}
+  // (test_layernorm's two rows, laid out NCHW: channel j's two values are x[2j], x[2j+1])
+  ut_layernorm l = ut_layernorm_alloc(4, 1e-5f, dev);
+  require(l.weight);
+  x = ut_from_data(4, S(1, 4, 1, 2), F(-1, 1, -1, 2, 1, 3, 1, 4), dev);
+  ut_layernorm_cache c = {0};
+  y = ut_layernorm2d_forward(&l, x, &c);
+  require(y);
+  ut_sync_cpu(y);
+  assert_shape(y, 4, 1, 4, 1, 2);
+  assert_data(y,
+              F(-0.999995f, -1.341635f, -0.999995f, -0.447212f, 0.999995f, 0.447212f, 0.999995f,
+                1.341635f),
+              1e-5f);
+  // test_layernorm's backward: go {1,0,0,0} at position 0, ones at position 1
+  go = ut_from_data(4, S(1, 4, 1, 2), F(1, 1, 0, 1, 0, 1, 0, 1), dev);
+  ut_tensor* dW = ut_alloc(1, S(4), dev);
+  ut_tensor* db = ut_alloc(1, S(4), dev);
+  dx = ut_layernorm2d_backward(&l, &c, go, dW, db);
+  require(dx);
+  ut_sync_cpu(dx);
+  ut_sync_cpu(dW);
+  ut_sync_cpu(db);
+  assert_data(dx, F(0.5f, 0, -0.5f, 0, 0, 0, 0, 0), 1e-4f);
+  assert_data(dW, F(-2.341635f, -0.447212f, 0.447212f, 1.341635f), 1e-4f);
+  assert_data(db, F(2, 1, 1, 1), 1e-5f);
+  // the rows layernorm refuses this cache
+  assert(ut_layernorm_backward(&l, &c, go, NULL, NULL) == NULL);
+  ut_free_all(x, y, go, dW, db, dx);
+  ut_layernorm_cache_free(&c);
+  ut_layernorm_free(&l);
+}
+
 static void test_layernorm(ut_dev dev) {
   // D=4, eps=1e-5, default weight 1, bias 0.
   //   row 0 = {-1,-1,1,1}: mean 0, var 1 -> y = x / sqrt(1 + 1e-5) = x * 0.999995
@@ -2846,6 +2924,7 @@ int main(void) {
 
   RUN_BOTH(test_linear);
   RUN_BOTH(test_layernorm);
+  RUN_BOTH(test_channel_scale_layernorm2d); /* issue 30 */
   RUN_BOTH(test_batchnorm2d_train);
   RUN_BOTH(test_batchnorm2d_eval);
   RUN_BOTH(test_global_avgpool);

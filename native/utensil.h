@@ -354,6 +354,35 @@ ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x);
 /* grad_out: [N, C] -> dx [N, C, h, w] */
 ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w);
 
+/* ---- channel scales and LayerNorm2d (squeeze-and-excitation, ConvNeXt; issue 30) ----------
+   The excitation s is an activation (the output of the block's small branch), so it has x's
+   dtype and its gradient ds too (summed in float32 in a fixed order, rounded once). The layer
+   scale gamma is a parameter: float32, its gradient accumulated (+=) in float32. */
+/* x: [N, C, ...], s: [N, C] or [N, C, 1, ..., 1] of x's dtype -> y like x,
+   y[n, c, ...] = x[n, c, ...] * s[n, c] (squeeze-and-excitation's last step) */
+ut_tensor* ut_channel_scale(ut_tensor* x, ut_tensor* s);
+/* grad_out like x -> *dx = grad_out * s (like x), *ds[n, c] = sum over ... of grad_out * x
+   (like s). dx or ds may be NULL (that output is not made); on failure both are set NULL.
+   Returns a status. */
+int ut_channel_scale_backward(ut_tensor* grad_out, ut_tensor* x, ut_tensor* s, ut_tensor** dx,
+                              ut_tensor** ds);
+/* x: [N, C, ...], gamma: [C] or [C, 1, ..., 1] float32 -> y like x, y[n, c, ...] =
+   x[n, c, ...] * gamma[c] (ConvNeXt's layer scale, torchvision's layer_scale [C, 1, 1]) */
+ut_tensor* ut_layer_scale(ut_tensor* x, ut_tensor* gamma);
+/* grad_out like x -> dx = grad_out * gamma; dgamma (C float32 elements, or NULL) +=
+   sum over n and ... of grad_out * x */
+ut_tensor* ut_layer_scale_backward(ut_tensor* grad_out, ut_tensor* x, ut_tensor* gamma,
+                                   ut_tensor* dgamma);
+/* LayerNorm2d (torchvision.models.convnext.LayerNorm2d): x: [N, C, H, W] -> same shape, each
+   (n, h, w) normalized over the C channels, with a ut_layernorm of dim C (weight, bias: [C];
+   ConvNeXt's eps is 1e-6). Activations float32 or bf16; statistics float32, kept in the cache
+   as mean, rstd: [N, H, W] (a rows layernorm's cache holds [rows]: each backward refuses the
+   other's cache). */
+ut_tensor* ut_layernorm2d_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cache* cache);
+/* grad_out: [N, C, H, W], dW: C, db: C (+=, each may be NULL) -> dx [N, C, H, W] */
+ut_tensor* ut_layernorm2d_backward(ut_layernorm* l, ut_layernorm_cache* cache,
+                                   ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db);
+
 /* ---- losses (scalar results are 1-element tensors, so they stay on the device) ------------ */
 /* pred, target: same shape -> [1] mean((pred - target)^2) */
 ut_tensor* ut_mse_loss(ut_tensor* pred, ut_tensor* target);
@@ -623,6 +652,25 @@ typedef struct ut__backend {
   int (*layernorm_bwd)(const float* go, const float* x, const float* gamma, const float* mean,
                        const float* rstd, float* dx, float* dgamma, float* dbeta, int rows,
                        int dim);
+
+  /* channel scales and LayerNorm2d (issue 30). x: [n, c, inner]; y[i, j, :] = x[i, j, :] *
+     s[i*c + j], or s[j] when shared; s of type s_dt (dt, or float32 for a shared scale) */
+  int (*chan_scale)(ut_dtype dt, ut_dtype s_dt, const void* x, const void* s, void* y, int n,
+                    int c, ut__i64 inner, bool shared);
+  /* a, b: [n, c, inner] -> out[i*c + j] = beta * out[i*c + j] + sum_: a[i, j, :] b[i, j, :],
+     or when shared out[j] = beta * out[j] + sum over i and : (beta 0 or 1); float32 sums in
+     an order fixed by the shapes alone (deterministic) */
+  int (*chan_dot)(ut_dtype dt, const void* a, const void* b, float* out, int n, int c,
+                  ut__i64 inner, bool shared, float beta);
+  /* x: [n, c, inner], each (i, :) normalized over j -> y; mean, rstd: [n, inner];
+     y = (x - mean) * rstd * gamma[j] + beta[j] */
+  int (*ln2d_fwd)(ut_dtype dt, const void* x, const float* gamma, const float* beta, void* y,
+                  float* mean, float* rstd, int n, int c, ut__i64 inner, float eps);
+  /* -> dx (overwrites) = rstd (g - mean_j(g) - xhat mean_j(g xhat)), g = go gamma;
+     dgamma += sum go xhat, dbeta += sum go over i and : (each may be NULL) */
+  int (*ln2d_bwd)(ut_dtype dt, const void* go, const void* x, const float* gamma,
+                  const float* mean, const float* rstd, void* dx, float* dgamma, float* dbeta,
+                  int n, int c, ut__i64 inner);
 
   /* x: [n, c, inner] -> mean, var: [c], the biased batch statistics per channel */
   int (*bn_stats)(ut_dtype dt, const void* x, float* mean, float* var, int n, int c,
@@ -2655,6 +2703,9 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
                  "%s: grad_out has shape %s, the forward output had %s", who,
                  ut__shape_text(grad_out).s, ut__shape_text(x).s);
+  UT__CHECK_NULL(cache->mean->shape.ndim == 1 && cache->rstd->shape.ndim == 1, UT_ERR_ARG,
+                 "%s: the cache was filled by ut_layernorm2d_forward, not ut_layernorm_forward",
+                 who);
   const ut__backend* be = ut__backend_for(x->dev);
   const float* gop = ut__in(grad_out, be);
   const float* xp = gop ? ut__in(x, be) : NULL;
@@ -3034,6 +3085,210 @@ ut_tensor* ut_global_avgpool2d_backward(ut_tensor* grad_out, int h, int w) {
   ut__i64 hw = (ut__i64)h * w;
   return ut__finish(dx, be,
                     be->row_mean_bwd(ut__buf_dtype(grad_out, be), gp, ut__out(dx, be), N * C, hw));
+}
+
+/* ---- channel scales and LayerNorm2d (squeeze-and-excitation, ConvNeXt; issue 30) ---------- */
+/* x: [N, C, ...]; s (named sname) of x's device: [N, C, 1, ..., 1] (per sample), or
+   [C, 1, ..., 1] when shared */
+static int ut__check_chan_scale(const ut_tensor* x, const ut_tensor* s, bool shared,
+                                const char* who, const char* sname) {
+  UT__TRY(ut__check_tensor(x, who, "x"));
+  UT__CHECK(x->shape.ndim >= 2, UT_ERR_SHAPE, "%s: x must be [N, C, ...], got shape %s", who,
+            ut__shape_text(x).s);
+  UT__TRY(ut__check_arg(s, x, -1, who, sname));
+  const int N = x->shape.shape[0], C = x->shape.shape[1];
+  const int lead = shared ? 1 : 2;
+  bool ok = s->shape.ndim >= lead &&
+            (shared ? s->shape.shape[0] == C
+                    : s->shape.shape[0] == N && s->shape.shape[1] == C);
+  for (int i = lead; ok && i < s->shape.ndim; i++) ok = s->shape.shape[i] == 1;
+  if (shared)
+    UT__CHECK(ok, UT_ERR_SHAPE, "%s: %s must be [%d] or [%d, 1, ..., 1] (x has shape %s), got "
+              "shape %s", who, sname, C, C, ut__shape_text(x).s, ut__shape_text(s).s);
+  else
+    UT__CHECK(ok, UT_ERR_SHAPE, "%s: %s must be [%d, %d] or [%d, %d, 1, ..., 1] (x has shape "
+              "%s), got shape %s", who, sname, N, C, N, C, ut__shape_text(x).s,
+              ut__shape_text(s).s);
+  return shared ? ut__check_f32(s, who, sname) : ut__check_dtype_as(s, x, who, sname, "x");
+}
+/* grad_out: x's shape, dtype and device */
+static int ut__check_grad_like(const ut_tensor* go, const ut_tensor* x, const char* who) {
+  UT__TRY(ut__check_arg(go, x, -1, who, "grad_out"));
+  UT__CHECK(ut__same_shape(go, x), UT_ERR_SHAPE,
+            "%s: grad_out has shape %s but x has shape %s (they must match)", who,
+            ut__shape_text(go).s, ut__shape_text(x).s);
+  return ut__check_dtype_as(go, x, who, "grad_out", "x");
+}
+static ut__i64 ut__chan_inner(const ut_tensor* x) {
+  return (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * x->shape.shape[1]);
+}
+
+/* y = x * s per channel (dx = grad_out * s is the same call on grad_out) */
+static ut_tensor* ut__chan_scale(ut_tensor* x, ut_tensor* s, bool shared, const char* who) {
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  const float* sp = xp ? ut__in(s, be) : NULL;
+  if (!sp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  if (!y) return NULL;
+  return ut__finish(y, be, be->chan_scale(ut__buf_dtype(x, be), ut__buf_dtype(s, be), xp, sp,
+                                          ut__out(y, be), x->shape.shape[0], x->shape.shape[1],
+                                          ut__chan_inner(x), shared));
+}
+
+ut_tensor* ut_channel_scale(ut_tensor* x, ut_tensor* s) {
+  const char* who = "ut_channel_scale";
+  if (ut__check_chan_scale(x, s, false, who, "s") < 0) return NULL;
+  return ut__chan_scale(x, s, false, who);
+}
+
+int ut_channel_scale_backward(ut_tensor* grad_out, ut_tensor* x, ut_tensor* s, ut_tensor** dx,
+                              ut_tensor** ds) {
+  const char* who = "ut_channel_scale_backward";
+  if (dx) *dx = NULL;
+  if (ds) *ds = NULL;
+  UT__TRY(ut__check_chan_scale(x, s, false, who, "s"));
+  UT__TRY(ut__check_grad_like(grad_out, x, who));
+  UT__CHECK(!dx || dx != ds, UT_ERR_ARG, "%s: dx and ds must be different pointers", who);
+  ut_tensor* dxt = NULL;
+  if (dx && !(dxt = ut__chan_scale(grad_out, s, false, who))) return ut__err_status;
+  if (ds) {
+    const int N = x->shape.shape[0], C = x->shape.shape[1];
+    const ut__backend* be = ut__backend_for(x->dev);
+    const float* gp = ut__in(grad_out, be);
+    const float* xp = gp ? ut__in(x, be) : NULL;
+    ut_tensor* dst = xp ? ut__new_like(s, who) : NULL;
+    if (!dst) {
+      ut_free(dxt);
+      return ut__err_status;
+    }
+    const ut_dtype dt = ut__buf_dtype(x, be);
+    int rc;
+    if (dt == UT_F32) {
+      rc = be->chan_dot(dt, gp, xp, ut__out(dst, be), N, C, ut__chan_inner(x), false, 0.f);
+    } else {
+      /* the sums are float32: rounded to the activations' type once, at the end */
+      ut_tensor* sum = ut__new(2, (int[]){N, C}, x->dev, who);
+      rc = sum ? be->chan_dot(dt, gp, xp, ut__out(sum, be), N, C, ut__chan_inner(x), false, 0.f)
+               : ut__err_status;
+      if (rc >= 0) rc = be->cast(UT_F32, dt, ut__out(sum, be), ut__out(dst, be), (ut__i64)N * C);
+      ut_free(sum);
+    }
+    if (!ut__finish(dst, be, rc)) {
+      ut_free(dxt);
+      return ut__err_status;
+    }
+    *ds = dst;
+  }
+  if (dx) *dx = dxt;
+  return UT_OK;
+}
+
+ut_tensor* ut_layer_scale(ut_tensor* x, ut_tensor* gamma) {
+  const char* who = "ut_layer_scale";
+  if (ut__check_chan_scale(x, gamma, true, who, "gamma") < 0) return NULL;
+  return ut__chan_scale(x, gamma, true, who);
+}
+
+ut_tensor* ut_layer_scale_backward(ut_tensor* grad_out, ut_tensor* x, ut_tensor* gamma,
+                                   ut_tensor* dgamma) {
+  const char* who = "ut_layer_scale_backward";
+  if (ut__check_chan_scale(x, gamma, true, who, "gamma") < 0 ||
+      ut__check_grad_like(grad_out, x, who) < 0)
+    return NULL;
+  const int N = x->shape.shape[0], C = x->shape.shape[1];
+  if (dgamma && (ut__check_arg(dgamma, x, C, who, "dgamma") < 0 ||
+                 ut__check_f32(dgamma, who, "dgamma") < 0 ||
+                 ut__check_distinct(gamma, dgamma, who, "gamma", "dgamma") < 0))
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* gp = ut__in(grad_out, be);
+  const float* xp = gp ? ut__in(x, be) : NULL;
+  const float* sp = xp ? ut__in(gamma, be) : NULL;
+  float* dgp = (sp && dgamma) ? ut__inout(dgamma, be) : NULL;
+  if (!sp || (dgamma && !dgp)) return NULL;
+  ut_tensor* dx = ut__new_like(x, who);
+  if (!dx) return NULL;
+  const ut_dtype dt = ut__buf_dtype(x, be);
+  int rc = be->chan_scale(dt, UT_F32, gp, sp, ut__out(dx, be), N, C, ut__chan_inner(x), true);
+  if (rc >= 0 && dgp) rc = be->chan_dot(dt, gp, xp, dgp, N, C, ut__chan_inner(x), true, 1.f);
+  return ut__backward_done(rc, be, dx, dgamma, dgp, NULL, NULL);
+}
+
+static int ut__check_layernorm2d(const ut_layernorm* l, const ut_tensor* x, const char* who) {
+  UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
+  UT__CHECK(l->dim >= 1, UT_ERR_ARG, "%s: invalid dim %d", who, l->dim);
+  UT__TRY(ut__check_eps(l->eps, who));
+  UT__CHECK(l->bias, UT_ERR_ARG, "%s: the layer's bias is NULL", who);
+  UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
+  UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
+  UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->dim, UT_ERR_SHAPE,
+            "%s: x must be [N, %d, H, W], got shape %s", who, l->dim, ut__shape_text(x).s);
+  return UT_OK;
+}
+
+ut_tensor* ut_layernorm2d_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cache* cache) {
+  const char* who = "ut_layernorm2d_forward";
+  if (ut__check_layernorm2d(l, x, who) < 0) return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  const int N = x->shape.shape[0], H = x->shape.shape[2], W = x->shape.shape[3];
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = wp ? ut__in(l->bias, be) : NULL;
+  if (!bp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  ut_tensor* mean = y ? ut__new(3, (int[]){N, H, W}, x->dev, who) : NULL;
+  ut_tensor* rstd = mean ? ut__new(3, (int[]){N, H, W}, x->dev, who) : NULL;
+  int rc = rstd ? be->ln2d_fwd(ut__buf_dtype(x, be), xp, wp, bp, ut__out(y, be),
+                               ut__out(mean, be), ut__out(rstd, be), N, l->dim,
+                               (ut__i64)H * W, l->eps)
+                : ut__err_status;
+  if (rc < 0 || !cache) {
+    ut_free_all(mean, rstd);
+    return ut__finish(y, be, rc);
+  }
+  ut__wrote(y, be);
+  ut__wrote(mean, be);
+  ut__wrote(rstd, be);
+  cache->input = ut_retain(x);
+  cache->mean = mean;
+  cache->rstd = rstd;
+  return y;
+}
+
+ut_tensor* ut_layernorm2d_backward(ut_layernorm* l, ut_layernorm_cache* cache,
+                                   ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db) {
+  const char* who = "ut_layernorm2d_backward";
+  UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
+                 "%s: the cache is empty (run forward with a cache first)", who);
+  ut_tensor* x = cache->input;
+  if (ut__check_layernorm2d(l, x, who) < 0 || ut__check_grad_like(grad_out, x, who) < 0)
+    return NULL;
+  const int N = x->shape.shape[0], H = x->shape.shape[2], W = x->shape.shape[3];
+  const int pos = x->shape.nelem / l->dim;
+  if (ut__check_arg(cache->mean, x, pos, who, "cache->mean") < 0 ||
+      ut__check_arg(cache->rstd, x, pos, who, "cache->rstd") < 0 ||
+      (dW && ut__check_arg(dW, x, l->dim, who, "dW") < 0) ||
+      (db && ut__check_arg(db, x, l->dim, who, "db") < 0) ||
+      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
+    return NULL;
+  UT__CHECK_NULL(cache->mean->shape.ndim == 3 && cache->rstd->shape.ndim == 3, UT_ERR_ARG,
+                 "%s: the cache was filled by ut_layernorm_forward (rows), not "
+                 "ut_layernorm2d_forward", who);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* gop = ut__in(grad_out, be);
+  const float* xp = gop ? ut__in(x, be) : NULL;
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
+  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
+  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
+  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
+  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut_tensor* dx = ut__new_like(x, who);
+  if (!dx) return NULL;
+  int rc = be->ln2d_bwd(ut__buf_dtype(x, be), gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, N,
+                        l->dim, (ut__i64)H * W);
+  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 /* ---- losses ------------------------------------------------------------------------------- */
@@ -5265,6 +5520,209 @@ UT__CPU_OPT static int ut__cpu_layernorm_bwd(const float* go, const float* x, co
   return UT_OK;
 }
 
+/* ---- channel scales and LayerNorm2d (issue 30); x: [n, c, inner] ------------------------- */
+typedef struct {
+  const float* x;
+  const float* b; /* chan_scale: s; chan_dot: the second factor */
+  float* y;       /* chan_scale: y; chan_dot: out */
+  int n, c;
+  ut__i64 inner;
+  bool shared;
+  float beta;
+} ut__cpu_cscale_ctx;
+UT__CPU_OPT static void ut__cpu_chan_scale_part(void* vc, int tid, int nt) {
+  const ut__cpu_cscale_ctx* c = (const ut__cpu_cscale_ctx*)vc;
+  const ut__i64 inner = c->inner;
+  ut__i64 lo, hi;
+  ut__cpu_part((ut__i64)c->n * c->c, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) {
+    const float s = c->b[c->shared ? r % c->c : r];
+    const float* xr = c->x + r * inner;
+    float* yr = c->y + r * inner;
+    for (ut__i64 k = 0; k < inner; k++) yr[k] = xr[k] * s;
+  }
+}
+static int ut__cpu_chan_scale_f32(const float* x, const float* s, float* y, int n, int c,
+                                  ut__i64 inner, bool shared) {
+  ut__cpu_cscale_ctx ctx = {x, s, y, n, c, inner, shared, 0.f};
+  ut__parallel_run(ut__cpu_nt((double)n * c * inner), ut__cpu_chan_scale_part, &ctx);
+  return UT_OK;
+}
+UT__CPU_INL double ut__cpu_dot_body(const float* restrict a, const float* restrict b,
+                                    ut__i64 n) {
+  double t = 0.0;
+  for (ut__i64 k = 0; k < n; k++) t += (double)a[k] * b[k];
+  return t;
+}
+/* per sample: a part of the rows (n, c); shared: a part of the channels, each summed over the
+   samples in order */
+UT__CPU_OPT static void ut__cpu_chan_dot_part(void* vc, int tid, int nt) {
+  const ut__cpu_cscale_ctx* c = (const ut__cpu_cscale_ctx*)vc;
+  const ut__i64 inner = c->inner;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->shared ? c->c : (ut__i64)c->n * c->c, tid, nt, &lo, &hi);
+  for (ut__i64 r = lo; r < hi; r++) {
+    double t = 0.0;
+    if (c->shared)
+      for (int i = 0; i < c->n; i++) {
+        const ut__i64 off = ((ut__i64)i * c->c + r) * inner;
+        t += ut__cpu_dot_body(c->x + off, c->b + off, inner);
+      }
+    else
+      t = ut__cpu_dot_body(c->x + r * inner, c->b + r * inner, inner);
+    c->y[r] = (c->beta != 0.f ? c->y[r] : 0.f) + (float)t;
+  }
+}
+static int ut__cpu_chan_dot_f32(const float* a, const float* b, float* out, int n, int c,
+                                ut__i64 inner, bool shared, float beta) {
+  ut__cpu_cscale_ctx ctx = {a, b, out, n, c, inner, shared, beta};
+  int nt = ut__cpu_nt((double)n * c * inner);
+  nt = (int)UT__CPU_MIN((ut__i64)nt, shared ? (ut__i64)c : (ut__i64)n * c);
+  ut__parallel_run(nt < 1 ? 1 : nt, ut__cpu_chan_dot_part, &ctx);
+  return UT_OK;
+}
+
+/* LayerNorm2d walks blocks of UT__CPU_LN2D_KB positions of one sample, channel by channel:
+   each channel's run of positions is contiguous (an NCHW tensor's channel stride is inner),
+   so the per-position sums stay in a small local array instead of striding through memory. */
+#define UT__CPU_LN2D_KB 256
+typedef struct {
+  const float* go;
+  const float* x;
+  const float* gamma;
+  const float* beta;
+  float* y; /* forward: y; backward: dx */
+  float* mean;
+  float* rstd;
+  float* dgamma;
+  float* dbeta;
+  int n, c;
+  ut__i64 inner;
+  float eps;
+} ut__cpu_ln2d_ctx;
+static ut__i64 ut__cpu_ln2d_units(const ut__cpu_ln2d_ctx* c) {
+  return (ut__i64)c->n * ((c->inner + UT__CPU_LN2D_KB - 1) / UT__CPU_LN2D_KB);
+}
+UT__CPU_OPT static void ut__cpu_ln2d_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_ln2d_ctx* c = (const ut__cpu_ln2d_ctx*)vc;
+  const ut__i64 inner = c->inner, kblocks = (inner + UT__CPU_LN2D_KB - 1) / UT__CPU_LN2D_KB;
+  const int C = c->c;
+  ut__i64 lo, hi;
+  ut__cpu_part(ut__cpu_ln2d_units(c), tid, nt, &lo, &hi);
+  for (ut__i64 u = lo; u < hi; u++) {
+    const ut__i64 i = u / kblocks, k0 = (u % kblocks) * UT__CPU_LN2D_KB;
+    const int kn = (int)UT__CPU_MIN((ut__i64)UT__CPU_LN2D_KB, inner - k0);
+    const float* xs = c->x + i * C * inner + k0;
+    float* ys = c->y + i * C * inner + k0;
+    double s1[UT__CPU_LN2D_KB], s2[UT__CPU_LN2D_KB];
+    float m[UT__CPU_LN2D_KB], rs[UT__CPU_LN2D_KB];
+    for (int k = 0; k < kn; k++) s1[k] = s2[k] = 0.0;
+    for (int j = 0; j < C; j++)
+      for (int k = 0; k < kn; k++) s1[k] += xs[(ut__i64)j * inner + k];
+    for (int k = 0; k < kn; k++) s1[k] /= C;
+    for (int j = 0; j < C; j++)
+      for (int k = 0; k < kn; k++) {
+        const double d = xs[(ut__i64)j * inner + k] - s1[k];
+        s2[k] += d * d;
+      }
+    for (int k = 0; k < kn; k++) {
+      m[k] = (float)s1[k];
+      rs[k] = (float)(1.0 / sqrt(s2[k] / C + (double)c->eps));
+      c->mean[i * inner + k0 + k] = m[k];
+      c->rstd[i * inner + k0 + k] = rs[k];
+    }
+    for (int j = 0; j < C; j++) {
+      const float g = c->gamma[j], b = c->beta[j];
+      for (int k = 0; k < kn; k++)
+        ys[(ut__i64)j * inner + k] = (xs[(ut__i64)j * inner + k] - m[k]) * rs[k] * g + b;
+    }
+  }
+}
+static int ut__cpu_ln2d_fwd_f32(const float* x, const float* gamma, const float* beta, float* y,
+                                float* mean, float* rstd, int n, int c, ut__i64 inner,
+                                float eps) {
+  ut__cpu_ln2d_ctx ctx = {NULL, x, gamma, beta, y, mean, rstd, NULL, NULL, n, c, inner, eps};
+  int nt = (int)UT__CPU_MIN((ut__i64)ut__cpu_nt((double)n * c * inner), ut__cpu_ln2d_units(&ctx));
+  ut__parallel_run(nt < 1 ? 1 : nt, ut__cpu_ln2d_fwd_part, &ctx);
+  return UT_OK;
+}
+/* dx = rstd (g - mean_j(g) - xhat mean_j(g xhat)), g = go gamma, as the rows layernorm */
+UT__CPU_OPT static void ut__cpu_ln2d_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_ln2d_ctx* c = (const ut__cpu_ln2d_ctx*)vc;
+  const ut__i64 inner = c->inner, kblocks = (inner + UT__CPU_LN2D_KB - 1) / UT__CPU_LN2D_KB;
+  const int C = c->c;
+  ut__i64 lo, hi;
+  ut__cpu_part(ut__cpu_ln2d_units(c), tid, nt, &lo, &hi);
+  for (ut__i64 u = lo; u < hi; u++) {
+    const ut__i64 i = u / kblocks, k0 = (u % kblocks) * UT__CPU_LN2D_KB;
+    const int kn = (int)UT__CPU_MIN((ut__i64)UT__CPU_LN2D_KB, inner - k0);
+    const float* xs = c->x + i * C * inner + k0;
+    const float* gs = c->go + i * C * inner + k0;
+    float* ds = c->y + i * C * inner + k0;
+    const float* m = c->mean + i * inner + k0;
+    const float* rs = c->rstd + i * inner + k0;
+    double s1[UT__CPU_LN2D_KB], s2[UT__CPU_LN2D_KB];
+    float a[UT__CPU_LN2D_KB], b[UT__CPU_LN2D_KB];
+    for (int k = 0; k < kn; k++) s1[k] = s2[k] = 0.0;
+    for (int j = 0; j < C; j++) {
+      const float g = c->gamma[j];
+      for (int k = 0; k < kn; k++) {
+        const ut__i64 e = (ut__i64)j * inner + k;
+        const double gg = (double)gs[e] * g;
+        s1[k] += gg;
+        s2[k] += gg * (double)((xs[e] - m[k]) * rs[k]);
+      }
+    }
+    for (int k = 0; k < kn; k++) {
+      a[k] = (float)(s1[k] / C);
+      b[k] = (float)(s2[k] / C);
+    }
+    for (int j = 0; j < C; j++) {
+      const float g = c->gamma[j];
+      for (int k = 0; k < kn; k++) {
+        const ut__i64 e = (ut__i64)j * inner + k;
+        const float xh = (xs[e] - m[k]) * rs[k];
+        ds[e] = rs[k] * (gs[e] * g - a[k] - xh * b[k]);
+      }
+    }
+  }
+}
+/* dgamma, dbeta: a part of the channels, each summed over samples and positions in order */
+UT__CPU_OPT static void ut__cpu_ln2d_params_part(void* vc, int tid, int nt) {
+  const ut__cpu_ln2d_ctx* c = (const ut__cpu_ln2d_ctx*)vc;
+  const ut__i64 inner = c->inner;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->c, tid, nt, &lo, &hi);
+  for (ut__i64 j = lo; j < hi; j++) {
+    double ag = 0.0, ab = 0.0;
+    for (int i = 0; i < c->n; i++) {
+      const ut__i64 off = ((ut__i64)i * c->c + j) * inner;
+      const float* m = c->mean + (ut__i64)i * inner;
+      const float* rs = c->rstd + (ut__i64)i * inner;
+      for (ut__i64 k = 0; k < inner; k++) {
+        const float g = c->go[off + k];
+        ag += (double)(g * ((c->x[off + k] - m[k]) * rs[k]));
+        ab += (double)g;
+      }
+    }
+    if (c->dgamma) c->dgamma[j] += (float)ag;
+    if (c->dbeta) c->dbeta[j] += (float)ab;
+  }
+}
+static int ut__cpu_ln2d_bwd_f32(const float* go, const float* x, const float* gamma,
+                                const float* mean, const float* rstd, float* dx, float* dgamma,
+                                float* dbeta, int n, int c, ut__i64 inner) {
+  ut__cpu_ln2d_ctx ctx = {go, x, gamma, NULL, dx, (float*)mean, (float*)rstd, dgamma, dbeta,
+                          n, c, inner, 0.f};
+  const int nt0 = ut__cpu_nt((double)n * c * inner);
+  int nt = (int)UT__CPU_MIN((ut__i64)nt0, ut__cpu_ln2d_units(&ctx));
+  if (dx) ut__parallel_run(nt < 1 ? 1 : nt, ut__cpu_ln2d_bwd_part, &ctx);
+  if (!dgamma && !dbeta) return UT_OK;
+  nt = UT__CPU_MIN(nt0, c);
+  ut__parallel_run(nt < 1 ? 1 : nt, ut__cpu_ln2d_params_part, &ctx);
+  return UT_OK;
+}
+
 /* ---- batch norm (x: [n, c, inner]); every reduction is per channel, one thread each ---- */
 
 /* The arguments of the batch norm ops (x: [n, c, inner]); each uses its own. */
@@ -6004,6 +6462,32 @@ static int ut__cpu_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const f
                       : ut__cpu_no_dtype("bn_bwd_dx", dt);
 }
 
+/* channel scales and LayerNorm2d (issue 30) */
+static int ut__cpu_chan_scale(ut_dtype dt, ut_dtype s_dt, const void* x, const void* s, void* y,
+                              int n, int c, ut__i64 inner, bool shared) {
+  if (s_dt != UT_F32) return ut__cpu_no_dtype("chan_scale", s_dt);
+  return dt == UT_F32 ? ut__cpu_chan_scale_f32(x, s, y, n, c, inner, shared)
+                      : ut__cpu_no_dtype("chan_scale", dt);
+}
+static int ut__cpu_chan_dot(ut_dtype dt, const void* a, const void* b, float* out, int n, int c,
+                            ut__i64 inner, bool shared, float beta) {
+  return dt == UT_F32 ? ut__cpu_chan_dot_f32(a, b, out, n, c, inner, shared, beta)
+                      : ut__cpu_no_dtype("chan_dot", dt);
+}
+static int ut__cpu_ln2d_fwd(ut_dtype dt, const void* x, const float* gamma, const float* beta,
+                            void* y, float* mean, float* rstd, int n, int c, ut__i64 inner,
+                            float eps) {
+  return dt == UT_F32 ? ut__cpu_ln2d_fwd_f32(x, gamma, beta, y, mean, rstd, n, c, inner, eps)
+                      : ut__cpu_no_dtype("ln2d_fwd", dt);
+}
+static int ut__cpu_ln2d_bwd(ut_dtype dt, const void* go, const void* x, const float* gamma,
+                            const float* mean, const float* rstd, void* dx, float* dgamma,
+                            float* dbeta, int n, int c, ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_ln2d_bwd_f32(go, x, gamma, mean, rstd, dx, dgamma, dbeta, n, c,
+                                             inner)
+                      : ut__cpu_no_dtype("ln2d_bwd", dt);
+}
+
 static const ut__backend ut__cpu_backend = {
     .name = "cpu",
     .mem_alloc = NULL,
@@ -6034,6 +6518,10 @@ static const ut__backend ut__cpu_backend = {
     .dw_bwd_dw = ut__cpu_dw_bwd_dw,
     .layernorm_fwd = ut__cpu_layernorm_fwd,
     .layernorm_bwd = ut__cpu_layernorm_bwd,
+    .chan_scale = ut__cpu_chan_scale, /* issue 30: channel scales, LayerNorm2d */
+    .chan_dot = ut__cpu_chan_dot,
+    .ln2d_fwd = ut__cpu_ln2d_fwd,
+    .ln2d_bwd = ut__cpu_ln2d_bwd,
     .bn_stats = ut__cpu_bn_stats,
     .bn_update_running = ut__cpu_bn_update_running,
     .bn_apply = ut__cpu_bn_apply,

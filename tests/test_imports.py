@@ -41,7 +41,7 @@ LAYERS = [
     ["nn.module", "nn.parameter"],
     ["nn._clayer", "nn.activation", "nn.pooling", "nn.container", "nn.loss"],
     ["nn.conv", "nn.linear", "nn.norm", "nn.blocks", "nn.amp"],
-    ["nn.sync_batchnorm"],
+    ["nn.sync_batchnorm", "nn.squeeze_excitation"],
     ["nn"],
     ["optim", "nn.models"],
     ["data.datasets", "data.transforms", "data.shm_ring", "interop", "cli", "testing"],

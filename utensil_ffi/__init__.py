@@ -102,6 +102,15 @@ from .tensor import (
     zeros,
 )
 
+# issue 30: squeeze-and-excitation's channel scale, ConvNeXt's LayerNorm2d and layer scale
+from .functional import (
+    channel_scale,
+    channel_scale_backward,
+    layer_scale,
+    layer_scale_backward,
+)
+from .nn import LayerNorm2d, SqueezeExcitation
+
 from . import _compat
 
 _compat.install(__name__)  # the old module paths (utensil_ffi.layers, ...): see _compat.py
@@ -132,4 +141,8 @@ __all__ = [
     # errors
     "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
     "OutOfMemoryError", "DeviceError",
+]
+__all__ += [  # issue 30: squeeze-and-excitation, ConvNeXt
+    "LayerNorm2d", "SqueezeExcitation", "channel_scale", "channel_scale_backward", "layer_scale",
+    "layer_scale_backward",
 ]

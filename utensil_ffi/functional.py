@@ -487,3 +487,49 @@ def add_backward(grad_out):
         grad_out = Tensor(_args.to_float_array(grad_out, "add_backward: grad_out"))
         return grad_out, grad_out.clone()
     return grad_out.clone(), grad_out.clone()
+
+
+# -- channel scales: squeeze-and-excitation and ConvNeXt's layer scale (issue 30) ----------------
+__all__ += ["channel_scale", "channel_scale_backward", "layer_scale", "layer_scale_backward"]
+
+
+def channel_scale(x, s):
+    """x: [N, C, ...] times s: [N, C] or [N, C, 1, 1] per sample and channel
+    (squeeze-and-excitation's last step); s has x's dtype."""
+    return _binary("channel_scale", lib.ut_channel_scale, x, s, "x", "s")
+
+
+def channel_scale_backward(grad_out, x, s, *, input_grad=True):
+    """The gradients of ``channel_scale(x, s)``: ``(dx, ds)``, dx = grad_out * s (like x),
+    ds[n, c] = sum of grad_out * x over the positions (like s; summed in float32). With
+    ``input_grad=False`` dx is not computed: ``(None, ds)``."""
+    input_grad = _args.to_bool(input_grad, "input_grad")
+    with _Args("channel_scale_backward") as a:
+        gp, xp, sp = a.ptrs((grad_out, "grad_out"), (x, "x"), (s, "s"))
+        out = ffi.new("ut_tensor*[2]")
+        if lib.ut_channel_scale_backward(gp, xp, sp, out if input_grad else _NULL, out + 1) < 0:
+            fail("channel_scale_backward", gp, xp, sp)
+        return (_wrap(out[0]) if input_grad else None), _wrap(out[1])
+
+
+def layer_scale(x, gamma):
+    """x: [N, C, ...] times the float32 parameter gamma: [C] or [C, 1, 1] (ConvNeXt's
+    ``layer_scale``, torchvision's shape [C, 1, 1])."""
+    return _binary("layer_scale", lib.ut_layer_scale, x, gamma, "x", "gamma")
+
+
+def layer_scale_backward(grad_out, x, gamma, dgamma=None):
+    """dx = grad_out * gamma; when ``dgamma`` (a float32 Tensor of C elements, e.g. the
+    parameter's ``grad``) is given, ``dgamma += sum over n, h, w of grad_out * x`` in place."""
+    if dgamma is not None and not isinstance(dgamma, Tensor):
+        raise ArgumentTypeError("layer_scale_backward: dgamma must be a Tensor or None, got %s"
+                                % type(dgamma).__name__)
+    named = [(grad_out, "grad_out"), (x, "x"), (gamma, "gamma")]
+    if dgamma is not None:
+        named.append((dgamma, "dgamma"))
+    with _Args("layer_scale_backward") as a:
+        ps = a.ptrs(*named)
+        r = lib.ut_layer_scale_backward(ps[0], ps[1], ps[2], ps[3] if dgamma is not None else _NULL)
+        if r == _NULL:
+            fail("layer_scale_backward", *ps)
+        return _wrap(r)

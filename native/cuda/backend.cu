@@ -383,6 +383,10 @@ static void ut__cuda_init(void) {
   t->dw_bwd_dw = ut__cuda_dw_bwd_dw;
   t->layernorm_fwd = ut__cuda_layernorm_fwd;
   t->layernorm_bwd = ut__cuda_layernorm_bwd;
+  t->chan_scale = ut__cuda_chan_scale; /* issue 30: scale.cu */
+  t->chan_dot = ut__cuda_chan_dot;
+  t->ln2d_fwd = ut__cuda_ln2d_fwd;
+  t->ln2d_bwd = ut__cuda_ln2d_bwd;
   t->bn_stats = ut__cuda_bn_stats;
   t->bn_update_running = ut__cuda_bn_update_running;
   t->bn_apply = ut__cuda_bn_apply;

@@ -23,6 +23,7 @@
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
      optim.cu         sgd, adam, and sgd and fill over many tensors per launch
+     scale.cu         channel scales (squeeze-and-excitation, layer scale), LayerNorm2d
      nccl.cu          ut_dist_*: NCCL loaded at run time (all-reduce, broadcast)
 
    Naming
@@ -309,6 +310,17 @@ int ut__cuda_bn_sync_pack(const float* mean, const float* var, const float* a, f
                           float count);
 int ut__cuda_bn_sync_unpack(const float* a, const float* b, float* mean, float* var,
                             float* running_mean, float* running_var, int c, float momentum);
+
+/* scale.cu (issue 30): channel scales (squeeze-and-excitation, layer scale), LayerNorm2d */
+int ut__cuda_chan_scale(ut_dtype dt, ut_dtype s_dt, const void* x, const void* s, void* y, int n,
+                        int c, ut__i64 inner, bool shared);
+int ut__cuda_chan_dot(ut_dtype dt, const void* a, const void* b, float* out, int n, int c,
+                      ut__i64 inner, bool shared, float beta);
+int ut__cuda_ln2d_fwd(ut_dtype dt, const void* x, const float* gamma, const float* beta, void* y,
+                      float* mean, float* rstd, int n, int c, ut__i64 inner, float eps);
+int ut__cuda_ln2d_bwd(ut_dtype dt, const void* go, const void* x, const float* gamma,
+                      const float* mean, const float* rstd, void* dx, float* dgamma,
+                      float* dbeta, int n, int c, ut__i64 inner);
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,

@@ -13,13 +13,14 @@ state dicts and threads work for all of them:
     _clayer.py         _CLayer: the base of the layers over a C struct
     conv.py            Conv2d, DWConv2d
     linear.py          Linear
-    norm.py            LayerNorm, BatchNorm2d
+    norm.py            LayerNorm, LayerNorm2d, BatchNorm2d
     activation.py      ReLU, ReLU6
     pooling.py         GlobalAvgPool2d
     container.py       Sequential
     loss.py            MSELoss, CrossEntropyLoss
     amp.py             MixedPrecision: bfloat16 activations around float32 weights
     blocks.py          Residual
+    squeeze_excitation.py  SqueezeExcitation (torchvision.ops.SqueezeExcitation)
     sync_batchnorm.py  SyncBatchNorm (the statistics of every rank's batch)
     models.py          network builders (mobilenet, mobilenet_v1, mobilenet_v2), as
                        torchvision.models; imported on use: ``from utensil_ffi.nn import models``
@@ -33,9 +34,10 @@ from .conv import Conv2d, DWConv2d
 from .linear import Linear
 from .loss import CrossEntropyLoss, MSELoss
 from .module import Module
-from .norm import BatchNorm2d, LayerNorm
+from .norm import BatchNorm2d, LayerNorm, LayerNorm2d
 from .parameter import Parameter
 from .pooling import GlobalAvgPool2d
+from .squeeze_excitation import SqueezeExcitation
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
@@ -43,3 +45,4 @@ __all__ = [
     "ReLU6", "GlobalAvgPool2d", "Sequential", "MSELoss", "CrossEntropyLoss", "MixedPrecision",
     "Residual", "SyncBatchNorm",
 ]
+__all__ += ["LayerNorm2d", "SqueezeExcitation"]  # issue 30: squeeze-and-excitation, ConvNeXt

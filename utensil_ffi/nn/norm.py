@@ -1,5 +1,6 @@
-"""Normalization: LayerNorm (over the last dimension) and BatchNorm2d (over N, H, W per channel,
-with running statistics and an optional fused ReLU/ReLU6)."""
+"""Normalization: LayerNorm (over the last dimension), LayerNorm2d (over the channels of NCHW:
+ConvNeXt's) and BatchNorm2d (over N, H, W per channel, with running statistics and an optional
+fused ReLU/ReLU6)."""
 
 from .. import _args
 from .._errors import ArgumentError
@@ -7,7 +8,7 @@ from .._lib import ffi, lib
 from ..tensor import Tensor
 from ._clayer import _CLayer, _TensorField
 
-__all__ = ["LayerNorm", "BatchNorm2d"]
+__all__ = ["LayerNorm", "LayerNorm2d", "BatchNorm2d"]
 
 
 class LayerNorm(_CLayer):
@@ -31,6 +32,19 @@ class LayerNorm(_CLayer):
 
     def _describe(self):
         return "%d, eps=%g" % (self.dim, self.eps)
+
+
+class LayerNorm2d(LayerNorm):
+    """x: [N, C, H, W] -> same shape, each (n, h, w) normalized over the C channels; weight,
+    bias: [C] (torchvision.models.convnext.LayerNorm2d, whose eps ConvNeXt sets to 1e-6; the
+    same state_dict keys, weight and bias). Activations float32 or bfloat16 (statistics in
+    float32); one pass over NCHW in place of PyTorch's permute, LayerNorm, permute back."""
+
+    _c_forward = lib.ut_layernorm2d_forward
+    _c_backward = lib.ut_layernorm2d_backward
+
+    def __init__(self, normalized_shape, eps=1e-6, device="cpu"):
+        super().__init__(normalized_shape, eps, device)
 
 
 class BatchNorm2d(_CLayer):

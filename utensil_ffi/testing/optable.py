@@ -1291,11 +1291,209 @@ ADAM_STEP = OpInfo(
 )
 
 
+# -- squeeze-and-excitation and ConvNeXt (issue 30) -----------------------------------------------
+class _ScaleRunner:
+    """channel_scale and layer_scale: two operands, x and a scale (``names``); ``fwd(x, s)`` ->
+    y, ``bwd(go, x, s)`` -> {name: gradient Tensor}."""
+
+    def __init__(self, device, names, fwd, bwd):
+        self.device, self.names, self.fwd, self.bwd = device, names, fwd, bwd
+
+    def _tensors(self, inputs, dtype=None):
+        import utensil_ffi as ut
+
+        return [ut.tensor(inputs[k], self.device, _dtype_of(dtype, k)) for k in self.names]
+
+    def forward(self, inputs, dtype=None):
+        ts = self._tensors(inputs, dtype)
+        try:
+            with self.fwd(*ts) as y:
+                return y.numpy().astype(np.float64)
+        finally:
+            for t in ts:
+                t.close()
+
+    def backward(self, inputs, go):
+        import utensil_ffi as ut
+
+        ts = self._tensors(inputs)
+        try:
+            with self.fwd(*ts) as y, ut.tensor(go, self.device) as g:
+                out = y.numpy().astype(np.float64)
+                grads = self.bwd(g, *ts)
+            try:
+                return out, {k: t.numpy().astype(np.float64) for k, t in grads.items()}
+            finally:
+                for t in grads.values():
+                    t.close()
+        finally:
+            for t in ts:
+                t.close()
+
+    def close(self):
+        pass
+
+
+def _channel_scale_bwd(ut, g, x, s):
+    dx, ds = ut.channel_scale_backward(g, x, s)
+    return {"x": dx, "s": ds}
+
+
+def _layer_scale_bwd(ut, g, x, gamma):
+    dgamma = ut.zeros(gamma.shape, gamma.device)
+    return {"x": ut.layer_scale_backward(g, x, gamma, dgamma), "gamma": dgamma}
+
+
+def _nchw(g):
+    return (g["n"], g["c"], g["h"], g["w"])
+
+
+CHANNEL_SCALE = OpInfo(
+    "channel_scale",
+    functions=("channel_scale", "channel_scale_backward"),
+    defaults=dict(n=2, c=3, h=4, w=5),
+    shapes=lambda g: {"x": _nchw(g), "s": (g["n"], g["c"], 1, 1)},
+    sample_inputs=lambda rng, g: ({"x": _f32(rng, *_nchw(g)),
+                                   "s": _f32(rng, g["n"], g["c"], 1, 1)}, {}),
+    reference=lambda a, k, g: R.channel_scale(a["x"], a["s"]),
+    describe=lambda g: "x[%d,%d,%d,%d]" % _nchw(g),
+    runner=lambda ut, g, k, dev: _ScaleRunner(dev, ("x", "s"), ut.channel_scale,
+                                              lambda go, x, s: _channel_scale_bwd(ut, go, x, s)),
+    grad=("x", "s"),
+    samples=[
+        Sample(dict(n=2, c=3, h=4, w=5), {"selftest", "gradcheck"}),
+        Sample(dict(n=1, c=5, h=1, w=1), {"gradcheck"}),
+        Sample(dict(n=3, c=2, h=7, w=3), {"gradcheck"}),
+        Sample(dict(n=4, c=33, h=9, w=9), {"reference"}),
+    ],
+    bf16=Bf16(kernel="exact", operands=("x", "s")),  # s is an activation: x's dtype
+    errors=[
+        ErrorCase("channel_scale", lambda ut: ut.channel_scale(_t(ut, 2, 3, 4, 4), _t(ut, 3)),
+                  "ShapeError", "s must be [2, 3] or [2, 3, 1, ..., 1]"),
+        ErrorCase("channel_scale", lambda ut: ut.channel_scale(_t(ut, 2, 3, 4, 4),
+                                                               _t(ut, 2, 3, 2, 1)),
+                  "ShapeError", "got shape [2, 3, 2, 1]"),
+        ErrorCase("channel_scale", lambda ut: ut.channel_scale(_t(ut, 6), _t(ut, 6)),
+                  "ShapeError", "x must be [N, C, ...]"),
+        ErrorCase("channel_scale",
+                  lambda ut: ut.channel_scale(_t(ut, 2, 3, 4, 4),
+                                              ut.zeros((2, 3), dtype=ut.bfloat16)),
+                  "ArgumentError", "s is bfloat16 but x is float32"),
+        ErrorCase("channel_scale_backward",
+                  lambda ut: ut.channel_scale_backward(_t(ut, 2, 3, 4, 5), _t(ut, 2, 3, 4, 4),
+                                                       _t(ut, 2, 3)),
+                  "ShapeError", "grad_out has shape [2, 3, 4, 5] but x has shape [2, 3, 4, 4]"),
+        ErrorCase("channel_scale_backward",
+                  lambda ut: ut.channel_scale_backward(_t(ut, 2, 3, 4, 4), _t(ut, 2, 3, 4, 4),
+                                                       _t(ut, 3, 2)),
+                  "ShapeError", "s must be [2, 3]"),
+        ErrorCase("SqueezeExcitation", lambda ut: ut.SqueezeExcitation(0, 2, ut.ReLU, ut.ReLU6),
+                  "ArgumentError", "input_channels"),
+        ErrorCase("SqueezeExcitation", lambda ut: ut.SqueezeExcitation(4, 2, 3, ut.ReLU6),
+                  "ArgumentTypeError", "activation must be a Module class"),
+        ErrorCase("SqueezeExcitation.forward",
+                  lambda ut: ut.SqueezeExcitation(4, 2, ut.ReLU, ut.ReLU6)(_t(ut, 2, 3, 4, 4)),
+                  "ShapeError", "x has 3 channels, the layer expects 4"),
+        ErrorCase("SqueezeExcitation.backward",
+                  lambda ut: ut.SqueezeExcitation(4, 2, ut.ReLU, ut.ReLU6).backward(
+                      _t(ut, 2, 4, 3, 3)), "ArgumentError", "no forward pass"),
+    ],
+)
+
+LAYER_SCALE = OpInfo(
+    "layer_scale",
+    functions=("layer_scale", "layer_scale_backward"),
+    defaults=dict(n=2, c=3, h=4, w=5),
+    shapes=lambda g: {"x": _nchw(g), "gamma": (g["c"], 1, 1)},
+    sample_inputs=lambda rng, g: ({"x": _f32(rng, *_nchw(g)),
+                                   "gamma": _f32(rng, g["c"], 1, 1)}, {}),
+    reference=lambda a, k, g: R.layer_scale(a["x"], a["gamma"]),
+    describe=lambda g: "x[%d,%d,%d,%d]" % _nchw(g),
+    runner=lambda ut, g, k, dev: _ScaleRunner(dev, ("x", "gamma"), ut.layer_scale,
+                                              lambda go, x, s: _layer_scale_bwd(ut, go, x, s)),
+    grad=("x", "gamma"),
+    samples=[
+        Sample(dict(n=2, c=3, h=4, w=5), {"selftest", "gradcheck"}),
+        Sample(dict(n=3, c=4, h=1, w=2), {"gradcheck"}),
+        Sample(dict(n=1, c=2, h=5, w=5), {"gradcheck"}),
+        Sample(dict(n=4, c=33, h=9, w=9), {"reference"}),
+    ],
+    bf16=Bf16(kernel="exact"),  # gamma is a parameter: float32
+    errors=[
+        ErrorCase("layer_scale", lambda ut: ut.layer_scale(_t(ut, 2, 3, 4, 4), _t(ut, 2, 3)),
+                  "ShapeError", "gamma must be [3] or [3, 1, ..., 1]"),
+        ErrorCase("layer_scale",
+                  lambda ut: ut.layer_scale(_t(ut, 2, 3, 4, 4), ut.zeros((3,), dtype=ut.bfloat16)),
+                  "ArgumentError", "gamma is bfloat16, and it must be float32"),
+        ErrorCase("layer_scale_backward",
+                  lambda ut: ut.layer_scale_backward(_t(ut, 2, 3, 4, 4), _t(ut, 2, 3, 4, 4),
+                                                     _t(ut, 3, 1, 1), _t(ut, 4)),
+                  "ShapeError", "dgamma must have 3 elements, got 4"),
+        ErrorCase("layer_scale_backward",
+                  lambda ut: ut.layer_scale_backward(_t(ut, 2, 3, 4, 4), _t(ut, 2, 3, 4, 4),
+                                                     _t(ut, 3, 1, 1), [0.0, 0.0, 0.0]),
+                  "ArgumentTypeError", "dgamma must be a Tensor"),
+        ErrorCase("layer_scale_backward",
+                  lambda ut: ut.layer_scale_backward(_t(ut, 2, 3, 4), _t(ut, 2, 3, 4, 4),
+                                                     _t(ut, 3)),
+                  "ShapeError", "grad_out has shape [2, 3, 4] but x has shape [2, 3, 4, 4]"),
+    ],
+)
+
+
+def _ln2d_make(ut, g, device):
+    return ut.LayerNorm2d(g["c"], eps=g["eps"], device=device)
+
+
+def _ln2d_inputs(rng, g):
+    return {"x": _f32(rng, *_nchw(g), scale=2.0, shift=0.5), "w": _f32(rng, g["c"], shift=1.0),
+            "b": _f32(rng, g["c"])}, {}
+
+
+LAYERNORM2D = OpInfo(
+    "layernorm2d",
+    layer="LayerNorm2d",
+    defaults=dict(n=2, c=5, h=3, w=4, eps=1e-6),
+    shapes=lambda g: {"x": _nchw(g), "w": (g["c"],), "b": (g["c"],)},
+    sample_inputs=_ln2d_inputs,
+    reference=lambda a, k, g: R.layernorm2d(a["x"], a["w"], a["b"], g["eps"]),
+    describe=lambda g: "x[%d,%d,%d,%d]" % _nchw(g),
+    make=_ln2d_make,
+    geometry_of=lambda l: dict(c=l.dim, eps=l.eps),
+    runner=lambda ut, g, k, dev: _layer_runner(ut, g, k, dev, _ln2d_make),
+    grad=("x", "w", "b"),
+    samples=[
+        Sample(dict(n=2, c=5, h=3, w=4), {"selftest", "gradcheck"}),
+        # not C = 2: the output is then +-1 whatever x is (see LAYERNORM)
+        Sample(dict(n=3, c=3, h=1, w=5), {"gradcheck"}),
+        Sample(dict(n=1, c=7, h=2, w=2, eps=1e-5), {"gradcheck"}),
+        Sample(dict(n=2, c=4, h=3, w=3), {"copy"}, "LayerNorm2d"),
+        Sample(dict(n=3, c=33, h=9, w=7), {"cuda_vs_cpu", "reference"}, "layernorm2d"),
+        Sample(dict(n=2, c=8, h=9, w=9), {"bf16"}, "layernorm2d"),
+    ],
+    bf16=Bf16(kernel="norm"),
+    errors=[
+        ErrorCase("LayerNorm2d", lambda ut: ut.LayerNorm2d(0), "ArgumentError",
+                  "normalized_shape"),
+        ErrorCase("LayerNorm2d.forward", lambda ut: ut.LayerNorm2d(4)(_t(ut, 2, 3, 5, 5)),
+                  "ShapeError", "x must be [N, 4, H, W], got shape [2, 3, 5, 5]"),
+        ErrorCase("LayerNorm2d.forward", lambda ut: ut.LayerNorm2d(4)(_t(ut, 2, 4)),
+                  "ShapeError", "x must be [N, 4, H, W]"),
+        ErrorCase("LayerNorm2d.backward",
+                  lambda ut: _fwd(ut.LayerNorm2d(4), _t(ut, 2, 4, 3, 3)).backward(
+                      _t(ut, 2, 4, 3, 4)), "ShapeError", "grad_out has shape [2, 4, 3, 4]"),
+        ErrorCase("LayerNorm2d.backward", lambda ut: ut.LayerNorm2d(4).backward(_t(ut, 2, 4, 1, 1)),
+                  "ArgumentError", "no forward pass"),
+    ],
+)
+
+
 # -- the table ------------------------------------------------------------------------------------
 # Order: the ops with a backward first, in the self-check's row order, then the others.
 OPS = [
     CONV2D, DWCONV2D, BATCHNORM2D, LAYERNORM, LINEAR, GLOBAL_AVG_POOL2D, RELU, RELU6,
     SOFTMAX_CROSS_ENTROPY, MSE_LOSS,
+    CHANNEL_SCALE, LAYER_SCALE, LAYERNORM2D,  # issue 30
     MATMUL, TRANSPOSE, ADD, SCALE, BIAS_ADD, SGD_STEP, ADAM_STEP,
 ]
 OP = {op.name: op for op in OPS}

@@ -21,6 +21,10 @@ __all__ = [
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
     "cross_entropy", "cross_entropy_backward", "sgd_step", "adam_step", "numeric_grad",
 ]
+__all__ += [  # issue 30: squeeze-and-excitation, ConvNeXt
+    "channel_scale", "channel_scale_backward", "layer_scale", "layer_scale_backward",
+    "layernorm2d", "layernorm2d_backward",
+]
 
 
 # -- convolutions: x [N, C, H, W], zero padding p on every side, stride s, dilation d --------------
@@ -179,6 +183,19 @@ def layernorm_backward(x, g, eps, go):
     return _norm_backward(go, xhat, rstd, g, -1), (go * xhat).sum(axis=rows), go.sum(axis=rows)
 
 
+def layernorm2d(x, g, b, eps):
+    """x: [N, C, H, W], g, b: [C] -> [N, C, H, W], each (n, h, w) normalized over C
+    (torchvision's LayerNorm2d: permute to NHWC, LayerNorm over C, permute back)."""
+    return _xhat(x, 1, eps)[0] * _c(g) + _c(b)
+
+
+def layernorm2d_backward(x, g, eps, go):
+    """go: [N, C, H, W] -> dx [N, C, H, W], dgamma [C], dbeta [C]."""
+    xhat, rstd = _xhat(x, 1, eps)
+    return (_norm_backward(go, xhat, rstd, _c(g), 1), (go * xhat).sum(axis=(0, 2, 3)),
+            go.sum(axis=(0, 2, 3)))
+
+
 def batchnorm2d_train(x, g, b, eps):
     """x: [N, C, H, W], g, b: [C] -> y, batch mean [C], biased batch variance [C]."""
     mean = x.mean(axis=(0, 2, 3))
@@ -309,3 +326,32 @@ def numeric_grad(f, x, go, eps=1e-6):
         x[i] = old
         g[i] = (fp - fm) / (hi - lo)
     return g
+
+
+# -- channel scales (squeeze-and-excitation, ConvNeXt's layer scale) -------------------------------
+def _per_channel(s, x, shared):
+    """s ([N, C, 1...] per sample, or [C, 1...] shared) broadcast against x [N, C, ...]."""
+    lead = (1, x.shape[1]) if shared else x.shape[:2]
+    return s.reshape(lead + (1,) * (x.ndim - 2))
+
+
+def channel_scale(x, s):
+    """x: [N, C, ...], s: [N, C] or [N, C, 1, 1] -> x * s[n, c]."""
+    return x * _per_channel(s, x, False)
+
+
+def channel_scale_backward(x, s, go):
+    """go like x -> dx = go * s, ds [s's shape] = sum over the positions of go * x."""
+    axes = tuple(range(2, x.ndim))
+    return go * _per_channel(s, x, False), (go * x).sum(axis=axes).reshape(s.shape)
+
+
+def layer_scale(x, gamma):
+    """x: [N, C, ...], gamma: [C] or [C, 1, 1] -> x * gamma[c]."""
+    return x * _per_channel(gamma, x, True)
+
+
+def layer_scale_backward(x, gamma, go):
+    """go like x -> dx = go * gamma, dgamma [gamma's shape] = sum over n and positions."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    return go * _per_channel(gamma, x, True), (go * x).sum(axis=axes).reshape(gamma.shape)
