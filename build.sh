@@ -243,6 +243,9 @@ run_app_tests() {
   local dir="$BUILD_DIR/app" status=0
   mkdir -p "$dir"
   rm -f "$dir"/app_cpu "$dir"/app_cuda "$dir"/app.o
+  local how="plain cc"
+  [[ ${#cuda_objs[@]} -eq 0 ]] || how+=", then linked with the CUDA objects"
+  say "building native/test.c as a one-file program ($how)"
   printf '#define UT_IMPLEMENTATION\n#include "%s/native/test.c"\n' "$PWD" >"$dir/app.c"
   run "$CC" -std=c11 -O2 "$dir/app.c" -o "$dir/app_cpu" -lm -lpthread
   log "running the one-file program ($dir/app_cpu)"
