@@ -28,9 +28,15 @@
 #   NVCCFLAGS       extra nvcc flags                            (default: -O3)
 #                   -std=c++17 -Xcompiler -fPIC and the -gencode flags are always added
 #   BUILD_DIR       output directory                            (default: build)
-#   UT_CUDA=0       build without CUDA even when nvcc is present
+#   UT_CUDA=0       build without CUDA even when nvcc is present: the CPU part alone builds in
+#                   seconds, the CUDA files take minutes (`UT_CUDA=0 pip install .` skips them too)
 #   UT_CUDA_ARCHS   SM architectures to compile for             (default: "80 90"); a PTX entry
 #                   for compute_90 is always included so newer GPUs can JIT it
+#   UTENSIL_EXPECT_CUDA=1   (`test`; .ci/gpu sets it) fail when CUDA is not built or no GPU is
+#                   usable, instead of running the UT_CUDA tests on the CPU paths and passing
+#
+# Each stage prints one "utensil build: ..." line to stderr (`pip install -v .` shows them; the
+# commands themselves follow as "+ ..." lines).
 #
 # The CUDA backend is native/cuda/*.cu, one object per file (compiled in parallel), linked with
 # utensil.o. The CUDA runtime is linked statically (-cudart static), so libutensil.so has no
@@ -56,6 +62,8 @@ SRC_TEST=native/test.c
 HDR=native/utensil.h
 
 log() { printf '[build.sh] %s\n' "$*" >&2; }
+# One line per stage, in words, for whoever waits on `pip install -v` (a CUDA build is minutes).
+say() { printf 'utensil build: %s\n' "$*" >&2; }
 die() { printf '[build.sh] error: %s\n' "$*" >&2; exit 1; }
 run() { printf '+ %s\n' "$*" >&2; "$@"; }
 
@@ -115,7 +123,7 @@ cuda_obj_fresh() {
 # as depthwise.cuh) and was made by the same command (saved beside it as <object>.cmd): a full
 # CUDA build takes minutes on a small machine, and CI builds the same objects more than once.
 build_cuda_objs() {
-  local obj="$1" gencode=() a src pids=() pid status=0
+  local obj="$1" gencode=() a src pids=() pid status=0 stale=() cmds=()
   for a in $UT_CUDA_ARCHS; do
     gencode+=(-gencode "arch=compute_$a,code=sm_$a")
   done
@@ -130,6 +138,19 @@ build_cuda_objs() {
       log "up to date: $o"
       continue
     fi
+    stale+=("$src")
+    cmds+=("$cmd")
+  done
+  if [[ ${#stale[@]} -eq 0 ]]; then
+    say "the ${#cuda_objs[@]} CUDA objects are up to date"
+    return 0
+  fi
+  say "compiling ${#stale[@]} CUDA files with nvcc for sm_${UT_CUDA_ARCHS// /, sm_} (about 2" \
+    "minutes on a few cores; UT_CUDA=0 skips them)"
+  local i
+  for i in "${!stale[@]}"; do
+    src="${stale[$i]}"
+    local o="$obj/cuda_$(basename "$src" .cu).o" cmd="${cmds[$i]}"
     rm -f "$o" "$o.cmd"
     { run "$NVCC" -std=c++17 -Xcompiler -fPIC "${nvccflags[@]}" "${gencode[@]}" -c "$src" -o "$o" &&
         printf '%s' "$cmd" >"$o.cmd"; } &
@@ -139,6 +160,11 @@ build_cuda_objs() {
     wait "$pid" || status=1
   done
   [[ $status -eq 0 ]] || die "nvcc failed"
+}
+
+# Whether a GPU is visible here (for a hint only: the build never depends on it).
+gpu_visible() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'
 }
 
 build_lib() {
@@ -152,10 +178,17 @@ build_lib() {
   cuda_objs=()
   if want_cuda; then
     log "building with CUDA (archs: $UT_CUDA_ARCHS)"
+    # One library serves machines with and without a GPU, so nvcc is used whenever present;
+    # where no GPU is visible, say how to skip the minutes it takes.
+    gpu_visible || say "nvcc found but no GPU visible: building the CUDA backend anyway (the" \
+      "library falls back to the CPU at run time); UT_CUDA=0 builds the CPU part alone"
     build_cuda_objs "$obj"
+    say "compiling the CPU core (native/utensil.c)"
     run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" -c "$SRC_C" -o "$obj/utensil.o"
+    say "compiling the C tests (native/test.c)"
     run "$CC" -std=c11 -pthread "${cflags[@]}" -c "$SRC_TEST" -o "$obj/test.o"
 
+    say "linking $so and $exe with the CUDA objects"
     run "$NVCC" -shared -cudart static -Xlinker -z,nodelete -o "$so" "$obj/utensil.o" \
       "${cuda_objs[@]}" -lpthread -lm -ldl
     run "$NVCC" -cudart static -o "$exe" "$obj/test.o" "$obj/utensil.o" "${cuda_objs[@]}" \
@@ -174,14 +207,17 @@ build_lib() {
       fi
     fi
   else
-    echo "building without CUDA: $cuda_reason"
+    say "building without CUDA ($cuda_reason)"
+    say "compiling the CPU core (native/utensil.c)"
     run "$CC" -std=c11 -fPIC -pthread "${cflags[@]}" -DUT_NO_CUDA \
       -c "$SRC_C" -o "$obj/utensil.o"
+    say "compiling the C tests (native/test.c)"
     run "$CC" -std=c11 -pthread "${cflags[@]}" -c "$SRC_TEST" -o "$obj/test.o"
+    say "linking $so and $exe"
     run "$CC" -shared -pthread "${nodelete[@]}" -o "$so" "$obj/utensil.o" -lm
     run "$CC" -pthread -o "$exe" "$obj/test.o" "$obj/utensil.o" -lm
   fi
-  log "built $so and $exe"
+  say "built $so and $exe"
 }
 
 asan_flags=(-std=c11 -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -Wall -Wextra
@@ -207,10 +243,14 @@ run_app_tests() {
   local dir="$BUILD_DIR/app" status=0
   mkdir -p "$dir"
   rm -f "$dir"/app_cpu "$dir"/app_cuda "$dir"/app.o
+  local how="plain cc"
+  [[ ${#cuda_objs[@]} -eq 0 ]] || how+=", then linked with the CUDA objects"
+  say "building native/test.c as a one-file program ($how)"
   printf '#define UT_IMPLEMENTATION\n#include "%s/native/test.c"\n' "$PWD" >"$dir/app.c"
   run "$CC" -std=c11 -O2 "$dir/app.c" -o "$dir/app_cpu" -lm -lpthread
   log "running the one-file program ($dir/app_cpu)"
-  if ! "$dir/app_cpu"; then
+  # CPU-only by construction: UTENSIL_EXPECT_CUDA is for the binaries that link the CUDA objects
+  if ! env -u UTENSIL_EXPECT_CUDA "$dir/app_cpu"; then
     log "FAILED: one-file program, plain cc"
     status=1
   fi
@@ -228,11 +268,18 @@ run_app_tests() {
 
 run_tests() {
   local status=0
+  # .ci/gpu: a build without CUDA would run the UT_CUDA tests on the CPU and pass; fail before
+  # the minutes of building instead (a GPU that is absent is caught by the test binaries)
+  if [[ "${UTENSIL_EXPECT_CUDA:-}" == "1" ]] && ! want_cuda; then
+    die "UTENSIL_EXPECT_CUDA=1 but the library would be built without CUDA ($cuda_reason)"
+  fi
+  say "building the C tests with AddressSanitizer + UBSan (CPU only)"
   build_asan_test
   log "running sanitized tests ($BUILD_DIR/asan/utensil_test)"
+  # CPU-only by construction (-DUT_NO_CUDA): UTENSIL_EXPECT_CUDA is for the plain binary
   if ! ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    "$BUILD_DIR/asan/utensil_test"; then
+    env -u UTENSIL_EXPECT_CUDA "$BUILD_DIR/asan/utensil_test"; then
     log "FAILED: sanitized tests"
     status=1
   fi

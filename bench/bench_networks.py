@@ -274,6 +274,9 @@ def main(argv=None):
     p.add_argument("--no-check", action="store_true",
                    help="skip the fp32 loss check against PyTorch before the timed steps")
     a = p.parse_args(argv)
+    if a.device == "cuda" and "cuda" not in ut.devices():
+        # utensil's "cuda" tensors would run on the CPU fallback and time the CPU as the GPU
+        p.error("--device cuda but utensil sees no usable GPU (built without CUDA, or no device)")
     modes = tuple(m for m in a.torch.split(",") if m)
     for m in modes:
         if m not in TORCH_MODES:

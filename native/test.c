@@ -7,7 +7,8 @@
 
    `assert` is redefined to record a failure (file:line and expression) and continue, so one run
    reports every failure. The output ends with exactly "N passed, M failed" (N, M count test runs,
-   i.e. test function x device); the exit status is non-zero when M > 0.
+   i.e. test function x device); the exit status is non-zero when M > 0. Under
+   UTENSIL_EXPECT_CUDA=1 a binary that finds no usable GPU exits 1 at once.
 
    Build: ./build.sh (plain) or ./build.sh test (ASan + UBSan, then plain). */
 #include <assert.h>
@@ -2888,9 +2889,22 @@ static void test_hostile_api(ut_dev dev) {
     RUN(fn, UT_METAL); \
   } while (0)
 
+/* .ci/gpu sets UTENSIL_EXPECT_CUDA=1: there a run without a usable GPU (a build without CUDA, or
+   no device) would run every UT_CUDA test on the CPU paths and pass, so it fails instead. */
+static bool cuda_expected(void) {
+  const char* e = getenv("UTENSIL_EXPECT_CUDA");
+  return e != NULL && strcmp(e, "1") == 0;
+}
+
 int main(void) {
   printf("utensil %d, CUDA %s\n", ut_version(),
          ut_cuda_available() ? "available" : "not available (UT_CUDA runs on the CPU)");
+  if (cuda_expected() && !ut_cuda_available()) {
+    fprintf(stderr,
+            "UTENSIL_EXPECT_CUDA=1 but CUDA is not available to this test binary (built without "
+            "CUDA, or no usable GPU): the UT_CUDA tests would run on the CPU\n");
+    return 1;
+  }
   RUN_BOTH(test_library);
   RUN_BOTH(test_alloc);
   RUN_BOTH(test_bf16);

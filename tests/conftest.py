@@ -22,17 +22,25 @@ def pytest_sessionstart(session):
             "device): the CUDA tests would be skipped or run on the CPU")
 
 
-def _device_params():
-    return [
-        pytest.param(d, marks=pytest.mark.skipif(d not in PRESENT, reason="no %s device" % d))
-        for d in ALL_DEVICES
-    ]
+def require_device(device, present=None, expect_cuda=None):
+    """`device`, for a test that runs on it: skipped where it is not present, failed instead
+    under UTENSIL_EXPECT_CUDA=1 when it is the GPU. The one place a test learns which devices
+    it may run on (the `device` fixture, and tests that need a particular device)."""
+    present = PRESENT if present is None else present
+    expect_cuda = EXPECT_CUDA if expect_cuda is None else expect_cuda
+    if device in present:
+        return device
+    if expect_cuda and device == "cuda":
+        pytest.fail("UTENSIL_EXPECT_CUDA=1 but utensil sees no usable GPU: the %r case would "
+                    "be skipped" % device, pytrace=False)
+    pytest.skip("no %s device" % device)
 
 
-@pytest.fixture(params=_device_params())
+@pytest.fixture(params=ALL_DEVICES)
 def device(request):
-    """Each device the library can run on; those not present are skipped, not failed."""
-    return request.param
+    """Each device the library can run on; those not present are skipped, not failed (failed
+    under UTENSIL_EXPECT_CUDA=1)."""
+    return require_device(request.param)
 
 
 @pytest.fixture

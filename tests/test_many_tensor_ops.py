@@ -12,7 +12,7 @@ import utensil_ffi as ut
 from utensil_ffi import functional as F
 from utensil_ffi._lib import ffi, lib
 
-DEVICES = ["cpu"] + (["cuda"] if "cuda" in ut.devices() else [])
+from conftest import require_device
 
 
 def _tensors(rng, shapes, device):
@@ -22,7 +22,6 @@ def _tensors(rng, shapes, device):
 SHAPES = [(3,), (7, 5), (1,), (64, 33), (2, 3, 4, 5)] * 9 + [(1000,)]  # 46: two GPU launches
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sgd_step_many_equals_one_by_one(device, momentum):
     rng = np.random.default_rng(1)
@@ -41,7 +40,6 @@ def test_sgd_step_many_equals_one_by_one(device, momentum):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_fill_many_fills_every_tensor(device):
     rng = np.random.default_rng(2)
     ts = _tensors(rng, SHAPES, device)
@@ -52,7 +50,6 @@ def test_fill_many_fills_every_tensor(device):
         assert t.ptr.version != v0  # a write: saved inputs of a pending backward see it
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_a_bad_item_changes_nothing_and_is_named(device):
     rng = np.random.default_rng(3)
     ps = _tensors(rng, [(4,)] * 6, device)
@@ -87,8 +84,8 @@ def test_c_refuses_null_and_negative_counts():
         assert np.all(t.numpy() == 0)  # checked before anything was written
 
 
-@pytest.mark.skipif(len(DEVICES) < 2, reason="needs a GPU")
 def test_one_call_over_both_devices():
+    require_device("cuda")
     rng = np.random.default_rng(4)
     ps = _tensors(rng, [(5,)], "cpu") + _tensors(rng, [(6,)], "cuda")
     gs = _tensors(rng, [(5,)], "cpu") + _tensors(rng, [(6,)], "cuda")
@@ -98,7 +95,6 @@ def test_one_call_over_both_devices():
         np.testing.assert_allclose(p.numpy(), w, rtol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_step_and_zero_grad_use_them(device):
     ut.seed(5)
     net = ut.Sequential(ut.Linear(4, 3, device=device), ut.ReLU(), ut.Linear(3, 2, device=device))

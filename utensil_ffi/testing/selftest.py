@@ -22,7 +22,9 @@ through the block).
 
 Each number is a normalized error ||got - want||_2 / ||want||_2, the worst over the op's
 outputs and gradients (x, weight, bias). The bounds are in BOUNDS below. It prints one table
-and exits 0 if every row passes, 1 otherwise. It needs only numpy and the library itself.
+and exits 0 if every row passes, 1 otherwise, 2 when it cannot run (the library does not load, a
+--device is not present, or UTENSIL_EXPECT_CUDA=1, as .ci/gpu sets it, and no GPU is usable).
+It needs only numpy and the library itself.
 
 The cases come from the op table (utensil_ffi/testing/optable.py: each op's samples marked "selftest",
 its float64 reference and how to call it); the test suite draws its own from the same table
@@ -31,6 +33,7 @@ its float64 reference and how to call it); the test suite draws its own from the
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -244,6 +247,11 @@ def main(argv=None):
         import utensil_ffi as ut
     except ImportError as e:
         print("utensil self-check: cannot load the library: %s" % e)
+        return 2
+    if os.environ.get("UTENSIL_EXPECT_CUDA") == "1" and "cuda" not in ut.devices():
+        # .ci/gpu: without this the check covers the CPU alone and prints PASS
+        print("utensil self-check: UTENSIL_EXPECT_CUDA=1 but utensil sees no usable GPU "
+              "(built without CUDA, or no device); present: %s" % ", ".join(ut.devices()))
         return 2
     devices = args.device or ut.devices()
     missing = [d for d in devices if d not in ut.devices()]
