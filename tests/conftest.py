@@ -8,6 +8,13 @@ import pytest
 
 import utensil_ffi as ut
 
+# Child processes (launcher ranks, loader workers, CLI runs) import the utensil_ffi under test,
+# the one this process imported, whether or not the package is installed (a checkout run with
+# PYTHONPATH set to other packages' folder, as on the lent GPU machines, left them none)
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ut.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_PKG_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
 ALL_DEVICES = ["cpu", "cuda"]
 PRESENT = ut.devices()
 # .ci/gpu sets it: there a missing GPU must fail the run, not skip its tests (a library built

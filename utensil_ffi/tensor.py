@@ -246,7 +246,7 @@ class Tensor:
         if dtype is not None:
             try:
                 dtype = np.dtype(dtype)
-            except TypeError:
+            except (TypeError, ValueError):  # ValueError: an object with an odd .dtype
                 raise ArgumentTypeError("__array__: %r is not a numpy dtype" % (dtype,)) from None
         if copy is False and (self.device != "cpu" or self.dtype is not _dtypes.float32):
             raise ValueError("a CUDA or bfloat16 tensor cannot be viewed writable without a copy")

@@ -149,25 +149,29 @@ static __global__ void ut__cuda_layernorm2d_forward_kernel(
   const bool live = p < (ut__i64)n * inner;
   const ut__i64 i = live ? p / inner : 0;
   const ut__i64 off = live ? i * c * inner + (p - i * inner) : 0;
+  /* sums of x - pivot (the position's first channel): near a large common offset those
+     differences are exact, where float32 sums of x itself would round the mean by more than
+     the spread (x near 1000 spread by 0.01: 1% of the normalised output) */
+  const float pivot = live ? ut__cuda_ld(x + off) : 0.f;
   float s = 0.f;
   if (live)
-    for (int j = threadIdx.y; j < c; j += g) s += ut__cuda_ld(x + off + j * inner);
-  const float mu = ut__cuda_ln2d_group_sum(s, sh) / (float)c;
+    for (int j = threadIdx.y; j < c; j += g) s += ut__cuda_ld(x + off + j * inner) - pivot;
+  const float delta = ut__cuda_ln2d_group_sum(s, sh) / (float)c; /* mean = pivot + delta */
   float q = 0.f;
   if (live)
     for (int j = threadIdx.y; j < c; j += g) {
-      const float d = ut__cuda_ld(x + off + j * inner) - mu;
+      const float d = (ut__cuda_ld(x + off + j * inner) - pivot) - delta;
       q += d * d;
     }
   const float rs = 1.0f / sqrtf(ut__cuda_ln2d_group_sum(q, sh) / (float)c + eps);
   if (!live) return; /* after the block's last __syncthreads */
   if (threadIdx.y == 0) {
-    mean[p] = mu;
+    mean[p] = pivot + delta;
     rstd[p] = rs;
   }
   for (int j = threadIdx.y; j < c; j += g)
-    ut__cuda_st(y + off + j * inner, (ut__cuda_ld(x + off + j * inner) - mu) * rs * gamma[j] +
-                                         beta[j]);
+    ut__cuda_st(y + off + j * inner,
+                ((ut__cuda_ld(x + off + j * inner) - pivot) - delta) * rs * gamma[j] + beta[j]);
 }
 
 /* dx = rstd (g - mean_j(g) - xhat mean_j(g xhat)), g = go gamma */
