@@ -384,6 +384,24 @@ int ut_unpack(ut_tensor* flat, ut_tensor** ts, int count);
 /* Adam with bias correction; step is the 1-based update count; m, v start at zero */
 int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
                  float beta1, float beta2, float eps);
+/* PyTorch's SGD in full (torch.optim.SGD; ut_sgd_step_many is its momentum-only case):
+     d = grad + weight_decay * param
+     velocity = momentum * velocity + (1 - dampening) * d     (velocities NULL: no momentum)
+     d = nesterov ? d + momentum * velocity : velocity
+     param -= lr * d
+   PyTorch's first step sets velocity = d: pass dampening 0 on a zeroed velocity for that step.
+   weight_decay >= 0; nesterov needs momentum > 0 and dampening 0 (PyTorch's rules). */
+int ut_sgd_step_many_ex(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        float lr, float momentum, float dampening, float weight_decay,
+                        bool nesterov);
+/* Adam with weight decay (weight_decay >= 0): decoupled false is PyTorch's Adam (grad +
+   weight_decay * param goes into the moments), true is AdamW (param *= 1 - lr * weight_decay
+   before the Adam update). The hyperparameters are doubles, as PyTorch's Python floats: 1 -
+   beta2 and the bias corrections are computed from them in double (float32's 0.999 is 1.3e-5
+   off in 1 - beta2). ut_adam_step is its weight_decay 0 case on float32 values. */
+int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled);
 
 /* ---- matrix products on the GPU ----------------------------------------------------------
    GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
@@ -537,6 +555,20 @@ typedef struct ut__gemm_args {
   ut__i64 stride_c;
 } ut__gemm_args;
 
+/* The optimizers' hyperparameters, as their slots take them (ut_sgd_step_many_ex and
+   ut_adam_step_ex say what each is; a zero value is the plain step of ut_sgd_step / ut_adam_step). */
+typedef struct ut__sgd_hp {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov;
+} ut__sgd_hp;
+typedef struct ut__adam_hp {
+  float b1, b2, omb1, omb2;  /* omb: 1 - b, from the double betas */
+  float eps;
+  float step_size, sqrt_bc2; /* lr / (1 - b1^step), sqrt(1 - b2^step) */
+  float weight_decay;        /* L2 into the gradient (Adam); 0 when decoupled */
+  float decay;               /* AdamW's p *= decay = 1 - lr weight_decay; 1 when not */
+} ut__adam_hp;
+
 typedef struct ut__backend {
   const char* name;
   /* device memory; NULL for the CPU backend, whose buffers are the tensors' host copies */
@@ -687,16 +719,18 @@ typedef struct ut__backend {
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
 
-  /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
-  int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
+  /* d = g + wd p; v = momentum v + (1 - dampening) d; d = nesterov ? d + momentum v : v;
+     p -= lr d   (v NULL: p -= lr d); the hyperparameters in ut__sgd_hp */
+  int (*sgd)(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
   /* sgd and fill on count buffers at once (v NULL: no momentum): an optimizer step or
      zero_grad over a whole network in one call */
   int (*sgd_many)(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
-                  int count, float lr, float momentum);
+                  int count, ut__sgd_hp h);
   int (*fill_many)(float* const* x, const ut__i64* n, int count, float v);
-  /* m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1) / (sqrt(v/bc2) + eps) */
-  int (*adam)(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
-              float b2, float eps, float bc1, float bc2);
+  /* p *= decay (AdamW; 1 otherwise); g += wd p (Adam's L2; 0 otherwise); m = lerp(m, g,
+     1-b1); v = b2 v + (1-b2) g^2; p -= step_size m / (sqrt(v) / sqrt_bc2 + eps) (PyTorch's
+     order); the hyperparameters in ut__adam_hp */
+  int (*adam)(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
 } ut__backend;
 
 /* Set by any part of the library; formats like printf. Returns status for `return ut__fail(...)`. */
@@ -3146,7 +3180,8 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   float* p = g ? ut__inout(param, be) : NULL;
   float* v = (p && velocity) ? ut__inout(velocity, be) : NULL;
   if (!p || (velocity && !v)) return ut__err_status;
-  UT__TRY(be->sgd(p, g, v, param->shape.nelem, lr, momentum));
+  ut__sgd_hp h = {lr, momentum, 0.f, 0.f, false};
+  UT__TRY(be->sgd(p, g, v, param->shape.nelem, h));
   ut__wrote(param, be);
   if (v) ut__wrote(velocity, be);
   return UT_OK;
@@ -3195,14 +3230,20 @@ static int ut__many_pair_alloc(ut__many m[2], int count, const char* who) {
   return UT_OK;
 }
 
-int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
-                     float lr, float momentum) {
-  const char* who = "ut_sgd_step_many";
+static int ut__sgd_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        ut__sgd_hp h, const char* who) {
+  float lr = h.lr, momentum = h.momentum;
   UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
   UT__CHECK(count == 0 || (params && grads), UT_ERR_ARG, "%s: NULL params or grads", who);
   UT__TRY(ut__check_lr(lr, who));
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
+  /* PyTorch's messages (torch.optim.SGD) */
+  UT__CHECK(isfinite(h.weight_decay) && h.weight_decay >= 0.f, UT_ERR_ARG,
+            "%s: Invalid weight_decay value: %g", who, (double)h.weight_decay);
+  UT__CHECK(isfinite(h.dampening), UT_ERR_ARG, "%s: dampening must be finite", who);
+  UT__CHECK(!h.nesterov || (momentum > 0.f && h.dampening == 0.f), UT_ERR_ARG,
+            "%s: Nesterov momentum requires a momentum and zero dampening", who);
   for (int i = 0; i < count; i++) {
     ut_tensor *p = params[i], *g = grads[i], *v = velocities ? velocities[i] : NULL;
     if (ut__check_tensor(p, who, "param") < 0 ||
@@ -3235,7 +3276,7 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     const ut__backend* be = ut__backend_for(d ? UT_CUDA : UT_CPU);
     ut__many* mm = &m[d];
     if (mm->k > 0)
-      rc = be->sgd_many(mm->p, mm->g, velocities ? mm->v : NULL, mm->n, mm->k, lr, momentum);
+      rc = be->sgd_many(mm->p, mm->g, velocities ? mm->v : NULL, mm->n, mm->k, h);
   }
   ut__many_free(&m[0]);
   ut__many_free(&m[1]);
@@ -3246,6 +3287,19 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     if (velocities) ut__wrote(velocities[i], be);
   }
   return UT_OK;
+}
+
+int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                     float lr, float momentum) {
+  ut__sgd_hp h = {lr, momentum, 0.f, 0.f, false};
+  return ut__sgd_many(params, grads, velocities, count, h, "ut_sgd_step_many");
+}
+
+int ut_sgd_step_many_ex(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        float lr, float momentum, float dampening, float weight_decay,
+                        bool nesterov) {
+  ut__sgd_hp h = {lr, momentum, dampening, weight_decay, nesterov};
+  return ut__sgd_many(params, grads, velocities, count, h, "ut_sgd_step_many_ex");
 }
 
 static int ut__check_pack(ut_tensor* flat, ut_tensor** ts, int count, const char* who) {
@@ -3329,9 +3383,11 @@ int ut_fill_many(ut_tensor** ts, int count, float value) {
   return UT_OK;
 }
 
-int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
-                 float beta1, float beta2, float eps) {
-  const char* who = "ut_adam_step";
+/* The hyperparameters arrive as doubles (PyTorch's Python floats): 1 - beta2 and the bias
+   corrections from a float32 beta2 = 0.999 would be 1.3e-5 off in relative terms. */
+static int ut__adam(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled, const char* who) {
   UT__TRY(ut__check_tensor(param, who, "param"));
   int n = param->shape.nelem;
   UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
@@ -3343,22 +3399,46 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   for (int i = 0; i < 4; i++)
     for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
-  UT__TRY(ut__check_lr(lr, who));
-  UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,
+  UT__CHECK(isfinite(lr) && isfinite((float)lr), UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__TRY(ut__check_lr((float)lr, who));
+  UT__CHECK(beta1 >= 0.0 && (float)beta1 < 1.f && beta2 >= 0.0 && (float)beta2 < 1.f, UT_ERR_ARG,
             "%s: betas must be in [0, 1)", who);
-  UT__CHECK(isfinite(eps) && eps >= 0.f, UT_ERR_ARG, "%s: eps must be finite and >= 0", who);
+  UT__CHECK(isfinite(eps) && isfinite((float)eps) && eps >= 0.0, UT_ERR_ARG,
+            "%s: eps must be finite and >= 0", who);
+  UT__CHECK(isfinite(weight_decay) && isfinite((float)weight_decay) && weight_decay >= 0.0,
+            UT_ERR_ARG, "%s: Invalid weight_decay value: %g", who, weight_decay);
   const ut__backend* be = ut__backend_for(param->dev);
   const float* g = ut__in(grad, be);
   float* p = g ? ut__inout(param, be) : NULL;
   float* mp = p ? ut__inout(m, be) : NULL;
   float* vp = mp ? ut__inout(v, be) : NULL;
   if (!vp) return ut__err_status;
-  float bc1 = (float)(1.0 - pow((double)beta1, step)), bc2 = (float)(1.0 - pow((double)beta2, step));
-  UT__TRY(be->adam(p, g, mp, vp, n, lr, beta1, beta2, eps, bc1, bc2));
+  /* PyTorch's scalars: step_size = lr / bc1 and sqrt(bc2) in double, then float32 */
+  double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
+  ut__adam_hp h;
+  h.b1 = (float)beta1, h.b2 = (float)beta2;
+  h.omb1 = (float)(1.0 - beta1), h.omb2 = (float)(1.0 - beta2);
+  h.eps = (float)eps;
+  h.step_size = (float)(lr / bc1), h.sqrt_bc2 = (float)sqrt(bc2);
+  h.weight_decay = decoupled ? 0.f : (float)weight_decay;
+  h.decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
+  UT__TRY(be->adam(p, g, mp, vp, n, h));
   ut__wrote(param, be);
   ut__wrote(m, be);
   ut__wrote(v, be);
   return UT_OK;
+}
+
+int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
+                 float beta1, float beta2, float eps) {
+  return ut__adam(param, grad, m, v, step, lr, beta1, beta2, eps, 0.0, false, "ut_adam_step");
+}
+
+int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled) {
+  return ut__adam(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                  "ut_adam_step_ex");
 }
 
 /* ---- struct layout, for the bindings' checks ---------------------------------------------- */
@@ -5759,13 +5839,28 @@ typedef struct {
   float* m;
   float* v;
   ut__i64 n;
-  float lr, momentum, b1, b2, eps, step, sb2;
+  ut__sgd_hp sgd;
+  ut__adam_hp adam;
 } ut__cpu_optim_ctx;
-/* elements [lo, hi) of one parameter: the one-tensor and the many-tensor steps share it */
+/* elements [lo, hi) of one parameter: the one-tensor and the many-tensor steps share it. The
+   plain case (no decay, no dampening, no Nesterov) keeps its own loop: it is every step of the
+   seed's SGD, and its rounding stays the one it always had. */
 UT__CPU_OPT static inline void ut__cpu_sgd_range(float* restrict p, const float* restrict g,
                                                  float* restrict v, ut__i64 lo, ut__i64 hi,
-                                                 float lr, float momentum) {
-  if (v) {
+                                                 ut__sgd_hp h) {
+  float lr = h.lr, momentum = h.momentum;
+  if (h.weight_decay != 0.f || h.dampening != 0.f || h.nesterov) {
+    float wd = h.weight_decay, keep = 1.f - h.dampening;
+    for (ut__i64 i = lo; i < hi; i++) {
+      float d = wd != 0.f ? g[i] + wd * p[i] : g[i];
+      if (v) {
+        float vi = momentum * v[i] + keep * d;
+        v[i] = vi;
+        d = h.nesterov ? d + momentum * vi : vi;
+      }
+      p[i] -= lr * d;
+    }
+  } else if (v) {
     for (ut__i64 i = lo; i < hi; i++) {
       float vi = momentum * v[i] + g[i];
       v[i] = vi;
@@ -5779,12 +5874,14 @@ UT__CPU_OPT static void ut__cpu_sgd_part(void* vc, int tid, int nt) {
   const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
   ut__i64 lo, hi;
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
-  ut__cpu_sgd_range(c->p, c->g, c->v, lo, hi, c->lr, c->momentum);
+  ut__cpu_sgd_range(c->p, c->g, c->v, lo, hi, c->sgd);
 }
 UT__CPU_OPT static int ut__cpu_sgd(float* restrict p, const float* restrict g, float* restrict v,
-                                   ut__i64 n, float lr, float momentum) {
+                                   ut__i64 n, ut__sgd_hp h) {
   int nt = ut__cpu_nt((double)n);
-  ut__cpu_optim_ctx c = {p, g, NULL, v, n, lr, momentum, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  ut__cpu_optim_ctx c;
+  memset(&c, 0, sizeof c);
+  c.p = p, c.g = g, c.v = v, c.n = n, c.sgd = h;
   ut__parallel_run(nt, ut__cpu_sgd_part, &c);
   return UT_OK;
 }
@@ -5798,7 +5895,8 @@ typedef struct {
   const ut__i64* n;
   int count;
   ut__i64 total;
-  float lr, momentum, value;
+  ut__sgd_hp h;
+  float value;
   bool fill;
 } ut__cpu_many_ctx;
 UT__CPU_OPT static void ut__cpu_many_part(void* vc, int tid, int nt) {
@@ -5811,7 +5909,7 @@ UT__CPU_OPT static void ut__cpu_many_part(void* vc, int tid, int nt) {
     if (c->fill) {
       for (ut__i64 i = a; i < b; i++) c->p[t][i] = c->value;
     } else {
-      ut__cpu_sgd_range(c->p[t], c->g[t], c->v ? c->v[t] : NULL, a, b, c->lr, c->momentum);
+      ut__cpu_sgd_range(c->p[t], c->g[t], c->v ? c->v[t] : NULL, a, b, c->h);
     }
   }
 }
@@ -5822,41 +5920,49 @@ static int ut__cpu_many_run(ut__cpu_many_ctx* c) {
   return UT_OK;
 }
 static int ut__cpu_sgd_many(float* const* p, const float* const* g, float* const* v,
-                            const ut__i64* n, int count, float lr, float momentum) {
-  ut__cpu_many_ctx c = {p, g, v, n, count, 0, lr, momentum, 0.0f, false};
+                            const ut__i64* n, int count, ut__sgd_hp h) {
+  ut__cpu_many_ctx c = {p, g, v, n, count, 0, h, 0.0f, false};
   return ut__cpu_many_run(&c);
 }
 static int ut__cpu_fill_many(float* const* x, const ut__i64* n, int count, float value) {
-  ut__cpu_many_ctx c = {x, NULL, NULL, n, count, 0, 0.0f, 0.0f, value, true};
+  ut__sgd_hp none = {0.f, 0.f, 0.f, 0.f, false};
+  ut__cpu_many_ctx c = {x, NULL, NULL, n, count, 0, none, value, true};
   return ut__cpu_many_run(&c);
 }
 
+/* m = lerp(m, g, w) as PyTorch's lerp_ computes it (the exp_avg update), so both round alike */
+static inline float ut__cpu_lerp(float m, float g, float w) {
+  float d = g - m;
+  return fabsf(w) < 0.5f ? m + w * d : g - d * (1.0f - w);
+}
 UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
   const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
   float* restrict p = c->p;
   const float* restrict g = c->g;
   float* restrict m = c->m;
   float* restrict v = c->v;
-  float b1 = c->b1, b2 = c->b2, eps = c->eps, step = c->step, sb2 = c->sb2;
+  ut__adam_hp h = c->adam;
   ut__i64 lo, hi;
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) {
-    float gi = g[i];
-    float mi = b1 * m[i] + (1.0f - b1) * gi;
-    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    float pi = p[i];
+    if (h.decay != 1.0f) pi *= h.decay; /* AdamW: decoupled decay first, as PyTorch's mul_ */
+    float gi = h.weight_decay != 0.0f ? g[i] + h.weight_decay * pi : g[i];
+    float mi = ut__cpu_lerp(m[i], gi, h.omb1);
+    float vi = h.b2 * v[i] + h.omb2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= step * (mi / (sqrtf(vi) / sb2 + eps));
+    p[i] = pi - h.step_size * (mi / (sqrtf(vi) / h.sqrt_bc2 + h.eps));
   }
 }
+/* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
+   the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
 UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
-                                    float* restrict v, ut__i64 n, float lr, float b1, float b2,
-                                    float eps, float bc1, float bc2) {
+                                    float* restrict v, ut__i64 n, ut__adam_hp h) {
   int nt = ut__cpu_nt((double)n);
-  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
-     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
-  float step = lr / bc1, sb2 = sqrtf(bc2);
-  ut__cpu_optim_ctx c = {p, g, m, v, n, lr, 0.0f, b1, b2, eps, step, sb2};
+  ut__cpu_optim_ctx c;
+  memset(&c, 0, sizeof c);
+  c.p = p, c.g = g, c.m = m, c.v = v, c.n = n, c.adam = h;
   ut__parallel_run(nt, ut__cpu_adam_part, &c);
   return UT_OK;
 }

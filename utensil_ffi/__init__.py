@@ -83,7 +83,7 @@ from .nn import (
     SyncBatchNorm,
 )
 from .dtypes import bfloat16, dtype, float32
-from .optim import SGD, Adam, Optimizer
+from .optim import SGD, Adam, AdamW, Optimizer
 from .tensor import (
     Tensor,
     cuda_available,
@@ -128,7 +128,7 @@ __all__ = [
     "cross_entropy", "cross_entropy_backward", "MSELoss", "CrossEntropyLoss", "sgd_step",
     "adam_step",
     # optimizers
-    "Optimizer", "SGD", "Adam",
+    "Optimizer", "SGD", "Adam", "AdamW",
     # errors
     "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
     "OutOfMemoryError", "DeviceError",

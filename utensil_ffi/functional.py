@@ -369,11 +369,20 @@ def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
     return param
 
 
-def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
+def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0, dampening=0.0,
+                  weight_decay=0.0, nesterov=False):
     """sgd_step on each (params[i], grads[i], velocities[i]) in one C call (on the GPU, a few
-    launches for a whole network). Every argument is checked before anything changes."""
+    launches for a whole network). Every argument is checked before anything changes.
+
+    With weight_decay, dampening or nesterov it is PyTorch's SGD update (ut_sgd_step_many_ex):
+    d = grad + weight_decay param; v = momentum v + (1 - dampening) d; d = d + momentum v
+    (nesterov) or v; param -= lr d."""
     lr = _args.to_float32(lr, "lr", lo=0.0)
     momentum = _args.to_float32(momentum, "momentum", lo=0.0)
+    dampening = _args.to_float32(dampening, "dampening")
+    weight_decay = _args.to_weight_decay(weight_decay)
+    nesterov = _args.to_bool(nesterov, "nesterov")
+    plain = weight_decay == 0.0 and dampening == 0.0 and not nesterov
     params, grads = list(params), list(grads)
     vels = None if velocities is None else list(velocities)
     if len(grads) != len(params) or (vels is not None and len(vels) != len(params)):
@@ -391,7 +400,10 @@ def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
         gs = a.tensors(grads)
         vs = a.tensors(vels) if vels is not None else None
         arr = [ffi.new("ut_tensor*[]", x) if x is not None else _NULL for x in (ps, gs, vs)]
-        if lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) < 0:
+        rc = (lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) if plain else
+              lib.ut_sgd_step_many_ex(arr[0], arr[1], arr[2], len(ps), lr, momentum, dampening,
+                                      weight_decay, nesterov))
+        if rc < 0:
             fail("sgd_step_many")
 
 
@@ -434,8 +446,14 @@ def unpack(flat, tensors):
     _pack("unpack", lib.ut_unpack, flat, tensors)
 
 
-def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8):
-    """One in-place Adam update with bias correction; ``step`` is the 1-based update count."""
+def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, decoupled_weight_decay=False):
+    """One in-place Adam update with bias correction; ``step`` is the 1-based update count.
+
+    weight_decay: PyTorch's Adam adds weight_decay param to the gradient; with
+    decoupled_weight_decay (AdamW) param *= 1 - lr weight_decay before the update instead."""
+    weight_decay = _args.to_weight_decay(weight_decay)
+    decoupled = _args.to_bool(decoupled_weight_decay, "decoupled_weight_decay")
     step = _args.to_int(step, "step", 1)
     lr = _args.to_float32(lr, "lr", lo=0.0)
     beta1 = _args.to_float32(beta1, "adam_step: beta1", lo=0.0, below=1.0)
@@ -444,8 +462,11 @@ def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8
     for name, x in (("param", param), ("m", m), ("v", v)):
         if not isinstance(x, Tensor):
             raise ArgumentTypeError("adam_step: %s must be a Tensor, got %s" % (name, type(x).__name__))
-    _inplace("adam_step", lib.ut_adam_step, ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
-             step, lr, beta1, beta2, eps)
+    # the Python floats go to C as doubles (ut_adam_step_ex): 1 - beta2 and the bias
+    # corrections are then PyTorch's, not those of float32-rounded betas
+    _inplace("adam_step", lib.ut_adam_step_ex,
+             ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
+             step, lr, beta1, beta2, eps, weight_decay, decoupled)
     return param
 
 

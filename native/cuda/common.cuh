@@ -312,10 +312,9 @@ int ut__cuda_bn_sync_unpack(const float* a, const float* b, float* mean, float* 
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
-                      int count, float lr, float momentum);
+                      int count, ut__sgd_hp h);
 int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value);
-int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
-int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
-                  float b2, float eps, float bc1, float bc2);
+int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
+int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
 
 #endif /* UT__CUDA_COMMON_CUH */
