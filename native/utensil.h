@@ -365,6 +365,14 @@ ut_tensor* ut_mse_loss_backward(ut_tensor* pred, ut_tensor* target);
 ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels);
 /* -> d loss / d logits = (softmax(logits) - onehot(labels)) / N, [N, K] */
 ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels);
+/* PyTorch's label smoothing (eps = label_smoothing in [0, 1]): the target is (1 - eps) onehot
+   + eps / K, so the loss is the mean over the batch of
+     (1 - eps) (-log softmax[label]) + eps mean_k(-log softmax[k])
+   and its gradient (softmax - (1 - eps) onehot - eps / K) / N. eps 0: the calls above. */
+ut_tensor* ut_cross_entropy_loss_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                          float label_smoothing);
+ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                              float label_smoothing);
 
 /* ---- optimizers: update param in place from grad (same nelem, same device) ---------------- */
 /* velocity = momentum * velocity + grad; param -= lr * velocity (velocity NULL: plain SGD) */
@@ -698,8 +706,8 @@ typedef struct ut__backend {
   int (*mse_bwd)(const float* p, const float* t, float* g, ut__i64 n);
   /* logits: [n, k], labels: [n] -> out[0] = mean -log softmax[label]; g = (softmax - onehot)/n.
      A label that is not an integer in [0, k) gives NaN (the core checks labels on the host). */
-  int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k);
-  int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k);
+  int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k, float eps);
+  int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k, float eps);
 
   /* NCCL (NULL in the CPU backend): the public ut_dist_* calls, see there; comm is the
      backend's communicator */
@@ -3128,9 +3136,14 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
 
 /* The loss is float32 math whatever the logits' type (bf16 logits are widened first: a
    [N, K] copy, small next to the network's activations); the gradient has the logits' type. */
-ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_loss";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+static int ut__check_smoothing(float eps, const char* who) {
+  UT__CHECK(eps >= 0.f && eps <= 1.f, UT_ERR_ARG,
+            "%s: label_smoothing must be between 0.0 and 1.0. Got: %g", who, (double)eps);
+  return UT_OK;
+}
+
+static ut_tensor* ut__ce_loss(ut_tensor* logits, ut_tensor* labels, float eps, const char* who) {
+  if (ut__check_ce(logits, labels, who) < 0 || ut__check_smoothing(eps, who) < 0) return NULL;
   ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
   const float* lp = lf ? ut__in(lf, be) : NULL;
@@ -3138,14 +3151,21 @@ ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
   ut_tensor* out = yp ? ut__new(1, (int[]){1}, logits->dev, who) : NULL;
   if (out)
     out = ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
-                                         logits->shape.shape[1]));
+                                         logits->shape.shape[1], eps));
   ut_free(lf);
   return out;
 }
 
-ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_backward";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
+  return ut__ce_loss(logits, labels, 0.f, "ut_cross_entropy_loss");
+}
+ut_tensor* ut_cross_entropy_loss_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                          float label_smoothing) {
+  return ut__ce_loss(logits, labels, label_smoothing, "ut_cross_entropy_loss_smoothed");
+}
+
+static ut_tensor* ut__ce_bwd(ut_tensor* logits, ut_tensor* labels, float eps, const char* who) {
+  if (ut__check_ce(logits, labels, who) < 0 || ut__check_smoothing(eps, who) < 0) return NULL;
   ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
   const float* lp = lf ? ut__in(lf, be) : NULL;
@@ -3153,12 +3173,20 @@ ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
   ut_tensor* g = yp ? ut__new(2, logits->shape.shape, logits->dev, who) : NULL;
   if (g)
     g = ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
-                                     logits->shape.shape[1]));
+                                     logits->shape.shape[1], eps));
   ut_free(lf);
   if (!g || logits->dtype == UT_F32) return g;
   ut_tensor* gb = ut__to_dtype(g, logits->dtype, who);
   ut_free(g);
   return gb;
+}
+
+ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
+  return ut__ce_bwd(logits, labels, 0.f, "ut_cross_entropy_backward");
+}
+ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                              float label_smoothing) {
+  return ut__ce_bwd(logits, labels, label_smoothing, "ut_cross_entropy_backward_smoothed");
 }
 
 /* ---- optimizers --------------------------------------------------------------------------- */
@@ -5673,7 +5701,8 @@ static int ut__cpu_bn_sync_unpack(const float* a, const float* b, float* mean, f
    added in order, independent of the thread count. */
 #define UT__CPU_NBLK 256
 
-/* The arguments of the losses; mse: p, t, g; cross-entropy: logits (p), labels (t), g. */
+/* The arguments of the losses; mse: p, t, g; cross-entropy: logits (p), labels (t), g, the
+   label smoothing (sc). */
 typedef struct {
   const float* p;
   const float* t;
@@ -5754,14 +5783,19 @@ static inline int ut__cpu_label(float v, int k) {
   return (int)v;
 }
 
-/* -log softmax(row)[label] with max subtraction; NaN for an invalid label. */
-UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab) {
+/* -log softmax(row)[label] with max subtraction, and with label smoothing eps the mix
+   (1 - eps) that + eps mean_j(-log softmax(row)[j]); NaN for an invalid label. */
+UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab, float eps) {
   if (lab < 0) return NAN;
   float mx = row[0];
   for (int j = 1; j < k; j++) mx = row[j] > mx ? row[j] : mx;
   double s = 0.0;
   for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
-  return log(s) - ((double)row[lab] - (double)mx); /* log(s) + mx loses log(s) for mx ~ 1e30 */
+  /* log(s) + mx loses log(s) for mx ~ 1e30: the logits' offsets from mx go in instead */
+  if (eps == 0.0f) return log(s) - ((double)row[lab] - (double)mx);
+  double all = 0.0;
+  for (int j = 0; j < k; j++) all += (double)row[j] - (double)mx;
+  return log(s) - (1.0 - (double)eps) * ((double)row[lab] - (double)mx) - (double)eps * all / k;
 }
 
 static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {
@@ -5776,17 +5810,18 @@ static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {
     int lo = b * bs, hi = UT__CPU_MIN(n, lo + bs);
     double s = 0.0;
     for (int i = lo; i < hi; i++)
-      s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k));
+      s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k), c->sc);
     part[b] = s;
   }
 }
-static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k,
+                          float eps) {
   double part[UT__CPU_NBLK];
   int bs = UT__CPU_MAX(1, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
   int nb = (n + bs - 1) / bs;
   int nt = ut__cpu_nt((double)n * k * 4);
   if (nt > nb) nt = nb;
-  ut__cpu_loss_ctx c = {logits, labels, NULL, part, n, bs, nb, k, 0.0f, 0.0};
+  ut__cpu_loss_ctx c = {logits, labels, NULL, part, n, bs, nb, k, eps, 0.0};
   ut__parallel_run(nt, ut__cpu_ce_fwd_part, &c);
   double s = 0.0;
   for (int b = 0; b < nb; b++) s += part[b];
@@ -5816,16 +5851,22 @@ UT__CPU_OPT static void ut__cpu_ce_bwd_part(void* vc, int tid, int nt) {
     double s = 0.0;
     for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
     double sc = inv_n / s;
-    for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
-    gr[lab] -= (float)inv_n;
+    if (c->sc == 0.0f) {
+      for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
+      gr[lab] -= (float)inv_n;
+    } else { /* the smoothed target (1 - eps) onehot + eps / K, subtracted in double */
+      double eps = c->sc, off = eps / k * inv_n;
+      for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc - off);
+      gr[lab] = (float)(exp((double)(row[lab] - mx)) * sc - off - (1.0 - eps) * inv_n);
+    }
   }
 }
 UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, float* g, int n,
-                                      int k) {
+                                      int k, float eps) {
   int nt = ut__cpu_nt((double)n * k * 4);
   if (nt > n) nt = n;
   double inv_n = 1.0 / (n > 0 ? n : 1);
-  ut__cpu_loss_ctx c = {logits, labels, g, NULL, n, 0, 0, k, 0.0f, inv_n};
+  ut__cpu_loss_ctx c = {logits, labels, g, NULL, n, 0, 0, k, eps, inv_n};
   ut__parallel_run(nt, ut__cpu_ce_bwd_part, &c);
   return UT_OK;
 }

@@ -324,11 +324,11 @@ def mse_loss_backward(pred, target):
     return _binary("mse_loss_backward", lib.ut_mse_loss_backward, pred, target, "pred", "target")
 
 
-def _ce(what, c_op, logits, labels):
+def _ce(what, c_op, logits, labels, *scalars):
     with _Args(what) as a:
         lp = a.ptr(logits, "logits")
         yp, lost = a.labels(labels)
-        r = c_op(lp, yp)
+        r = c_op(lp, yp, *scalars)
         if r == _NULL:
             fail(what, lp, yp)
         if lost is not None:
@@ -337,18 +337,35 @@ def _ce(what, c_op, logits, labels):
         return _wrap(r)
 
 
-def cross_entropy(logits, labels):
+def _label_smoothing(value):
+    v = _args.to_float32(value, "label_smoothing")
+    if not 0.0 <= v <= 1.0:
+        raise ArgumentError("label_smoothing must be between 0.0 and 1.0. Got: %r" % (value,))
+    return v
+
+
+def cross_entropy(logits, labels, label_smoothing=0.0):
     """Mean over the batch of -log softmax(logits)[label].
 
     logits: [N, K]; labels: N integer class indices in [0, K) (an int array), or a float Tensor
     of such indices on the logits' device. Returns a one-element tensor.
+    label_smoothing (eps, in [0, 1]) as PyTorch's: the target is (1 - eps) onehot + eps / K, so
+    the loss is the mean of (1 - eps) (-log softmax[label]) + eps mean_k(-log softmax[k]).
     """
-    return _ce("cross_entropy", lib.ut_cross_entropy_loss, logits, labels)
+    eps = _label_smoothing(label_smoothing)
+    if eps == 0.0:
+        return _ce("cross_entropy", lib.ut_cross_entropy_loss, logits, labels)
+    return _ce("cross_entropy", lib.ut_cross_entropy_loss_smoothed, logits, labels, eps)
 
 
-def cross_entropy_backward(logits, labels):
-    """d cross_entropy / d logits = (softmax(logits) - onehot(labels)) / N, [N, K]."""
-    return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward, logits, labels)
+def cross_entropy_backward(logits, labels, label_smoothing=0.0):
+    """d cross_entropy / d logits = (softmax(logits) - target) / N, [N, K]; target the onehot
+    labels, or with label_smoothing eps (1 - eps) onehot + eps / K."""
+    eps = _label_smoothing(label_smoothing)
+    if eps == 0.0:
+        return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward, logits, labels)
+    return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward_smoothed, logits, labels,
+               eps)
 
 
 # -- optimizer steps ------------------------------------------------------------------------------

@@ -261,8 +261,10 @@ int ut__cuda_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 col
 int ut__cuda_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols);
 int ut__cuda_mse_fwd(const float* p, const float* t, float* out, ut__i64 n);
 int ut__cuda_mse_bwd(const float* p, const float* t, float* g, ut__i64 n);
-int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k);
-int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k);
+int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k,
+                    float eps);
+int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k,
+                    float eps);
 
 /* gemm.cu */
 int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
