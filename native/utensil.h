@@ -374,6 +374,21 @@ ut_tensor* ut_cross_entropy_loss_smoothed(ut_tensor* logits, ut_tensor* labels,
 ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labels,
                                               float label_smoothing);
 
+/* ---- regularisation: Dropout, StochasticDepth (issue 30) ---------------------------------- */
+/* [shape] float32 from the shared RNG (ut_seed): each element 0 with probability p, else
+   1 / (1 - p) (p in [0, 1]; p 1: all 0). Drawn on the host, uploaded for UT_CUDA. */
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, float p, ut_dev dev);
+/* x: any shape, float32 or bf16, viewed as [R, inner] with R = mask's element count (which
+   must divide x's); mask: float32, x's device. In place x[r, :] *= mask[r]: Dropout (R = the
+   element count) and StochasticDepth's row mode (R = N); backward applies the same mask to
+   grad_out. A bf16 x is rounded once, after the float32 product. */
+int ut_mask_scale(ut_tensor* x, ut_tensor* mask);
+/* The exponential moving average of weights (AveragedModel with get_ema_multi_avg_fn): for each
+   i < count, avg[i] += weight * (cur[i] - avg[i]) as PyTorch's lerp_ computes it (weight =
+   1 - decay, in [0, 1]); float32, same element count and device pairwise. All are checked
+   before any changes. */
+int ut_lerp_many(ut_tensor** avg, ut_tensor** cur, int count, float weight);
+
 /* ---- optimizers: update param in place from grad (same nelem, same device) ---------------- */
 /* velocity = momentum * velocity + grad; param -= lr * velocity (velocity NULL: plain SGD) */
 int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr, float momentum);
@@ -726,6 +741,11 @@ typedef struct ut__backend {
   int (*blas_enable)(bool on);
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
+
+  /* x[i] *= s[i / inner] (s float32, x of type dt): Dropout's and StochasticDepth's mask */
+  int (*mask_scale)(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
+  /* a = lerp(a, b, w) = a + w (b - a) (w < 0.5; else b - (b - a)(1 - w)), PyTorch's lerp_ */
+  int (*lerp)(float* a, const float* b, ut__i64 n, float w);
 
   /* d = g + wd p; v = momentum v + (1 - dampening) d; d = nesterov ? d + momentum v : v;
      p -= lr d   (v NULL: p -= lr d); the hyperparameters in ut__sgd_hp */
@@ -3469,6 +3489,71 @@ int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* 
                   "ut_adam_step_ex");
 }
 
+/* ---- regularisation and the EMA of weights (issue 30) ------------------------------------- */
+/* The mask comes from the host RNG (the one ut_seed seeds, so a seeded run repeats) and is
+   uploaded: one float per element for Dropout, per sample for StochasticDepth. A device RNG
+   would save Dropout's upload; it is not needed for the networks of issue 30 yet. */
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, float p, ut_dev dev) {
+  const char* who = "ut_dropout_mask";
+  UT__CHECK_NULL(p >= 0.f && p <= 1.f, UT_ERR_ARG,
+                 "%s: the drop probability must be in [0, 1], got %g", who, (double)p);
+  ut_tensor* t = ut__new(ndim, shape, dev, who);
+  if (!t) return NULL;
+  /* PyTorch's bernoulli_(1 - p).div_(1 - p): the scale rounded as a float32 division */
+  float keep = (float)(1.0 - (double)p), scale = p < 1.f ? 1.0f / keep : 0.f;
+  ut__pool_init();
+  pthread_mutex_lock(&ut__rng_lock);
+  if (!ut__rng_seeded) ut__rng_seed_locked(0x5eed);
+  /* uniform in (0, 1]: kept when u <= 1 - p, so p 0 keeps all and p 1 none */
+  for (ut__i64 i = 0; i < t->shape.nelem; i++)
+    t->data[i] = ut__rng_uniform_locked() <= 1.0 - (double)p ? scale : 0.f;
+  pthread_mutex_unlock(&ut__rng_lock);
+  ut__host_wrote(t);
+  return t;
+}
+
+int ut_mask_scale(ut_tensor* x, ut_tensor* mask) {
+  const char* who = "ut_mask_scale";
+  UT__TRY(ut__check_tensor(x, who, "x"));
+  UT__TRY(ut__check_arg(mask, x, -1, who, "mask"));
+  UT__TRY(ut__check_f32(mask, who, "mask"));
+  UT__TRY(ut__check_distinct(x, mask, who, "x", "mask"));
+  ut__i64 n = x->shape.nelem, r = mask->shape.nelem;
+  UT__CHECK(r >= 1 && n % r == 0, UT_ERR_SHAPE,
+            "%s: the mask's %lld elements do not divide x's %lld (x %s, mask %s)", who,
+            (long long)r, (long long)n, ut__shape_text(x).s, ut__shape_text(mask).s);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* s = ut__in(mask, be);
+  void* xp = s ? ut__inout(x, be) : NULL;
+  if (!xp) return ut__err_status;
+  UT__TRY(be->mask_scale(ut__buf_dtype(x, be), xp, s, n, n / r));
+  ut__wrote(x, be);
+  return UT_OK;
+}
+
+int ut_lerp_many(ut_tensor** avg, ut_tensor** cur, int count, float weight) {
+  const char* who = "ut_lerp_many";
+  UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
+  UT__CHECK(count == 0 || (avg && cur), UT_ERR_ARG, "%s: NULL avg or cur", who);
+  UT__CHECK(weight >= 0.f && weight <= 1.f, UT_ERR_ARG, "%s: weight must be in [0, 1], got %g",
+            who, (double)weight);
+  for (int i = 0; i < count; i++)
+    if (ut__check_tensor(avg[i], who, "avg") < 0 ||
+        ut__check_arg(cur[i], avg[i], avg[i]->shape.nelem, who, "cur") < 0 ||
+        ut__check_f32(avg[i], who, "avg") < 0 || ut__check_f32(cur[i], who, "cur") < 0 ||
+        ut__check_distinct(avg[i], cur[i], who, "avg", "cur") < 0)
+      return ut__item_error(who, i);
+  for (int i = 0; i < count; i++) {
+    const ut__backend* be = ut__backend_for(avg[i]->dev);
+    const float* b = ut__in(cur[i], be);
+    float* a = b ? ut__inout(avg[i], be) : NULL;
+    if (!a) return ut__item_error(who, i);
+    UT__TRY(be->lerp(a, b, avg[i]->shape.nelem, weight));
+    ut__wrote(avg[i], be);
+  }
+  return UT_OK;
+}
+
 /* ---- struct layout, for the bindings' checks ---------------------------------------------- */
 typedef struct ut__layout_entry {
   const char* type;
@@ -5871,6 +5956,47 @@ UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, 
   return UT_OK;
 }
 
+/* ---- regularisation ------------------------------------------------------------------------- */
+typedef struct {
+  float* x;
+  const float* s;
+  ut__i64 n, inner;
+} ut__cpu_mask_scale_ctx;
+UT__CPU_OPT static void ut__cpu_mask_scale_part(void* vc, int tid, int nt) {
+  const ut__cpu_mask_scale_ctx* c = (const ut__cpu_mask_scale_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) c->x[i] *= c->s[i / c->inner];
+}
+static int ut__cpu_mask_scale_f32(float* x, const float* s, ut__i64 n, ut__i64 inner) {
+  ut__cpu_mask_scale_ctx c = {x, s, n, inner};
+  ut__parallel_run(ut__cpu_nt((double)n), ut__cpu_mask_scale_part, &c);
+  return UT_OK;
+}
+
+typedef struct {
+  float* a;
+  const float* b;
+  ut__i64 n;
+  float w;
+} ut__cpu_lerp_ctx;
+UT__CPU_OPT static void ut__cpu_lerp_part(void* vc, int tid, int nt) {
+  const ut__cpu_lerp_ctx* c = (const ut__cpu_lerp_ctx*)vc;
+  float w = c->w, omw = 1.0f - w;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  if (w < 0.5f) {
+    for (ut__i64 i = lo; i < hi; i++) c->a[i] = c->a[i] + w * (c->b[i] - c->a[i]);
+  } else {
+    for (ut__i64 i = lo; i < hi; i++) c->a[i] = c->b[i] - (c->b[i] - c->a[i]) * omw;
+  }
+}
+static int ut__cpu_lerp(float* a, const float* b, ut__i64 n, float w) {
+  ut__cpu_lerp_ctx c = {a, b, n, w};
+  ut__parallel_run(ut__cpu_nt((double)n), ut__cpu_lerp_part, &c);
+  return UT_OK;
+}
+
 /* ---- optimizers ----------------------------------------------------------------------------- */
 
 /* The optimizers' arguments (sgd: v is the momentum buffer or NULL; adam: m and v). */
@@ -5972,7 +6098,7 @@ static int ut__cpu_fill_many(float* const* x, const ut__i64* n, int count, float
 }
 
 /* m = lerp(m, g, w) as PyTorch's lerp_ computes it (the exp_avg update), so both round alike */
-static inline float ut__cpu_lerp(float m, float g, float w) {
+static inline float ut__cpu_lerp1(float m, float g, float w) {
   float d = g - m;
   return fabsf(w) < 0.5f ? m + w * d : g - d * (1.0f - w);
 }
@@ -5989,7 +6115,7 @@ UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
     float pi = p[i];
     if (h.decay != 1.0f) pi *= h.decay; /* AdamW: decoupled decay first, as PyTorch's mul_ */
     float gi = h.weight_decay != 0.0f ? g[i] + h.weight_decay * pi : g[i];
-    float mi = ut__cpu_lerp(m[i], gi, h.omb1);
+    float mi = ut__cpu_lerp1(m[i], gi, h.omb1);
     float vi = h.b2 * v[i] + h.omb2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
@@ -6031,6 +6157,10 @@ static int ut__cpu_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float al
 }
 static int ut__cpu_scale(ut_dtype dt, void* x, ut__i64 n, float alpha) {
   return dt == UT_F32 ? ut__cpu_scale_f32(x, n, alpha) : ut__cpu_no_dtype("scale", dt);
+}
+static int ut__cpu_mask_scale(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_mask_scale_f32(x, s, n, inner)
+                      : ut__cpu_no_dtype("mask_scale", dt);
 }
 static int ut__cpu_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap) {
   return dt == UT_F32 ? ut__cpu_relu_fwd_f32(x, y, n, cap) : ut__cpu_no_dtype("relu_fwd", dt);
@@ -6193,6 +6323,8 @@ static const ut__backend ut__cpu_backend = {
     .mse_bwd = ut__cpu_mse_bwd,
     .ce_fwd = ut__cpu_ce_fwd,
     .ce_bwd = ut__cpu_ce_bwd,
+    .mask_scale = ut__cpu_mask_scale,
+    .lerp = ut__cpu_lerp,
     .sgd = ut__cpu_sgd,
     .sgd_many = ut__cpu_sgd_many,
     .fill_many = ut__cpu_fill_many,

@@ -525,3 +525,75 @@ def add_backward(grad_out):
         grad_out = Tensor(_args.to_float_array(grad_out, "add_backward: grad_out"))
         return grad_out, grad_out.clone()
     return grad_out.clone(), grad_out.clone()
+
+
+# -- regularisation: Dropout, StochasticDepth (issue 30) ------------------------------------------
+# The mask is drawn on the host from the library's RNG (ut_seed, so a seeded run repeats) and
+# uploaded for a GPU tensor (ut_dropout_mask); a device RNG would save Dropout's upload.
+__all__ += ["dropout_mask", "mask_scale_", "dropout", "stochastic_depth"]
+
+
+def _drop_p(p, what):
+    v = _args.to_float32(p, "p")
+    if not 0.0 <= v <= 1.0:
+        raise ArgumentError("%s probability has to be between 0 and 1, but got %r" % (what, p))
+    return v
+
+
+def dropout_mask(shape, p, device="cpu"):
+    """A float32 [shape] mask from the library's RNG (see seed()): 0 with probability p, else
+    1 / (1 - p) (p 1: all 0)."""
+    dims = _args.to_shape(shape)
+    p = _drop_p(p, "dropout")
+    dev = _args.parse_device(device)
+    return _wrap(check_ptr(lib.ut_dropout_mask(len(dims), ffi.new("int[]", dims), p, dev),
+                           "dropout_mask"))
+
+
+def mask_scale_(x, mask):
+    """In place x[r, ...] *= mask[r], x viewed as [mask.size, rest] (mask float32, x's device):
+    Dropout's mask (one per element) or StochasticDepth's (one per sample). Returns x."""
+    if not isinstance(x, Tensor):
+        raise ArgumentTypeError("mask_scale_: x must be a Tensor, got %s" % type(x).__name__)
+    _inplace("mask_scale_", lib.ut_mask_scale, ((x, "x"), (mask, "mask")))
+    return x
+
+
+def _as_tensor(x, what):
+    return x if isinstance(x, Tensor) else Tensor(_args.to_float_array(x, "%s: input" % what))
+
+
+def dropout(input, p=0.5, training=True, inplace=False):
+    """torch.nn.functional.dropout: each element zeroed with probability p, the others scaled
+    by 1 / (1 - p); the input itself when not training or p is 0 (forward only: nn.Dropout
+    keeps the mask for backward)."""
+    p = _drop_p(p, "dropout")
+    if not _args.to_bool(training, "training") or p == 0.0:
+        return input
+    x = _as_tensor(input, "dropout")
+    y = x if _args.to_bool(inplace, "inplace") and x is input else x.clone()
+    with dropout_mask(y.shape, p, y.device) as m:
+        mask_scale_(y, m)
+    return y
+
+
+def _stochastic_depth_shape(shape, mode):
+    mode = _args.to_str(mode, "mode")
+    if mode not in ("row", "batch"):
+        raise ArgumentError("mode has to be either 'batch' or 'row', but got %s" % mode)
+    return (shape[0],) if mode == "row" else (1,)
+
+
+def stochastic_depth(input, p, mode, training=True):
+    """torchvision.ops.stochastic_depth: mode "row" zeroes whole samples (dim 0) with
+    probability p and scales the others by 1 / (1 - p); "batch" does it to the whole batch at
+    once. The input itself when not training or p is 0 (forward only)."""
+    p = _drop_p(p, "drop")
+    x = _as_tensor(input, "stochastic_depth")
+    shape = _stochastic_depth_shape(x.shape, mode)
+    if not _args.to_bool(training, "training") or p == 0.0:
+        return input
+    y = x.clone()
+    with dropout_mask(shape, p, y.device) as m:
+        mask_scale_(y, m)
+    return y

@@ -23,6 +23,7 @@
      norm.cu          per-channel reductions (channel_sum and batchnorm2d share them),
                       batchnorm2d, layernorm
      optim.cu         sgd, adam, and sgd and fill over many tensors per launch
+     recipe.cu        mask_scale (Dropout, StochasticDepth), lerp (the EMA of weights): issue 30
      nccl.cu          ut_dist_*: NCCL loaded at run time (all-reduce, broadcast)
 
    Naming
@@ -318,5 +319,9 @@ int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, c
 int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value);
 int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
 int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
+
+/* recipe.cu (issue 30: Dropout, StochasticDepth, the EMA of weights) */
+int ut__cuda_mask_scale(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
+int ut__cuda_lerp(float* a, const float* b, ut__i64 n, float w);
 
 #endif /* UT__CUDA_COMMON_CUH */

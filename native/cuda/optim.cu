@@ -92,7 +92,7 @@ int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value
 }
 
 /* m = lerp(m, g, w) as PyTorch's lerp_ computes it (the exp_avg update) */
-static __device__ __forceinline__ float ut__cuda_lerp(float m, float g, float w) {
+static __device__ __forceinline__ float ut__cuda_lerp1(float m, float g, float w) {
   float d = g - m;
   return fabsf(w) < 0.5f ? m + w * d : g - d * (1.f - w);
 }
@@ -104,7 +104,7 @@ static __global__ void ut__cuda_adam_kernel(float* __restrict__ p, const float* 
     float pi = p[i];
     if (h.decay != 1.f) pi *= h.decay; /* AdamW: decoupled decay first, as PyTorch's mul_ */
     float gi = h.weight_decay != 0.f ? g[i] + h.weight_decay * pi : g[i];
-    float mi = ut__cuda_lerp(m[i], gi, h.omb1);
+    float mi = ut__cuda_lerp1(m[i], gi, h.omb1);
     float vi = h.b2 * v[i] + h.omb2 * gi * gi;
     m[i] = mi;
     v[i] = vi;

@@ -21,6 +21,7 @@ state dicts and threads work for all of them:
     amp.py             MixedPrecision: bfloat16 activations around float32 weights
     blocks.py          Residual
     sync_batchnorm.py  SyncBatchNorm (the statistics of every rank's batch)
+    dropout.py         Dropout, StochasticDepth (torchvision.ops'): random masks in training
     models.py          network builders (mobilenet, mobilenet_v1, mobilenet_v2), as
                        torchvision.models; imported on use: ``from utensil_ffi.nn import models``
 """
@@ -38,8 +39,13 @@ from .parameter import Parameter
 from .pooling import GlobalAvgPool2d
 from .sync_batchnorm import SyncBatchNorm
 
+# issue 30, the training recipe: regularisation
+from .dropout import Dropout, StochasticDepth
+
 __all__ = [
     "Module", "Parameter", "Conv2d", "DWConv2d", "Linear", "LayerNorm", "BatchNorm2d", "ReLU",
     "ReLU6", "GlobalAvgPool2d", "Sequential", "MSELoss", "CrossEntropyLoss", "MixedPrecision",
     "Residual", "SyncBatchNorm",
+    # issue 30, the training recipe
+    "Dropout", "StochasticDepth",
 ]

@@ -19,13 +19,13 @@ import copy
 
 import numpy as np
 
-from . import _args
-from . import functional as _F
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
-from ._lib import lib
-from .nn.module import Module
-from .nn.parameter import Parameter
-from .tensor import Tensor, zeros
+from .. import _args
+from .. import functional as _F
+from .._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
+from .._lib import lib
+from ..nn.module import Module
+from ..nn.parameter import Parameter
+from ..tensor import Tensor, zeros
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
@@ -209,7 +209,7 @@ class Optimizer:
         """Zero each parameter's grad, or with ``set_to_none=True`` drop it (None: "no gradient
         yet"; the next backward allocates a fresh one, and step() skips the parameter until then)."""
         self._check_open()
-        from .nn.module import _zero_grads
+        from ..nn.module import _zero_grads
 
         _zero_grads(self.params, set_to_none)
 
