@@ -376,8 +376,9 @@ ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labe
 
 /* ---- regularisation: Dropout, StochasticDepth (issue 30) ---------------------------------- */
 /* [shape] float32 from the shared RNG (ut_seed): each element 0 with probability p, else
-   1 / (1 - p) (p in [0, 1]; p 1: all 0). Drawn on the host, uploaded for UT_CUDA. */
-ut_tensor* ut_dropout_mask(int ndim, const int* shape, float p, ut_dev dev);
+   1 / (1 - p) (p in [0, 1]; p 1: all 0; a double, as PyTorch's Python float: 1 - p is
+   computed before rounding). Drawn on the host, uploaded for UT_CUDA. */
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev);
 /* x: any shape, float32 or bf16, viewed as [R, inner] with R = mask's element count (which
    must divide x's); mask: float32, x's device. In place x[r, :] *= mask[r]: Dropout (R = the
    element count) and StochasticDepth's row mode (R = N); backward applies the same mask to
@@ -3493,20 +3494,20 @@ int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* 
 /* The mask comes from the host RNG (the one ut_seed seeds, so a seeded run repeats) and is
    uploaded: one float per element for Dropout, per sample for StochasticDepth. A device RNG
    would save Dropout's upload; it is not needed for the networks of issue 30 yet. */
-ut_tensor* ut_dropout_mask(int ndim, const int* shape, float p, ut_dev dev) {
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev) {
   const char* who = "ut_dropout_mask";
-  UT__CHECK_NULL(p >= 0.f && p <= 1.f, UT_ERR_ARG,
-                 "%s: the drop probability must be in [0, 1], got %g", who, (double)p);
+  UT__CHECK_NULL(p >= 0.0 && p <= 1.0, UT_ERR_ARG,
+                 "%s: the drop probability must be in [0, 1], got %g", who, p);
   ut_tensor* t = ut__new(ndim, shape, dev, who);
   if (!t) return NULL;
   /* PyTorch's bernoulli_(1 - p).div_(1 - p): the scale rounded as a float32 division */
-  float keep = (float)(1.0 - (double)p), scale = p < 1.f ? 1.0f / keep : 0.f;
+  float keep = (float)(1.0 - p), scale = p < 1.0 ? 1.0f / keep : 0.f;
   ut__pool_init();
   pthread_mutex_lock(&ut__rng_lock);
   if (!ut__rng_seeded) ut__rng_seed_locked(0x5eed);
   /* uniform in (0, 1]: kept when u <= 1 - p, so p 0 keeps all and p 1 none */
   for (ut__i64 i = 0; i < t->shape.nelem; i++)
-    t->data[i] = ut__rng_uniform_locked() <= 1.0 - (double)p ? scale : 0.f;
+    t->data[i] = ut__rng_uniform_locked() <= 1.0 - p ? scale : 0.f;
   pthread_mutex_unlock(&ut__rng_lock);
   ut__host_wrote(t);
   return t;

@@ -19,7 +19,7 @@ The package, one floor a folder (imports go down only; ARCHITECTURE.md draws it)
     distributed/  process groups, DistributedDataParallel, the launcher
     interop/      the PyTorch op, ONNX export
     nn/           Module, the layers, MixedPrecision, Residual, SyncBatchNorm, models
-    optim.py      SGD, Adam
+    optim/        SGD, Adam, AdamW; lr_scheduler, swa_utils (the EMA of weights)
     functional.py, tensor.py, dtypes.py, cuda.py, blas.py, dlpack.py   the core: ops and tensors
     _lifetime.py, _args.py, _errors.py, _lib.py                        the binding underneath
     testing/      the float64 reference, the self-check
@@ -102,6 +102,9 @@ from .tensor import (
     zeros,
 )
 
+# issue 30, the training recipe: regularisation layers (the optimizers are imported above)
+from .nn import Dropout, StochasticDepth
+
 from . import _compat
 
 _compat.install(__name__)  # the old module paths (utensil_ffi.layers, ...): see _compat.py
@@ -129,6 +132,8 @@ __all__ = [
     "adam_step",
     # optimizers
     "Optimizer", "SGD", "Adam", "AdamW",
+    # issue 30, the training recipe: regularisation (ut.optim.lr_scheduler, ut.optim.swa_utils)
+    "Dropout", "StochasticDepth",
     # errors
     "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
     "OutOfMemoryError", "DeviceError",

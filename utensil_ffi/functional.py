@@ -597,3 +597,28 @@ def stochastic_depth(input, p, mode, training=True):
     with dropout_mask(shape, p, y.device) as m:
         mask_scale_(y, m)
     return y
+
+
+# -- the exponential moving average of weights (issue 30) -----------------------------------------
+__all__ += ["lerp_many_"]
+
+
+def lerp_many_(avg, cur, weight):
+    """In place avg[i] += weight (cur[i] - avg[i]) for each pair, as PyTorch's lerp_ (weight in
+    [0, 1]; float32 tensors of equal size, pairwise on one device), in one C call."""
+    weight = _args.to_float32(weight, "weight")
+    avg, cur = list(avg), list(cur)
+    if len(avg) != len(cur):
+        raise ArgumentError("lerp_many_: %d averages, %d current tensors" % (len(avg), len(cur)))
+    for name, seq in (("avg", avg), ("cur", cur)):
+        for i, t in enumerate(seq):
+            if not isinstance(t, Tensor):
+                raise ArgumentTypeError("lerp_many_: %s[%d] must be a Tensor, got %s"
+                                        % (name, i, type(t).__name__))
+    if not avg:
+        return
+    with _Args("lerp_many_") as a:
+        ps, cs = a.tensors(avg), a.tensors(cur)
+        if lib.ut_lerp_many(ffi.new("ut_tensor*[]", ps), ffi.new("ut_tensor*[]", cs), len(ps),
+                            weight) < 0:
+            fail("lerp_many_")

@@ -27,7 +27,7 @@ from ..nn.module import Module
 from ..nn.parameter import Parameter
 from ..tensor import Tensor, zeros
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler", "swa_utils"]
 
 
 class Optimizer:
@@ -53,6 +53,7 @@ class Optimizer:
         seen = set()
         self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
         self.lr = _args.to_lr(lr)
+        self.initial_lr = None  # PyTorch's group["initial_lr"]: set by an lr_scheduler
         self._state = [None] * len(self.params)
         self._closed = False
         self.t = 0  # steps taken
@@ -90,9 +91,14 @@ class Optimizer:
     def _set_group(self, group, name):
         """Check a saved group's hyperparameters; return a function that applies them."""
         lr = _args.to_lr(group.get("lr", self.lr), "%s: lr" % name)
+        initial = group.get("initial_lr")
+        if initial is not None:
+            initial = _args.to_lr(initial, "%s: initial_lr" % name)
 
         def apply():
             self.lr = lr
+            if initial is not None:
+                self.initial_lr = initial
         return apply
 
     def _slots_for(self, group):
@@ -129,6 +135,8 @@ class Optimizer:
                 entry[k] = np.array(t.numpy(), dtype=np.float32, copy=True)
             state[i] = entry
         group = self._group()
+        if getattr(self, "initial_lr", None) is not None:  # an lr_scheduler's, as in PyTorch
+            group["initial_lr"] = float(self.initial_lr)
         group["params"] = list(range(len(self.params)))
         return {"state": state, "param_groups": [group]}
 
@@ -455,3 +463,7 @@ def _unsupported(group, name, **defaults):
         if k in group and group[k] != default:
             raise ArgumentError("%s: the group has %s=%r; utensil's optimizer has no %s (only "
                                 "%r)" % (name, k, group[k], k, default))
+
+
+# torch.optim's sub-modules (issue 30): ut.optim.lr_scheduler, ut.optim.swa_utils
+from . import lr_scheduler, swa_utils  # noqa: E402  (they import nothing of this module)
