@@ -953,13 +953,13 @@ RELU6 = OpInfo(
 
 # -- losses: the forward is a [1] array; the check chains d loss / d input with the upstream scalar
 def _ce_runner(ut, g, k, dev):
-    labels = k["labels"]
+    labels, eps = k["labels"], g.get("eps", 0.0)  # eps: label smoothing (issue 30)
 
     def bwd(go, z):
-        d = ut.cross_entropy_backward(z, labels)
+        d = ut.cross_entropy_backward(z, labels, label_smoothing=eps)
         return d.mul_(float(go.numpy().reshape(-1)[0]))
 
-    return _FnRunner(dev, lambda z: ut.cross_entropy(z, labels), bwd)
+    return _FnRunner(dev, lambda z: ut.cross_entropy(z, labels, label_smoothing=eps), bwd)
 
 
 def _ce_inputs(rng, g):
@@ -971,18 +971,23 @@ SOFTMAX_CROSS_ENTROPY = OpInfo(
     "softmax_cross_entropy",
     layer="CrossEntropyLoss",
     functions=("cross_entropy", "cross_entropy_backward"),
-    defaults=dict(n=4, k=5),
+    defaults=dict(n=4, k=5, eps=0.0),
     shapes=lambda g: {"x": (g["n"], g["k"])},
     sample_inputs=_ce_inputs,
-    reference=lambda a, k, g: R.cross_entropy(a["x"], k["labels"]),
-    describe=lambda g: "logits[%d,%d]" % (g["n"], g["k"]),
-    make=lambda ut, g, device: ut.CrossEntropyLoss(),
+    reference=lambda a, k, g: R.cross_entropy(a["x"], k["labels"], g["eps"]),
+    describe=lambda g: "logits[%d,%d]%s" % (g["n"], g["k"],
+                                            " smoothing %g" % g["eps"] if g["eps"] else ""),
+    make=lambda ut, g, device: ut.CrossEntropyLoss(label_smoothing=g["eps"]),
+    geometry_of=lambda l: dict(eps=l.label_smoothing),
     runner=_ce_runner,
     grad=("x",),
     samples=[
         Sample(dict(n=4, k=5), {"selftest", "gradcheck", "nonfinite"}, "cross_entropy"),
         Sample(dict(n=1, k=2), {"gradcheck"}),
         Sample(dict(n=6, k=3), {"gradcheck"}),
+        # issue 30: label smoothing (PyTorch's (1 - eps) onehot + eps / K target)
+        Sample(dict(n=4, k=5, eps=0.1), {"selftest", "gradcheck"}, "cross_entropy_smoothed"),
+        Sample(dict(n=3, k=7, eps=0.6), {"gradcheck"}),
     ],
     # bf16 logits: float32 math, a float32 loss, a bf16 gradient (the float32 one rounded)
     bf16=Bf16(kernel="exact", out="float32"),
@@ -1026,6 +1031,11 @@ SOFTMAX_CROSS_ENTROPY = OpInfo(
                   "ArgumentTypeError", "labels must be integer class indices"),
         ErrorCase("CrossEntropyLoss.backward", lambda ut: ut.CrossEntropyLoss().backward(),
                   "ArgumentError", "call the loss first"),
+        ErrorCase("CrossEntropyLoss", lambda ut: ut.CrossEntropyLoss(label_smoothing=1.5),
+                  "ArgumentError", "label_smoothing must be between 0.0 and 1.0. Got: 1.5"),
+        ErrorCase("cross_entropy",
+                  lambda ut: ut.cross_entropy(_t(ut, 2, 3), np.array([0, 1]), label_smoothing=-1),
+                  "ArgumentError", "label_smoothing must be between 0.0 and 1.0"),
     ],
 )
 
