@@ -605,3 +605,17 @@ def test_swa_mean_and_buffers_follow_the_model(torch, rng):
         swa.update_parameters(ut.BatchNorm2d(4))
     for m in (bn, swa, swa_b):
         m.close()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_regularisation_layers_copy_and_pickle(how):
+    """The settings travel (the training-mode output is random, so only the settings and the
+    eval-mode identity are compared; test_copy_pickle's output check does not apply)."""
+    import copy
+    import pickle
+    fn = {"copy": copy.copy, "deepcopy": copy.deepcopy,
+          "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how]
+    for layer in (ut.Dropout(0.25, inplace=True), ut.StochasticDepth(0.1, "batch"),
+                  ut.CrossEntropyLoss(label_smoothing=0.2)):
+        again = fn(layer)
+        assert type(again) is type(layer) and repr(again) == repr(layer)

@@ -1301,12 +1301,111 @@ ADAM_STEP = OpInfo(
 )
 
 
+# -- issue 30, the training recipe: Dropout, StochasticDepth -------------------------------------
+# A random op is a deterministic one once its mask is fixed: the runner reseeds the library's
+# RNG before every forward, so each draws the mask sample_inputs drew (the const "mask", from the
+# same seed); the reference is x times that mask in float64, and the gradient check's finite
+# differences see the linear map backward must apply (the same mask).
+_MASK_SEED = 30
+
+
+class _MaskRunner(_FnRunner):
+    def __init__(self, ut, layer, device):
+        self.layer = layer
+
+        def fwd(x):
+            ut.seed(_MASK_SEED)
+            return layer(x)
+
+        super().__init__(device, fwd, lambda g, x: layer.backward(g))
+
+    def close(self):
+        self.layer.close()
+
+
+def _mask_inputs(mask_shape):
+    def draw(rng, g):
+        ut = _ut()
+        x = _f32(rng, *g["shape"])
+        ut.seed(_MASK_SEED)
+        with ut.functional.dropout_mask(mask_shape(g), g["p"]) as m:
+            mask = m.numpy().copy()
+        return {"x": x}, {"mask": mask}
+    return draw
+
+
+def _mask_ref(a, k, g):
+    x = a["x"]
+    m = k["mask"].astype(np.float64)
+    return x * m.reshape(m.shape + (1,) * (x.ndim - m.ndim))
+
+
+DROPOUT = OpInfo(
+    "dropout",
+    layer="Dropout",
+    functions=("dropout", "dropout_mask", "mask_scale_"),
+    defaults=dict(shape=(4, 6), p=0.3),
+    shapes=lambda g: {"x": tuple(g["shape"])},
+    sample_inputs=_mask_inputs(lambda g: g["shape"]),
+    reference=_mask_ref,
+    describe=lambda g: "x%s p %g" % (list(g["shape"]), g["p"]),
+    make=lambda ut, g, device: ut.Dropout(g["p"]),
+    geometry_of=lambda l: dict(p=l.p),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.Dropout(g["p"]), dev),
+    grad=("x",),
+    samples=[
+        Sample(dict(shape=(4, 6), p=0.3), {"selftest", "gradcheck"}, "dropout"),
+        Sample(dict(shape=(2, 3, 5, 5), p=0.5), {"gradcheck"}),
+    ],
+    bf16=Bf16(kernel="exact"),
+    errors=[
+        ErrorCase("Dropout", lambda ut: ut.Dropout(1.5), "ArgumentError",
+                  "dropout probability has to be between 0 and 1, but got 1.5"),
+        ErrorCase("Dropout", lambda ut: ut.Dropout("x"), "ArgumentTypeError", "p must be a number"),
+        ErrorCase("Dropout.backward", lambda ut: ut.Dropout().backward(_t(ut, 2)), "ArgumentError",
+                  "no forward pass"),
+        ErrorCase("mask_scale_", lambda ut: ut.functional.mask_scale_(_t(ut, 2, 3), _t(ut, 4)),
+                  "ShapeError", "do not divide"),
+        ErrorCase("dropout_mask", lambda ut: ut.functional.dropout_mask((2, 2), -0.5),
+                  "ArgumentError", "dropout probability has to be between 0 and 1"),
+    ],
+)
+
+STOCHASTIC_DEPTH = OpInfo(
+    "stochastic_depth",
+    layer="StochasticDepth",
+    functions=("stochastic_depth",),
+    defaults=dict(shape=(8, 2, 3, 3), p=0.4, mode="row"),
+    shapes=lambda g: {"x": tuple(g["shape"])},
+    sample_inputs=_mask_inputs(lambda g: (g["shape"][0],) if g["mode"] == "row" else (1,)),
+    reference=_mask_ref,
+    describe=lambda g: "x%s p %g %s" % (list(g["shape"]), g["p"], g["mode"]),
+    make=lambda ut, g, device: ut.StochasticDepth(g["p"], g["mode"]),
+    geometry_of=lambda l: dict(p=l.p, mode=l.mode),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.StochasticDepth(g["p"], g["mode"]), dev),
+    grad=("x",),
+    samples=[
+        Sample(dict(shape=(8, 2, 3, 3), p=0.4), {"selftest", "gradcheck"}, "stochastic_depth"),
+        Sample(dict(shape=(5, 7), p=0.5, mode="batch"), {"gradcheck"}),
+    ],
+    bf16=Bf16(kernel="exact"),
+    errors=[
+        ErrorCase("StochasticDepth", lambda ut: ut.StochasticDepth(-0.1, "row"), "ArgumentError",
+                  "drop probability has to be between 0 and 1, but got -0.1"),
+        ErrorCase("StochasticDepth", lambda ut: ut.StochasticDepth(0.1, "col"), "ArgumentError",
+                  "mode has to be either 'batch' or 'row', but got col"),
+    ],
+)
+
+
 # -- the table ------------------------------------------------------------------------------------
 # Order: the ops with a backward first, in the self-check's row order, then the others.
 OPS = [
     CONV2D, DWCONV2D, BATCHNORM2D, LAYERNORM, LINEAR, GLOBAL_AVG_POOL2D, RELU, RELU6,
     SOFTMAX_CROSS_ENTROPY, MSE_LOSS,
     MATMUL, TRANSPOSE, ADD, SCALE, BIAS_ADD, SGD_STEP, ADAM_STEP,
+    # issue 30, the training recipe
+    DROPOUT, STOCHASTIC_DEPTH,
 ]
 OP = {op.name: op for op in OPS}
 
