@@ -580,7 +580,7 @@ typedef struct ut__gemm_args {
 } ut__gemm_args;
 
 /* The optimizers' hyperparameters, as their slots take them (ut_sgd_step_many_ex and
-   ut_adam_step_ex say what each is; a zero value is the plain step of ut_sgd_step / ut_adam_step). */
+   ut_adam_step_ex say what each is; zero decay is the plain step of ut_sgd_step / ut_adam_step). */
 typedef struct ut__sgd_hp {
   float lr, momentum, dampening, weight_decay;
   bool nesterov;

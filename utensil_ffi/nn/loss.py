@@ -61,6 +61,8 @@ class CrossEntropyLoss(_Loss):
     label_smoothing (torch.nn.CrossEntropyLoss's, in [0, 1]): the target becomes (1 - eps)
     onehot + eps / K (see functional.cross_entropy)."""
 
+    label_smoothing = 0.0  # what a loss pickled before issue 30 has
+
     def __init__(self, label_smoothing=0.0):
         super().__init__()
         self.label_smoothing = _F._label_smoothing(label_smoothing)

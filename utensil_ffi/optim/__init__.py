@@ -61,6 +61,7 @@ class Optimizer:
     # The names of the state tensors each parameter has, PyTorch's (SGD: momentum_buffer if
     # momentum; Adam: exp_avg, exp_avg_sq).
     _slot_names = ()
+    initial_lr = None  # what an optimizer pickled before issue 30 has
 
     @property
     def _slot_count(self):
@@ -285,6 +286,9 @@ class SGD(Optimizer):
     first step, then momentum buf + (1 - dampening) d; d = d + momentum buf (nesterov) or buf;
     param -= lr d. The arithmetic is one C call per step (ut_sgd_step_many_ex)."""
 
+    # what an SGD pickled before issue 30 has (its __dict__ comes back without them)
+    dampening, weight_decay, nesterov = 0.0, 0.0, False
+
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False):
         super().__init__(params, lr)
@@ -364,6 +368,7 @@ class Adam(Optimizer):
 
     _slot_names = ("exp_avg", "exp_avg_sq")
     _decoupled_default = False
+    weight_decay, decoupled_weight_decay = 0.0, False  # an Adam pickled before issue 30
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  decoupled_weight_decay=None):

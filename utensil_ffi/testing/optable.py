@@ -1343,7 +1343,7 @@ def _mask_ref(a, k, g):
 DROPOUT = OpInfo(
     "dropout",
     layer="Dropout",
-    functions=("dropout", "dropout_mask", "mask_scale_"),
+    functions=("functional.dropout", "functional.dropout_mask", "functional.mask_scale_"),
     defaults=dict(shape=(4, 6), p=0.3),
     shapes=lambda g: {"x": tuple(g["shape"])},
     sample_inputs=_mask_inputs(lambda g: g["shape"]),
@@ -1364,9 +1364,9 @@ DROPOUT = OpInfo(
         ErrorCase("Dropout", lambda ut: ut.Dropout("x"), "ArgumentTypeError", "p must be a number"),
         ErrorCase("Dropout.backward", lambda ut: ut.Dropout().backward(_t(ut, 2)), "ArgumentError",
                   "no forward pass"),
-        ErrorCase("mask_scale_", lambda ut: ut.functional.mask_scale_(_t(ut, 2, 3), _t(ut, 4)),
+        ErrorCase("functional.mask_scale_", lambda ut: ut.functional.mask_scale_(_t(ut, 2, 3), _t(ut, 4)),
                   "ShapeError", "do not divide"),
-        ErrorCase("dropout_mask", lambda ut: ut.functional.dropout_mask((2, 2), -0.5),
+        ErrorCase("functional.dropout_mask", lambda ut: ut.functional.dropout_mask((2, 2), -0.5),
                   "ArgumentError", "dropout probability has to be between 0 and 1"),
     ],
 )
@@ -1374,7 +1374,7 @@ DROPOUT = OpInfo(
 STOCHASTIC_DEPTH = OpInfo(
     "stochastic_depth",
     layer="StochasticDepth",
-    functions=("stochastic_depth",),
+    functions=("functional.stochastic_depth",),
     defaults=dict(shape=(8, 2, 3, 3), p=0.4, mode="row"),
     shapes=lambda g: {"x": tuple(g["shape"])},
     sample_inputs=_mask_inputs(lambda g: (g["shape"][0],) if g["mode"] == "row" else (1,)),
