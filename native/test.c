@@ -1685,6 +1685,137 @@ static void test_adam(void) {
 }
 
 /* ============================================================================================
+   The training recipe (issue 30): SGD's and Adam's weight decay, label smoothing, Dropout's
+   mask, the EMA's lerp
+   ============================================================================================ */
+static void test_recipe_sgd_ex(ut_dev dev) {
+  // p = {1,2}, g = {0.5,-1}, lr 0.1, momentum 0.9, weight_decay 0.1, v starts at 0
+  //   Nesterov: d = g + 0.1 p = {0.6,-0.8}; v = d; d = d + 0.9 v = {1.14,-1.52};
+  //             p = {1 - 0.114, 2 + 0.152} = {0.886, 2.152}
+  //   then dampening 0.5: d = g + 0.1 p = {0.5886,-0.7848}; v = 0.9 v + 0.5 d = {0.8343,-1.1124};
+  //             p -= 0.1 v = {0.80257, 2.26324}
+  ut_tensor* p = ut_from_data(1, S(2), F(1, 2), dev);
+  ut_tensor* g = ut_from_data(1, S(2), F(0.5f, -1), dev);
+  ut_tensor* v = ut_alloc(1, S(2), dev);
+  require(p && g && v);
+  ut_tensor *ps[1] = {p}, *gs[1] = {g}, *vs[1] = {v};
+  assert(ut_sgd_step_many_ex(ps, gs, vs, 1, 0.1f, 0.9f, 0.f, 0.1f, true) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.886f, 2.152f), 1e-6f);
+  assert_data(v, F(0.6f, -0.8f), 1e-6f);
+  assert(ut_sgd_step_many_ex(ps, gs, vs, 1, 0.1f, 0.9f, 0.5f, 0.1f, false) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(v);
+  assert_data(p, F(0.80257f, 2.26324f), 1e-6f);
+  assert_data(v, F(0.8343f, -1.1124f), 1e-6f);
+  // PyTorch's rules: no Nesterov without momentum or with dampening; decay >= 0
+  expect_status(ut_sgd_step_many_ex(ps, gs, NULL, 1, 0.1f, 0.f, 0.f, 0.f, true), UT_ERR_ARG);
+  expect_status(ut_sgd_step_many_ex(ps, gs, vs, 1, 0.1f, 0.9f, 0.1f, 0.f, true), UT_ERR_ARG);
+  expect_status(ut_sgd_step_many_ex(ps, gs, vs, 1, 0.1f, 0.9f, 0.f, -1.f, false), UT_ERR_ARG);
+  ut_free_all(p, g, v);
+}
+
+static void test_recipe_adam_ex(ut_dev dev) {
+  // p = {1,-1}, g = {1,-2}, lr 0.01, step 1 (the update is lr sign(g) to within eps):
+  //   AdamW, weight_decay 0.1: p *= 1 - 0.001 = {0.999,-0.999}, then -0.01 sign: {0.989,-0.989}
+  //   Adam, weight_decay 0.5: g' = g + 0.5 p = {1.5,-2.5}; p = {0.99,-0.99};
+  //                           m = 0.1 g' = {0.15,-0.25}, v = 0.001 g'^2 = {0.00225,0.00625}
+  ut_tensor* p = ut_from_data(1, S(2), F(1, -1), dev);
+  ut_tensor* q = ut_from_data(1, S(2), F(1, -1), dev);
+  ut_tensor* g = ut_from_data(1, S(2), F(1, -2), dev);
+  ut_tensor *m = ut_alloc(1, S(2), dev), *v = ut_alloc(1, S(2), dev);
+  ut_tensor *m2 = ut_alloc(1, S(2), dev), *v2 = ut_alloc(1, S(2), dev);
+  require(p && q && g && m && v && m2 && v2);
+  assert(ut_adam_step_ex(p, g, m, v, 1, 0.01, 0.9, 0.999, 1e-8, 0.1, true) == UT_OK);
+  assert(ut_adam_step_ex(q, g, m2, v2, 1, 0.01, 0.9, 0.999, 1e-8, 0.5, false) == UT_OK);
+  ut_sync_cpu(p);
+  ut_sync_cpu(q);
+  ut_sync_cpu(m2);
+  ut_sync_cpu(v2);
+  assert_data(p, F(0.989f, -0.989f), 1e-6f);
+  assert_data(q, F(0.99f, -0.99f), 1e-6f);
+  assert_data(m2, F(0.15f, -0.25f), 1e-6f);
+  assert_data(v2, F(0.00225f, 0.00625f), 1e-7f);
+  expect_status(ut_adam_step_ex(p, g, m, v, 2, 0.01, 0.9, 0.999, 1e-8, -0.1, true), UT_ERR_ARG);
+  expect_status(ut_adam_step_ex(p, g, m, v, 2, 0.01, 1.0, 0.999, 1e-8, 0.1, true), UT_ERR_ARG);
+  ut_free_all(p, q, g, m, v, m2, v2);
+}
+
+static void test_recipe_label_smoothing(ut_dev dev) {
+  // test_cross_entropy's logits with eps 0.3 (target (1 - eps) onehot + eps / 3):
+  //   row 0 = {0,0,0}, label 2: every log p is -log 3 -> log 3 = 1.0986123
+  //   row 1 = {2, 2+ln3, 2}, label 0: p = {0.2,0.6,0.2}, target {0.8,0.1,0.1}
+  //          -> -0.9 log 0.2 - 0.1 log 0.6 = 1.4995767
+  //   loss = 1.2990945; gradient = (p - target) / 2:
+  //   row 0: {1/3 - 0.1, 1/3 - 0.1, 1/3 - 0.8} / 2; row 1: {-0.6, 0.5, 0.1} / 2
+  float l3 = logf(3.f);
+  ut_tensor* logits = ut_from_data(2, S(2, 3), F(0, 0, 0, 2, 2 + l3, 2), dev);
+  ut_tensor* labels = ut_from_data(1, S(2), F(2, 0), dev);
+  ut_tensor* loss = ut_cross_entropy_loss_smoothed(logits, labels, 0.3f);
+  ut_tensor* g = ut_cross_entropy_backward_smoothed(logits, labels, 0.3f);
+  require(loss && g);
+  ut_sync_cpu(loss);
+  ut_sync_cpu(g);
+  assert_data(loss, F(1.2990945f), 1e-5f);
+  assert_data(g, F(0.1166667f, 0.1166667f, -0.2333333f, -0.3f, 0.25f, 0.05f), 1e-5f);
+  assert(ut_cross_entropy_loss_smoothed(logits, labels, 1.5f) == NULL);
+  assert(ut_last_status() == UT_ERR_ARG);
+  assert(ut_cross_entropy_backward_smoothed(logits, labels, -0.1f) == NULL);
+  ut_free_all(logits, labels, loss, g);
+}
+
+static void test_recipe_dropout_mask(ut_dev dev) {
+  // mask_scale: x [2,3] = 1..6, a mask per row {0, 2} -> {0,0,0, 8,10,12}
+  ut_tensor* x = ut_from_data(2, S(2, 3), F(1, 2, 3, 4, 5, 6), dev);
+  ut_tensor* rows = ut_from_data(1, S(2), F(0, 2), dev);
+  ut_tensor* bad = ut_from_data(1, S(4), F(1, 1, 1, 1), dev);
+  require(x && rows && bad);
+  assert(ut_mask_scale(x, rows) == UT_OK);
+  ut_sync_cpu(x);
+  assert_data(x, F(0, 0, 0, 8, 10, 12), 0.f);
+  expect_status(ut_mask_scale(x, bad), UT_ERR_SHAPE);  // 4 does not divide 6
+  // masks: p 0 keeps all (1), p 1 none (0), p 0.5 gives 0 or 2; the same seed, the same mask
+  ut_tensor *all = ut_dropout_mask(1, S(64), 0.0, dev), *none = ut_dropout_mask(1, S(64), 1.0, dev);
+  ut_seed(7);
+  ut_tensor* a = ut_dropout_mask(1, S(256), 0.5, dev);
+  ut_seed(7);
+  ut_tensor* b = ut_dropout_mask(1, S(256), 0.5, dev);
+  require(all && none && a && b);
+  ut_sync_cpu(all);
+  ut_sync_cpu(none);
+  ut_sync_cpu(a);
+  ut_sync_cpu(b);
+  int zeros = 0;
+  for (int i = 0; i < 64; i++) assert(all->data[i] == 1.f && none->data[i] == 0.f);
+  for (int i = 0; i < 256; i++) {
+    assert(a->data[i] == b->data[i] && (a->data[i] == 0.f || a->data[i] == 2.f));
+    zeros += a->data[i] == 0.f;
+  }
+  assert(zeros > 64 && zeros < 192);  // Binomial(256, 0.5): 8 standard deviations either side
+  assert(ut_dropout_mask(1, S(4), 1.5, dev) == NULL && ut_last_status() == UT_ERR_ARG);
+  ut_free_all(x, rows, bad, all, none, a, b);
+}
+
+static void test_recipe_lerp_many(ut_dev dev) {
+  // a = {0,10}, b = {4,20}: w 0.25 -> a + w (b - a) = {1, 12.5};
+  //                         w 0.75 -> b - (b - a)(1 - w) = {4 - 0.75, 20 - 1.875} = {3.25, 18.125}
+  ut_tensor* a = ut_from_data(1, S(2), F(0, 10), dev);
+  ut_tensor* b = ut_from_data(1, S(2), F(4, 20), dev);
+  require(a && b);
+  ut_tensor *as[1] = {a}, *bs[1] = {b};
+  assert(ut_lerp_many(as, bs, 1, 0.25f) == UT_OK);
+  ut_sync_cpu(a);
+  assert_data(a, F(1, 12.5f), 0.f);
+  assert(ut_lerp_many(as, bs, 1, 0.75f) == UT_OK);
+  ut_sync_cpu(a);
+  assert_data(a, F(3.25f, 18.125f), 0.f);
+  expect_status(ut_lerp_many(as, bs, 1, 2.f), UT_ERR_ARG);
+  expect_status(ut_lerp_many(as, as, 1, 0.5f), UT_ERR_ARG);  // a and a: must differ
+  ut_free_all(a, b);
+}
+
+/* ============================================================================================
    RNG, mirror, devices, reference counts
    ============================================================================================ */
 static void test_randn(ut_dev dev) {
@@ -2947,6 +3078,11 @@ int main(void) {
 
   run_nodev(test_sgd_momentum, "test_sgd_momentum");
   run_nodev(test_adam, "test_adam");
+  RUN_BOTH(test_recipe_sgd_ex); /* issue 30 */
+  RUN_BOTH(test_recipe_adam_ex);
+  RUN_BOTH(test_recipe_label_smoothing);
+  RUN_BOTH(test_recipe_dropout_mask);
+  RUN_BOTH(test_recipe_lerp_many);
 
   RUN_BOTH(test_randn);
   RUN_BOTH(test_sync_mirror);

@@ -394,6 +394,30 @@ ut_tensor* ut_mse_loss_backward(ut_tensor* pred, ut_tensor* target);
 ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels);
 /* -> d loss / d logits = (softmax(logits) - onehot(labels)) / N, [N, K] */
 ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels);
+/* PyTorch's label smoothing (eps = label_smoothing in [0, 1]): the target is (1 - eps) onehot
+   + eps / K, so the loss is the mean over the batch of
+     (1 - eps) (-log softmax[label]) + eps mean_k(-log softmax[k])
+   and its gradient (softmax - (1 - eps) onehot - eps / K) / N. eps 0: the calls above. */
+ut_tensor* ut_cross_entropy_loss_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                          float label_smoothing);
+ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                              float label_smoothing);
+
+/* ---- regularisation: Dropout, StochasticDepth (issue 30) ---------------------------------- */
+/* [shape] float32 from the shared RNG (ut_seed): each element 0 with probability p, else
+   1 / (1 - p) (p in [0, 1]; p 1: all 0; a double, as PyTorch's Python float: 1 - p is
+   computed before rounding). Drawn on the host, uploaded for UT_CUDA. */
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev);
+/* x: any shape, float32 or bf16, viewed as [R, inner] with R = mask's element count (which
+   must divide x's); mask: float32, x's device. In place x[r, :] *= mask[r]: Dropout (R = the
+   element count) and StochasticDepth's row mode (R = N); backward applies the same mask to
+   grad_out. A bf16 x is rounded once, after the float32 product. */
+int ut_mask_scale(ut_tensor* x, ut_tensor* mask);
+/* The exponential moving average of weights (AveragedModel with get_ema_multi_avg_fn): for each
+   i < count, avg[i] += weight * (cur[i] - avg[i]) as PyTorch's lerp_ computes it (weight =
+   1 - decay, in [0, 1]); float32, same element count and device pairwise. All are checked
+   before any changes. */
+int ut_lerp_many(ut_tensor** avg, ut_tensor** cur, int count, float weight);
 
 /* ---- optimizers: update param in place from grad (same nelem, same device) ---------------- */
 /* velocity = momentum * velocity + grad; param -= lr * velocity (velocity NULL: plain SGD) */
@@ -413,6 +437,24 @@ int ut_unpack(ut_tensor* flat, ut_tensor** ts, int count);
 /* Adam with bias correction; step is the 1-based update count; m, v start at zero */
 int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
                  float beta1, float beta2, float eps);
+/* PyTorch's SGD in full (torch.optim.SGD; ut_sgd_step_many is its momentum-only case):
+     d = grad + weight_decay * param
+     velocity = momentum * velocity + (1 - dampening) * d     (velocities NULL: no momentum)
+     d = nesterov ? d + momentum * velocity : velocity
+     param -= lr * d
+   PyTorch's first step sets velocity = d: pass dampening 0 on a zeroed velocity for that step.
+   weight_decay >= 0; nesterov needs momentum > 0 and dampening 0 (PyTorch's rules). */
+int ut_sgd_step_many_ex(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        float lr, float momentum, float dampening, float weight_decay,
+                        bool nesterov);
+/* Adam with weight decay (weight_decay >= 0): decoupled false is PyTorch's Adam (grad +
+   weight_decay * param goes into the moments), true is AdamW (param *= 1 - lr * weight_decay
+   before the Adam update). The hyperparameters are doubles, as PyTorch's Python floats: 1 -
+   beta2 and the bias corrections are computed from them in double (float32's 0.999 is 1.3e-5
+   off in 1 - beta2). ut_adam_step is its weight_decay 0 case on float32 values. */
+int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled);
 
 /* ---- matrix products on the GPU ----------------------------------------------------------
    GEMMs on the GPU (matmul, linear, conv2d) run on NVIDIA's cuBLAS when it can be loaded at run
@@ -566,6 +608,20 @@ typedef struct ut__gemm_args {
   ut__i64 stride_c;
 } ut__gemm_args;
 
+/* The optimizers' hyperparameters, as their slots take them (ut_sgd_step_many_ex and
+   ut_adam_step_ex say what each is; zero decay is the plain step of ut_sgd_step / ut_adam_step). */
+typedef struct ut__sgd_hp {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov;
+} ut__sgd_hp;
+typedef struct ut__adam_hp {
+  float b1, b2, omb1, omb2;  /* omb: 1 - b, from the double betas */
+  float eps;
+  float step_size, sqrt_bc2; /* lr / (1 - b1^step), sqrt(1 - b2^step) */
+  float weight_decay;        /* L2 into the gradient (Adam); 0 when decoupled */
+  float decay;               /* AdamW's p *= decay = 1 - lr weight_decay; 1 when not */
+} ut__adam_hp;
+
 typedef struct ut__backend {
   const char* name;
   /* device memory; NULL for the CPU backend, whose buffers are the tensors' host copies */
@@ -714,8 +770,8 @@ typedef struct ut__backend {
   int (*mse_bwd)(const float* p, const float* t, float* g, ut__i64 n);
   /* logits: [n, k], labels: [n] -> out[0] = mean -log softmax[label]; g = (softmax - onehot)/n.
      A label that is not an integer in [0, k) gives NaN (the core checks labels on the host). */
-  int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k);
-  int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k);
+  int (*ce_fwd)(const float* logits, const float* labels, float* out, int n, int k, float eps);
+  int (*ce_bwd)(const float* logits, const float* labels, float* g, int n, int k, float eps);
 
   /* NCCL (NULL in the CPU backend): the public ut_dist_* calls, see there; comm is the
      backend's communicator */
@@ -735,16 +791,23 @@ typedef struct ut__backend {
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
 
-  /* v = momentum v + g; p -= lr v   (v NULL: p -= lr g) */
-  int (*sgd)(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
+  /* x[i] *= s[i / inner] (s float32, x of type dt): Dropout's and StochasticDepth's mask */
+  int (*mask_scale)(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
+  /* a = lerp(a, b, w) = a + w (b - a) (w < 0.5; else b - (b - a)(1 - w)), PyTorch's lerp_ */
+  int (*lerp)(float* a, const float* b, ut__i64 n, float w);
+
+  /* d = g + wd p; v = momentum v + (1 - dampening) d; d = nesterov ? d + momentum v : v;
+     p -= lr d   (v NULL: p -= lr d); the hyperparameters in ut__sgd_hp */
+  int (*sgd)(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
   /* sgd and fill on count buffers at once (v NULL: no momentum): an optimizer step or
      zero_grad over a whole network in one call */
   int (*sgd_many)(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
-                  int count, float lr, float momentum);
+                  int count, ut__sgd_hp h);
   int (*fill_many)(float* const* x, const ut__i64* n, int count, float v);
-  /* m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1) / (sqrt(v/bc2) + eps) */
-  int (*adam)(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
-              float b2, float eps, float bc1, float bc2);
+  /* p *= decay (AdamW; 1 otherwise); g += wd p (Adam's L2; 0 otherwise); m = lerp(m, g,
+     1-b1); v = b2 v + (1-b2) g^2; p -= step_size m / (sqrt(v) / sqrt_bc2 + eps) (PyTorch's
+     order); the hyperparameters in ut__adam_hp */
+  int (*adam)(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
 } ut__backend;
 
 /* Set by any part of the library; formats like printf. Returns status for `return ut__fail(...)`. */
@@ -3349,9 +3412,14 @@ static int ut__check_ce(ut_tensor* logits, ut_tensor* labels, const char* who) {
 
 /* The loss is float32 math whatever the logits' type (bf16 logits are widened first: a
    [N, K] copy, small next to the network's activations); the gradient has the logits' type. */
-ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_loss";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+static int ut__check_smoothing(float eps, const char* who) {
+  UT__CHECK(eps >= 0.f && eps <= 1.f, UT_ERR_ARG,
+            "%s: label_smoothing must be between 0.0 and 1.0. Got: %g", who, (double)eps);
+  return UT_OK;
+}
+
+static ut_tensor* ut__ce_loss(ut_tensor* logits, ut_tensor* labels, float eps, const char* who) {
+  if (ut__check_ce(logits, labels, who) < 0 || ut__check_smoothing(eps, who) < 0) return NULL;
   ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
   const float* lp = lf ? ut__in(lf, be) : NULL;
@@ -3359,14 +3427,21 @@ ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
   ut_tensor* out = yp ? ut__new(1, (int[]){1}, logits->dev, who) : NULL;
   if (out)
     out = ut__finish(out, be, be->ce_fwd(lp, yp, ut__out(out, be), logits->shape.shape[0],
-                                         logits->shape.shape[1]));
+                                         logits->shape.shape[1], eps));
   ut_free(lf);
   return out;
 }
 
-ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
-  const char* who = "ut_cross_entropy_backward";
-  if (ut__check_ce(logits, labels, who) < 0) return NULL;
+ut_tensor* ut_cross_entropy_loss(ut_tensor* logits, ut_tensor* labels) {
+  return ut__ce_loss(logits, labels, 0.f, "ut_cross_entropy_loss");
+}
+ut_tensor* ut_cross_entropy_loss_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                          float label_smoothing) {
+  return ut__ce_loss(logits, labels, label_smoothing, "ut_cross_entropy_loss_smoothed");
+}
+
+static ut_tensor* ut__ce_bwd(ut_tensor* logits, ut_tensor* labels, float eps, const char* who) {
+  if (ut__check_ce(logits, labels, who) < 0 || ut__check_smoothing(eps, who) < 0) return NULL;
   ut_tensor* lf = logits->dtype == UT_F32 ? ut_retain(logits) : ut__to_dtype(logits, UT_F32, who);
   const ut__backend* be = ut__backend_for(logits->dev);
   const float* lp = lf ? ut__in(lf, be) : NULL;
@@ -3374,12 +3449,20 @@ ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
   ut_tensor* g = yp ? ut__new(2, logits->shape.shape, logits->dev, who) : NULL;
   if (g)
     g = ut__finish(g, be, be->ce_bwd(lp, yp, ut__out(g, be), logits->shape.shape[0],
-                                     logits->shape.shape[1]));
+                                     logits->shape.shape[1], eps));
   ut_free(lf);
   if (!g || logits->dtype == UT_F32) return g;
   ut_tensor* gb = ut__to_dtype(g, logits->dtype, who);
   ut_free(g);
   return gb;
+}
+
+ut_tensor* ut_cross_entropy_backward(ut_tensor* logits, ut_tensor* labels) {
+  return ut__ce_bwd(logits, labels, 0.f, "ut_cross_entropy_backward");
+}
+ut_tensor* ut_cross_entropy_backward_smoothed(ut_tensor* logits, ut_tensor* labels,
+                                              float label_smoothing) {
+  return ut__ce_bwd(logits, labels, label_smoothing, "ut_cross_entropy_backward_smoothed");
 }
 
 /* ---- optimizers --------------------------------------------------------------------------- */
@@ -3401,7 +3484,8 @@ int ut_sgd_step(ut_tensor* param, ut_tensor* grad, ut_tensor* velocity, float lr
   float* p = g ? ut__inout(param, be) : NULL;
   float* v = (p && velocity) ? ut__inout(velocity, be) : NULL;
   if (!p || (velocity && !v)) return ut__err_status;
-  UT__TRY(be->sgd(p, g, v, param->shape.nelem, lr, momentum));
+  ut__sgd_hp h = {lr, momentum, 0.f, 0.f, false};
+  UT__TRY(be->sgd(p, g, v, param->shape.nelem, h));
   ut__wrote(param, be);
   if (v) ut__wrote(velocity, be);
   return UT_OK;
@@ -3450,14 +3534,20 @@ static int ut__many_pair_alloc(ut__many m[2], int count, const char* who) {
   return UT_OK;
 }
 
-int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
-                     float lr, float momentum) {
-  const char* who = "ut_sgd_step_many";
+static int ut__sgd_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        ut__sgd_hp h, const char* who) {
+  float lr = h.lr, momentum = h.momentum;
   UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
   UT__CHECK(count == 0 || (params && grads), UT_ERR_ARG, "%s: NULL params or grads", who);
   UT__TRY(ut__check_lr(lr, who));
   UT__CHECK(isfinite(momentum) && momentum >= 0.f, UT_ERR_ARG,
             "%s: momentum must be finite and >= 0", who);
+  /* PyTorch's messages (torch.optim.SGD) */
+  UT__CHECK(isfinite(h.weight_decay) && h.weight_decay >= 0.f, UT_ERR_ARG,
+            "%s: Invalid weight_decay value: %g", who, (double)h.weight_decay);
+  UT__CHECK(isfinite(h.dampening), UT_ERR_ARG, "%s: dampening must be finite", who);
+  UT__CHECK(!h.nesterov || (momentum > 0.f && h.dampening == 0.f), UT_ERR_ARG,
+            "%s: Nesterov momentum requires a momentum and zero dampening", who);
   for (int i = 0; i < count; i++) {
     ut_tensor *p = params[i], *g = grads[i], *v = velocities ? velocities[i] : NULL;
     if (ut__check_tensor(p, who, "param") < 0 ||
@@ -3490,7 +3580,7 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     const ut__backend* be = ut__backend_for(d ? UT_CUDA : UT_CPU);
     ut__many* mm = &m[d];
     if (mm->k > 0)
-      rc = be->sgd_many(mm->p, mm->g, velocities ? mm->v : NULL, mm->n, mm->k, lr, momentum);
+      rc = be->sgd_many(mm->p, mm->g, velocities ? mm->v : NULL, mm->n, mm->k, h);
   }
   ut__many_free(&m[0]);
   ut__many_free(&m[1]);
@@ -3501,6 +3591,19 @@ int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velociti
     if (velocities) ut__wrote(velocities[i], be);
   }
   return UT_OK;
+}
+
+int ut_sgd_step_many(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                     float lr, float momentum) {
+  ut__sgd_hp h = {lr, momentum, 0.f, 0.f, false};
+  return ut__sgd_many(params, grads, velocities, count, h, "ut_sgd_step_many");
+}
+
+int ut_sgd_step_many_ex(ut_tensor** params, ut_tensor** grads, ut_tensor** velocities, int count,
+                        float lr, float momentum, float dampening, float weight_decay,
+                        bool nesterov) {
+  ut__sgd_hp h = {lr, momentum, dampening, weight_decay, nesterov};
+  return ut__sgd_many(params, grads, velocities, count, h, "ut_sgd_step_many_ex");
 }
 
 static int ut__check_pack(ut_tensor* flat, ut_tensor** ts, int count, const char* who) {
@@ -3584,9 +3687,11 @@ int ut_fill_many(ut_tensor** ts, int count, float value) {
   return UT_OK;
 }
 
-int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
-                 float beta1, float beta2, float eps) {
-  const char* who = "ut_adam_step";
+/* The hyperparameters arrive as doubles (PyTorch's Python floats): 1 - beta2 and the bias
+   corrections from a float32 beta2 = 0.999 would be 1.3e-5 off in relative terms. */
+static int ut__adam(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled, const char* who) {
   UT__TRY(ut__check_tensor(param, who, "param"));
   int n = param->shape.nelem;
   UT__TRY(ut__check_arg(grad, param, n, who, "grad"));
@@ -3598,21 +3703,110 @@ int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, 
   for (int i = 0; i < 4; i++)
     for (int j = i + 1; j < 4; j++) UT__TRY(ut__check_distinct(four[i], four[j], who, names[i], names[j]));
   UT__CHECK(step >= 1, UT_ERR_ARG, "%s: step must be >= 1 (1-based), got %d", who, step);
-  UT__TRY(ut__check_lr(lr, who));
-  UT__CHECK(beta1 >= 0.f && beta1 < 1.f && beta2 >= 0.f && beta2 < 1.f, UT_ERR_ARG,
+  UT__CHECK(isfinite(lr) && isfinite((float)lr), UT_ERR_ARG, "%s: lr must be finite and >= 0", who);
+  UT__TRY(ut__check_lr((float)lr, who));
+  UT__CHECK(beta1 >= 0.0 && (float)beta1 < 1.f && beta2 >= 0.0 && (float)beta2 < 1.f, UT_ERR_ARG,
             "%s: betas must be in [0, 1)", who);
-  UT__CHECK(isfinite(eps) && eps >= 0.f, UT_ERR_ARG, "%s: eps must be finite and >= 0", who);
+  UT__CHECK(isfinite(eps) && isfinite((float)eps) && eps >= 0.0, UT_ERR_ARG,
+            "%s: eps must be finite and >= 0", who);
+  UT__CHECK(isfinite(weight_decay) && isfinite((float)weight_decay) && weight_decay >= 0.0,
+            UT_ERR_ARG, "%s: Invalid weight_decay value: %g", who, weight_decay);
   const ut__backend* be = ut__backend_for(param->dev);
   const float* g = ut__in(grad, be);
   float* p = g ? ut__inout(param, be) : NULL;
   float* mp = p ? ut__inout(m, be) : NULL;
   float* vp = mp ? ut__inout(v, be) : NULL;
   if (!vp) return ut__err_status;
-  float bc1 = (float)(1.0 - pow((double)beta1, step)), bc2 = (float)(1.0 - pow((double)beta2, step));
-  UT__TRY(be->adam(p, g, mp, vp, n, lr, beta1, beta2, eps, bc1, bc2));
+  /* PyTorch's scalars: step_size = lr / bc1 and sqrt(bc2) in double, then float32 */
+  double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
+  ut__adam_hp h;
+  h.b1 = (float)beta1, h.b2 = (float)beta2;
+  h.omb1 = (float)(1.0 - beta1), h.omb2 = (float)(1.0 - beta2);
+  h.eps = (float)eps;
+  h.step_size = (float)(lr / bc1), h.sqrt_bc2 = (float)sqrt(bc2);
+  h.weight_decay = decoupled ? 0.f : (float)weight_decay;
+  h.decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
+  UT__TRY(be->adam(p, g, mp, vp, n, h));
   ut__wrote(param, be);
   ut__wrote(m, be);
   ut__wrote(v, be);
+  return UT_OK;
+}
+
+int ut_adam_step(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step, float lr,
+                 float beta1, float beta2, float eps) {
+  return ut__adam(param, grad, m, v, step, lr, beta1, beta2, eps, 0.0, false, "ut_adam_step");
+}
+
+int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* v, int step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool decoupled) {
+  return ut__adam(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                  "ut_adam_step_ex");
+}
+
+/* ---- regularisation and the EMA of weights (issue 30) ------------------------------------- */
+/* The mask comes from the host RNG (the one ut_seed seeds, so a seeded run repeats) and is
+   uploaded: one float per element for Dropout, per sample for StochasticDepth. A device RNG
+   would save Dropout's upload; it is not needed for the networks of issue 30 yet. */
+ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev) {
+  const char* who = "ut_dropout_mask";
+  UT__CHECK_NULL(p >= 0.0 && p <= 1.0, UT_ERR_ARG,
+                 "%s: the drop probability must be in [0, 1], got %g", who, p);
+  ut_tensor* t = ut__new(ndim, shape, dev, who);
+  if (!t) return NULL;
+  /* PyTorch's bernoulli_(1 - p).div_(1 - p): the scale rounded as a float32 division */
+  float keep = (float)(1.0 - p), scale = p < 1.0 ? 1.0f / keep : 0.f;
+  ut__pool_init();
+  pthread_mutex_lock(&ut__rng_lock);
+  if (!ut__rng_seeded) ut__rng_seed_locked(0x5eed);
+  /* uniform in (0, 1]: kept when u <= 1 - p, so p 0 keeps all and p 1 none */
+  for (ut__i64 i = 0; i < t->shape.nelem; i++)
+    t->data[i] = ut__rng_uniform_locked() <= 1.0 - p ? scale : 0.f;
+  pthread_mutex_unlock(&ut__rng_lock);
+  ut__host_wrote(t);
+  return t;
+}
+
+int ut_mask_scale(ut_tensor* x, ut_tensor* mask) {
+  const char* who = "ut_mask_scale";
+  UT__TRY(ut__check_tensor(x, who, "x"));
+  UT__TRY(ut__check_arg(mask, x, -1, who, "mask"));
+  UT__TRY(ut__check_f32(mask, who, "mask"));
+  UT__TRY(ut__check_distinct(x, mask, who, "x", "mask"));
+  ut__i64 n = x->shape.nelem, r = mask->shape.nelem;
+  UT__CHECK(r >= 1 && n % r == 0, UT_ERR_SHAPE,
+            "%s: the mask's %lld elements do not divide x's %lld (x %s, mask %s)", who,
+            (long long)r, (long long)n, ut__shape_text(x).s, ut__shape_text(mask).s);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* s = ut__in(mask, be);
+  void* xp = s ? ut__inout(x, be) : NULL;
+  if (!xp) return ut__err_status;
+  UT__TRY(be->mask_scale(ut__buf_dtype(x, be), xp, s, n, n / r));
+  ut__wrote(x, be);
+  return UT_OK;
+}
+
+int ut_lerp_many(ut_tensor** avg, ut_tensor** cur, int count, float weight) {
+  const char* who = "ut_lerp_many";
+  UT__CHECK(count >= 0, UT_ERR_ARG, "%s: count must be >= 0, got %d", who, count);
+  UT__CHECK(count == 0 || (avg && cur), UT_ERR_ARG, "%s: NULL avg or cur", who);
+  UT__CHECK(weight >= 0.f && weight <= 1.f, UT_ERR_ARG, "%s: weight must be in [0, 1], got %g",
+            who, (double)weight);
+  for (int i = 0; i < count; i++)
+    if (ut__check_tensor(avg[i], who, "avg") < 0 ||
+        ut__check_arg(cur[i], avg[i], avg[i]->shape.nelem, who, "cur") < 0 ||
+        ut__check_f32(avg[i], who, "avg") < 0 || ut__check_f32(cur[i], who, "cur") < 0 ||
+        ut__check_distinct(avg[i], cur[i], who, "avg", "cur") < 0)
+      return ut__item_error(who, i);
+  for (int i = 0; i < count; i++) {
+    const ut__backend* be = ut__backend_for(avg[i]->dev);
+    const float* b = ut__in(cur[i], be);
+    float* a = b ? ut__inout(avg[i], be) : NULL;
+    if (!a) return ut__item_error(who, i);
+    UT__TRY(be->lerp(a, b, avg[i]->shape.nelem, weight));
+    ut__wrote(avg[i], be);
+  }
   return UT_OK;
 }
 
@@ -6051,7 +6245,8 @@ static int ut__cpu_bn_sync_unpack(const float* a, const float* b, float* mean, f
    added in order, independent of the thread count. */
 #define UT__CPU_NBLK 256
 
-/* The arguments of the losses; mse: p, t, g; cross-entropy: logits (p), labels (t), g. */
+/* The arguments of the losses; mse: p, t, g; cross-entropy: logits (p), labels (t), g, the
+   label smoothing (sc). */
 typedef struct {
   const float* p;
   const float* t;
@@ -6132,14 +6327,19 @@ static inline int ut__cpu_label(float v, int k) {
   return (int)v;
 }
 
-/* -log softmax(row)[label] with max subtraction; NaN for an invalid label. */
-UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab) {
+/* -log softmax(row)[label] with max subtraction, and with label smoothing eps the mix
+   (1 - eps) that + eps mean_j(-log softmax(row)[j]); NaN for an invalid label. */
+UT__CPU_OPT static double ut__cpu_ce_row(const float* row, int k, int lab, float eps) {
   if (lab < 0) return NAN;
   float mx = row[0];
   for (int j = 1; j < k; j++) mx = row[j] > mx ? row[j] : mx;
   double s = 0.0;
   for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
-  return log(s) - ((double)row[lab] - (double)mx); /* log(s) + mx loses log(s) for mx ~ 1e30 */
+  /* log(s) + mx loses log(s) for mx ~ 1e30: the logits' offsets from mx go in instead */
+  if (eps == 0.0f) return log(s) - ((double)row[lab] - (double)mx);
+  double all = 0.0;
+  for (int j = 0; j < k; j++) all += (double)row[j] - (double)mx;
+  return log(s) - (1.0 - (double)eps) * ((double)row[lab] - (double)mx) - (double)eps * all / k;
 }
 
 static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {
@@ -6154,17 +6354,18 @@ static void ut__cpu_ce_fwd_part(void* vc, int tid, int nt) {
     int lo = b * bs, hi = UT__CPU_MIN(n, lo + bs);
     double s = 0.0;
     for (int i = lo; i < hi; i++)
-      s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k));
+      s += ut__cpu_ce_row(logits + (ut__i64)i * k, k, ut__cpu_label(labels[i], k), c->sc);
     part[b] = s;
   }
 }
-static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+static int ut__cpu_ce_fwd(const float* logits, const float* labels, float* out, int n, int k,
+                          float eps) {
   double part[UT__CPU_NBLK];
   int bs = UT__CPU_MAX(1, (n + UT__CPU_NBLK - 1) / UT__CPU_NBLK);
   int nb = (n + bs - 1) / bs;
   int nt = ut__cpu_nt((double)n * k * 4);
   if (nt > nb) nt = nb;
-  ut__cpu_loss_ctx c = {logits, labels, NULL, part, n, bs, nb, k, 0.0f, 0.0};
+  ut__cpu_loss_ctx c = {logits, labels, NULL, part, n, bs, nb, k, eps, 0.0};
   ut__parallel_run(nt, ut__cpu_ce_fwd_part, &c);
   double s = 0.0;
   for (int b = 0; b < nb; b++) s += part[b];
@@ -6194,17 +6395,64 @@ UT__CPU_OPT static void ut__cpu_ce_bwd_part(void* vc, int tid, int nt) {
     double s = 0.0;
     for (int j = 0; j < k; j++) s += exp((double)(row[j] - mx));
     double sc = inv_n / s;
-    for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
-    gr[lab] -= (float)inv_n;
+    if (c->sc == 0.0f) {
+      for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc);
+      gr[lab] -= (float)inv_n;
+    } else { /* the smoothed target (1 - eps) onehot + eps / K, subtracted in double */
+      double eps = c->sc, off = eps / k * inv_n;
+      for (int j = 0; j < k; j++) gr[j] = (float)(exp((double)(row[j] - mx)) * sc - off);
+      gr[lab] = (float)(exp((double)(row[lab] - mx)) * sc - off - (1.0 - eps) * inv_n);
+    }
   }
 }
 UT__CPU_OPT static int ut__cpu_ce_bwd(const float* logits, const float* labels, float* g, int n,
-                                      int k) {
+                                      int k, float eps) {
   int nt = ut__cpu_nt((double)n * k * 4);
   if (nt > n) nt = n;
   double inv_n = 1.0 / (n > 0 ? n : 1);
-  ut__cpu_loss_ctx c = {logits, labels, g, NULL, n, 0, 0, k, 0.0f, inv_n};
+  ut__cpu_loss_ctx c = {logits, labels, g, NULL, n, 0, 0, k, eps, inv_n};
   ut__parallel_run(nt, ut__cpu_ce_bwd_part, &c);
+  return UT_OK;
+}
+
+/* ---- regularisation ------------------------------------------------------------------------- */
+typedef struct {
+  float* x;
+  const float* s;
+  ut__i64 n, inner;
+} ut__cpu_mask_scale_ctx;
+UT__CPU_OPT static void ut__cpu_mask_scale_part(void* vc, int tid, int nt) {
+  const ut__cpu_mask_scale_ctx* c = (const ut__cpu_mask_scale_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  for (ut__i64 i = lo; i < hi; i++) c->x[i] *= c->s[i / c->inner];
+}
+static int ut__cpu_mask_scale_f32(float* x, const float* s, ut__i64 n, ut__i64 inner) {
+  ut__cpu_mask_scale_ctx c = {x, s, n, inner};
+  ut__parallel_run(ut__cpu_nt((double)n), ut__cpu_mask_scale_part, &c);
+  return UT_OK;
+}
+
+typedef struct {
+  float* a;
+  const float* b;
+  ut__i64 n;
+  float w;
+} ut__cpu_lerp_ctx;
+UT__CPU_OPT static void ut__cpu_lerp_part(void* vc, int tid, int nt) {
+  const ut__cpu_lerp_ctx* c = (const ut__cpu_lerp_ctx*)vc;
+  float w = c->w, omw = 1.0f - w;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  if (w < 0.5f) {
+    for (ut__i64 i = lo; i < hi; i++) c->a[i] = c->a[i] + w * (c->b[i] - c->a[i]);
+  } else {
+    for (ut__i64 i = lo; i < hi; i++) c->a[i] = c->b[i] - (c->b[i] - c->a[i]) * omw;
+  }
+}
+static int ut__cpu_lerp(float* a, const float* b, ut__i64 n, float w) {
+  ut__cpu_lerp_ctx c = {a, b, n, w};
+  ut__parallel_run(ut__cpu_nt((double)n), ut__cpu_lerp_part, &c);
   return UT_OK;
 }
 
@@ -6217,13 +6465,28 @@ typedef struct {
   float* m;
   float* v;
   ut__i64 n;
-  float lr, momentum, b1, b2, eps, step, sb2;
+  ut__sgd_hp sgd;
+  ut__adam_hp adam;
 } ut__cpu_optim_ctx;
-/* elements [lo, hi) of one parameter: the one-tensor and the many-tensor steps share it */
+/* elements [lo, hi) of one parameter: the one-tensor and the many-tensor steps share it. The
+   plain case (no decay, no dampening, no Nesterov) keeps its own loop: it is every step of the
+   seed's SGD, and its rounding stays the one it always had. */
 UT__CPU_OPT static inline void ut__cpu_sgd_range(float* restrict p, const float* restrict g,
                                                  float* restrict v, ut__i64 lo, ut__i64 hi,
-                                                 float lr, float momentum) {
-  if (v) {
+                                                 ut__sgd_hp h) {
+  float lr = h.lr, momentum = h.momentum;
+  if (h.weight_decay != 0.f || h.dampening != 0.f || h.nesterov) {
+    float wd = h.weight_decay, keep = 1.f - h.dampening;
+    for (ut__i64 i = lo; i < hi; i++) {
+      float d = wd != 0.f ? g[i] + wd * p[i] : g[i];
+      if (v) {
+        float vi = momentum * v[i] + keep * d;
+        v[i] = vi;
+        d = h.nesterov ? d + momentum * vi : vi;
+      }
+      p[i] -= lr * d;
+    }
+  } else if (v) {
     for (ut__i64 i = lo; i < hi; i++) {
       float vi = momentum * v[i] + g[i];
       v[i] = vi;
@@ -6237,12 +6500,14 @@ UT__CPU_OPT static void ut__cpu_sgd_part(void* vc, int tid, int nt) {
   const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
   ut__i64 lo, hi;
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
-  ut__cpu_sgd_range(c->p, c->g, c->v, lo, hi, c->lr, c->momentum);
+  ut__cpu_sgd_range(c->p, c->g, c->v, lo, hi, c->sgd);
 }
 UT__CPU_OPT static int ut__cpu_sgd(float* restrict p, const float* restrict g, float* restrict v,
-                                   ut__i64 n, float lr, float momentum) {
+                                   ut__i64 n, ut__sgd_hp h) {
   int nt = ut__cpu_nt((double)n);
-  ut__cpu_optim_ctx c = {p, g, NULL, v, n, lr, momentum, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  ut__cpu_optim_ctx c;
+  memset(&c, 0, sizeof c);
+  c.p = p, c.g = g, c.v = v, c.n = n, c.sgd = h;
   ut__parallel_run(nt, ut__cpu_sgd_part, &c);
   return UT_OK;
 }
@@ -6256,7 +6521,8 @@ typedef struct {
   const ut__i64* n;
   int count;
   ut__i64 total;
-  float lr, momentum, value;
+  ut__sgd_hp h;
+  float value;
   bool fill;
 } ut__cpu_many_ctx;
 UT__CPU_OPT static void ut__cpu_many_part(void* vc, int tid, int nt) {
@@ -6269,7 +6535,7 @@ UT__CPU_OPT static void ut__cpu_many_part(void* vc, int tid, int nt) {
     if (c->fill) {
       for (ut__i64 i = a; i < b; i++) c->p[t][i] = c->value;
     } else {
-      ut__cpu_sgd_range(c->p[t], c->g[t], c->v ? c->v[t] : NULL, a, b, c->lr, c->momentum);
+      ut__cpu_sgd_range(c->p[t], c->g[t], c->v ? c->v[t] : NULL, a, b, c->h);
     }
   }
 }
@@ -6280,41 +6546,49 @@ static int ut__cpu_many_run(ut__cpu_many_ctx* c) {
   return UT_OK;
 }
 static int ut__cpu_sgd_many(float* const* p, const float* const* g, float* const* v,
-                            const ut__i64* n, int count, float lr, float momentum) {
-  ut__cpu_many_ctx c = {p, g, v, n, count, 0, lr, momentum, 0.0f, false};
+                            const ut__i64* n, int count, ut__sgd_hp h) {
+  ut__cpu_many_ctx c = {p, g, v, n, count, 0, h, 0.0f, false};
   return ut__cpu_many_run(&c);
 }
 static int ut__cpu_fill_many(float* const* x, const ut__i64* n, int count, float value) {
-  ut__cpu_many_ctx c = {x, NULL, NULL, n, count, 0, 0.0f, 0.0f, value, true};
+  ut__sgd_hp none = {0.f, 0.f, 0.f, 0.f, false};
+  ut__cpu_many_ctx c = {x, NULL, NULL, n, count, 0, none, value, true};
   return ut__cpu_many_run(&c);
 }
 
+/* m = lerp(m, g, w) as PyTorch's lerp_ computes it (the exp_avg update), so both round alike */
+static inline float ut__cpu_lerp1(float m, float g, float w) {
+  float d = g - m;
+  return fabsf(w) < 0.5f ? m + w * d : g - d * (1.0f - w);
+}
 UT__CPU_OPT static void ut__cpu_adam_part(void* vc, int tid, int nt) {
   const ut__cpu_optim_ctx* c = (const ut__cpu_optim_ctx*)vc;
   float* restrict p = c->p;
   const float* restrict g = c->g;
   float* restrict m = c->m;
   float* restrict v = c->v;
-  float b1 = c->b1, b2 = c->b2, eps = c->eps, step = c->step, sb2 = c->sb2;
+  ut__adam_hp h = c->adam;
   ut__i64 lo, hi;
   ut__cpu_part(c->n, tid, nt, &lo, &hi);
   for (ut__i64 i = lo; i < hi; i++) {
-    float gi = g[i];
-    float mi = b1 * m[i] + (1.0f - b1) * gi;
-    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    float pi = p[i];
+    if (h.decay != 1.0f) pi *= h.decay; /* AdamW: decoupled decay first, as PyTorch's mul_ */
+    float gi = h.weight_decay != 0.0f ? g[i] + h.weight_decay * pi : g[i];
+    float mi = ut__cpu_lerp1(m[i], gi, h.omb1);
+    float vi = h.b2 * v[i] + h.omb2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= step * (mi / (sqrtf(vi) / sb2 + eps));
+    p[i] = pi - h.step_size * (mi / (sqrtf(vi) / h.sqrt_bc2 + h.eps));
   }
 }
+/* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
+   the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
 UT__CPU_OPT static int ut__cpu_adam(float* restrict p, const float* restrict g, float* restrict m,
-                                    float* restrict v, ut__i64 n, float lr, float b1, float b2,
-                                    float eps, float bc1, float bc2) {
+                                    float* restrict v, ut__i64 n, ut__adam_hp h) {
   int nt = ut__cpu_nt((double)n);
-  /* PyTorch's order: (1-b2)*g*g scales before squaring, and the bias corrections divide after
-     the square root and outside m/denom, so v/bc2 and lr*m never overflow on their own */
-  float step = lr / bc1, sb2 = sqrtf(bc2);
-  ut__cpu_optim_ctx c = {p, g, m, v, n, lr, 0.0f, b1, b2, eps, step, sb2};
+  ut__cpu_optim_ctx c;
+  memset(&c, 0, sizeof c);
+  c.p = p, c.g = g, c.m = m, c.v = v, c.n = n, c.adam = h;
   ut__parallel_run(nt, ut__cpu_adam_part, &c);
   return UT_OK;
 }
@@ -6342,6 +6616,10 @@ static int ut__cpu_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float al
 }
 static int ut__cpu_scale(ut_dtype dt, void* x, ut__i64 n, float alpha) {
   return dt == UT_F32 ? ut__cpu_scale_f32(x, n, alpha) : ut__cpu_no_dtype("scale", dt);
+}
+static int ut__cpu_mask_scale(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner) {
+  return dt == UT_F32 ? ut__cpu_mask_scale_f32(x, s, n, inner)
+                      : ut__cpu_no_dtype("mask_scale", dt);
 }
 static int ut__cpu_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap) {
   return dt == UT_F32 ? ut__cpu_relu_fwd_f32(x, y, n, cap) : ut__cpu_no_dtype("relu_fwd", dt);
@@ -6534,6 +6812,8 @@ static const ut__backend ut__cpu_backend = {
     .mse_bwd = ut__cpu_mse_bwd,
     .ce_fwd = ut__cpu_ce_fwd,
     .ce_bwd = ut__cpu_ce_bwd,
+    .mask_scale = ut__cpu_mask_scale,
+    .lerp = ut__cpu_lerp,
     .sgd = ut__cpu_sgd,
     .sgd_many = ut__cpu_sgd_many,
     .fill_many = ut__cpu_fill_many,

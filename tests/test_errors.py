@@ -131,6 +131,12 @@ _LIBRARY = [
     ("Adam", lambda: ut.Adam(ut.Linear(2, 2).parameters(), betas=0.9), A),
     ("Adam", lambda: ut.Adam(ut.Linear(2, 2).parameters(), eps="x"), T),
     ("Adam", lambda: ut.Adam(ut.Linear(2, 2).parameters(), lr=float("inf")), A),
+    # issue 30: weight decay, Nesterov (PyTorch's messages: tests/test_recipe.py)
+    ("AdamW", lambda: ut.AdamW(ut.Linear(2, 2).parameters(), weight_decay=-1), A),
+    ("AdamW", lambda: ut.AdamW(ut.Linear(2, 2).parameters(), betas=(0.9, 1.0)), A),
+    ("Adam", lambda: ut.Adam(ut.Linear(2, 2).parameters(), weight_decay="x"), T),
+    ("SGD", lambda: ut.SGD(ut.Linear(2, 2).parameters(), nesterov=True), A),
+    ("SGD", lambda: ut.SGD(ut.Linear(2, 2).parameters(), weight_decay=float("nan")), A),
     ("Optimizer.step", lambda: _step_with_closed_grad(), E.ClosedError),
 ]
 

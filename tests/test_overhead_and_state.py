@@ -297,8 +297,12 @@ def test_load_state_dict_validates_before_changing(device):
             opt.load_state_dict({"state": good["state"]})
         with pytest.raises(ut.ArgumentError, match="not in the group"):
             opt.load_state_dict(with_state({5: good["state"][0]}))
-        with pytest.raises(ut.ArgumentError, match="nesterov"):
-            opt.load_state_dict(with_state(good["state"], nesterov=True))
+        with pytest.raises(ut.ArgumentError, match="maximize"):
+            opt.load_state_dict(with_state(good["state"], maximize=True))
+        with pytest.raises(ut.ArgumentError, match="Nesterov momentum requires"):
+            opt.load_state_dict(with_state(good["state"], nesterov=True, dampening=0.1))
+        with pytest.raises(ut.ArgumentError, match="Invalid weight_decay value"):
+            opt.load_state_dict(with_state(good["state"], weight_decay=-1.0))
         with pytest.raises(ut.ArgumentError):
             opt.load_state_dict(with_state(good["state"], lr=-1.0))
         with pytest.raises(ut.ArgumentError, match="one group"):

@@ -19,7 +19,7 @@ The package, one floor a folder (imports go down only; ARCHITECTURE.md draws it)
     distributed/  process groups, DistributedDataParallel, the launcher
     interop/      the PyTorch op, ONNX export
     nn/           Module, the layers, MixedPrecision, Residual, SyncBatchNorm, models
-    optim.py      SGD, Adam
+    optim/        SGD, Adam, AdamW; lr_scheduler, swa_utils (the EMA of weights)
     functional.py, tensor.py, dtypes.py, cuda.py, blas.py, dlpack.py   the core: ops and tensors
     _lifetime.py, _args.py, _errors.py, _lib.py                        the binding underneath
     testing/      the float64 reference, the self-check
@@ -83,7 +83,7 @@ from .nn import (
     SyncBatchNorm,
 )
 from .dtypes import bfloat16, dtype, float32
-from .optim import SGD, Adam, Optimizer
+from .optim import SGD, Adam, AdamW, Optimizer
 from .tensor import (
     Tensor,
     cuda_available,
@@ -110,6 +110,8 @@ from .functional import (
     layer_scale_backward,
 )
 from .nn import LayerNorm2d, SqueezeExcitation
+# issue 30, the training recipe: regularisation layers (the optimizers are imported above)
+from .nn import Dropout, StochasticDepth
 
 from . import _compat
 
@@ -137,7 +139,9 @@ __all__ = [
     "cross_entropy", "cross_entropy_backward", "MSELoss", "CrossEntropyLoss", "sgd_step",
     "adam_step",
     # optimizers
-    "Optimizer", "SGD", "Adam",
+    "Optimizer", "SGD", "Adam", "AdamW",
+    # issue 30, the training recipe: regularisation (ut.optim.lr_scheduler, ut.optim.swa_utils)
+    "Dropout", "StochasticDepth",
     # errors
     "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
     "OutOfMemoryError", "DeviceError",

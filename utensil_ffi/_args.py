@@ -136,6 +136,15 @@ def to_lr(value, name="lr"):
     return to_float32(value, name, lo=0.0)
 
 
+def to_weight_decay(value, name="weight_decay"):
+    """An optimizer's weight decay: a finite float32 >= 0; a negative one gets PyTorch's message
+    ("Invalid weight_decay value: -1")."""
+    v = to_float32(value, name)
+    if v < 0:
+        raise ArgumentError("Invalid weight_decay value: %r" % (value,))
+    return v
+
+
 def to_shape(shape, name="shape"):
     """A shape (an int or a sequence of positive ints) -> tuple, checked against C limits."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):

@@ -324,11 +324,11 @@ def mse_loss_backward(pred, target):
     return _binary("mse_loss_backward", lib.ut_mse_loss_backward, pred, target, "pred", "target")
 
 
-def _ce(what, c_op, logits, labels):
+def _ce(what, c_op, logits, labels, *scalars):
     with _Args(what) as a:
         lp = a.ptr(logits, "logits")
         yp, lost = a.labels(labels)
-        r = c_op(lp, yp)
+        r = c_op(lp, yp, *scalars)
         if r == _NULL:
             fail(what, lp, yp)
         if lost is not None:
@@ -337,18 +337,35 @@ def _ce(what, c_op, logits, labels):
         return _wrap(r)
 
 
-def cross_entropy(logits, labels):
+def _label_smoothing(value):
+    v = _args.to_float32(value, "label_smoothing")
+    if not 0.0 <= v <= 1.0:
+        raise ArgumentError("label_smoothing must be between 0.0 and 1.0. Got: %r" % (value,))
+    return v
+
+
+def cross_entropy(logits, labels, label_smoothing=0.0):
     """Mean over the batch of -log softmax(logits)[label].
 
     logits: [N, K]; labels: N integer class indices in [0, K) (an int array), or a float Tensor
     of such indices on the logits' device. Returns a one-element tensor.
+    label_smoothing (eps, in [0, 1]) as PyTorch's: the target is (1 - eps) onehot + eps / K, so
+    the loss is the mean of (1 - eps) (-log softmax[label]) + eps mean_k(-log softmax[k]).
     """
-    return _ce("cross_entropy", lib.ut_cross_entropy_loss, logits, labels)
+    eps = _label_smoothing(label_smoothing)
+    if eps == 0.0:
+        return _ce("cross_entropy", lib.ut_cross_entropy_loss, logits, labels)
+    return _ce("cross_entropy", lib.ut_cross_entropy_loss_smoothed, logits, labels, eps)
 
 
-def cross_entropy_backward(logits, labels):
-    """d cross_entropy / d logits = (softmax(logits) - onehot(labels)) / N, [N, K]."""
-    return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward, logits, labels)
+def cross_entropy_backward(logits, labels, label_smoothing=0.0):
+    """d cross_entropy / d logits = (softmax(logits) - target) / N, [N, K]; target the onehot
+    labels, or with label_smoothing eps (1 - eps) onehot + eps / K."""
+    eps = _label_smoothing(label_smoothing)
+    if eps == 0.0:
+        return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward, logits, labels)
+    return _ce("cross_entropy_backward", lib.ut_cross_entropy_backward_smoothed, logits, labels,
+               eps)
 
 
 # -- optimizer steps ------------------------------------------------------------------------------
@@ -369,11 +386,20 @@ def sgd_step(param, grad, velocity=None, lr=0.01, momentum=0.0):
     return param
 
 
-def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
+def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0, dampening=0.0,
+                  weight_decay=0.0, nesterov=False):
     """sgd_step on each (params[i], grads[i], velocities[i]) in one C call (on the GPU, a few
-    launches for a whole network). Every argument is checked before anything changes."""
+    launches for a whole network). Every argument is checked before anything changes.
+
+    With weight_decay, dampening or nesterov it is PyTorch's SGD update (ut_sgd_step_many_ex):
+    d = grad + weight_decay param; v = momentum v + (1 - dampening) d; d = d + momentum v
+    (nesterov) or v; param -= lr d."""
     lr = _args.to_float32(lr, "lr", lo=0.0)
     momentum = _args.to_float32(momentum, "momentum", lo=0.0)
+    dampening = _args.to_float32(dampening, "dampening")
+    weight_decay = _args.to_weight_decay(weight_decay)
+    nesterov = _args.to_bool(nesterov, "nesterov")
+    plain = weight_decay == 0.0 and dampening == 0.0 and not nesterov
     params, grads = list(params), list(grads)
     vels = None if velocities is None else list(velocities)
     if len(grads) != len(params) or (vels is not None and len(vels) != len(params)):
@@ -391,7 +417,10 @@ def sgd_step_many(params, grads, velocities=None, lr=0.01, momentum=0.0):
         gs = a.tensors(grads)
         vs = a.tensors(vels) if vels is not None else None
         arr = [ffi.new("ut_tensor*[]", x) if x is not None else _NULL for x in (ps, gs, vs)]
-        if lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) < 0:
+        rc = (lib.ut_sgd_step_many(arr[0], arr[1], arr[2], len(ps), lr, momentum) if plain else
+              lib.ut_sgd_step_many_ex(arr[0], arr[1], arr[2], len(ps), lr, momentum, dampening,
+                                      weight_decay, nesterov))
+        if rc < 0:
             fail("sgd_step_many")
 
 
@@ -434,8 +463,14 @@ def unpack(flat, tensors):
     _pack("unpack", lib.ut_unpack, flat, tensors)
 
 
-def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8):
-    """One in-place Adam update with bias correction; ``step`` is the 1-based update count."""
+def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, decoupled_weight_decay=False):
+    """One in-place Adam update with bias correction; ``step`` is the 1-based update count.
+
+    weight_decay: PyTorch's Adam adds weight_decay param to the gradient; with
+    decoupled_weight_decay (AdamW) param *= 1 - lr weight_decay before the update instead."""
+    weight_decay = _args.to_weight_decay(weight_decay)
+    decoupled = _args.to_bool(decoupled_weight_decay, "decoupled_weight_decay")
     step = _args.to_int(step, "step", 1)
     lr = _args.to_float32(lr, "lr", lo=0.0)
     beta1 = _args.to_float32(beta1, "adam_step: beta1", lo=0.0, below=1.0)
@@ -444,8 +479,11 @@ def adam_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8
     for name, x in (("param", param), ("m", m), ("v", v)):
         if not isinstance(x, Tensor):
             raise ArgumentTypeError("adam_step: %s must be a Tensor, got %s" % (name, type(x).__name__))
-    _inplace("adam_step", lib.ut_adam_step, ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
-             step, lr, beta1, beta2, eps)
+    # the Python floats go to C as doubles (ut_adam_step_ex): 1 - beta2 and the bias
+    # corrections are then PyTorch's, not those of float32-rounded betas
+    _inplace("adam_step", lib.ut_adam_step_ex,
+             ((param, "param"), (grad, "grad"), (m, "m"), (v, "v")),
+             step, lr, beta1, beta2, eps, weight_decay, decoupled)
     return param
 
 
@@ -533,3 +571,98 @@ def layer_scale_backward(grad_out, x, gamma, dgamma=None):
         if r == _NULL:
             fail("layer_scale_backward", *ps)
         return _wrap(r)
+# -- regularisation: Dropout, StochasticDepth (issue 30) ------------------------------------------
+# The mask is drawn on the host from the library's RNG (ut_seed, so a seeded run repeats) and
+# uploaded for a GPU tensor (ut_dropout_mask); a device RNG would save Dropout's upload.
+__all__ += ["dropout_mask", "mask_scale_", "dropout", "stochastic_depth"]
+
+
+def _drop_p(p, what):
+    v = _args.to_float32(p, "p")
+    if not 0.0 <= v <= 1.0:
+        raise ArgumentError("%s probability has to be between 0 and 1, but got %r" % (what, p))
+    return v
+
+
+def dropout_mask(shape, p, device="cpu"):
+    """A float32 [shape] mask from the library's RNG (see seed()): 0 with probability p, else
+    1 / (1 - p) (p 1: all 0)."""
+    dims = _args.to_shape(shape)
+    p = _drop_p(p, "dropout")
+    dev = _args.parse_device(device)
+    return _wrap(check_ptr(lib.ut_dropout_mask(len(dims), ffi.new("int[]", dims), p, dev),
+                           "dropout_mask"))
+
+
+def mask_scale_(x, mask):
+    """In place x[r, ...] *= mask[r], x viewed as [mask.size, rest] (mask float32, x's device):
+    Dropout's mask (one per element) or StochasticDepth's (one per sample). Returns x."""
+    if not isinstance(x, Tensor):
+        raise ArgumentTypeError("mask_scale_: x must be a Tensor, got %s" % type(x).__name__)
+    _inplace("mask_scale_", lib.ut_mask_scale, ((x, "x"), (mask, "mask")))
+    return x
+
+
+def _as_tensor(x, what):
+    return x if isinstance(x, Tensor) else Tensor(_args.to_float_array(x, "%s: input" % what))
+
+
+def dropout(input, p=0.5, training=True, inplace=False):
+    """torch.nn.functional.dropout: each element zeroed with probability p, the others scaled
+    by 1 / (1 - p); the input itself when not training or p is 0 (forward only: nn.Dropout
+    keeps the mask for backward)."""
+    p = _drop_p(p, "dropout")
+    if not _args.to_bool(training, "training") or p == 0.0:
+        return input
+    x = _as_tensor(input, "dropout")
+    y = x if _args.to_bool(inplace, "inplace") and x is input else x.clone()
+    with dropout_mask(y.shape, p, y.device) as m:
+        mask_scale_(y, m)
+    return y
+
+
+def _stochastic_depth_shape(shape, mode):
+    mode = _args.to_str(mode, "mode")
+    if mode not in ("row", "batch"):
+        raise ArgumentError("mode has to be either 'batch' or 'row', but got %s" % mode)
+    return (shape[0],) if mode == "row" else (1,)
+
+
+def stochastic_depth(input, p, mode, training=True):
+    """torchvision.ops.stochastic_depth: mode "row" zeroes whole samples (dim 0) with
+    probability p and scales the others by 1 / (1 - p); "batch" does it to the whole batch at
+    once. The input itself when not training or p is 0 (forward only)."""
+    p = _drop_p(p, "drop")
+    x = _as_tensor(input, "stochastic_depth")
+    shape = _stochastic_depth_shape(x.shape, mode)
+    if not _args.to_bool(training, "training") or p == 0.0:
+        return input
+    y = x.clone()
+    with dropout_mask(shape, p, y.device) as m:
+        mask_scale_(y, m)
+    return y
+
+
+# -- the exponential moving average of weights (issue 30) -----------------------------------------
+__all__ += ["lerp_many_"]
+
+
+def lerp_many_(avg, cur, weight):
+    """In place avg[i] += weight (cur[i] - avg[i]) for each pair, as PyTorch's lerp_ (weight in
+    [0, 1]; float32 tensors of equal size, pairwise on one device), in one C call."""
+    weight = _args.to_float32(weight, "weight")
+    avg, cur = list(avg), list(cur)
+    if len(avg) != len(cur):
+        raise ArgumentError("lerp_many_: %d averages, %d current tensors" % (len(avg), len(cur)))
+    for name, seq in (("avg", avg), ("cur", cur)):
+        for i, t in enumerate(seq):
+            if not isinstance(t, Tensor):
+                raise ArgumentTypeError("lerp_many_: %s[%d] must be a Tensor, got %s"
+                                        % (name, i, type(t).__name__))
+    if not avg:
+        return
+    with _Args("lerp_many_") as a:
+        ps, cs = a.tensors(avg), a.tensors(cur)
+        if lib.ut_lerp_many(ffi.new("ut_tensor*[]", ps), ffi.new("ut_tensor*[]", cs), len(ps),
+                            weight) < 0:
+            fail("lerp_many_")

@@ -407,6 +407,8 @@ static void ut__cuda_init(void) {
   t->sgd_many = ut__cuda_sgd_many;
   t->fill_many = ut__cuda_fill_many;
   t->adam = ut__cuda_adam;
+  t->mask_scale = ut__cuda_mask_scale; /* issue 30: Dropout, StochasticDepth, EMA */
+  t->lerp = ut__cuda_lerp;
   t->graph_begin = ut__cuda_graph_begin;
   t->graph_end = ut__cuda_graph_end;
   t->graph_replay = ut__cuda_graph_replay;

@@ -24,6 +24,7 @@
                       batchnorm2d, layernorm
      optim.cu         sgd, adam, and sgd and fill over many tensors per launch
      scale.cu         channel scales (squeeze-and-excitation, layer scale), LayerNorm2d
+     recipe.cu        mask_scale (Dropout, StochasticDepth), lerp (the EMA of weights): issue 30
      nccl.cu          ut_dist_*: NCCL loaded at run time (all-reduce, broadcast)
 
    Naming
@@ -262,8 +263,10 @@ int ut__cuda_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 col
 int ut__cuda_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols);
 int ut__cuda_mse_fwd(const float* p, const float* t, float* out, ut__i64 n);
 int ut__cuda_mse_bwd(const float* p, const float* t, float* g, ut__i64 n);
-int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k);
-int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k);
+int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k,
+                    float eps);
+int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k,
+                    float eps);
 
 /* gemm.cu */
 int ut__cuda_gemm(ut_dtype ab_dt, ut_dtype c_dt, const ut__gemm_args* g);
@@ -324,10 +327,13 @@ int ut__cuda_ln2d_bwd(ut_dtype dt, const void* go, const void* x, const float* g
 
 /* optim.cu */
 int ut__cuda_sgd_many(float* const* p, const float* const* g, float* const* v, const ut__i64* n,
-                      int count, float lr, float momentum);
+                      int count, ut__sgd_hp h);
 int ut__cuda_fill_many(float* const* x, const ut__i64* n, int count, float value);
-int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, float lr, float momentum);
-int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, float lr, float b1,
-                  float b2, float eps, float bc1, float bc2);
+int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
+int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
+
+/* recipe.cu (issue 30: Dropout, StochasticDepth, the EMA of weights) */
+int ut__cuda_mask_scale(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
+int ut__cuda_lerp(float* a, const float* b, ut__i64 n, float w);
 
 #endif /* UT__CUDA_COMMON_CUH */

@@ -589,34 +589,42 @@ static __device__ __forceinline__ int ut__cuda_cross_entropy_label(float l, int 
   return (int)l;
 }
 
-/* one block per row: loss[r] = logsumexp(row) - row[label] */
+/* one block per row: loss[r] = logsumexp(row) - row[label]; with label smoothing eps,
+   logsumexp(row) - (1 - eps) row[label] - eps mean(row) */
 static __global__ void ut__cuda_cross_entropy_rows_kernel(const float* __restrict__ logits,
                                                           const float* __restrict__ labels,
-                                                          float* __restrict__ loss, int k) {
-  __shared__ float sh[32];
+                                                          float* __restrict__ loss, int k,
+                                                          float eps) {
+  __shared__ float sh[64]; /* block_sum<2>: 32 * 2 */
   const ut__i64 r = blockIdx.x;
   const float* x = logits + r * k;
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < k; i += blockDim.x) mx = fmaxf(mx, x[i]);
   mx = ut__cuda_block_max(mx, sh);
-  float a[1] = {0.f};
-  for (int i = threadIdx.x; i < k; i += blockDim.x) a[0] += expf(x[i] - mx);
-  ut__cuda_block_sum<1>(a, sh);
+  float a[2] = {0.f, 0.f};
+  for (int i = threadIdx.x; i < k; i += blockDim.x) {
+    a[0] += expf(x[i] - mx);
+    if (eps != 0.f) a[1] += x[i] - mx;
+  }
+  ut__cuda_block_sum<2>(a, sh); /* a[1] stays 0 without smoothing; a[0] sums alike either way */
   if (threadIdx.x == 0) {
     int lab = ut__cuda_cross_entropy_label(labels[r], k);
     /* x[lab] - mx first: logf(a) + mx would lose logf(a) beside a large mx (1e30 + 1.8) */
-    loss[r] = lab < 0 ? NAN : logf(a[0]) - (x[lab] - mx);
+    float l = eps != 0.f ? logf(a[0]) - (1.f - eps) * (x[lab] - mx) - eps * (a[1] / (float)k)
+                         : logf(a[0]) - (x[lab] - mx);
+    loss[r] = lab < 0 ? NAN : l;
   }
 }
 
-int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k) {
+int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n, int k,
+                    float eps) {
   if (n <= 0 || k <= 0) return ut__cuda_fill(UT_F32, out, 1, n > 0 ? NAN : 0.f);
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)n * sizeof(float), &ws);
   if (st) return st;
   ut__cuda_cross_entropy_rows_kernel<<<(unsigned)n, ut__cuda_row_threads(k), 0, ut__cuda_stream>>>(
-      logits, labels, ws, k);
+      logits, labels, ws, k, eps);
   UT__CUDA_LAUNCHED("ce_fwd");
   ut__cuda_loss_sum_final_kernel<<<1, 256, 0, ut__cuda_stream>>>(ws, n, out, 1.0 / (double)n);
   UT__CUDA_LAUNCHED("ce_fwd final");
@@ -626,7 +634,7 @@ int ut__cuda_ce_fwd(const float* logits, const float* labels, float* out, int n,
 static __global__ void ut__cuda_cross_entropy_backward_kernel(const float* __restrict__ logits,
                                                               const float* __restrict__ labels,
                                                               float* __restrict__ g, int k,
-                                                              float inv_n) {
+                                                              float inv_n, float eps) {
   __shared__ float sh[32];
   const ut__i64 r = blockIdx.x;
   const float* x = logits + r * k;
@@ -639,17 +647,21 @@ static __global__ void ut__cuda_cross_entropy_backward_kernel(const float* __res
   ut__cuda_block_sum<1>(a, sh);
   const int lab = ut__cuda_cross_entropy_label(labels[r], k);
   const float inv = 1.f / a[0];
+  /* the smoothed target: (1 - eps) onehot + eps / K (eps 0: onehot) */
+  const float on = 1.f - eps, off = eps / (float)k;
   for (int i = threadIdx.x; i < k; i += blockDim.x) {
-    float v = expf(x[i] - mx) * inv - (i == lab ? 1.f : 0.f);
+    float v = eps != 0.f ? expf(x[i] - mx) * inv - off - (i == lab ? on : 0.f)
+                         : expf(x[i] - mx) * inv - (i == lab ? 1.f : 0.f);
     gr[i] = lab < 0 ? NAN : v * inv_n;
   }
 }
 
-int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k) {
+int ut__cuda_ce_bwd(const float* logits, const float* labels, float* g, int n, int k,
+                    float eps) {
   if (n <= 0 || k <= 0) return UT_OK;
   ut__cuda_cross_entropy_backward_kernel
       <<<(unsigned)n, ut__cuda_row_threads(k), 0, ut__cuda_stream>>>(
-      logits, labels, g, k, 1.f / (float)n);
+      logits, labels, g, k, 1.f / (float)n, eps);
   UT__CUDA_LAUNCHED("ce_bwd");
   return UT_OK;
 }

@@ -8,8 +8,9 @@
 The graph is the model's eval-mode forward (BatchNorm2d with its running statistics), whatever
 mode the model is in; the model itself is not changed and runs nothing. Supported modules:
 Sequential, Residual, Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv),
-BatchNorm2d (with its fused activation), ReLU, ReLU6, GlobalAvgPool2d and Linear; any other
-raises ArgumentError naming it. Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
+BatchNorm2d (with its fused activation), ReLU, ReLU6, GlobalAvgPool2d and Linear, and
+Dropout and StochasticDepth (their eval-mode identity: no node); any other raises ArgumentError
+naming it. Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
 """
 
 import os
@@ -27,6 +28,7 @@ from ..nn.linear import Linear
 from ..nn.module import Module
 from ..nn.norm import BatchNorm2d
 from ..nn.pooling import GlobalAvgPool2d
+from ..nn.dropout import Dropout, StochasticDepth  # issue 30: the identity at inference
 
 __all__ = ["export_onnx"]
 
@@ -266,6 +268,11 @@ class _Graph:
             inputs.append(self.const(_join(path, "bias"), _values(m.bias), m.bias))
         return self.node("Gemm", inputs, path, transB=1), (shape[0], m.out_features)
 
+    def identity(self, m, path, x, shape):
+        """Dropout, StochasticDepth: the identity in eval mode, so no node (as PyTorch's export
+        drops them)."""
+        return x, shape
+
 
 # keys for the two Clip bounds, shared by every ReLU6 of a graph (const() dedupes by identity)
 _RELU6_MIN, _RELU6_MAX = object(), object()
@@ -280,6 +287,9 @@ _EMIT = {
     ReLU6: _Graph.relu6,
     GlobalAvgPool2d: _Graph.global_avg_pool2d,
     Linear: _Graph.linear,
+    # issue 30, the training recipe
+    Dropout: _Graph.identity,
+    StochasticDepth: _Graph.identity,
 }
 
 

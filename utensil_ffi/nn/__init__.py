@@ -22,6 +22,7 @@ state dicts and threads work for all of them:
     blocks.py          Residual
     squeeze_excitation.py  SqueezeExcitation (torchvision.ops.SqueezeExcitation)
     sync_batchnorm.py  SyncBatchNorm (the statistics of every rank's batch)
+    dropout.py         Dropout, StochasticDepth (torchvision.ops'): random masks in training
     models.py          network builders (mobilenet, mobilenet_v1, mobilenet_v2), as
                        torchvision.models; imported on use: ``from utensil_ffi.nn import models``
 """
@@ -40,9 +41,14 @@ from .pooling import GlobalAvgPool2d
 from .squeeze_excitation import SqueezeExcitation
 from .sync_batchnorm import SyncBatchNorm
 
+# issue 30, the training recipe: regularisation
+from .dropout import Dropout, StochasticDepth
+
 __all__ = [
     "Module", "Parameter", "Conv2d", "DWConv2d", "Linear", "LayerNorm", "BatchNorm2d", "ReLU",
     "ReLU6", "GlobalAvgPool2d", "Sequential", "MSELoss", "CrossEntropyLoss", "MixedPrecision",
     "Residual", "SyncBatchNorm",
+    # issue 30, the training recipe
+    "Dropout", "StochasticDepth",
 ]
 __all__ += ["LayerNorm2d", "SqueezeExcitation"]  # issue 30: squeeze-and-excitation, ConvNeXt

@@ -56,7 +56,24 @@ class MSELoss(_Loss):
 
 
 class CrossEntropyLoss(_Loss):
-    """Mean of -log softmax(logits)[label]; labels are integer class indices."""
+    """Mean of -log softmax(logits)[label]; labels are integer class indices.
 
-    _fwd = staticmethod(_F.cross_entropy)
-    _bwd = staticmethod(_F.cross_entropy_backward)
+    label_smoothing (torch.nn.CrossEntropyLoss's, in [0, 1]): the target becomes (1 - eps)
+    onehot + eps / K (see functional.cross_entropy)."""
+
+    label_smoothing = 0.0  # what a loss pickled before issue 30 has
+
+    def __init__(self, label_smoothing=0.0):
+        super().__init__()
+        self.label_smoothing = _F._label_smoothing(label_smoothing)
+
+    def _fwd(self, pred, target):
+        return _F.cross_entropy(pred, target, self.label_smoothing)
+
+    def _bwd(self, pred, target):
+        return _F.cross_entropy_backward(pred, target, self.label_smoothing)
+
+    def __repr__(self):
+        if self.label_smoothing:
+            return "CrossEntropyLoss(label_smoothing=%g)" % self.label_smoothing
+        return "CrossEntropyLoss()"

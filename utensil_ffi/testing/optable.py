@@ -953,13 +953,13 @@ RELU6 = OpInfo(
 
 # -- losses: the forward is a [1] array; the check chains d loss / d input with the upstream scalar
 def _ce_runner(ut, g, k, dev):
-    labels = k["labels"]
+    labels, eps = k["labels"], g.get("eps", 0.0)  # eps: label smoothing (issue 30)
 
     def bwd(go, z):
-        d = ut.cross_entropy_backward(z, labels)
+        d = ut.cross_entropy_backward(z, labels, label_smoothing=eps)
         return d.mul_(float(go.numpy().reshape(-1)[0]))
 
-    return _FnRunner(dev, lambda z: ut.cross_entropy(z, labels), bwd)
+    return _FnRunner(dev, lambda z: ut.cross_entropy(z, labels, label_smoothing=eps), bwd)
 
 
 def _ce_inputs(rng, g):
@@ -971,18 +971,23 @@ SOFTMAX_CROSS_ENTROPY = OpInfo(
     "softmax_cross_entropy",
     layer="CrossEntropyLoss",
     functions=("cross_entropy", "cross_entropy_backward"),
-    defaults=dict(n=4, k=5),
+    defaults=dict(n=4, k=5, eps=0.0),
     shapes=lambda g: {"x": (g["n"], g["k"])},
     sample_inputs=_ce_inputs,
-    reference=lambda a, k, g: R.cross_entropy(a["x"], k["labels"]),
-    describe=lambda g: "logits[%d,%d]" % (g["n"], g["k"]),
-    make=lambda ut, g, device: ut.CrossEntropyLoss(),
+    reference=lambda a, k, g: R.cross_entropy(a["x"], k["labels"], g["eps"]),
+    describe=lambda g: "logits[%d,%d]%s" % (g["n"], g["k"],
+                                            " smoothing %g" % g["eps"] if g["eps"] else ""),
+    make=lambda ut, g, device: ut.CrossEntropyLoss(label_smoothing=g["eps"]),
+    geometry_of=lambda l: dict(eps=l.label_smoothing),
     runner=_ce_runner,
     grad=("x",),
     samples=[
         Sample(dict(n=4, k=5), {"selftest", "gradcheck", "nonfinite"}, "cross_entropy"),
         Sample(dict(n=1, k=2), {"gradcheck"}),
         Sample(dict(n=6, k=3), {"gradcheck"}),
+        # issue 30: label smoothing (PyTorch's (1 - eps) onehot + eps / K target)
+        Sample(dict(n=4, k=5, eps=0.1), {"selftest", "gradcheck"}, "cross_entropy_smoothed"),
+        Sample(dict(n=3, k=7, eps=0.6), {"gradcheck"}),
     ],
     # bf16 logits: float32 math, a float32 loss, a bf16 gradient (the float32 one rounded)
     bf16=Bf16(kernel="exact", out="float32"),
@@ -1026,6 +1031,11 @@ SOFTMAX_CROSS_ENTROPY = OpInfo(
                   "ArgumentTypeError", "labels must be integer class indices"),
         ErrorCase("CrossEntropyLoss.backward", lambda ut: ut.CrossEntropyLoss().backward(),
                   "ArgumentError", "call the loss first"),
+        ErrorCase("CrossEntropyLoss", lambda ut: ut.CrossEntropyLoss(label_smoothing=1.5),
+                  "ArgumentError", "label_smoothing must be between 0.0 and 1.0. Got: 1.5"),
+        ErrorCase("cross_entropy",
+                  lambda ut: ut.cross_entropy(_t(ut, 2, 3), np.array([0, 1]), label_smoothing=-1),
+                  "ArgumentError", "label_smoothing must be between 0.0 and 1.0"),
     ],
 )
 
@@ -1484,6 +1494,99 @@ LAYERNORM2D = OpInfo(
                       _t(ut, 2, 4, 3, 4)), "ShapeError", "grad_out has shape [2, 4, 3, 4]"),
         ErrorCase("LayerNorm2d.backward", lambda ut: ut.LayerNorm2d(4).backward(_t(ut, 2, 4, 1, 1)),
                   "ArgumentError", "no forward pass"),
+# -- issue 30, the training recipe: Dropout, StochasticDepth -------------------------------------
+# A random op is a deterministic one once its mask is fixed: the runner reseeds the library's
+# RNG before every forward, so each draws the mask sample_inputs drew (the const "mask", from the
+# same seed); the reference is x times that mask in float64, and the gradient check's finite
+# differences see the linear map backward must apply (the same mask).
+_MASK_SEED = 30
+
+
+class _MaskRunner(_FnRunner):
+    def __init__(self, ut, layer, device):
+        self.layer = layer
+
+        def fwd(x):
+            ut.seed(_MASK_SEED)
+            return layer(x)
+
+        super().__init__(device, fwd, lambda g, x: layer.backward(g))
+
+    def close(self):
+        self.layer.close()
+
+
+def _mask_inputs(mask_shape):
+    def draw(rng, g):
+        ut = _ut()
+        x = _f32(rng, *g["shape"])
+        ut.seed(_MASK_SEED)
+        with ut.functional.dropout_mask(mask_shape(g), g["p"]) as m:
+            mask = m.numpy().copy()
+        return {"x": x}, {"mask": mask}
+    return draw
+
+
+def _mask_ref(a, k, g):
+    x = a["x"]
+    m = k["mask"].astype(np.float64)
+    return x * m.reshape(m.shape + (1,) * (x.ndim - m.ndim))
+
+
+DROPOUT = OpInfo(
+    "dropout",
+    layer="Dropout",
+    functions=("functional.dropout", "functional.dropout_mask", "functional.mask_scale_"),
+    defaults=dict(shape=(4, 6), p=0.3),
+    shapes=lambda g: {"x": tuple(g["shape"])},
+    sample_inputs=_mask_inputs(lambda g: g["shape"]),
+    reference=_mask_ref,
+    describe=lambda g: "x%s p %g" % (list(g["shape"]), g["p"]),
+    make=lambda ut, g, device: ut.Dropout(g["p"]),
+    geometry_of=lambda l: dict(p=l.p),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.Dropout(g["p"]), dev),
+    grad=("x",),
+    samples=[
+        Sample(dict(shape=(4, 6), p=0.3), {"selftest", "gradcheck"}, "dropout"),
+        Sample(dict(shape=(2, 3, 5, 5), p=0.5), {"gradcheck"}),
+    ],
+    bf16=Bf16(kernel="exact"),
+    errors=[
+        ErrorCase("Dropout", lambda ut: ut.Dropout(1.5), "ArgumentError",
+                  "dropout probability has to be between 0 and 1, but got 1.5"),
+        ErrorCase("Dropout", lambda ut: ut.Dropout("x"), "ArgumentTypeError", "p must be a number"),
+        ErrorCase("Dropout.backward", lambda ut: ut.Dropout().backward(_t(ut, 2)), "ArgumentError",
+                  "no forward pass"),
+        ErrorCase("functional.mask_scale_", lambda ut: ut.functional.mask_scale_(_t(ut, 2, 3), _t(ut, 4)),
+                  "ShapeError", "do not divide"),
+        ErrorCase("functional.dropout_mask", lambda ut: ut.functional.dropout_mask((2, 2), -0.5),
+                  "ArgumentError", "dropout probability has to be between 0 and 1"),
+    ],
+)
+
+STOCHASTIC_DEPTH = OpInfo(
+    "stochastic_depth",
+    layer="StochasticDepth",
+    functions=("functional.stochastic_depth",),
+    defaults=dict(shape=(8, 2, 3, 3), p=0.4, mode="row"),
+    shapes=lambda g: {"x": tuple(g["shape"])},
+    sample_inputs=_mask_inputs(lambda g: (g["shape"][0],) if g["mode"] == "row" else (1,)),
+    reference=_mask_ref,
+    describe=lambda g: "x%s p %g %s" % (list(g["shape"]), g["p"], g["mode"]),
+    make=lambda ut, g, device: ut.StochasticDepth(g["p"], g["mode"]),
+    geometry_of=lambda l: dict(p=l.p, mode=l.mode),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.StochasticDepth(g["p"], g["mode"]), dev),
+    grad=("x",),
+    samples=[
+        Sample(dict(shape=(8, 2, 3, 3), p=0.4), {"selftest", "gradcheck"}, "stochastic_depth"),
+        Sample(dict(shape=(5, 7), p=0.5, mode="batch"), {"gradcheck"}),
+    ],
+    bf16=Bf16(kernel="exact"),
+    errors=[
+        ErrorCase("StochasticDepth", lambda ut: ut.StochasticDepth(-0.1, "row"), "ArgumentError",
+                  "drop probability has to be between 0 and 1, but got -0.1"),
+        ErrorCase("StochasticDepth", lambda ut: ut.StochasticDepth(0.1, "col"), "ArgumentError",
+                  "mode has to be either 'batch' or 'row', but got col"),
     ],
 )
 
@@ -1495,6 +1598,8 @@ OPS = [
     SOFTMAX_CROSS_ENTROPY, MSE_LOSS,
     CHANNEL_SCALE, LAYER_SCALE, LAYERNORM2D,  # issue 30
     MATMUL, TRANSPOSE, ADD, SCALE, BIAS_ADD, SGD_STEP, ADAM_STEP,
+    # issue 30, the training recipe
+    DROPOUT, STOCHASTIC_DEPTH,
 ]
 OP = {op.name: op for op in OPS}
 

@@ -275,14 +275,26 @@ def _log_softmax(z):
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
-def cross_entropy(z, labels):
-    """z: [N, K] logits, labels: [N] class indices -> mean softmax cross-entropy [1]."""
+def _ce_target(z, labels, label_smoothing):
+    """PyTorch's smoothed target: (1 - eps) onehot + eps / K."""
+    t = np.full(z.shape, label_smoothing / z.shape[1])
+    t[np.arange(len(labels)), labels] += 1.0 - label_smoothing
+    return t
+
+
+def cross_entropy(z, labels, label_smoothing=0.0):
+    """z: [N, K] logits, labels: [N] class indices -> mean softmax cross-entropy [1]; with
+    label_smoothing eps the target is (1 - eps) onehot + eps / K (PyTorch's)."""
     ls = _log_softmax(z)
+    if label_smoothing:
+        return np.array([-(_ce_target(z, labels, label_smoothing) * ls).sum(1).mean()])
     return np.array([-ls[np.arange(len(labels)), labels].mean()])
 
 
-def cross_entropy_backward(z, labels):
+def cross_entropy_backward(z, labels, label_smoothing=0.0):
     g = np.exp(_log_softmax(z))
+    if label_smoothing:
+        return (g - _ce_target(z, labels, label_smoothing)) / len(labels)
     g[np.arange(len(labels)), labels] -= 1.0
     return g / len(labels)
 

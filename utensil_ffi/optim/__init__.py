@@ -19,15 +19,15 @@ import copy
 
 import numpy as np
 
-from . import _args
-from . import functional as _F
-from ._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
-from ._lib import lib
-from .nn.module import Module
-from .nn.parameter import Parameter
-from .tensor import Tensor, zeros
+from .. import _args
+from .. import functional as _F
+from .._errors import ArgumentError, ArgumentTypeError, ClosedError, DeviceError, ShapeError, check
+from .._lib import lib
+from ..nn.module import Module
+from ..nn.parameter import Parameter
+from ..tensor import Tensor, zeros
 
-__all__ = ["Optimizer", "SGD", "Adam"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler", "swa_utils"]
 
 
 class Optimizer:
@@ -53,6 +53,7 @@ class Optimizer:
         seen = set()
         self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
         self.lr = _args.to_lr(lr)
+        self.initial_lr = None  # PyTorch's group["initial_lr"]: set by an lr_scheduler
         self._state = [None] * len(self.params)
         self._closed = False
         self.t = 0  # steps taken
@@ -60,6 +61,7 @@ class Optimizer:
     # The names of the state tensors each parameter has, PyTorch's (SGD: momentum_buffer if
     # momentum; Adam: exp_avg, exp_avg_sq).
     _slot_names = ()
+    initial_lr = None  # what an optimizer pickled before issue 30 has
 
     @property
     def _slot_count(self):
@@ -90,9 +92,14 @@ class Optimizer:
     def _set_group(self, group, name):
         """Check a saved group's hyperparameters; return a function that applies them."""
         lr = _args.to_lr(group.get("lr", self.lr), "%s: lr" % name)
+        initial = group.get("initial_lr")
+        if initial is not None:
+            initial = _args.to_lr(initial, "%s: initial_lr" % name)
 
         def apply():
             self.lr = lr
+            if initial is not None:
+                self.initial_lr = initial
         return apply
 
     def _slots_for(self, group):
@@ -129,6 +136,8 @@ class Optimizer:
                 entry[k] = np.array(t.numpy(), dtype=np.float32, copy=True)
             state[i] = entry
         group = self._group()
+        if getattr(self, "initial_lr", None) is not None:  # an lr_scheduler's, as in PyTorch
+            group["initial_lr"] = float(self.initial_lr)
         group["params"] = list(range(len(self.params)))
         return {"state": state, "param_groups": [group]}
 
@@ -137,8 +146,7 @@ class Optimizer:
         the same parameters in the same order; the hyperparameters come from the dict.
 
         Everything is checked before anything changes: ArgumentError (ArgumentTypeError) for a
-        malformed dict or a PyTorch feature utensil does not have (weight decay, Nesterov,
-        AMSGrad...), ShapeError for a count or shape that does not match the parameters.
+        malformed dict or a PyTorch feature utensil does not have (AMSGrad, maximize), ShapeError for a count or shape that does not match the parameters.
         A parameter without an entry in ``state`` starts afresh, as in PyTorch.
         """
         self._check_open()
@@ -210,7 +218,7 @@ class Optimizer:
         """Zero each parameter's grad, or with ``set_to_none=True`` drop it (None: "no gradient
         yet"; the next backward allocates a fresh one, and step() skips the parameter until then)."""
         self._check_open()
-        from .nn.module import _zero_grads
+        from ..nn.module import _zero_grads
 
         _zero_grads(self.params, set_to_none)
 
@@ -274,11 +282,18 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """velocity = momentum velocity + grad; param -= lr velocity (momentum 0: param -= lr grad)."""
+    """torch.optim.SGD: d = grad + weight_decay param; with momentum the buffer is d at the
+    first step, then momentum buf + (1 - dampening) d; d = d + momentum buf (nesterov) or buf;
+    param -= lr d. The arithmetic is one C call per step (ut_sgd_step_many_ex)."""
 
-    def __init__(self, params, lr=0.01, momentum=0.0):
+    # what an SGD pickled before issue 30 has (its __dict__ comes back without them)
+    dampening, weight_decay, nesterov = 0.0, 0.0, False
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False):
         super().__init__(params, lr)
-        self.momentum = _args.to_float32(momentum, "momentum", lo=0.0)
+        self.momentum, self.dampening, self.weight_decay, self.nesterov = _sgd_hyper(
+            momentum, dampening, weight_decay, nesterov, "SGD")
 
     @property
     def _slot_names(self):
@@ -288,45 +303,80 @@ class SGD(Optimizer):
         return ("momentum_buffer",) if group.get("momentum", self.momentum) != 0.0 else ()
 
     def _group(self):
-        return {"lr": float(self.lr), "momentum": float(self.momentum), "dampening": 0,
-                "weight_decay": 0, "nesterov": False, "maximize": False}
+        return {"lr": float(self.lr), "momentum": float(self.momentum),
+                "dampening": float(self.dampening), "weight_decay": float(self.weight_decay),
+                "nesterov": bool(self.nesterov), "maximize": False}
 
     def _set_group(self, group, name):
-        _unsupported(group, name, dampening=0, weight_decay=0, nesterov=False, maximize=False)
+        _unsupported(group, name, maximize=False)
         set_lr = super()._set_group(group, name)
-        momentum = _args.to_float32(group.get("momentum", self.momentum), "%s: momentum" % name,
-                                    lo=0.0)
+        hyper = _sgd_hyper(group.get("momentum", self.momentum),
+                           group.get("dampening", self.dampening),
+                           group.get("weight_decay", self.weight_decay),
+                           group.get("nesterov", self.nesterov), name)
 
         def apply():
             set_lr()
-            self.momentum = momentum
+            self.momentum, self.dampening, self.weight_decay, self.nesterov = hyper
         return apply
 
     def step(self):
         todo = self._stepping()
-        ps = [self.params[i] for i in todo]
-        vs = [self._slot(i, 1)[0] for i in todo] if self.momentum != 0.0 else None
-        _F.sgd_step_many(ps, [p.grad for p in ps], vs, self.lr, self.momentum)
+        kw = dict(lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+                  weight_decay=self.weight_decay, nesterov=self.nesterov)
+        if self.momentum == 0.0:
+            ps = [self.params[i] for i in todo]
+            _F.sgd_step_many(ps, [p.grad for p in ps], None, **kw)
+        else:
+            # PyTorch's first step sets the buffer to d itself (no dampening): a fresh, zeroed
+            # buffer with dampening 0 gives exactly that, so the fresh ones go in a call of their own
+            fresh = [i for i in todo if self._state[i] is None]
+            old = [i for i in todo if self._state[i] is not None]
+            for group, damp in ((old, self.dampening), (fresh, 0.0)):
+                if not group:
+                    continue
+                ps = [self.params[i] for i in group]
+                vs = [self._slot(i, 1)[0] for i in group]
+                kw["dampening"] = damp
+                _F.sgd_step_many(ps, [p.grad for p in ps], vs, **kw)
         self.t += 1
 
     def __repr__(self):
-        return "SGD(lr=%g, momentum=%g, %d params)" % (self.lr, self.momentum, len(self.params))
+        extra = "".join(", %s=%r" % (k, getattr(self, k)) for k in
+                        ("dampening", "weight_decay", "nesterov") if getattr(self, k))
+        return "SGD(lr=%g, momentum=%g%s, %d params)" % (self.lr, self.momentum, extra,
+                                                        len(self.params))
+
+
+def _sgd_hyper(momentum, dampening, weight_decay, nesterov, name):
+    """SGD's hyperparameters checked with PyTorch's rules and messages."""
+    momentum = _args.to_float32(momentum, "%s: momentum" % name)
+    if momentum < 0:
+        raise ArgumentError("Invalid momentum value: %r" % (momentum,))
+    dampening = _args.to_float32(dampening, "%s: dampening" % name)
+    weight_decay = _args.to_weight_decay(weight_decay, "%s: weight_decay" % name)
+    nesterov = _args.to_bool(nesterov, "%s: nesterov" % name)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ArgumentError("Nesterov momentum requires a momentum and zero dampening")
+    return momentum, dampening, weight_decay, nesterov
 
 
 class Adam(Optimizer):
-    """Adam with bias correction (Kingma & Ba); m and v start at zero."""
+    """torch.optim.Adam: bias-corrected moments (Kingma & Ba), m and v starting at zero;
+    weight_decay adds weight_decay param to the gradient (L2), or with
+    decoupled_weight_decay=True (AdamW) multiplies param by 1 - lr weight_decay first."""
 
     _slot_names = ("exp_avg", "exp_avg_sq")
+    _decoupled_default = False
+    weight_decay, decoupled_weight_decay = 0.0, False  # an Adam pickled before issue 30
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 decoupled_weight_decay=None):
         super().__init__(params, lr)
-        try:
-            b1, b2 = betas
-        except (TypeError, ValueError):
-            raise ArgumentError("betas must be a pair (beta1, beta2), got %r" % (betas,)) from None
-        self.betas = (_args.to_float32(b1, "beta1", lo=0.0, below=1.0),
-                      _args.to_float32(b2, "beta2", lo=0.0, below=1.0))
-        self.eps = _args.to_float32(eps, "eps", lo=0.0)
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self._decoupled_default
+        self.betas, self.eps, self.weight_decay, self.decoupled_weight_decay = _adam_hyper(
+            betas, eps, weight_decay, decoupled_weight_decay, type(self).__name__)
         # Per-parameter update counts for the bias correction: a parameter skipped while its
         # grad was None starts its correction at 1 when it first gets one (as in PyTorch).
         self._steps = [0] * len(self.params)
@@ -341,28 +391,26 @@ class Adam(Optimizer):
         for i in todo:
             p = self.params[i]
             m, v = self._slot(i, 2)
-            _F.adam_step(p, p.grad, m, v, steps[i] + 1, self.lr, b1, b2, self.eps)
+            _F.adam_step(p, p.grad, m, v, steps[i] + 1, self.lr, b1, b2, self.eps,
+                         self.weight_decay, self.decoupled_weight_decay)
             steps[i] += 1
 
     def _group(self):
         return {"lr": float(self.lr), "betas": tuple(float(b) for b in self.betas),
-                "eps": float(self.eps), "weight_decay": 0, "amsgrad": False, "maximize": False}
+                "eps": float(self.eps), "weight_decay": float(self.weight_decay),
+                "amsgrad": False, "maximize": False,
+                "decoupled_weight_decay": bool(self.decoupled_weight_decay)}
 
     def _set_group(self, group, name):
-        _unsupported(group, name, weight_decay=0, amsgrad=False, maximize=False)
+        _unsupported(group, name, amsgrad=False, maximize=False)
         set_lr = super()._set_group(group, name)
-        betas = group.get("betas", self.betas)
-        try:
-            b1, b2 = betas
-        except (TypeError, ValueError):
-            raise ArgumentError("%s: betas must be a pair, got %r" % (name, betas)) from None
-        betas = (_args.to_float32(b1, "%s: beta1" % name, lo=0.0, below=1.0),
-                 _args.to_float32(b2, "%s: beta2" % name, lo=0.0, below=1.0))
-        eps = _args.to_float32(group.get("eps", self.eps), "%s: eps" % name, lo=0.0)
+        hyper = _adam_hyper(group.get("betas", self.betas), group.get("eps", self.eps),
+                            group.get("weight_decay", self.weight_decay),
+                            group.get("decoupled_weight_decay", self.decoupled_weight_decay), name)
 
         def apply():
             set_lr()
-            self.betas, self.eps = betas, eps
+            self.betas, self.eps, self.weight_decay, self.decoupled_weight_decay = hyper
         return apply
 
     # Each parameter's update count is its "step" (its bias correction): below the optimizer's
@@ -384,8 +432,34 @@ class Adam(Optimizer):
         self.t = max(self._steps)
 
     def __repr__(self):
-        return "Adam(lr=%g, betas=%r, eps=%g, %d params)" % (
-            self.lr, self.betas, self.eps, len(self.params))
+        wd = ", weight_decay=%g" % self.weight_decay if self.weight_decay else ""
+        return "%s(lr=%g, betas=%r, eps=%g%s, %d params)" % (
+            type(self).__name__, self.lr, self.betas, self.eps, wd, len(self.params))
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (Loshchilov & Hutter): param *= 1 -
+    lr weight_decay, then the Adam update; weight_decay defaults to 1e-2 as in PyTorch."""
+
+    _decoupled_default = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
+
+
+def _adam_hyper(betas, eps, weight_decay, decoupled, name):
+    """Adam's hyperparameters checked as float32 (PyTorch's message for a negative decay)."""
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ArgumentError("%s: betas must be a pair (beta1, beta2), got %r"
+                            % (name, betas)) from None
+    betas = (_args.to_float32(b1, "%s: beta1" % name, lo=0.0, below=1.0),
+             _args.to_float32(b2, "%s: beta2" % name, lo=0.0, below=1.0))
+    eps = _args.to_float32(eps, "%s: eps" % name, lo=0.0)
+    weight_decay = _args.to_weight_decay(weight_decay, "%s: weight_decay" % name)
+    decoupled = _args.to_bool(decoupled, "%s: decoupled_weight_decay" % name)
+    return betas, eps, weight_decay, decoupled
 
 
 def _unsupported(group, name, **defaults):
@@ -394,3 +468,7 @@ def _unsupported(group, name, **defaults):
         if k in group and group[k] != default:
             raise ArgumentError("%s: the group has %s=%r; utensil's optimizer has no %s (only "
                                 "%r)" % (name, k, group[k], k, default))
+
+
+# torch.optim's sub-modules (issue 30): ut.optim.lr_scheduler, ut.optim.swa_utils
+from . import lr_scheduler, swa_utils  # noqa: E402  (they import nothing of this module)
