@@ -1494,6 +1494,10 @@ LAYERNORM2D = OpInfo(
                       _t(ut, 2, 4, 3, 4)), "ShapeError", "grad_out has shape [2, 4, 3, 4]"),
         ErrorCase("LayerNorm2d.backward", lambda ut: ut.LayerNorm2d(4).backward(_t(ut, 2, 4, 1, 1)),
                   "ArgumentError", "no forward pass"),
+    ],
+)
+
+
 # -- issue 30, the training recipe: Dropout, StochasticDepth -------------------------------------
 # A random op is a deterministic one once its mask is fixed: the runner reseeds the library's
 # RNG before every forward, so each draws the mask sample_inputs drew (the const "mask", from the
