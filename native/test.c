@@ -460,7 +460,7 @@ static void test_edge_activations(ut_dev dev) {
 }
 
 static void test_activation(ut_dev dev) {
-  // x = {-3, 0, 3, 1}, go = 1 (issue 30; torch 2.13 to 7 digits, its gradients at the kinks):
+  // x = {-3, 0, 3, 1}, go = 1 (issue 30; values: PyTorch 2.13 to 7 digits, kinks included):
   // hardswish x (x+3)/6 clipped: {-0, 0, 3, 4/6}; d: 0 at -3, 1/2 at 0, 1 at 3, 1/3 + 1/2 at 1
   // hardsigmoid (x+3)/6 clipped: {0, 1/2, 1, 4/6}; d: 1/6 strictly inside (-3, 3), else 0
   // sigmoid(0) = 1/2 (d 1/4), sigmoid(1) = 0.7310586; silu(1) = sigmoid(1), silu'(0) = 1/2;

@@ -14,7 +14,7 @@ state dicts and threads work for all of them:
     conv.py            Conv2d, DWConv2d
     linear.py          Linear
     norm.py            LayerNorm, BatchNorm2d
-    activation.py      ReLU, ReLU6
+    activation.py      ReLU, ReLU6; SiLU, Hardswish, Hardsigmoid, Sigmoid, GELU
     pooling.py         GlobalAvgPool2d
     container.py       Sequential
     loss.py            MSELoss, CrossEntropyLoss
@@ -26,6 +26,7 @@ state dicts and threads work for all of them:
 """
 
 from .activation import ReLU, ReLU6
+from .activation import GELU, Hardsigmoid, Hardswish, Sigmoid, SiLU  # issue 30's activations
 from .amp import MixedPrecision
 from .blocks import Residual
 from .container import Sequential
@@ -42,4 +43,6 @@ __all__ = [
     "Module", "Parameter", "Conv2d", "DWConv2d", "Linear", "LayerNorm", "BatchNorm2d", "ReLU",
     "ReLU6", "GlobalAvgPool2d", "Sequential", "MSELoss", "CrossEntropyLoss", "MixedPrecision",
     "Residual", "SyncBatchNorm",
+    # issue 30's activations
+    "SiLU", "Hardswish", "Hardsigmoid", "Sigmoid", "GELU",
 ]
