@@ -1,7 +1,7 @@
 """float64 numpy references for every op of the library, forward and backward.
 
 This is the independent reference that both the self-check (``python -m utensil_ffi.selftest``)
-and the test suite (``tests/``) compare utensil against. It imports numpy and nothing else: it
+and the test suite (``tests/``) compare utensil against. It imports numpy (and math) only: it
 never calls into utensil, so a mistake in the library cannot hide in its own reference. The names
 are the library's (``utensil_ffi.functional``), one function per op and per backward, with the
 argument order of the op. Where an op has a bias, ``b=None`` means "no bias".
@@ -10,6 +10,8 @@ How it is itself checked (tests/test_reference.py): each backward against ``nume
 forward (central differences in float64), and, where PyTorch is installed, forward and backward
 against PyTorch in float64.
 """
+
+import math
 
 import numpy as np
 
@@ -20,6 +22,9 @@ __all__ = [
     "batchnorm2d_running_stats", "relu", "relu6", "relu_backward", "relu6_backward",
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
     "cross_entropy", "cross_entropy_backward", "sgd_step", "adam_step", "numeric_grad",
+    # issue 30's activations
+    "silu", "silu_backward", "hardswish", "hardswish_backward", "hardsigmoid",
+    "hardsigmoid_backward", "sigmoid", "sigmoid_backward", "gelu", "gelu_backward",
 ]
 
 
@@ -232,6 +237,66 @@ def relu_backward(go, x):
 def relu6_backward(go, x):
     """The gradient is 0 at the kinks x = 0 and x = 6."""
     return go * ((x > 0) & (x < 6))
+
+
+# -- issue 30's activations: the mathematical functions in float64 (written from their
+# definitions, not from the library's or PyTorch's expressions); the kinks take PyTorch's values
+def sigmoid(x):
+    x = np.asarray(x, np.float64)
+    # the two branches keep exp's argument <= 0: no overflow warning at large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def sigmoid_backward(go, x):
+    s = sigmoid(x)
+    return go * s * (1.0 - s)
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def silu_backward(go, x):
+    s = sigmoid(x)
+    return go * (s + x * s * (1.0 - s))
+
+
+def hardsigmoid(x):
+    return np.clip(x / 6.0 + 0.5, 0.0, 1.0)
+
+
+def hardsigmoid_backward(go, x):
+    """1/6 strictly inside (-3, 3): 0 at the kinks."""
+    return go * (((x > -3) & (x < 3)) / 6.0)
+
+
+def hardswish(x):
+    return x * hardsigmoid(x)
+
+
+def hardswish_backward(go, x):
+    """x / 3 + 1/2 inside (-3, 3); at the kinks PyTorch's one-sided choice: 0 at -3, 1 at 3."""
+    return go * np.where(x <= -3, 0.0, np.where(x < 3, x / 3.0 + 0.5, 1.0))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; math (the stdlib) has
+
+
+def gelu(x, approximate="none"):
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))
+
+
+def gelu_backward(go, x, approximate="none"):
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        k = np.sqrt(2.0 / np.pi)
+        t = np.tanh(k * (x + 0.044715 * x ** 3))
+        return go * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x))
+    return go * (0.5 * (1.0 + _erf(x / np.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi))
 
 
 def global_avg_pool2d(x):
