@@ -22,8 +22,11 @@ class _Inplace(_Stateless):
         super().__init__()
         self.inplace = _args.to_bool(inplace, "%s: inplace" % type(self).__name__)
 
+    _repr_inplace = True  # torch.nn's Hardswish and Hardsigmoid leave it out of their repr
+
     def __repr__(self):
-        return "%s(%s)" % (type(self).__name__, "inplace=True" if self.inplace else "")
+        shown = self.inplace and self._repr_inplace
+        return "%s(%s)" % (type(self).__name__, "inplace=True" if shown else "")
 
 
 class ReLU(_Inplace):
@@ -51,6 +54,7 @@ class Hardswish(_Inplace):
     """x * min(max(x + 3, 0), 6) / 6, any shape: torch.nn.Hardswish (its gradient at the kinks:
     0 at x = -3, 1 at x = 3)."""
 
+    _repr_inplace = False
     _op = staticmethod(_F.hardswish)
     _bwd_op = staticmethod(_F.hardswish_backward)
 
@@ -58,6 +62,7 @@ class Hardswish(_Inplace):
 class Hardsigmoid(_Inplace):
     """min(max(x + 3, 0), 6) / 6, any shape: torch.nn.Hardsigmoid (gradient 0 at x = -3, 3)."""
 
+    _repr_inplace = False
     _op = staticmethod(_F.hardsigmoid)
     _bwd_op = staticmethod(_F.hardsigmoid_backward)
 
