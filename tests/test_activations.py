@@ -106,6 +106,25 @@ def test_any_shape(device, rng, name):
     np.testing.assert_array_equal(g.reshape(-1), flat_g)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_float64_reference_itself(torch, rng, name):
+    # utensil_ffi.reference's forms against PyTorch in float64 and their backward against central
+    # differences of their forward (off the kinks), so the reference above is itself right
+    ref, ref_bwd = KINDS[name][3:]
+    x = rng.uniform(-8.0, 8.0, 301)
+    x = x[np.abs(np.abs(x) - 3.0) > 1e-3]
+    go = rng.standard_normal(x.size)
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = _torch_fn(torch, name)(t)
+    (g,) = torch.autograd.grad(y, t, torch.tensor(go))
+    np.testing.assert_allclose(ref(x), y.detach().numpy(), rtol=1e-12, atol=1e-14)
+    # rtol 1e-7: PyTorch's float64 hardsigmoid backward multiplies by 1/6 as a float32 literal
+    np.testing.assert_allclose(ref_bwd(go, x), g.numpy(), rtol=1e-7, atol=1e-12)
+    h = 1e-6
+    fd = go * (ref(x + h) - ref(x - h)) / (2 * h)
+    np.testing.assert_allclose(ref_bwd(go, x), fd, rtol=1e-6, atol=1e-8)
+
+
 # ---- special values ---------------------------------------------------------------------------
 _F32 = np.float32
 SPECIAL = np.array([-np.inf, -1e20, -100.0, -88.0, -20.0, -3.0, np.nextafter(_F32(-3), _F32(0)),
