@@ -767,6 +767,10 @@ const ut__backend* ut__cuda_backend(void);
    The kind is a constant where the kernels call these, so each loop compiles to one formula. */
 #ifdef __CUDACC__
 #define UT__ACT_FN static __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+/* always_inline: the CPU loops that call these are compiled with other optimize options
+   (UT__CPU_ACT_OPT), and GCC inlines across that difference only when told to */
+#define UT__ACT_FN static inline __attribute__((always_inline))
 #else
 #define UT__ACT_FN static inline
 #endif
@@ -800,9 +804,16 @@ UT__ACT_FN float ut__act_grad(int act, float go, float x) {
       float s = 1.0f / (1.0f + expf(-x));
       return go * s * (1.0f + x * (1.0f - s));
     }
-    case UT_ACT_HARDSWISH:
-      return x <= -3.0f ? 0.0f : x < 3.0f ? go * (x / 3.0f + 0.5f) : go;
-    case UT_ACT_HARDSIGMOID: return x > -3.0f && x < 3.0f ? go * (1.0f / 6.0f) : 0.0f;
+    /* the middle pieces computed unconditionally, then selected: no branch, so the CPU loops
+       vectorize (a conditional division could trap, which keeps the compiler from it) */
+    case UT_ACT_HARDSWISH: {
+      float mid = go * (x / 3.0f + 0.5f);
+      return x <= -3.0f ? 0.0f : x < 3.0f ? mid : go;
+    }
+    case UT_ACT_HARDSIGMOID: {
+      float mid = go * (1.0f / 6.0f);
+      return (x > -3.0f) & (x < 3.0f) ? mid : 0.0f;
+    }
     case UT_ACT_SIGMOID: { /* PyTorch's backward reads the output: go (1 - y) y */
       float y = 1.0f / (1.0f + expf(-x));
       return go * (1.0f - y) * y;
@@ -4046,11 +4057,21 @@ typedef struct {
   ut__i64 n;
   int act;
 } ut__cpu_act_ctx;
+/* and no-trapping-math: the selects of the piecewise kinds may then evaluate both sides'
+   comparisons (an ordered comparison with NaN raises FE_INVALID, which GCC otherwise keeps
+   conditional), so they vectorize; the values are the same, no one reads the FP flags */
+#if defined(__GNUC__) && !defined(__clang__)
+#define UT__CPU_ACT_OPT \
+  __attribute__((optimize("O3", "fp-contract=fast", "no-tree-loop-distribute-patterns", \
+                          "no-trapping-math")))
+#else
+#define UT__CPU_ACT_OPT
+#endif
 #define UT__CPU_ACT_LOOP(A, EXPR)                             \
   case A:                                                     \
     for (ut__i64 i = lo; i < hi; i++) y[i] = EXPR;            \
     break
-UT__CPU_OPT static void ut__cpu_act_fwd_part(void* vc, int tid, int nt) {
+UT__CPU_ACT_OPT static void ut__cpu_act_fwd_part(void* vc, int tid, int nt) {
   const ut__cpu_act_ctx* c = (const ut__cpu_act_ctx*)vc;
   const float* restrict x = c->x;
   float* restrict y = c->y;
@@ -4065,7 +4086,7 @@ UT__CPU_OPT static void ut__cpu_act_fwd_part(void* vc, int tid, int nt) {
     UT__CPU_ACT_LOOP(UT_ACT_GELU_TANH, ut__act_value(UT_ACT_GELU_TANH, x[i]));
   }
 }
-UT__CPU_OPT static void ut__cpu_act_bwd_part(void* vc, int tid, int nt) {
+UT__CPU_ACT_OPT static void ut__cpu_act_bwd_part(void* vc, int tid, int nt) {
   const ut__cpu_act_ctx* c = (const ut__cpu_act_ctx*)vc;
   const float* restrict x = c->x;
   const float* restrict go = c->go;
