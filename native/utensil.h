@@ -805,7 +805,7 @@ UT__ACT_FN float ut__act_grad(int act, float go, float x) {
       return go * s * (1.0f + x * (1.0f - s));
     }
     /* the middle pieces computed unconditionally, then selected: no branch, so the CPU loops
-       vectorize (a conditional division could trap, which keeps the compiler from it) */
+       vectorize (with UT__CPU_ACT_OPT's no-trapping-math) */
     case UT_ACT_HARDSWISH: {
       float mid = go * (x / 3.0f + 0.5f);
       return x <= -3.0f ? 0.0f : x < 3.0f ? mid : go;
