@@ -460,6 +460,60 @@ static void test_edge_activations(ut_dev dev) {
   ut_free(a);
 }
 
+static void test_activation(ut_dev dev) {
+  // x = {-3, 0, 3, 1}, go = 1 (issue 30; values: PyTorch 2.13 to 7 digits, kinks included):
+  // hardswish x (x+3)/6 clipped: {-0, 0, 3, 4/6}; d: 0 at -3, 1/2 at 0, 1 at 3, 1/3 + 1/2 at 1
+  // hardsigmoid (x+3)/6 clipped: {0, 1/2, 1, 4/6}; d: 1/6 strictly inside (-3, 3), else 0
+  // sigmoid(0) = 1/2 (d 1/4), sigmoid(1) = 0.7310586; silu(1) = sigmoid(1), silu'(0) = 1/2;
+  // gelu(1) = Phi(1) = 0.8413447, gelu_tanh(1) = 0.8411920; both 0 at 0 with d 1/2
+  ut_tensor* x = ut_from_data(1, S(4), F(-3.f, 0.f, 3.f, 1.f), dev);
+  ut_tensor* go = ut_from_data(1, S(4), F(1.f, 1.f, 1.f, 1.f), dev);
+  static const struct {
+    ut_activation a;
+    float y[4], g[4];
+  } cases[] = {
+      {UT_ACT_HARDSWISH, {0.f, 0.f, 3.f, 4.f / 6.f}, {0.f, 0.5f, 1.f, 1.f / 3.f + 0.5f}},
+      {UT_ACT_HARDSIGMOID, {0.f, 0.5f, 1.f, 4.f / 6.f}, {0.f, 1.f / 6.f, 0.f, 1.f / 6.f}},
+      {UT_ACT_SIGMOID, {0.0474259f, 0.5f, 0.9525741f, 0.7310586f},
+       {0.0451767f, 0.25f, 0.0451767f, 0.1966119f}},
+      {UT_ACT_SILU, {-0.1422776f, 0.f, 2.8577225f, 0.7310586f},
+       {-0.0881041f, 0.5f, 1.0881041f, 0.9276705f}},
+      {UT_ACT_GELU, {-0.0040502f, 0.f, 2.9959497f, 0.8413447f},
+       {-0.0119456f, 0.5f, 1.0119456f, 1.0833155f}},
+      {UT_ACT_GELU_TANH, {-0.0036374f, 0.f, 2.9963627f, 0.8411920f},
+       {-0.0115843f, 0.5f, 1.0115843f, 1.0829640f}},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    ut_tensor* y = ut_activation_forward(x, cases[k].a);
+    ut_tensor* g = ut_activation_backward(go, x, cases[k].a);
+    require(y && g);
+    ut_sync_cpu(y);
+    ut_sync_cpu(g);
+    assert(y->dev == dev && g->dev == dev);
+    assert_data(y, cases[k].y, 2e-6f);
+    assert_data(g, cases[k].g, 2e-6f);
+    ut_free_all(y, g);
+  }
+  // NONE is a copy, RELU6 is ut_relu6 and its backward
+  ut_tensor* id = ut_activation_forward(x, UT_ACT_NONE);
+  ut_tensor* r6 = ut_activation_backward(go, x, UT_ACT_RELU6);
+  require(id && r6);
+  ut_sync_cpu(id);
+  ut_sync_cpu(r6);
+  assert(id != x);
+  assert_data(id, F(-3.f, 0.f, 3.f, 1.f), 0.f);
+  assert_data(r6, F(0.f, 0.f, 1.f, 1.f), 0.f);
+  assert(strcmp(ut_activation_name(UT_ACT_GELU_TANH), "gelu_tanh") == 0);
+  assert(strcmp(ut_activation_name((ut_activation)99), "?") == 0);
+  ut_tensor* x3 = ut_from_data(1, S(3), F(1.f, 2.f, 3.f), dev);
+  expect_null(ut_activation_forward(x, (ut_activation)9), UT_ERR_ARG);
+  expect_null(ut_activation_forward(x, (ut_activation)-1), UT_ERR_ARG);
+  expect_null(ut_activation_forward(NULL, UT_ACT_SILU), UT_ERR_ARG);
+  expect_null(ut_activation_backward(go, x3, UT_ACT_GELU), UT_ERR_SHAPE);
+  expect_null(ut_activation_backward(go, NULL, UT_ACT_SIGMOID), UT_ERR_ARG);
+  ut_free_all(x, go, id, r6, x3);
+}
+
 static void test_add_into(ut_dev dev) {
   // dst += src: {1,2,3,4} + {10,20,30,40}; src may have another shape with the same nelem
   ut_tensor* d = ut_from_data(2, S(2, 2), F(1, 2, 3, 4), dev);
@@ -3047,6 +3101,7 @@ int main(void) {
   RUN_BOTH(test_relu6);
   RUN_BOTH(test_relu_backward);
   RUN_BOTH(test_edge_activations);
+  RUN_BOTH(test_activation);
   RUN_BOTH(test_add_into);
   RUN_BOTH(test_scale);
   RUN_BOTH(test_matmul);

@@ -246,9 +246,42 @@ typedef struct ut_layernorm_cache {
   ut_tensor* rstd;  /* [rows] 1/sqrt(var + eps) */
 } ut_layernorm_cache;
 
-/* An activation a layer applies to its own output in the same pass over the data (fused):
-   ReLU6 is min(max(x, 0), 6); backward masks the gradient as relu_backward would. */
-typedef enum { UT_ACT_NONE = 0, UT_ACT_RELU = 1, UT_ACT_RELU6 = 2 } ut_activation;
+/* An activation: what ut_activation_forward computes, and what a layer may apply to its own
+   output in the same pass over the data (fused; BatchNorm2d takes NONE, RELU and RELU6):
+   ReLU6 is min(max(x, 0), 6); backward masks the gradient as relu_backward would.
+   The others are PyTorch's (torch.nn.functional.<name>), forward and backward, their values at
+   the kinks and for NaN and infinities included:
+     SILU         x sigmoid(x), computed x / (1 + exp(-x))                        (swish)
+     HARDSWISH    x min(max(x + 3, 0), 6) / 6; gradient 0 for x <= -3, x/3 + 1/2 for
+                  -3 < x < 3, 1 for x >= 3 (and for NaN x: the gradient passes)
+     HARDSIGMOID  min(max(x + 3, 0), 6) / 6; gradient 1/6 for -3 < x < 3, else 0 (NaN x too)
+     SIGMOID      1 / (1 + exp(-x))
+     GELU         x (1 + erf(x / sqrt 2)) / 2                       (approximate='none')
+     GELU_TANH    x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2   (approximate='tanh') */
+typedef enum {
+  UT_ACT_NONE = 0,
+  UT_ACT_RELU = 1,
+  UT_ACT_RELU6 = 2,
+  UT_ACT_SILU = 3,
+  UT_ACT_HARDSWISH = 4,
+  UT_ACT_HARDSIGMOID = 5,
+  UT_ACT_SIGMOID = 6,
+  UT_ACT_GELU = 7,
+  UT_ACT_GELU_TANH = 8
+} ut_activation;
+
+/* ---- activations (issue 30) ----------------------------------------------------------------
+   One forward and one backward for every kind, the kind an argument (not a function per
+   activation): the same enum names a layer's fused activation and selects the backend's one
+   act_fwd / act_bwd slot pair, so a new kind is an enum value and a case, not new symbols in
+   the library, the bindings and both backends' tables. Any kind is taken: NONE is the identity
+   (a copy), RELU and RELU6 are ut_relu / ut_relu6 (and their backward) to the bit.
+   x: any shape -> y: same shape, same dtype (float32, or bfloat16: computed in float32) */
+ut_tensor* ut_activation_forward(ut_tensor* x, ut_activation a);
+/* grad_out, fwd_input (the forward's x): same shape and dtype -> grad_out * f'(x) */
+ut_tensor* ut_activation_backward(ut_tensor* grad_out, ut_tensor* fwd_input, ut_activation a);
+/* "silu", "hardswish", ... (PyTorch's function names; "none", "relu", "relu6"); "?" if invalid */
+const char* ut_activation_name(ut_activation a);
 
 typedef struct ut_batchnorm2d {
   ut_tensor* weight;       /* [C] gain */
@@ -571,6 +604,7 @@ void ut_dist_abort(ut_dist* d); /* leaves at once, work in flight dropped (a pee
 #if defined(UT_IMPLEMENTATION) || defined(UT_BACKEND_INTERFACE)
 #ifndef UTENSIL_BACKEND_INTERFACE_H
 #define UTENSIL_BACKEND_INTERFACE_H
+#include <math.h> /* expf, erff, tanhf: the activations' formulas at the end of this part */
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -651,6 +685,11 @@ typedef struct ut__backend {
   int (*relu_fwd)(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap);
   /* gi = 0 where x <= 0 (or x >= cap when cap > 0), else go (NaN x passes go, like PyTorch) */
   int (*relu_bwd)(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n, float cap);
+  /* the activations from UT_ACT_SILU on (ReLU and ReLU6 keep relu_fwd / relu_bwd): one slot
+     pair for all, each backend switching on act inside, to the formulas of ut__act_value /
+     ut__act_grad below (shared by both backends). y = f(x); gi = go f'(x) */
+  int (*act_fwd)(ut_dtype dt, int act, const void* x, void* y, ut__i64 n);
+  int (*act_bwd)(ut_dtype dt, int act, const void* go, const void* x, void* gi, ut__i64 n);
 
   /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner] */
   int (*transpose)(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid, int d1,
@@ -828,6 +867,84 @@ void ut__nccl_hint_copy(char* out, size_t n);
 __attribute__((weak))
 #endif
 const ut__backend* ut__cuda_backend(void);
+
+/* The activations' formulas at one float32 value, for the CPU kernels and the CUDA ones alike
+   (nvcc compiles them for the device too), so both backends evaluate the same expressions in
+   the same order: PyTorch's, from its CPU kernels (aten/src/ATen/native/cpu/Activation.cpp,
+   UnaryOpsKernel.cpp), whose order decides the special values: silu(-inf) = -inf / inf = NaN,
+   hardswish(-inf) = -inf * 0 = NaN, gelu_tanh's gradient at |x| >= 2e19 = 0 * inf = NaN.
+   min/max are comparisons that let NaN through (fminf/fmaxf would drop it); an act outside
+   the slots' kinds returns x (forward) or go (backward): the entry points never pass one.
+   The kind is a constant where the kernels call these, so each loop compiles to one formula. */
+#ifdef __CUDACC__
+#define UT__ACT_FN static __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+/* always_inline: the CPU loops that call these are compiled with other optimize options
+   (UT__CPU_ACT_OPT), and GCC inlines across that difference only when told to */
+#define UT__ACT_FN static inline __attribute__((always_inline))
+#else
+#define UT__ACT_FN static inline
+#endif
+#define UT__GELU_SQRT1_2 0.70710678118654752440f   /* 1 / sqrt(2) */
+#define UT__GELU_PDF0 0.39894228040143267794f      /* 1 / sqrt(2 pi) */
+#define UT__GELU_TANH_BETA 0.79788456080286535588f /* sqrt(2 / pi) */
+#define UT__GELU_TANH_KAPPA 0.044715f
+UT__ACT_FN float ut__act_hard(float x) { /* min(max(x + 3, 0), 6), NaN passing */
+  float h = x + 3.0f;
+  h = h < 0.0f ? 0.0f : h;
+  return 6.0f < h ? 6.0f : h;
+}
+UT__ACT_FN float ut__act_value(int act, float x) {
+  switch (act) {
+    case UT_ACT_SILU: return x / (1.0f + expf(-x));
+    case UT_ACT_HARDSWISH: return x * ut__act_hard(x) / 6.0f;
+    case UT_ACT_HARDSIGMOID: return ut__act_hard(x) / 6.0f;
+    case UT_ACT_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case UT_ACT_GELU: return x * 0.5f * (1.0f + erff(x * UT__GELU_SQRT1_2));
+    case UT_ACT_GELU_TANH: {
+      float inner = UT__GELU_TANH_BETA * (x + UT__GELU_TANH_KAPPA * (x * x * x));
+      return 0.5f * x * (1.0f + tanhf(inner));
+    }
+  }
+  return x;
+}
+/* go * f'(x); the kinks' and NaN's cases as PyTorch's backward takes them (see ut_activation) */
+UT__ACT_FN float ut__act_grad(int act, float go, float x) {
+  switch (act) {
+    case UT_ACT_SILU: {
+      float s = 1.0f / (1.0f + expf(-x));
+      return go * s * (1.0f + x * (1.0f - s));
+    }
+    /* the middle pieces computed unconditionally, then selected: no branch, so the CPU loops
+       vectorize (with UT__CPU_ACT_OPT's no-trapping-math) */
+    case UT_ACT_HARDSWISH: {
+      float mid = go * (x / 3.0f + 0.5f);
+      return x <= -3.0f ? 0.0f : x < 3.0f ? mid : go;
+    }
+    case UT_ACT_HARDSIGMOID: {
+      float mid = go * (1.0f / 6.0f);
+      return (x > -3.0f) & (x < 3.0f) ? mid : 0.0f;
+    }
+    case UT_ACT_SIGMOID: { /* PyTorch's backward reads the output: go (1 - y) y */
+      float y = 1.0f / (1.0f + expf(-x));
+      return go * (1.0f - y) * y;
+    }
+    case UT_ACT_GELU: {
+      float cdf = 0.5f * (1.0f + erff(x * UT__GELU_SQRT1_2));
+      float pdf = expf(-0.5f * (x * x)) * UT__GELU_PDF0;
+      return go * (cdf + x * pdf);
+    }
+    case UT_ACT_GELU_TANH: {
+      float x2 = x * x;
+      float inner = UT__GELU_TANH_BETA * (x + UT__GELU_TANH_KAPPA * (x2 * x));
+      float t = tanhf(inner);
+      float left = 0.5f * x, right = 1.0f + t;
+      float dinner = UT__GELU_TANH_BETA * (1.0f + 3.0f * UT__GELU_TANH_KAPPA * x2);
+      return go * (0.5f * right + left * (1.0f - t * t) * dinner);
+    }
+  }
+  return go;
+}
 
 #ifdef __cplusplus
 }
@@ -1960,6 +2077,74 @@ ut_tensor* ut_relu_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
 }
 ut_tensor* ut_relu6_backward(ut_tensor* grad_out, ut_tensor* fwd_input) {
   return ut__relu_bwd(grad_out, fwd_input, 6.f, "ut_relu6_backward");
+}
+
+/* ---- activations (issue 30) ---------------------------------------------------------------- */
+static const char* const ut__act_names[] = {"none",    "relu",        "relu6",
+                                            "silu",    "hardswish",   "hardsigmoid",
+                                            "sigmoid", "gelu",        "gelu_tanh"};
+/* the entry points' names with the kind, so a message says which activation refused */
+static const char* const ut__act_fwd_who[] = {
+    "ut_activation_forward(none)",        "ut_activation_forward(relu)",
+    "ut_activation_forward(relu6)",       "ut_activation_forward(silu)",
+    "ut_activation_forward(hardswish)",   "ut_activation_forward(hardsigmoid)",
+    "ut_activation_forward(sigmoid)",     "ut_activation_forward(gelu)",
+    "ut_activation_forward(gelu_tanh)"};
+static const char* const ut__act_bwd_who[] = {
+    "ut_activation_backward(none)",       "ut_activation_backward(relu)",
+    "ut_activation_backward(relu6)",      "ut_activation_backward(silu)",
+    "ut_activation_backward(hardswish)",  "ut_activation_backward(hardsigmoid)",
+    "ut_activation_backward(sigmoid)",    "ut_activation_backward(gelu)",
+    "ut_activation_backward(gelu_tanh)"};
+
+static bool ut__act_valid(int a) { return a >= UT_ACT_NONE && a <= UT_ACT_GELU_TANH; }
+
+const char* ut_activation_name(ut_activation a) {
+  return ut__act_valid((int)a) ? ut__act_names[a] : "?";
+}
+
+ut_tensor* ut_activation_forward(ut_tensor* x, ut_activation a) {
+  UT__CHECK_NULL(ut__act_valid((int)a), UT_ERR_ARG,
+                 "ut_activation_forward: a must be a ut_activation (%d to %d), got %d",
+                 UT_ACT_NONE, UT_ACT_GELU_TANH, (int)a);
+  const char* who = ut__act_fwd_who[a];
+  if (a == UT_ACT_RELU || a == UT_ACT_RELU6)
+    return ut__relu_fwd(x, a == UT_ACT_RELU6 ? 6.f : 0.f, who);
+  if (ut__check_tensor(x, who, "x") < 0) return NULL;
+  if (a == UT_ACT_NONE) return ut_copy(x);
+  const ut__backend* be = ut__backend_for(x->dev);
+  const float* xp = ut__in(x, be);
+  if (!xp) return NULL;
+  ut_tensor* y = ut__new_like(x, who);
+  if (!y) return NULL;
+  return ut__finish(y, be, be->act_fwd(ut__buf_dtype(x, be), (int)a, xp, ut__out(y, be),
+                                       x->shape.nelem));
+}
+
+ut_tensor* ut_activation_backward(ut_tensor* grad_out, ut_tensor* fwd_input, ut_activation a) {
+  UT__CHECK_NULL(ut__act_valid((int)a), UT_ERR_ARG,
+                 "ut_activation_backward: a must be a ut_activation (%d to %d), got %d",
+                 UT_ACT_NONE, UT_ACT_GELU_TANH, (int)a);
+  const char* who = ut__act_bwd_who[a];
+  if (a == UT_ACT_RELU || a == UT_ACT_RELU6)
+    return ut__relu_bwd(grad_out, fwd_input, a == UT_ACT_RELU6 ? 6.f : 0.f, who);
+  ut_tensor* go = grad_out;
+  ut_tensor* x = fwd_input;
+  if (ut__check_tensor(go, who, "grad_out") < 0 || ut__check_arg(x, go, -1, who, "fwd_input") < 0)
+    return NULL;
+  UT__CHECK_NULL(ut__same_shape(go, x), UT_ERR_SHAPE,
+                 "%s: grad_out has shape %s but fwd_input has shape %s (they must match)", who,
+                 ut__shape_text(go).s, ut__shape_text(x).s);
+  if (ut__check_dtype_as(x, go, who, "fwd_input", "grad_out") < 0) return NULL;
+  if (a == UT_ACT_NONE) return ut_copy(go);
+  const ut__backend* be = ut__backend_for(go->dev);
+  const float* gp = ut__in(go, be);
+  const float* xp = gp ? ut__in(x, be) : NULL;
+  if (!xp) return NULL;
+  ut_tensor* gi = ut__new_like(go, who);
+  if (!gi) return NULL;
+  return ut__finish(gi, be, be->act_bwd(ut__buf_dtype(go, be), (int)a, gp, xp, ut__out(gi, be),
+                                        go->shape.nelem));
 }
 
 int ut_add_into(ut_tensor* dst, ut_tensor* src) {
@@ -4310,6 +4495,84 @@ UT__CPU_OPT static int ut__cpu_relu_bwd_f32(const float* restrict go, const floa
   return UT_OK;
 }
 
+/* The activations of act_fwd / act_bwd (ut__act_value, ut__act_grad: the formulas both
+   backends share). One loop per kind, the kind a constant in it, so the switch is outside the
+   loop and the piecewise kinds (hardswish, hardsigmoid) vectorize as selects; the others call
+   expf / erff / tanhf per value, split over the threads as a bigger job. */
+typedef struct {
+  const float* x;
+  const float* go;
+  float* y;
+  ut__i64 n;
+  int act;
+} ut__cpu_act_ctx;
+/* and no-trapping-math: the selects of the piecewise kinds may then evaluate both sides'
+   comparisons (an ordered comparison with NaN raises FE_INVALID, which GCC otherwise keeps
+   conditional), so they vectorize; the values are the same, no one reads the FP flags */
+#if defined(__GNUC__) && !defined(__clang__)
+#define UT__CPU_ACT_OPT \
+  __attribute__((optimize("O3", "fp-contract=fast", "no-tree-loop-distribute-patterns", \
+                          "no-trapping-math")))
+#else
+#define UT__CPU_ACT_OPT
+#endif
+#define UT__CPU_ACT_LOOP(A, EXPR)                             \
+  case A:                                                     \
+    for (ut__i64 i = lo; i < hi; i++) y[i] = EXPR;            \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_act_fwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_act_ctx* c = (const ut__cpu_act_ctx*)vc;
+  const float* restrict x = c->x;
+  float* restrict y = c->y;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  switch (c->act) {
+    UT__CPU_ACT_LOOP(UT_ACT_SILU, ut__act_value(UT_ACT_SILU, x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_HARDSWISH, ut__act_value(UT_ACT_HARDSWISH, x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_HARDSIGMOID, ut__act_value(UT_ACT_HARDSIGMOID, x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_SIGMOID, ut__act_value(UT_ACT_SIGMOID, x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_GELU, ut__act_value(UT_ACT_GELU, x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_GELU_TANH, ut__act_value(UT_ACT_GELU_TANH, x[i]));
+  }
+}
+UT__CPU_ACT_OPT static void ut__cpu_act_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_act_ctx* c = (const ut__cpu_act_ctx*)vc;
+  const float* restrict x = c->x;
+  const float* restrict go = c->go;
+  float* restrict y = c->y;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  switch (c->act) {
+    UT__CPU_ACT_LOOP(UT_ACT_SILU, ut__act_grad(UT_ACT_SILU, go[i], x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_HARDSWISH, ut__act_grad(UT_ACT_HARDSWISH, go[i], x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_HARDSIGMOID, ut__act_grad(UT_ACT_HARDSIGMOID, go[i], x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_SIGMOID, ut__act_grad(UT_ACT_SIGMOID, go[i], x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_GELU, ut__act_grad(UT_ACT_GELU, go[i], x[i]));
+    UT__CPU_ACT_LOOP(UT_ACT_GELU_TANH, ut__act_grad(UT_ACT_GELU_TANH, go[i], x[i]));
+  }
+}
+#undef UT__CPU_ACT_LOOP
+/* the work estimate for the thread count: a transcendental costs some ten plain operations */
+static double ut__cpu_act_work(int act, ut__i64 n) {
+  return (act == UT_ACT_HARDSWISH || act == UT_ACT_HARDSIGMOID ? 1.0 : 10.0) * (double)n;
+}
+static int ut__cpu_act_bad(const char* slot, int act) {
+  return ut__set_error(UT_ERR_ARG, "cpu %s: activation %d has no kernel here", slot, act);
+}
+static bool ut__cpu_act_kind(int act) { return act >= UT_ACT_SILU && act <= UT_ACT_GELU_TANH; }
+static int ut__cpu_act_fwd_f32(int act, const float* x, float* y, ut__i64 n) {
+  if (!ut__cpu_act_kind(act)) return ut__cpu_act_bad("act_fwd", act);
+  ut__cpu_act_ctx c = {x, NULL, y, n, act};
+  ut__parallel_run(ut__cpu_nt(ut__cpu_act_work(act, n)), ut__cpu_act_fwd_part, &c);
+  return UT_OK;
+}
+static int ut__cpu_act_bwd_f32(int act, const float* go, const float* x, float* gi, ut__i64 n) {
+  if (!ut__cpu_act_kind(act)) return ut__cpu_act_bad("act_bwd", act);
+  ut__cpu_act_ctx c = {x, go, gi, n, act};
+  ut__parallel_run(ut__cpu_nt(ut__cpu_act_work(act, n)), ut__cpu_act_bwd_part, &c);
+  return UT_OK;
+}
+
 /* ---- layout ------------------------------------------------------------------------------ */
 
 /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner], in tiles of 32 x 32. */
@@ -5947,11 +6210,11 @@ typedef struct {
    (the same operations in the same order give the same bits) */
 static inline float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
 /* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
-static inline float ut__cpu_act_fwd(float z, float act) {
+static inline float ut__cpu_bn_relu(float z, float act) {
   float v = z < 0.0f ? 0.0f : z;
   return act > 0.0f && v > act ? act : v;
 }
-static inline float ut__cpu_act_grad(float g, float z, float act) {
+static inline float ut__cpu_bn_relu_grad(float g, float z, float act) {
   int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
   return stop ? 0.0f : g;
 }
@@ -5959,7 +6222,7 @@ static inline float ut__cpu_act_grad(float g, float z, float act) {
    the pre-activation recomputed from x; computed where it is used, in both passes, rather than
    stored (act is loop-invariant: the loops are unswitched on it) */
 static inline float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, float act) {
-  return act < 0.0f ? g : ut__cpu_act_grad(g, ut__cpu_bn_z(x, m, sc, bt), act);
+  return act < 0.0f ? g : ut__cpu_bn_relu_grad(g, ut__cpu_bn_z(x, m, sc, bt), act);
 }
 UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
@@ -6054,7 +6317,7 @@ UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
       for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
     } else {
       float act = cx->act;
-      for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_act_fwd(ut__cpu_bn_z(xr[i], m, sc, bt), act);
+      for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_relu(ut__cpu_bn_z(xr[i], m, sc, bt), act);
     }
   }
 }
@@ -6629,6 +6892,13 @@ static int ut__cpu_relu_bwd(ut_dtype dt, const void* go, const void* x, void* gi
   return dt == UT_F32 ? ut__cpu_relu_bwd_f32(go, x, gi, n, cap)
                       : ut__cpu_no_dtype("relu_bwd", dt);
 }
+static int ut__cpu_act_fwd(ut_dtype dt, int act, const void* x, void* y, ut__i64 n) {
+  return dt == UT_F32 ? ut__cpu_act_fwd_f32(act, x, y, n) : ut__cpu_no_dtype("act_fwd", dt);
+}
+static int ut__cpu_act_bwd(ut_dtype dt, int act, const void* go, const void* x, void* gi,
+                           ut__i64 n) {
+  return dt == UT_F32 ? ut__cpu_act_bwd_f32(act, go, x, gi, n) : ut__cpu_no_dtype("act_bwd", dt);
+}
 static int ut__cpu_transpose(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid,
                              int d1, int inner) {
   return dt == UT_F32 ? ut__cpu_transpose_f32(in, out, outer, d0, mid, d1, inner)
@@ -6780,6 +7050,8 @@ static const ut__backend ut__cpu_backend = {
     .scale = ut__cpu_scale,
     .relu_fwd = ut__cpu_relu_fwd,
     .relu_bwd = ut__cpu_relu_bwd,
+    .act_fwd = ut__cpu_act_fwd,
+    .act_bwd = ut__cpu_act_bwd,
     .transpose = ut__cpu_transpose,
     .gemm = ut__cpu_gemm,
     .bias_add = ut__cpu_bias_add,

@@ -435,13 +435,18 @@ def test_squeeze_excitation_refuses_an_input_changed_in_place(rng):
         se.close()
 
 
-def test_squeeze_excitation_default_scale_activation():
-    """torchvision's default is Sigmoid: ut.Sigmoid once the activations branch is merged,
-    until then a clear error asking for scale_activation=."""
-    if hasattr(_activation, "Sigmoid"):
-        se = ut.SqueezeExcitation(4, 2)
-        assert type(se.scale_activation).__name__ == "Sigmoid"
+def test_squeeze_excitation_default_scale_activation(rng):
+    """torchvision's default scale activation is Sigmoid: y = x * sigmoid(fc2(relu(fc1(pool))))."""
+    se = ut.SqueezeExcitation(4, 2)
+    try:
+        assert type(se.scale_activation) is ut.Sigmoid
+        sd = {k: v.astype(np.float64) for k, v in se.state_dict().items()}
+        x = _f32(rng, 2, 4, 3, 3)
+        p = x.astype(np.float64).mean(axis=(2, 3))
+        h = np.maximum(p @ sd["fc1.weight"][:, :, 0, 0].T + sd["fc1.bias"], 0)
+        z = h @ sd["fc2.weight"][:, :, 0, 0].T + sd["fc2.bias"]
+        want = x * (1 / (1 + np.exp(-z)))[:, :, None, None]
+        with ut.tensor(x) as xt, se(xt) as y:
+            _close(y.numpy(), want, rtol=1e-5, atol=1e-6)
+    finally:
         se.close()
-    else:
-        with pytest.raises(ut.ArgumentError, match="scale_activation="):
-            ut.SqueezeExcitation(4, 2)

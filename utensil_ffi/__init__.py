@@ -82,6 +82,20 @@ from .nn import (
     Sequential,
     SyncBatchNorm,
 )
+# issue 30's activations: the layers, and the functional forms with their backward
+from .functional import (
+    gelu,
+    gelu_backward,
+    hardsigmoid,
+    hardsigmoid_backward,
+    hardswish,
+    hardswish_backward,
+    sigmoid,
+    sigmoid_backward,
+    silu,
+    silu_backward,
+)
+from .nn import GELU, Hardsigmoid, Hardswish, Sigmoid, SiLU
 from .dtypes import bfloat16, dtype, float32
 from .optim import SGD, Adam, AdamW, Optimizer
 from .tensor import (
@@ -142,6 +156,10 @@ __all__ = [
     "Optimizer", "SGD", "Adam", "AdamW",
     # issue 30, the training recipe: regularisation (ut.optim.lr_scheduler, ut.optim.swa_utils)
     "Dropout", "StochasticDepth",
+    # issue 30's activations: layers, functional forms and their backward
+    "SiLU", "Hardswish", "Hardsigmoid", "Sigmoid", "GELU", "silu", "silu_backward", "hardswish",
+    "hardswish_backward", "hardsigmoid", "hardsigmoid_backward", "sigmoid", "sigmoid_backward",
+    "gelu", "gelu_backward",
     # errors
     "UtensilError", "ArgumentError", "ArgumentTypeError", "ClosedError", "ShapeError",
     "OutOfMemoryError", "DeviceError",

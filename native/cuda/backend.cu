@@ -367,6 +367,8 @@ static void ut__cuda_init(void) {
   t->scale = ut__cuda_scale;
   t->relu_fwd = ut__cuda_relu_fwd;
   t->relu_bwd = ut__cuda_relu_bwd;
+  t->act_fwd = ut__cuda_act_fwd;
+  t->act_bwd = ut__cuda_act_bwd;
   t->transpose = ut__cuda_transpose;
   t->gemm = ut__cuda_gemm;
   t->bias_add = ut__cuda_bias_add;

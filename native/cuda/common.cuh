@@ -14,6 +14,8 @@
                       synchronization
      elementwise.cu   fill, copy, cast, axpy, scale, relu, transpose, bias_add, chan_repeat,
                       chan_group_sum, global_avgpool2d (row_mean), mse_loss, cross_entropy
+     activation.cu    act_fwd / act_bwd: silu, hardswish, hardsigmoid, sigmoid, gelu (their
+                      formulas in utensil.h, shared with the CPU backend)
      gemm.cu          gemm (matmul, linear and conv2d run on it): the own kernels, and
                       conv2d's im2col and col2im
      blas.cu          gemm on cuBLAS, loaded at run time (gemm.cu hands it every call first)
@@ -252,6 +254,9 @@ int ut__cuda_scale(ut_dtype dt, void* x, ut__i64 n, float alpha);
 int ut__cuda_relu_fwd(ut_dtype dt, const void* x, void* y, ut__i64 n, float cap);
 int ut__cuda_relu_bwd(ut_dtype dt, const void* go, const void* x, void* gi, ut__i64 n,
                       float cap);
+/* activation.cu: the activations' slots (issue 30) */
+int ut__cuda_act_fwd(ut_dtype dt, int act, const void* x, void* y, ut__i64 n);
+int ut__cuda_act_bwd(ut_dtype dt, int act, const void* go, const void* x, void* gi, ut__i64 n);
 int ut__cuda_transpose(ut_dtype dt, const void* in, void* out, int outer, int d0, int mid,
                        int d1, int inner);
 int ut__cuda_bias_add(ut_dtype dt, void* x, const float* bias, int n, int c, ut__i64 inner);

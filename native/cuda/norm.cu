@@ -29,11 +29,11 @@ static __device__ __forceinline__ float ut__cuda_bn_z(float x, float m, float sc
   return __fmaf_rn(x - m, sc, bt);
 }
 /* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
-static __device__ __forceinline__ float ut__cuda_act_fwd(float z, float act) {
+static __device__ __forceinline__ float ut__cuda_bn_relu(float z, float act) {
   float v = z < 0.f ? 0.f : z;
   return act > 0.f && v > act ? act : v;
 }
-static __device__ __forceinline__ float ut__cuda_act_grad(float g, float z, float act) {
+static __device__ __forceinline__ float ut__cuda_bn_relu_grad(float g, float z, float act) {
   bool stop = z <= 0.f || (act > 0.f && z >= act); /* false for NaN: passes g, like PyTorch */
   return stop ? 0.f : g;
 }
@@ -247,7 +247,8 @@ static __global__ void __launch_bounds__(256)
         if (KIND == UT__CUDA_CHANNEL_SUM) {
           acc[0] += xv[r][u];
         } else {
-          float g = masked ? ut__cuda_act_grad(gv[r][u], ut__cuda_bn_z(xv[r][u], mu, sc, bt), act)
+          float g = masked ? ut__cuda_bn_relu_grad(gv[r][u],
+                                                   ut__cuda_bn_z(xv[r][u], mu, sc, bt), act)
                            : gv[r][u];
           acc[0] += g;
           acc[NV - 1] += g * ((xv[r][u] - mu) * rs);
@@ -678,7 +679,7 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
 #pragma unroll
     for (int u = 0; u < W; ++u) {
       float z = ut__cuda_bn_z(e[u], m, sc, bt); /* bf16: rounded only after act, as y */
-      e[u] = act < 0.f ? z : ut__cuda_act_fwd(z, act);
+      e[u] = act < 0.f ? z : ut__cuda_bn_relu(z, act);
     }
     ut__cuda_vec<W, T>::store(y + (ut__i64)v * W, e);
   }
@@ -763,7 +764,8 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     if (training || act >= 0.f) ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, xv);
 #pragma unroll
     for (int u = 0; u < W; ++u) {
-      float gu = act >= 0.f ? ut__cuda_act_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act) : g[u];
+      float gu = act >= 0.f ? ut__cuda_bn_relu_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act)
+                            : g[u];
       if (training) {
         float xh = (xv[u] - m) * rs;
         gu = gu - mg - xh * mgx;

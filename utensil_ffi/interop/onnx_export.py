@@ -8,9 +8,12 @@
 The graph is the model's eval-mode forward (BatchNorm2d with its running statistics), whatever
 mode the model is in; the model itself is not changed and runs nothing. Supported modules:
 Sequential, Residual, Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv),
-BatchNorm2d (with its fused activation), ReLU, ReLU6, GlobalAvgPool2d and Linear, and
-Dropout and StochasticDepth (their eval-mode identity: no node); any other raises ArgumentError
-naming it. Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
+BatchNorm2d (with its fused activation), ReLU, ReLU6, SiLU, Hardswish, Hardsigmoid, Sigmoid,
+GELU, GlobalAvgPool2d and Linear, and Dropout and StochasticDepth (their eval-mode identity: no
+node); any other raises ArgumentError naming it. The activations are ONNX's own operators where
+the opset has them (HardSwish from 14, Gelu from 20), else their formula in older ones
+(x * HardSigmoid(x); GELU's erf or tanh expression); SiLU is x * Sigmoid(x) at every opset (ONNX
+has no Swish). Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
 """
 
 import os
@@ -20,7 +23,7 @@ import numpy as np
 
 from .. import _args
 from .._errors import ArgumentError, ArgumentTypeError, ShapeError
-from ..nn.activation import ReLU, ReLU6
+from ..nn.activation import GELU, Hardsigmoid, Hardswish, ReLU, ReLU6, Sigmoid, SiLU
 from ..nn.blocks import Residual
 from ..nn.container import Sequential
 from ..nn.conv import Conv2d, DWConv2d
@@ -78,7 +81,7 @@ def export_onnx(model, path, input_shape, opset=17):
         raise ShapeError("export_onnx: input_shape needs a batch dimension and at least one "
                          "more, got %r" % (tuple(input_shape),))
 
-    g = _Graph(helper, numpy_helper)
+    g = _Graph(helper, numpy_helper, opset)
     shape = (BATCH,) + tuple(dims[1:])
     out, out_shape = g.emit(model, "", "input", shape)
     if g.nodes and g.nodes[-1].output[0] == out:
@@ -134,9 +137,10 @@ def _fmt(shape):
 class _Graph:
     """The nodes and initializers of the graph being built; emit() walks the model."""
 
-    def __init__(self, helper, numpy_helper):
+    def __init__(self, helper, numpy_helper, opset=MIN_OPSET):
         self.helper = helper
         self.numpy_helper = numpy_helper
+        self.opset = opset  # the default domain's: which operators the emitters may use
         self.nodes = []
         self.initializers = []
         self.names = set()
@@ -252,6 +256,45 @@ class _Graph:
     def relu6(self, m, path, x, shape):
         return self._relu6(x, path), shape
 
+    # -- issue 30's activations --------------------------------------------------------------------
+    def _scalar(self, name, value):
+        """A float32 scalar initializer, one per graph for each name."""
+        return self.const(name, np.array(value, np.float32), _SCALARS.setdefault(name, object()))
+
+    def _hardsigmoid(self, x, path):
+        # ONNX's max(0, min(1, alpha x + beta)) with PyTorch's alpha 1/6, beta 1/2
+        return self.node("HardSigmoid", [x], path, alpha=1.0 / 6.0, beta=0.5)
+
+    def sigmoid(self, m, path, x, shape):
+        return self.node("Sigmoid", [x], path), shape
+
+    def hardsigmoid(self, m, path, x, shape):
+        return self._hardsigmoid(x, path), shape
+
+    def hardswish(self, m, path, x, shape):
+        if self.opset >= 14:
+            return self.node("HardSwish", [x], path), shape
+        return self.node("Mul", [x, self._hardsigmoid(x, path)], path), shape
+
+    def silu(self, m, path, x, shape):
+        return self.node("Mul", [x, self.node("Sigmoid", [x], path)], path), shape
+
+    def gelu(self, m, path, x, shape):
+        if self.opset >= 20:
+            return self.node("Gelu", [x], path, approximate=m.approximate), shape
+        if m.approximate == "tanh":  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
+            x3 = self.node("Mul", [self.node("Mul", [x, x], path), x], path)
+            inner = self.node("Add", [x, self.node("Mul", [x3, self._scalar(
+                "gelu_kappa", 0.044715)], path)], path)
+            t = self.node("Tanh", [self.node("Mul", [inner, self._scalar(
+                "gelu_sqrt_2_over_pi", np.sqrt(2.0 / np.pi))], path)], path)
+        else:  # x (1 + erf(x / sqrt 2)) / 2
+            t = self.node("Erf", [self.node("Mul", [x, self._scalar(
+                "gelu_rsqrt2", np.sqrt(0.5))], path)], path)
+        one_plus = self.node("Add", [t, self._scalar("gelu_one", 1.0)], path)
+        half_x = self.node("Mul", [x, self._scalar("gelu_half", 0.5)], path)
+        return self.node("Mul", [half_x, one_plus], path), shape
+
     def global_avg_pool2d(self, m, path, x, shape):
         if len(shape) != 4:
             raise ShapeError("export_onnx: GlobalAvgPool2d at '%s' takes [N, C, H, W], but gets "
@@ -276,6 +319,8 @@ class _Graph:
 
 # keys for the two Clip bounds, shared by every ReLU6 of a graph (const() dedupes by identity)
 _RELU6_MIN, _RELU6_MAX = object(), object()
+# keys for the activations' scalar constants by name, likewise shared within a graph
+_SCALARS = {}
 
 _EMIT = {
     Sequential: _Graph.sequential,
@@ -285,6 +330,11 @@ _EMIT = {
     BatchNorm2d: _Graph.batchnorm2d,
     ReLU: _Graph.relu,
     ReLU6: _Graph.relu6,
+    SiLU: _Graph.silu,
+    Hardswish: _Graph.hardswish,
+    Hardsigmoid: _Graph.hardsigmoid,
+    Sigmoid: _Graph.sigmoid,
+    GELU: _Graph.gelu,
     GlobalAvgPool2d: _Graph.global_avg_pool2d,
     Linear: _Graph.linear,
     # issue 30, the training recipe

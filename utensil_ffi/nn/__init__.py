@@ -14,7 +14,7 @@ state dicts and threads work for all of them:
     conv.py            Conv2d, DWConv2d
     linear.py          Linear
     norm.py            LayerNorm, LayerNorm2d, BatchNorm2d
-    activation.py      ReLU, ReLU6
+    activation.py      ReLU, ReLU6; SiLU, Hardswish, Hardsigmoid, Sigmoid, GELU
     pooling.py         GlobalAvgPool2d
     container.py       Sequential
     loss.py            MSELoss, CrossEntropyLoss
@@ -28,6 +28,7 @@ state dicts and threads work for all of them:
 """
 
 from .activation import ReLU, ReLU6
+from .activation import GELU, Hardsigmoid, Hardswish, Sigmoid, SiLU  # issue 30's activations
 from .amp import MixedPrecision
 from .blocks import Residual
 from .container import Sequential
@@ -50,5 +51,7 @@ __all__ = [
     "Residual", "SyncBatchNorm",
     # issue 30, the training recipe
     "Dropout", "StochasticDepth",
+    # issue 30's activations
+    "SiLU", "Hardswish", "Hardsigmoid", "Sigmoid", "GELU",
 ]
 __all__ += ["LayerNorm2d", "SqueezeExcitation"]  # issue 30: squeeze-and-excitation, ConvNeXt

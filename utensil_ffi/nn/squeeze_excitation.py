@@ -22,16 +22,6 @@ from .pooling import GlobalAvgPool2d
 __all__ = ["SqueezeExcitation"]
 
 
-def _default_scale_activation():
-    # TODO(issue 30, after the activations branch is merged): make ``scale_activation``'s
-    # default ``Sigmoid`` itself, as torchvision's, and drop this look-up.
-    sig = getattr(_activation, "Sigmoid", None)
-    if sig is None:
-        raise ArgumentError("SqueezeExcitation: this build has no ut.Sigmoid yet; pass "
-                            "scale_activation= (a Module class) explicitly")
-    return sig
-
-
 def _drop_se_entry(entry):
     for t in entry[1:]:
         if isinstance(t, Tensor):
@@ -62,9 +52,7 @@ class SqueezeExcitation(Module):
     """
 
     def __init__(self, input_channels, squeeze_channels, activation=_activation.ReLU,
-                 scale_activation=None, device="cpu"):
-        if scale_activation is None:
-            scale_activation = _default_scale_activation()
+                 scale_activation=_activation.Sigmoid, device="cpu"):
         for name, cls in (("activation", activation), ("scale_activation", scale_activation)):
             if not callable(cls):
                 raise ArgumentTypeError("SqueezeExcitation: %s must be a Module class (called "

@@ -951,6 +951,106 @@ RELU6 = OpInfo(
 )
 
 
+# -- issue 30's activations: one entry per layer (SiLU, Hardswish, Hardsigmoid, Sigmoid, GELU in
+# both forms), built by one function; inputs span [-6, 6] (both kinks of the hard ones, moved
+# 0.05 off them for the finite differences; tests/test_activations.py checks the kinks themselves)
+def _activation_inputs(kinks):
+    def draw(rng, g):
+        x = rng.uniform(-6.0, 6.0, size=g["shape"]).astype(np.float32)
+        return {"x": _away_from(x, kinks, 0.05)}, {}
+
+    return draw
+
+
+def _activation_op(name, layer, kinks=(), gelu=False):
+    """The entry of ``ut.<name>`` / ``ut.<name>_backward`` and layer ``ut.<layer>``; GELU's
+    geometry carries ``approximate`` (its layer's argument)."""
+    ref, ref_name = getattr(R, name), name
+    defaults = dict(shape=(2, 3, 4))
+    if gelu:
+        defaults["approximate"] = "none"
+
+    def fns(ut, g):
+        fwd, bwd = getattr(ut, name), getattr(ut, name + "_backward")
+        if not gelu:
+            return fwd, bwd
+        a = g["approximate"]
+        return (lambda x: fwd(x, a)), (lambda go, x: bwd(go, x, a))
+
+    def make(ut, g, device):
+        return getattr(ut, layer)(g["approximate"]) if gelu else getattr(ut, layer)()
+
+    tag = name + "_tanh"  # GELU's tanh form's bf16 sample name (names are unique per use)
+    samples = [
+        Sample(dict(shape=(2, 3, 4)), {"selftest", "gradcheck"}),
+        Sample(dict(shape=(7,)), {"gradcheck"}),
+        Sample(dict(shape=(2, 8, 9, 9)), {"bf16"}, name),
+        Sample(dict(shape=(3, 4)), {"copy"}, layer),
+    ]
+    if gelu:  # the tanh form as a second geometry of the one entry
+        samples += [
+            Sample(dict(shape=(2, 3, 4), approximate="tanh"), {"gradcheck"}),
+            Sample(dict(shape=(5, 3), approximate="tanh"), {"selftest"}),
+            Sample(dict(shape=(2, 8, 9, 9), approximate="tanh"), {"bf16"}, tag),
+            Sample(dict(shape=(3, 4), approximate="tanh"), {"copy"}, layer + "-tanh"),
+        ]
+    fwd_fn, bwd_fn = name, name + "_backward"
+    errors = [
+        ErrorCase(fwd_fn, lambda ut: getattr(ut, fwd_fn)("abc"), "ArgumentTypeError",
+                  "x must hold real numbers"),
+        ErrorCase(fwd_fn, lambda ut: getattr(ut, fwd_fn)(None), "ArgumentTypeError",
+                  "x must be a Tensor or an array"),
+        ErrorCase(bwd_fn, lambda ut: getattr(ut, bwd_fn)(_t(ut, 2, 3), _t(ut, 3, 2)),
+                  "ShapeError", "grad_out has shape [2, 3] but fwd_input has shape [3, 2]"),
+        ErrorCase(bwd_fn, lambda ut: getattr(ut, bwd_fn)(_t(ut, 2), [object(), 1]),
+                  "ArgumentTypeError", "must hold real numbers"),
+        ErrorCase(layer + ".backward", lambda ut: make(ut, defaults, "cpu").backward(_t(ut, 2)),
+                  "ArgumentError", "no forward pass"),
+        ErrorCase(layer + ".backward",
+                  lambda ut: _fwd(make(ut, defaults, "cpu"), _t(ut, 2)).backward(_t(ut, 3)),
+                  "ShapeError", "grad_out has shape [3] but fwd_input has shape [2]"),
+    ]
+    if gelu:
+        errors += [
+            ErrorCase("gelu", lambda ut: ut.gelu(_t(ut, 2), "erf"), "ArgumentError",
+                      "approximate must be one of 'none', 'tanh'"),
+            ErrorCase("gelu_backward", lambda ut: ut.gelu_backward(_t(ut, 2), _t(ut, 2), None),
+                      "ArgumentTypeError", "approximate must be a string"),
+            ErrorCase("GELU", lambda ut: ut.GELU(approximate="exact"), "ArgumentError",
+                      "approximate must be one of 'none', 'tanh'"),
+        ]
+    elif layer != "Sigmoid":  # torch.nn.Sigmoid takes no inplace
+        errors.append(ErrorCase(layer, lambda ut: getattr(ut, layer)(inplace="yes"),
+                                "ArgumentTypeError", "inplace must be True or False"))
+    return OpInfo(
+        ref_name,
+        layer=layer,
+        functions=(fwd_fn, bwd_fn),
+        defaults=defaults,
+        shapes=lambda g: {"x": tuple(g["shape"])},
+        sample_inputs=_activation_inputs(list(kinks)),
+        reference=(lambda a, k, g: ref(a["x"], g["approximate"])) if gelu
+        else (lambda a, k, g: ref(a["x"])),
+        describe=(lambda g: "x%s %s" % (list(g["shape"]), g["approximate"])) if gelu
+        else (lambda g: "x%s" % (list(g["shape"]),)),
+        make=make,
+        geometry_of=(lambda layer_: {"approximate": layer_.approximate}) if gelu else None,
+        runner=lambda ut, g, k, dev: _FnRunner(dev, *fns(ut, g)),
+        grad=("x",),
+        samples=samples,
+        bf16=Bf16(kernel="exact"),
+        errors=errors,
+    )
+
+
+SILU = _activation_op("silu", "SiLU")
+HARDSWISH = _activation_op("hardswish", "Hardswish", kinks=(-3.0, 3.0))
+HARDSIGMOID = _activation_op("hardsigmoid", "Hardsigmoid", kinks=(-3.0, 3.0))
+SIGMOID = _activation_op("sigmoid", "Sigmoid")
+GELU = _activation_op("gelu", "GELU", gelu=True)
+ACTIVATIONS = [SILU, HARDSWISH, HARDSIGMOID, SIGMOID, GELU]
+
+
 # -- losses: the forward is a [1] array; the check chains d loss / d input with the upstream scalar
 def _ce_runner(ut, g, k, dev):
     labels, eps = k["labels"], g.get("eps", 0.0)  # eps: label smoothing (issue 30)
@@ -1599,6 +1699,7 @@ STOCHASTIC_DEPTH = OpInfo(
 # Order: the ops with a backward first, in the self-check's row order, then the others.
 OPS = [
     CONV2D, DWCONV2D, BATCHNORM2D, LAYERNORM, LINEAR, GLOBAL_AVG_POOL2D, RELU, RELU6,
+    *ACTIVATIONS,  # issue 30
     SOFTMAX_CROSS_ENTROPY, MSE_LOSS,
     CHANNEL_SCALE, LAYER_SCALE, LAYERNORM2D,  # issue 30
     MATMUL, TRANSPOSE, ADD, SCALE, BIAS_ADD, SGD_STEP, ADAM_STEP,

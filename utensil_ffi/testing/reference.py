@@ -20,6 +20,9 @@ __all__ = [
     "batchnorm2d_running_stats", "relu", "relu6", "relu_backward", "relu6_backward",
     "global_avg_pool2d", "global_avg_pool2d_backward", "mse_loss", "mse_loss_backward",
     "cross_entropy", "cross_entropy_backward", "sgd_step", "adam_step", "numeric_grad",
+    # issue 30's activations
+    "silu", "silu_backward", "hardswish", "hardswish_backward", "hardsigmoid",
+    "hardsigmoid_backward", "sigmoid", "sigmoid_backward", "gelu", "gelu_backward",
 ]
 __all__ += [  # issue 30: squeeze-and-excitation, ConvNeXt
     "channel_scale", "channel_scale_backward", "layer_scale", "layer_scale_backward",
@@ -249,6 +252,80 @@ def relu_backward(go, x):
 def relu6_backward(go, x):
     """The gradient is 0 at the kinks x = 0 and x = 6."""
     return go * ((x > 0) & (x < 6))
+
+
+# -- issue 30's activations: the mathematical functions in float64 (written from their
+# definitions, not from the library's or PyTorch's expressions); the kinks take PyTorch's values
+def sigmoid(x):
+    x = np.asarray(x, np.float64)
+    # the two branches keep exp's argument <= 0: no overflow warning at large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def sigmoid_backward(go, x):
+    s = sigmoid(x)
+    return go * s * (1.0 - s)
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def silu_backward(go, x):
+    s = sigmoid(x)
+    return go * (s + x * s * (1.0 - s))
+
+
+def hardsigmoid(x):
+    return np.clip(x / 6.0 + 0.5, 0.0, 1.0)
+
+
+def hardsigmoid_backward(go, x):
+    """1/6 strictly inside (-3, 3): 0 at the kinks."""
+    return go * (((x > -3) & (x < 3)) / 6.0)
+
+
+def hardswish(x):
+    return x * hardsigmoid(x)
+
+
+def hardswish_backward(go, x):
+    """x / 3 + 1/2 inside (-3, 3); at the kinks PyTorch's one-sided choice: 0 at -3, 1 at 3."""
+    return go * np.where(x <= -3, 0.0, np.where(x < 3, x / 3.0 + 0.5, 1.0))
+
+
+def _erf(z):
+    """erf in float64 (numpy has none, and this module imports numpy alone): the series
+    erf(a) = 2/sqrt(pi) exp(-a^2) sum_n (2a^2)^n a / (1 3 5 ... (2n+1)), all its terms positive
+    (no cancellation), to within 3e-15 of the correctly rounded value; erf(a) = 1 from a = 6
+    (erfc(6) < 3e-17)."""
+    z = np.asarray(z, np.float64)
+    a = np.minimum(np.abs(z), 6.0)
+    a2 = a * a
+    term = a.copy()
+    total = a.copy()
+    for n in range(1, 160):  # past n ~ 2 a^2 = 72 each term at most halves the one before
+        term = term * (2.0 * a2 / (2 * n + 1))
+        total = total + term
+    r = np.where(np.abs(z) >= 6.0, 1.0, 2.0 / np.sqrt(np.pi) * np.exp(-a2) * total)
+    return np.sign(z) * r
+
+
+def gelu(x, approximate="none"):
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))
+
+
+def gelu_backward(go, x, approximate="none"):
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        k = np.sqrt(2.0 / np.pi)
+        t = np.tanh(k * (x + 0.044715 * x ** 3))
+        return go * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x))
+    return go * (0.5 * (1.0 + _erf(x / np.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi))
 
 
 def global_avg_pool2d(x):
