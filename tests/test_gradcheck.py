@@ -82,7 +82,8 @@ def test_every_op_with_a_backward_is_covered():
         "conv2d", "dwconv2d", "batchnorm2d", "layernorm", "linear", "global_avg_pool2d", "relu",
         "relu6", "softmax_cross_entropy", "mse_loss",
         "channel_scale", "layer_scale", "layernorm2d",  # issue 30
-        "dropout", "stochastic_depth"}  # issue 30: a reseeded mask (the op table's runner)
+        "dropout", "stochastic_depth",  # issue 30: a reseeded mask (the op table's runner)
+        "silu", "hardswish", "hardsigmoid", "sigmoid", "gelu"}  # issue 30's activations
     geoms = [g for op, g in CASES if op == "conv2d"]
     assert {g["stride"] for g in geoms} >= {1, 2}
     assert {g["pad"] for g in geoms} >= {0, 1, 2}

@@ -23,6 +23,7 @@ class _Inplace(_Stateless):
         self.inplace = _args.to_bool(inplace, "%s: inplace" % type(self).__name__)
 
     _repr_inplace = True  # torch.nn's Hardswish and Hardsigmoid leave it out of their repr
+    inplace = False  # what a ReLU / ReLU6 pickled before the attribute existed loads with
 
     def __repr__(self):
         shown = self.inplace and self._repr_inplace
