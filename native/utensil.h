@@ -4499,7 +4499,7 @@ UT__CPU_OPT static int ut__cpu_relu_bwd_f32(const float* restrict go, const floa
 /* The activations of act_fwd / act_bwd (ut__act_value, ut__act_grad: the formulas both
    backends share). One loop per kind, the kind a constant in it, so the switch is outside the
    loop and the piecewise kinds (hardswish, hardsigmoid) vectorize as selects; the others call
-   expf / erff / tanhf per value, split over the threads as a bigger job. */
+   expf / erfcf / tanhf per value, split over the threads as a bigger job. */
 typedef struct {
   const float* x;
   const float* go;

@@ -4,7 +4,7 @@
    The formulas are not here: ut__act_value and ut__act_grad in utensil.h (BACKEND INTERFACE)
    are __host__ __device__ under nvcc, so this file and the CPU backend evaluate the same
    expressions in the same order (PyTorch's), NaN, infinities and the kinks included; only the
-   device's expf / erff / tanhf differ from the host's (a few ulp).
+   device's expf / erfcf / tanhf differ from the host's (a few ulp).
 
    One kernel template over the element type T (float, ut__cuda_bf16: float32 arithmetic
    either way, a bf16 store rounds to nearest even), the kind ACT and the direction, so each
