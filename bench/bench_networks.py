@@ -2,13 +2,17 @@
 
     python bench/bench_networks.py [--net v1] [--size 64] [--batch 8] [--threads 2]
         [--device cpu] [--steps 20] [--rounds 3]
-        [--precision highest] [--blas cublas] [--graph] [--bf16] [--torch fp32,tf32,bf16,compile,bf16-compile]
+        [--precision highest] [--blas cublas] [--graph] [--bf16]
+        [--torch fp32,tf32,bf16,compile,bf16-compile,compile-ro,bf16-compile-ro]
 
-MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, or the digits
-network of utensil-train (``--net digits``: width 32, 8x8 inputs), SGD with momentum 0.9 and
-cross-entropy. Both sides start from the same weights (``to_torch``) and train on the same
-batches; rounds alternate between the sides so a change of machine load hits all of them.
-Before the timed steps, utensil's fp32 losses over 3 steps are checked against a PyTorch fp32
+MobileNet v1 (``models.mobilenet_v1``: 1000 classes, width 1.0) on random images, the digits
+network of utensil-train (``--net digits``: width 32, 8x8 inputs), or any network of
+``utensil_ffi.models`` by its torchvision name (``--net efficientnet_b0``: 1000 classes; the
+PyTorch side is torchvision's model of that name, loaded with utensil's weights by state_dict
+key; both sides with dropout and stochastic depth 0, so they do the same work and the loss check
+compares the same function), SGD with momentum 0.9 and cross-entropy. Both sides start from
+the same weights (``torch_twin``) and train on the same batches; rounds alternate between the
+sides so a change of machine load hits all of them. Before the timed steps, utensil's fp32 losses over 3 steps are checked against a PyTorch fp32
 copy (``check_parity``; ``--no-check`` skips it): the rates are of the same training.
 Prints images/s per side (the median round) and utensil's ratio to each PyTorch mode.
 
@@ -23,6 +27,9 @@ PyTorch modes
   bf16     channels_last, bf16 autocast: what a PyTorch user picks for speed (less precise)
   compile  torch.compile of the fp32 network (TF32 off)
   bf16-compile  bf16 with torch.compile: all three of PyTorch's speed settings at once
+  compile-ro, bf16-compile-ro   the same with ``mode="reduce-overhead"`` (PyTorch records the
+           compiled network in CUDA graphs: the counterpart of utensil's ``--graph``);
+           bf16-compile-ro is "PyTorch best" in the issues' tables
 """
 
 import argparse
@@ -42,12 +49,49 @@ from utensil_ffi.nn import models  # noqa: E402
 from bench.compare_mobilenet import to_torch  # noqa: E402
 
 
+def zoo_names():
+    """The torchvision-named networks of utensil_ffi.models ([] before that package exists)."""
+    try:
+        from utensil_ffi import models as zoo
+    except ImportError:
+        return []
+    return list(zoo.list_models())
+
+
+def _no_randomness(builder):
+    """The builder's dropout / stochastic-depth keywords, set to 0 where it takes them."""
+    import inspect
+
+    params = inspect.signature(builder).parameters
+    return {k: 0.0 for k in ("dropout", "stochastic_depth_prob") if k in params}
+
+
 def build(name, device, fused=True):
     if name == "v1":
         return models.mobilenet_v1(device=device, fused=fused)
     if name == "digits":
         return models.mobilenet(1, 10, 32, device=device, fused=fused)
+    if name in zoo_names():
+        from utensil_ffi import models as zoo
+
+        builder = getattr(zoo, name)
+        return builder(num_classes=1000, device=device, fused=fused, **_no_randomness(builder))
     raise ValueError("unknown network %r" % (name,))
+
+
+def torch_twin(net, name):
+    """A PyTorch float32 copy of ``net`` on the CPU: the flat Sequential's twin (to_torch) for v1
+    and digits, torchvision's model of the same name for the others (strict load by key)."""
+    if name in ("v1", "digits"):
+        return to_torch(net)
+    import torch
+    import torchvision
+
+    builder = getattr(torchvision.models, name)
+    tnet = builder(weights=None, num_classes=1000, **_no_randomness(builder))
+    tnet.load_state_dict({k: torch.from_numpy(v) for k, v in net.state_dict().items()},
+                         strict=True)
+    return tnet
 
 
 def utensil_step(net, opt, xb, yb):
@@ -123,7 +167,7 @@ def _log_softmax_nll(logits, labels):
     return float(-logp[np.arange(len(labels)), labels].mean())
 
 
-def check_parity(torch, net, opt, batches, device, steps=3, rtol=(1e-4, 2e-2)):
+def check_parity(torch, net, opt, batches, device, steps=3, rtol=(1e-4, 2e-2), name="v1"):
     """The timed sides train the same network: utensil's fp32 steps and a PyTorch fp32 copy of
     the same weights (TF32 off, NCHW) take ``steps`` steps on the same batches. The first loss
     (same weights, same batch) must agree within ``rtol[0]`` relative, the later ones within
@@ -131,7 +175,7 @@ def check_parity(torch, net, opt, batches, device, steps=3, rtol=(1e-4, 2e-2)):
     batch statistics of the small last planes (0.4-0.7% after two steps at 32-64 px, batch 2-8).
     Returns the largest relative difference; raises AssertionError past the tolerance, so a
     benchmark cannot time a network that computes something else."""
-    tnet = to_torch(net).to(device)
+    tnet = torch_twin(net, name).to(device)
     topt = torch.optim.SGD(tnet.parameters(), lr=opt.lr, momentum=opt.momentum)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     worst = 0.0
@@ -158,17 +202,22 @@ def check_parity(torch, net, opt, batches, device, steps=3, rtol=(1e-4, 2e-2)):
     return worst
 
 
-TORCH_MODES = ("fp32", "tf32", "bf16", "compile", "bf16-compile")
-_CHANNELS_LAST = ("tf32", "bf16", "bf16-compile")
+TORCH_MODES = ("fp32", "tf32", "bf16", "compile", "bf16-compile", "compile-ro", "bf16-compile-ro")
+_CHANNELS_LAST = ("tf32", "bf16", "bf16-compile", "bf16-compile-ro")
 
 
-def _torch_side(torch, net, mode, device):
+def _torch_side(torch, net, mode, device, name="v1"):
     """(module, optimizer, step function) for one PyTorch mode, from utensil's weights."""
-    tnet = to_torch(net).to(device)
+    tnet = torch_twin(net, name).to(device)
     if mode in _CHANNELS_LAST:
         tnet = tnet.to(memory_format=torch.channels_last)
     topt = torch.optim.SGD(tnet.parameters(), lr=0.01, momentum=0.9)
-    model = torch.compile(tnet) if mode.endswith("compile") else tnet
+    if mode.endswith("compile-ro"):
+        model = torch.compile(tnet, mode="reduce-overhead")
+    elif mode.endswith("compile"):
+        model = torch.compile(tnet)
+    else:
+        model = tnet
 
     fmt = torch.channels_last if mode in _CHANNELS_LAST else torch.contiguous_format
     staged = {}
@@ -202,10 +251,11 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
     ut.set_float32_matmul_precision(precision)
     ut.seed(seed)
     net = build(net_name, device, fused)
-    in_c = 3 if net_name == "v1" else 1
-    classes = 1000 if net_name == "v1" else 10
-    size = size if net_name == "v1" else 8
-    sides = {"torch " + m: _torch_side(torch, net, m, device) for m in torch_modes}
+    digits = net_name == "digits"
+    in_c = 1 if digits else 3
+    classes = 10 if digits else 1000
+    size = 8 if digits else size
+    sides = {"torch " + m: _torch_side(torch, net, m, device, net_name) for m in torch_modes}
     opt = ut.SGD(net.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(seed)
     batches = [(rng.standard_normal((batch, in_c, size, size)).astype(np.float32),
@@ -225,7 +275,8 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
             closers.append(c)
     sides = dict(ours, **sides)
     parity = check_parity(torch, net, opt, batches, device,
-                          rtol=(1e-4 if precision == "highest" else 2e-3, 2e-2)) if check else None
+                          rtol=(1e-4 if precision == "highest" else 2e-3, 2e-2),
+                          name=net_name) if check else None
     rates = {k: [] for k in sides}
     try:
         for name, fn in sides.items():  # warm-up (and compilation)
@@ -254,7 +305,7 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python bench/bench_networks.py", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("--net", default="v1", choices=("v1", "digits"))
+    p.add_argument("--net", default="v1", choices=("v1", "digits") + tuple(zoo_names()))
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
@@ -284,7 +335,7 @@ def main(argv=None):
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
             modes, fused=not a.unfused, graph=a.graph, bf16=a.bf16, check=not a.no_check)
     parity = r.pop("parity", None)
-    size = a.size if a.net == "v1" else 8
+    size = 8 if a.net == "digits" else a.size
     where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]
     print("%s %s %d^2 batch %d (%s, %s), utensil at %s: utensil %.1f img/s" % (
         a.net, a.device, size, a.batch, where, "unfused" if a.unfused else "fused",
@@ -295,7 +346,7 @@ def main(argv=None):
         if k != "utensil":
             print("  %-18s %9.1f img/s   utensil/%s %.2fx" % (k, v, k, r["utensil"] / v))
     for ours in ("utensil bf16", "utensil bf16 graph"):
-        for theirs in ("torch bf16", "torch bf16-compile"):
+        for theirs in ("torch bf16", "torch bf16-compile", "torch bf16-compile-ro"):
             if ours in r and theirs in r:
                 print("  %s / %s: %.2fx" % (ours, theirs, r[ours] / r[theirs]))
 
