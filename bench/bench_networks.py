@@ -55,7 +55,8 @@ def zoo_names():
         from utensil_ffi import models as zoo
     except ImportError:
         return []
-    return list(zoo.list_models())
+    listing = getattr(zoo, "list_models", None)  # the old flat module's alias has none
+    return list(listing()) if listing else []
 
 
 def _no_randomness(builder):

@@ -239,7 +239,12 @@ def test_precision_flag_trains_the_digits_to_the_float32_accuracy(device):
         accs[prec] = float(last.split()[3].rstrip("%"))
         if prec == "bf16":
             assert "precision bf16" in text
-    assert accs["bf16"] >= accs["fp32"] - 0.5, accs
+    # One test image is 0.28 points. fp32 alone spreads over 97.77-98.89 across seeds 0-3 (CPU),
+    # and bf16 - fp32 per seed was 0, -0.28, 0, -0.56 there (-0.84 on CUDA, seed 0): any change
+    # in summation order moves a few images, so the bound is the seed-to-seed spread plus a
+    # margin. A bf16 path that trains worse (a wrong gradient, lost updates) lands far below.
+    assert accs["fp32"] >= 96.0, accs
+    assert accs["bf16"] >= accs["fp32"] - 1.5, accs
 
 
 # ---- DLPack ------------------------------------------------------------------------------
