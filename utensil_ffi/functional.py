@@ -264,53 +264,53 @@ def relu6_backward(grad_out, x):
 # ---- the activations of issue 30: one C pair, ut_activation_forward / _backward, the kind an
 # argument (see utensil.h); PyTorch's formulas, values at the kinks and NaN handling.
 
+def _act(what, kind, x):
+    return _unary(what, lambda p: lib.ut_activation_forward(p, kind), x)
+
+
+def _act_backward(what, kind, grad_out, x):
+    return _binary(what, lambda g, p: lib.ut_activation_backward(g, p, kind), grad_out, x,
+                   "grad_out", "x")
+
+
 def silu(x):
     """x * sigmoid(x) (swish), any shape: torch.nn.functional.silu."""
-    return _unary("silu", lambda p: lib.ut_activation_forward(p, lib.UT_ACT_SILU), x)
+    return _act("silu", lib.UT_ACT_SILU, x)
 
 
 def silu_backward(grad_out, x):
     """grad_out * s (1 + x (1 - s)), s = sigmoid(x) (x: the forward input)."""
-    return _binary("silu_backward",
-                   lambda g, p: lib.ut_activation_backward(g, p, lib.UT_ACT_SILU),
-                   grad_out, x, "grad_out", "x")
+    return _act_backward("silu_backward", lib.UT_ACT_SILU, grad_out, x)
 
 
 def hardswish(x):
     """x * min(max(x + 3, 0), 6) / 6, any shape: torch.nn.functional.hardswish."""
-    return _unary("hardswish", lambda p: lib.ut_activation_forward(p, lib.UT_ACT_HARDSWISH), x)
+    return _act("hardswish", lib.UT_ACT_HARDSWISH, x)
 
 
 def hardswish_backward(grad_out, x):
     """grad_out * (0 for x <= -3, x / 3 + 1/2 for -3 < x < 3, 1 for x >= 3), as PyTorch."""
-    return _binary("hardswish_backward",
-                   lambda g, p: lib.ut_activation_backward(g, p, lib.UT_ACT_HARDSWISH),
-                   grad_out, x, "grad_out", "x")
+    return _act_backward("hardswish_backward", lib.UT_ACT_HARDSWISH, grad_out, x)
 
 
 def hardsigmoid(x):
     """min(max(x + 3, 0), 6) / 6, any shape: torch.nn.functional.hardsigmoid."""
-    return _unary("hardsigmoid",
-                  lambda p: lib.ut_activation_forward(p, lib.UT_ACT_HARDSIGMOID), x)
+    return _act("hardsigmoid", lib.UT_ACT_HARDSIGMOID, x)
 
 
 def hardsigmoid_backward(grad_out, x):
     """grad_out / 6 where -3 < x < 3, else 0 (the kinks and NaN included), as PyTorch."""
-    return _binary("hardsigmoid_backward",
-                   lambda g, p: lib.ut_activation_backward(g, p, lib.UT_ACT_HARDSIGMOID),
-                   grad_out, x, "grad_out", "x")
+    return _act_backward("hardsigmoid_backward", lib.UT_ACT_HARDSIGMOID, grad_out, x)
 
 
 def sigmoid(x):
     """1 / (1 + exp(-x)), any shape: torch.sigmoid."""
-    return _unary("sigmoid", lambda p: lib.ut_activation_forward(p, lib.UT_ACT_SIGMOID), x)
+    return _act("sigmoid", lib.UT_ACT_SIGMOID, x)
 
 
 def sigmoid_backward(grad_out, x):
     """grad_out * (1 - y) * y, y = sigmoid(x) (x: the forward input, not the output)."""
-    return _binary("sigmoid_backward",
-                   lambda g, p: lib.ut_activation_backward(g, p, lib.UT_ACT_SIGMOID),
-                   grad_out, x, "grad_out", "x")
+    return _act_backward("sigmoid_backward", lib.UT_ACT_SIGMOID, grad_out, x)
 
 
 def _gelu_kind(approximate, what):
@@ -321,15 +321,12 @@ def _gelu_kind(approximate, what):
 def gelu(x, approximate="none"):
     """x * Phi(x), any shape: torch.nn.functional.gelu. approximate="none": the erf form,
     x (1 + erf(x / sqrt 2)) / 2; "tanh": x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2."""
-    kind = _gelu_kind(approximate, "gelu")
-    return _unary("gelu", lambda p: lib.ut_activation_forward(p, kind), x)
+    return _act("gelu", _gelu_kind(approximate, "gelu"), x)
 
 
 def gelu_backward(grad_out, x, approximate="none"):
     """grad_out * gelu'(x) of the same form (x: the forward input)."""
-    kind = _gelu_kind(approximate, "gelu_backward")
-    return _binary("gelu_backward", lambda g, p: lib.ut_activation_backward(g, p, kind),
-                   grad_out, x, "grad_out", "x")
+    return _act_backward("gelu_backward", _gelu_kind(approximate, "gelu_backward"), grad_out, x)
 
 
 def add_(dst, src):
