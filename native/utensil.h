@@ -2933,6 +2933,39 @@ ut_tensor* ut_layernorm_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cach
   return y;
 }
 
+/* What both LayerNorm backwards read and write, on the backend of the cached input. */
+typedef struct {
+  const float *go, *x, *w, *mean, *rstd;
+  float *dW, *db;
+} ut__ln_grad_io;
+
+/* The cached statistics (`count` values each; ndim 1: one per row, from ut_layernorm_forward;
+   3: one per NCHW position, from ut_layernorm2d_forward, so a cache filled by the other forward
+   is refused) and the optional dW / db are checked, then every pointer fetched. */
+static int ut__ln_grad_io_get(ut_layernorm* l, ut_layernorm_cache* cache, ut_tensor* grad_out,
+                              ut_tensor* dW, ut_tensor* db, int count, int ndim, const char* who,
+                              const ut__backend* be, ut__ln_grad_io* io) {
+  ut_tensor* x = cache->input;
+  UT__TRY(ut__check_arg(cache->mean, x, count, who, "cache->mean"));
+  UT__TRY(ut__check_arg(cache->rstd, x, count, who, "cache->rstd"));
+  if (dW) UT__TRY(ut__check_arg(dW, x, l->dim, who, "dW"));
+  if (db) UT__TRY(ut__check_arg(db, x, l->dim, who, "db"));
+  UT__TRY(ut__check_f32(dW, who, "dW"));
+  UT__TRY(ut__check_f32(db, who, "db"));
+  UT__CHECK(cache->mean->shape.ndim == ndim && cache->rstd->shape.ndim == ndim, UT_ERR_ARG,
+            "%s: the cache was filled by %s, not %s", who,
+            ndim == 1 ? "ut_layernorm2d_forward" : "ut_layernorm_forward (rows)",
+            ndim == 1 ? "ut_layernorm_forward" : "ut_layernorm2d_forward");
+  io->go = ut__in(grad_out, be);
+  io->x = io->go ? ut__in(x, be) : NULL;
+  io->w = io->x ? ut__in(l->weight, be) : NULL;
+  io->mean = io->w ? ut__in(cache->mean, be) : NULL;
+  io->rstd = io->mean ? ut__in(cache->rstd, be) : NULL;
+  io->dW = (io->rstd && dW) ? ut__inout(dW, be) : NULL;
+  io->db = (io->rstd && db) ? ut__inout(db, be) : NULL;
+  return (!io->rstd || (dW && !io->dW) || (db && !io->db)) ? UT_ERR_ARG : UT_OK;
+}
+
 ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_tensor* grad_out,
                                  ut_tensor* dW, ut_tensor* db) {
   const char* who = "ut_layernorm_backward";
@@ -2944,30 +2977,17 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
       ut__check_f32(grad_out, who, "grad_out") < 0)
     return NULL;
   int rows = x->shape.nelem / l->dim;
-  if (ut__check_arg(cache->mean, x, rows, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, rows, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->dim, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->dim, who, "db") < 0))
-    return NULL;
   UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
                  "%s: grad_out has shape %s, the forward output had %s", who,
                  ut__shape_text(grad_out).s, ut__shape_text(x).s);
-  UT__CHECK_NULL(cache->mean->shape.ndim == 1 && cache->rstd->shape.ndim == 1, UT_ERR_ARG,
-                 "%s: the cache was filled by ut_layernorm2d_forward, not ut_layernorm_forward",
-                 who);
   const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut__ln_grad_io io;
+  if (ut__ln_grad_io_get(l, cache, grad_out, dW, db, rows, 1, who, be, &io) < 0) return NULL;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  int rc = be->layernorm_bwd(gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, rows, l->dim);
-  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+  int rc = be->layernorm_bwd(io.go, io.x, io.w, io.mean, io.rstd, ut__out(dx, be), io.dW, io.db,
+                             rows, l->dim);
+  return ut__backward_done(rc, be, dx, dW, io.dW, db, io.db);
 }
 
 void ut_layernorm_cache_free(ut_layernorm_cache* c) {
@@ -3514,30 +3534,15 @@ ut_tensor* ut_layernorm2d_backward(ut_layernorm* l, ut_layernorm_cache* cache,
   if (ut__check_layernorm2d(l, x, who) < 0 || ut__check_grad_like(grad_out, x, who) < 0)
     return NULL;
   const int N = x->shape.shape[0], H = x->shape.shape[2], W = x->shape.shape[3];
-  const int pos = x->shape.nelem / l->dim;
-  if (ut__check_arg(cache->mean, x, pos, who, "cache->mean") < 0 ||
-      ut__check_arg(cache->rstd, x, pos, who, "cache->rstd") < 0 ||
-      (dW && ut__check_arg(dW, x, l->dim, who, "dW") < 0) ||
-      (db && ut__check_arg(db, x, l->dim, who, "db") < 0) ||
-      ut__check_f32(dW, who, "dW") < 0 || ut__check_f32(db, who, "db") < 0)
-    return NULL;
-  UT__CHECK_NULL(cache->mean->shape.ndim == 3 && cache->rstd->shape.ndim == 3, UT_ERR_ARG,
-                 "%s: the cache was filled by ut_layernorm_forward (rows), not "
-                 "ut_layernorm2d_forward", who);
   const ut__backend* be = ut__backend_for(x->dev);
-  const float* gop = ut__in(grad_out, be);
-  const float* xp = gop ? ut__in(x, be) : NULL;
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* mp = wp ? ut__in(cache->mean, be) : NULL;
-  const float* rp = mp ? ut__in(cache->rstd, be) : NULL;
-  float* dWp = (rp && dW) ? ut__inout(dW, be) : NULL;
-  float* dbp = (rp && db) ? ut__inout(db, be) : NULL;
-  if (!rp || (dW && !dWp) || (db && !dbp)) return NULL;
+  ut__ln_grad_io io;
+  if (ut__ln_grad_io_get(l, cache, grad_out, dW, db, x->shape.nelem / l->dim, 3, who, be, &io) < 0)
+    return NULL;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  int rc = be->ln2d_bwd(ut__buf_dtype(x, be), gop, xp, wp, mp, rp, ut__out(dx, be), dWp, dbp, N,
-                        l->dim, (ut__i64)H * W);
-  return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
+  int rc = be->ln2d_bwd(ut__buf_dtype(x, be), io.go, io.x, io.w, io.mean, io.rstd,
+                        ut__out(dx, be), io.dW, io.db, N, l->dim, (ut__i64)H * W);
+  return ut__backward_done(rc, be, dx, dW, io.dW, db, io.db);
 }
 
 /* ---- losses ------------------------------------------------------------------------------- */
