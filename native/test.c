@@ -1835,20 +1835,24 @@ static void test_recipe_dropout_mask(ut_dev dev) {
   ut_tensor* a = ut_dropout_mask(1, S(256), 0.5, dev);
   ut_seed(7);
   ut_tensor* b = ut_dropout_mask(1, S(256), 0.5, dev);
-  require(all && none && a && b);
+  ut_tensor* c = ut_dropout_mask(1, S(256), 0.5, dev);  // the stream goes on: another mask
+  require(all && none && a && b && c);
   ut_sync_cpu(all);
   ut_sync_cpu(none);
   ut_sync_cpu(a);
   ut_sync_cpu(b);
-  int zeros = 0;
+  ut_sync_cpu(c);
+  int zeros = 0, same = 0;
   for (int i = 0; i < 64; i++) assert(all->data[i] == 1.f && none->data[i] == 0.f);
   for (int i = 0; i < 256; i++) {
     assert(a->data[i] == b->data[i] && (a->data[i] == 0.f || a->data[i] == 2.f));
     zeros += a->data[i] == 0.f;
+    same += c->data[i] == b->data[i];
   }
   assert(zeros > 64 && zeros < 192);  // Binomial(256, 0.5): 8 standard deviations either side
+  assert(same < 192);                 // two independent masks agree on about half
   assert(ut_dropout_mask(1, S(4), 1.5, dev) == NULL && ut_last_status() == UT_ERR_ARG);
-  ut_free_all(x, rows, bad, all, none, a, b);
+  ut_free_all(x, rows, bad, all, none, a, b, c);
 }
 
 static void test_recipe_lerp_many(ut_dev dev) {

@@ -830,6 +830,14 @@ typedef struct ut__backend {
   bool (*blas_active)(void);
   const char* (*blas_info)(void);
 
+  /* Dropout's mask drawn on the device (NULL in the CPU backend, which draws on the host):
+     out[i] = scale where uniform(key, counter + i) <= keep, else 0, the counter held in device
+     memory and advanced by n on the stream, so a recorded graph draws anew at each replay.
+     epoch changes with each ut_seed: the first call that sees a new epoch outside a recording
+     sets the device's key and counter 0 (a recording cannot hold that reset: each replay would
+     redraw the same mask) */
+  int (*rng_mask)(float* out, ut__i64 n, double keep, float scale, unsigned long long key,
+                  unsigned long long epoch, bool recording);
   /* x[i] *= s[i / inner] (s float32, x of type dt): Dropout's and StochasticDepth's mask */
   int (*mask_scale)(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
   /* a = lerp(a, b, w) = a + w (b - a) (w < 0.5; else b - (b - a)(1 - w)), PyTorch's lerp_ */
@@ -1063,10 +1071,15 @@ static void ut__rng_seed_locked(unsigned long long seed) {
   for (int i = 0; i < 4; i++) ut__rng_s[i] = ut__splitmix64(&x);
   ut__rng_seeded = true;
 }
+/* the device RNG's stream (rng_mask): its key, and how many times ut_seed set it */
+static unsigned long long ut__dev_rng_key = 0x5eedULL, ut__dev_rng_epoch = 1;
 void ut_seed(unsigned long long seed) {
   ut__pool_init();
   pthread_mutex_lock(&ut__rng_lock);
   ut__rng_seed_locked(seed);
+  uint64_t k = seed ^ 0x6a09e667f3bcc909ULL; /* not the host stream's first state */
+  ut__dev_rng_key = ut__splitmix64(&k);
+  ut__dev_rng_epoch++;
   pthread_mutex_unlock(&ut__rng_lock);
 }
 static uint64_t ut__rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
@@ -3937,9 +3950,10 @@ int ut_adam_step_ex(ut_tensor* param, ut_tensor* grad, ut_tensor* m, ut_tensor* 
 }
 
 /* ---- regularisation and the EMA of weights (issue 30) ------------------------------------- */
-/* The mask comes from the host RNG (the one ut_seed seeds, so a seeded run repeats) and is
-   uploaded: one float per element for Dropout, per sample for StochasticDepth. A device RNG
-   would save Dropout's upload; it is not needed for the networks of issue 30 yet. */
+/* The mask comes from an RNG that ut_seed seeds, so a seeded run repeats: on the CPU the host
+   RNG; on the GPU a counter-based stream drawn by a kernel (no upload, and a step recorded in a
+   CUDA graph draws a new mask at each replay, as an upload could not). The two devices draw
+   different masks from one seed, as PyTorch's do. */
 ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev) {
   const char* who = "ut_dropout_mask";
   UT__CHECK_NULL(p >= 0.0 && p <= 1.0, UT_ERR_ARG,
@@ -3949,6 +3963,18 @@ ut_tensor* ut_dropout_mask(int ndim, const int* shape, double p, ut_dev dev) {
   /* PyTorch's bernoulli_(1 - p).div_(1 - p): the scale rounded as a float32 division */
   float keep = (float)(1.0 - p), scale = p < 1.0 ? 1.0f / keep : 0.f;
   ut__pool_init();
+  const ut__backend* be = ut__backend_for(dev);
+  if (be->rng_mask) {
+    float* out = ut__out(t, be);
+    pthread_mutex_lock(&ut__rng_lock); /* one key/counter update at a time */
+    int rc = out ? be->rng_mask(out, t->shape.nelem, 1.0 - p, scale, ut__dev_rng_key,
+                                ut__dev_rng_epoch, ut__recording_now() != NULL)
+                 : ut__err_status;
+    pthread_mutex_unlock(&ut__rng_lock);
+    if (rc < 0) return ut__drop(t);
+    ut__wrote(t, be);
+    return t;
+  }
   pthread_mutex_lock(&ut__rng_lock);
   if (!ut__rng_seeded) ut__rng_seed_locked(0x5eed);
   /* uniform in (0, 1]: kept when u <= 1 - p, so p 0 keeps all and p 1 none */

@@ -253,3 +253,34 @@ def test_fills_from_other_threads_are_refused_while_recording():
     np.testing.assert_array_equal(x.numpy(), 1.0)  # nothing zeroed it
     np.testing.assert_array_equal(y.numpy(), 1.0)
     g.close()
+
+
+@needs_gpu
+def test_recorded_dropout_draws_a_new_mask_at_each_replay():
+    """The mask is drawn on the device from a counter the draws advance there: replays continue
+    the eager sequence of the same seed (a mask uploaded from the host would repeat)."""
+    x = ut.tensor(np.ones((64, 100), np.float32), "cuda")
+    ut.seed(7)
+    d = ut.Dropout(0.5)
+    want = []
+    for _ in range(3):
+        with d(x) as y:
+            want.append(y.numpy().copy())
+    assert not np.array_equal(want[0], want[1]) and not np.array_equal(want[1], want[2])
+    for m in want:  # each a fresh Bernoulli(1/2) mask, scaled by 2
+        assert set(np.unique(m)) <= {0.0, 2.0} and 0.4 < (m == 0).mean() < 0.6
+
+    ut.seed(7)
+    with d(x) as y:  # eagerly: the seed's first draw
+        got = [y.numpy().copy()]
+    with ut.cuda.CUDAGraph() as g:
+        with ut.cuda.graph(g):
+            y = d(x)
+        for _ in range(2):
+            g.replay()
+            got.append(y.numpy().copy())
+        y.close()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    d.close()
+    x.close()

@@ -651,8 +651,9 @@ def layer_scale_backward(grad_out, x, gamma, dgamma=None):
             fail("layer_scale_backward", *ps)
         return _wrap(r)
 # -- regularisation: Dropout, StochasticDepth (issue 30) ------------------------------------------
-# The mask is drawn on the host from the library's RNG (ut_seed, so a seeded run repeats) and
-# uploaded for a GPU tensor (ut_dropout_mask); a device RNG would save Dropout's upload.
+# The mask comes from an RNG that seed() seeds, so a seeded run repeats: the host's for a CPU
+# tensor, a counter-based stream drawn on the GPU for a GPU tensor (ut_dropout_mask): no upload,
+# and a step recorded in a CUDA graph draws a new mask at each replay.
 __all__ += ["dropout_mask", "mask_scale_", "dropout", "stochastic_depth"]
 
 
@@ -665,7 +666,8 @@ def _drop_p(p, what):
 
 def dropout_mask(shape, p, device="cpu"):
     """A float32 [shape] mask from the library's RNG (see seed()): 0 with probability p, else
-    1 / (1 - p) (p 1: all 0)."""
+    1 / (1 - p) (p 1: all 0). The CPU and the GPU draw different masks from one seed (the GPU's
+    on the device, so a recorded step draws anew at each replay), as PyTorch's devices do."""
     dims = _args.to_shape(shape)
     p = _drop_p(p, "dropout")
     dev = _args.parse_device(device)

@@ -410,6 +410,7 @@ static void ut__cuda_init(void) {
   t->fill_many = ut__cuda_fill_many;
   t->adam = ut__cuda_adam;
   t->mask_scale = ut__cuda_mask_scale; /* issue 30: Dropout, StochasticDepth, EMA */
+  t->rng_mask = ut__cuda_rng_mask;
   t->lerp = ut__cuda_lerp;
   t->graph_begin = ut__cuda_graph_begin;
   t->graph_end = ut__cuda_graph_end;

@@ -338,6 +338,8 @@ int ut__cuda_sgd(float* p, const float* g, float* v, ut__i64 n, ut__sgd_hp h);
 int ut__cuda_adam(float* p, const float* g, float* m, float* v, ut__i64 n, ut__adam_hp h);
 
 /* recipe.cu (issue 30: Dropout, StochasticDepth, the EMA of weights) */
+int ut__cuda_rng_mask(float* out, ut__i64 n, double keep, float scale, unsigned long long key,
+                      unsigned long long epoch, bool recording);
 int ut__cuda_mask_scale(ut_dtype dt, void* x, const float* s, ut__i64 n, ut__i64 inner);
 int ut__cuda_lerp(float* a, const float* b, ut__i64 n, float w);
 

@@ -3,9 +3,9 @@
 
 In training mode forward draws a mask from the library's RNG (``ut.seed`` makes it repeat),
 multiplies the input by it and keeps it; backward multiplies grad_out by the same mask. In eval
-mode (or with p = 0) both are the identity and hand back their argument itself. The mask is
-drawn on the host and uploaded for a GPU tensor (see functional.dropout_mask); activations may
-be bfloat16 (rounded once, after the float32 product). Neither has parameters or state_dict
+mode (or with p = 0) both are the identity and hand back their argument itself. A GPU
+tensor's mask is drawn on the device (see functional.dropout_mask), so a training step recorded
+in a CUDA graph draws a new one at each replay; activations may be bfloat16 (rounded once, after the float32 product). Neither has parameters or state_dict
 entries; ONNX export writes them as Identity (inference graphs).
 """
 
