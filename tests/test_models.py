@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
+from conftest import require_device
 from utensil_ffi import models
 from utensil_ffi.optim import SGD
 
@@ -275,6 +276,45 @@ def test_input_gradient_and_repr(rng):
         assert net.features[1].block[1].fc1 is net.features[1].block[1].fc1
     finally:
         net.close()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_cuda_matches_cpu(rng, name):
+    """The model built on the GPU: training-mode logits, parameter gradients and running
+    statistics, then eval logits, as the CPU's (skipped without a GPU)."""
+    require_device("cuda")
+    ut.seed(2)
+    cpu = models.get_model(name, num_classes=5, **FAMILY[name])
+    gpu = models.get_model(name, num_classes=5, device="cuda", **FAMILY[name])
+    try:
+        gpu.load_state_dict(cpu.state_dict())
+        assert all(p.device == "cuda" for p in gpu.parameters())
+        x = _x(rng, n=2, s=64)
+        g = rng.normal(0, 1, (2, 5)).astype(np.float32)
+        ys = []
+        for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
+            y = net(x)
+            ys.append(y.numpy().copy())
+            y.close()
+            with ut.tensor(g, dev) as gt:
+                net.backward(gt, input_grad=False)
+        np.testing.assert_allclose(ys[1], ys[0], rtol=0, atol=1e-4 * np.abs(ys[0]).max())
+        grads = {k: p.grad.numpy() for k, p in cpu.named_parameters()}
+        floor = 1e-3 * max(np.linalg.norm(v) for v in grads.values())
+        for k, p in gpu.named_parameters():
+            err = np.linalg.norm(p.grad.numpy() - grads[k])
+            assert err <= 2e-3 * max(np.linalg.norm(grads[k]), floor), k
+        sc, sg = cpu.state_dict(), gpu.state_dict()
+        for k in sc:
+            if "running" in k:
+                np.testing.assert_allclose(sg[k], sc[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        cpu.eval(), gpu.eval()
+        yc, yg = cpu(x), gpu(x)
+        np.testing.assert_allclose(yg.numpy(), yc.numpy(), rtol=0,
+                                   atol=1e-4 * np.abs(yc.numpy()).max())
+        yc.close(), yg.close()
+    finally:
+        cpu.close(), gpu.close()
 
 
 # -- against torchvision -------------------------------------------------------------------------
