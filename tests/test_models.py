@@ -289,8 +289,8 @@ def test_cuda_matches_cpu(rng, name):
     try:
         gpu.load_state_dict(cpu.state_dict())
         assert all(p.device == "cuda" for p in gpu.parameters())
-        x = _x(rng, n=2, s=64)
-        g = rng.normal(0, 1, (2, 5)).astype(np.float32)
+        x = _x(rng, n=4, s=64)
+        g = rng.normal(0, 1, (4, 5)).astype(np.float32)
         ys = []
         for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
             y = net(x)
@@ -303,7 +303,9 @@ def test_cuda_matches_cpu(rng, name):
         floor = 1e-3 * max(np.linalg.norm(v) for v in grads.values())
         for k, p in gpu.named_parameters():
             err = np.linalg.norm(p.grad.numpy() - grads[k])
-            assert err <= 2e-3 * max(np.linalg.norm(grads[k]), floor), k
+            # float32 both, through batch statistics over 16 values: ill-conditioned (float32
+            # torch is 1e-4 .. 1e-2 from float64 here); a wrong gradient is off by ~1
+            assert err <= 1e-2 * max(np.linalg.norm(grads[k]), floor), k
         sc, sg = cpu.state_dict(), gpu.state_dict()
         for k in sc:
             if "running" in k:
