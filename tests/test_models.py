@@ -127,6 +127,12 @@ def test_builder_arguments():
     finally:
         net.close()
     assert models.get_model_builder("convnext_tiny") is models.convnext_tiny
+    net = models.mnasnet0_5(num_classes=3)
+    try:  # Sequential's own .layers wins over MNASNet's child of that name: net[0]
+        assert [k for k, _ in net.named_children()] == ["layers", "pool", "classifier"]
+        assert net.layers == [net[0], net[1], net.classifier]
+    finally:
+        net.close()
 
 
 def test_efficientnet_variants_dropout_and_stochastic_depth():
