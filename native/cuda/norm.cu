@@ -40,11 +40,11 @@ static __device__ __forceinline__ float ut__cuda_bn_relu_grad(float g, float z, 
 
 /* The fused activation as the elementwise kernels take it. The kernels are templates over
    GEN: false for NONE, RELU and RELU6, the kernels these have always had (cap: -1 none, 0
-   relu, 6 relu6, compared per element); true for the kinds from SILU on, each element through
-   the formulas the CPU backend and activation.cu share (ut__act_value, ut__act_grad), switching
-   on kind, which is the same for the whole grid (no divergence). Kind is not a template
-   argument: nine times the instantiations of these kernels, for a switch that costs little
-   next to the expf / erfcf / tanhf it selects. */
+   relu, 6 relu6, compared per element); true for the kinds from SILU on, through the formulas
+   the CPU backend and activation.cu share (ut__act_value, ut__act_grad), switching on kind
+   once per group of W values (the same kind for the whole grid: no divergence), each case one
+   formula unrolled over the group. Kind is not a template argument: that would be nine times
+   the instantiations of these kernels, for a branch per group. */
 struct ut__cuda_bn_act {
   float cap;
   int kind;
@@ -61,17 +61,39 @@ template <bool GEN>
 static __device__ __forceinline__ bool ut__cuda_bn_act_on(ut__cuda_bn_act a) {
   return GEN || a.cap >= 0.f;
 }
-template <bool GEN>
-static __device__ __forceinline__ float ut__cuda_bn_act_value(float z, ut__cuda_bn_act a) {
-  if (GEN) return ut__act_value(a.kind, z);
-  return a.cap < 0.f ? z : ut__cuda_bn_relu(z, a.cap);
+/* GEN: z[u] = f(z[u]) and g[u] = g[u] f'(z[u]) over a group, A a constant */
+template <int A, int W>
+static __device__ __forceinline__ void ut__cuda_bn_values_as(float* z) {
+#pragma unroll
+  for (int u = 0; u < W; ++u) z[u] = ut__act_value(A, z[u]);
 }
-/* go f'(z); called where ut__cuda_bn_act_on */
-template <bool GEN>
-static __device__ __forceinline__ float ut__cuda_bn_act_grad(float g, float z,
-                                                             ut__cuda_bn_act a) {
-  if (GEN) return ut__act_grad(a.kind, g, z);
-  return ut__cuda_bn_relu_grad(g, z, a.cap);
+template <int A, int W>
+static __device__ __forceinline__ void ut__cuda_bn_grads_as(float* g, const float* z) {
+#pragma unroll
+  for (int u = 0; u < W; ++u) g[u] = ut__act_grad(A, g[u], z[u]);
+}
+template <int W>
+static __device__ __forceinline__ void ut__cuda_bn_gen_values(float* z, int kind) {
+  switch (kind) {
+    case UT_ACT_SILU: ut__cuda_bn_values_as<UT_ACT_SILU, W>(z); break;
+    case UT_ACT_HARDSWISH: ut__cuda_bn_values_as<UT_ACT_HARDSWISH, W>(z); break;
+    case UT_ACT_HARDSIGMOID: ut__cuda_bn_values_as<UT_ACT_HARDSIGMOID, W>(z); break;
+    case UT_ACT_SIGMOID: ut__cuda_bn_values_as<UT_ACT_SIGMOID, W>(z); break;
+    case UT_ACT_GELU: ut__cuda_bn_values_as<UT_ACT_GELU, W>(z); break;
+    case UT_ACT_GELU_TANH: ut__cuda_bn_values_as<UT_ACT_GELU_TANH, W>(z); break;
+  }
+}
+template <int W>
+static __device__ __forceinline__ void ut__cuda_bn_gen_grads(float* g, const float* z,
+                                                             int kind) {
+  switch (kind) {
+    case UT_ACT_SILU: ut__cuda_bn_grads_as<UT_ACT_SILU, W>(g, z); break;
+    case UT_ACT_HARDSWISH: ut__cuda_bn_grads_as<UT_ACT_HARDSWISH, W>(g, z); break;
+    case UT_ACT_HARDSIGMOID: ut__cuda_bn_grads_as<UT_ACT_HARDSIGMOID, W>(g, z); break;
+    case UT_ACT_SIGMOID: ut__cuda_bn_grads_as<UT_ACT_SIGMOID, W>(g, z); break;
+    case UT_ACT_GELU: ut__cuda_bn_grads_as<UT_ACT_GELU, W>(g, z); break;
+    case UT_ACT_GELU_TANH: ut__cuda_bn_grads_as<UT_ACT_GELU_TANH, W>(g, z); break;
+  }
 }
 
 /* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
@@ -253,10 +275,12 @@ static __global__ void __launch_bounds__(256)
   const ut__i64 g1 = g0 + chunk / W < m / W ? g0 + chunk / W : m / W;
   const float mu = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? mean[j] : 0.f;
   const float rs = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? rstd[j] : 0.f;
-  /* the activation's derivative at z, z recomputed as the apply kernel computes it */
-  const bool masked = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && ut__cuda_bn_act_on<GEN>(act);
-  const float sc = masked ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
-  const float bt = masked && beta ? beta[j] : 0.f;
+  /* the activation's derivative at z, z recomputed as the apply kernel computes it: relu's
+     mask per element (masked), GEN's per group */
+  const bool on = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && ut__cuda_bn_act_on<GEN>(act);
+  const bool masked = on && !GEN;
+  const float sc = on ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
+  const float bt = on && beta ? beta[j] : 0.f;
   const ut__i64 bd = blockDim.x;
   float acc[NV];
 #pragma unroll
@@ -278,13 +302,19 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (q + r * bd >= g1) continue;
+      if (GEN && KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) {
+        float z[W];
+#pragma unroll
+        for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[r][u], mu, sc, bt);
+        ut__cuda_bn_gen_grads<W>(gv[r], z, act.kind);
+      }
 #pragma unroll
       for (int u = 0; u < W; ++u) {
         if (KIND == UT__CUDA_CHANNEL_SUM) {
           acc[0] += xv[r][u];
         } else {
-          float g = masked ? ut__cuda_bn_act_grad<GEN>(gv[r][u],
-                                                       ut__cuda_bn_z(xv[r][u], mu, sc, bt), act)
+          float g = masked ? ut__cuda_bn_relu_grad(gv[r][u],
+                                                   ut__cuda_bn_z(xv[r][u], mu, sc, bt), act.cap)
                            : gv[r][u];
           acc[0] += g;
           acc[NV - 1] += g * ((xv[r][u] - mu) * rs);
@@ -733,8 +763,9 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
 #pragma unroll
     for (int u = 0; u < W; ++u) {
       float z = ut__cuda_bn_z(e[u], m, sc, bt); /* bf16: rounded only after act, as y */
-      e[u] = ut__cuda_bn_act_value<GEN>(z, act);
+      e[u] = GEN || act.cap < 0.f ? z : ut__cuda_bn_relu(z, act.cap);
     }
+    if (GEN) ut__cuda_bn_gen_values<W>(e, act.kind);
     ut__cuda_vec<W, T>::store(y + (ut__i64)v * W, e);
   }
 }
@@ -831,10 +862,16 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     ut__cuda_vec<W, T>::load(go + (ut__i64)v * W, g);
     if (training || ut__cuda_bn_act_on<GEN>(act))
       ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, xv);
+    if (GEN) {
+      float z[W];
+#pragma unroll
+      for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[u], m, sc, bt);
+      ut__cuda_bn_gen_grads<W>(g, z, act.kind);
+    }
 #pragma unroll
     for (int u = 0; u < W; ++u) {
-      float gu = ut__cuda_bn_act_on<GEN>(act)
-                     ? ut__cuda_bn_act_grad<GEN>(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act)
+      float gu = !GEN && act.cap >= 0.f
+                     ? ut__cuda_bn_relu_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act.cap)
                      : g[u];
       if (training) {
         float xh = (xv[u] - m) * rs;
