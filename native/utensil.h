@@ -6204,11 +6204,13 @@ typedef struct {
   bool training;
   float* sums_out;      /* bn_bwd_sums: the per-channel sums, no dx */
   const float* sums_in; /* bn_bwd_dx: dx from these sums (and count sums_in[2c]) */
+  float* gscratch;      /* act from SILU on: n inner floats per thread (ut__cpu_bn_bwd_run) */
 } ut__cpu_bn_ctx;
 
 /* batchnorm's output before its activation, one expression for apply and for backward's mask
-   (the same operations in the same order give the same bits) */
-static inline float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
+   (the same operations in the same order give the same bits); always inlined, also into the
+   activations' loops (UT__CPU_ACT_OPT: other options, across which GCC inlines only when told) */
+UT__CPU_INL float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
 /* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
 static inline float ut__cpu_bn_relu(float z, float act) {
   float v = z < 0.0f ? 0.0f : z;
@@ -6218,17 +6220,36 @@ static inline float ut__cpu_bn_relu_grad(float g, float z, float act) {
   int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
   return stop ? 0.0f : g;
 }
-/* batchnorm backward's gradient at one element: go f'(z) at the pre-activation z recomputed
-   from x; computed where it is used, in both passes, rather than stored. act is a constant
-   wherever this is inlined (ut__cpu_bn_bwd_part instantiates its body per kind), so each loop
-   compiles to one formula. */
+/* batchnorm backward's gradient at one element for NONE, RELU and RELU6: go, masked at the
+   pre-activation recomputed from x; computed where it is used, in both passes, rather than
+   stored. act is a constant wherever this is inlined (ut__cpu_bn_bwd_part instantiates its
+   body per kind), so each loop compiles to one formula. */
 UT__CPU_INL float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, int act) {
   if (act == UT_ACT_NONE) return g;
-  float z = ut__cpu_bn_z(x, m, sc, bt);
-  if (act == UT_ACT_RELU || act == UT_ACT_RELU6)
-    return ut__cpu_bn_relu_grad(g, z, act == UT_ACT_RELU6 ? 6.0f : 0.0f);
-  return ut__act_grad(act, g, z);
+  return ut__cpu_bn_relu_grad(g, ut__cpu_bn_z(x, m, sc, bt), act == UT_ACT_RELU6 ? 6.0f : 0.0f);
 }
+/* the kinds from SILU on: g = go f'(z) over one row, z recomputed from x as bn_apply computes
+   it; one loop per kind, as act_bwd's (and with its options: the piecewise kinds vectorize) */
+#define UT__CPU_BN_GRAD_LOOP(A)                                              \
+  case A:                                                                    \
+    for (ut__i64 t = 0; t < inner; t++) g[t] = ut__act_grad(A, go[t], g[t]); \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const float* restrict x,
+                                                float* restrict g, ut__i64 inner, float m,
+                                                float sc, float bt, int act) {
+  /* z first, in a loop of its own that vectorizes (expf and the like keep the other scalar);
+     the same loop as bn_apply's for these kinds, so the same z to the bit */
+  for (ut__i64 t = 0; t < inner; t++) g[t] = ut__cpu_bn_z(x[t], m, sc, bt);
+  switch (act) {
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_SILU);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_HARDSWISH);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_HARDSIGMOID);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_SIGMOID);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_GELU);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_GELU_TANH);
+  }
+}
+#undef UT__CPU_BN_GRAD_LOOP
 UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
@@ -6300,14 +6321,15 @@ static int ut__cpu_bn_update_running(float* running_mean, float* running_var, co
 
 /* one row of bn_apply with an activation from SILU on: one loop per kind, the switch outside
    it, as act_fwd's loops (and their options: the piecewise kinds vectorize as selects) */
-#define UT__CPU_BN_ACT_LOOP(A)                                              \
-  case A:                                                                   \
-    for (ut__i64 i = 0; i < inner; i++)                                     \
-      yr[i] = ut__act_value(A, ut__cpu_bn_z(xr[i], m, sc, bt));             \
+#define UT__CPU_BN_ACT_LOOP(A)                                         \
+  case A:                                                              \
+    for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__act_value(A, yr[i]); \
     break
 UT__CPU_ACT_OPT static void ut__cpu_bn_apply_act_row(const float* restrict xr, float* restrict yr,
                                                      ut__i64 inner, float m, float sc, float bt,
                                                      int act) {
+  /* z first, in a loop of its own that vectorizes (see ut__cpu_bn_grad_row) */
+  for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
   switch (act) {
     UT__CPU_BN_ACT_LOOP(UT_ACT_SILU);
     UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSWISH);
@@ -6376,7 +6398,11 @@ UT__CPU_OPT static int ut__cpu_bn_apply_f32(const float* x, float* y, const floa
   return UT_OK;
 }
 
-/* bn_bwd's work for threads tid of nt, act a constant where it is inlined (C's template) */
+/* bn_bwd's work for threads tid of nt, act (NONE, RELU or RELU6) a constant where it is
+   inlined (C's template). The kinds from SILU on come with act NONE: per channel, g = go f'(z)
+   is first computed into the thread's scratch (cx->gscratch, ut__cpu_bn_grad_row), which the
+   passes then read in place of go: the formula, which costs more than a second read of a
+   channel still in cache, runs once per element. */
 UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, const int act) {
   const float* go = cx->go;
   const float* x = cx->x;
@@ -6395,9 +6421,20 @@ UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, c
   for (int j = (int)lo; j < hi; j++) {
     float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
     float sc = rs * gm, bt = cx->beta ? cx->beta[j] : 0.0f; /* as bn_apply */
+    /* go's row i of channel j is gb + i gs */
+    const float* gb = go + (ut__i64)j * inner;
+    ut__i64 gs = (ut__i64)c * inner;
+    if (act == UT_ACT_NONE && cx->act >= UT_ACT_SILU) {
+      float* sb = cx->gscratch + (size_t)tid * n * inner;
+      for (int i = 0; i < n; i++)
+        ut__cpu_bn_grad_row(go + ((ut__i64)i * c + j) * inner, x + ((ut__i64)i * c + j) * inner,
+                            sb + (ut__i64)i * inner, inner, m, sc, bt, cx->act);
+      gb = sb;
+      gs = inner;
+    }
     double sg = 0.0, sgx = 0.0;
     for (int i = 0; i < (cx->sums_in ? 0 : n); i++) {
-      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* gp = gb + (ut__i64)i * gs;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
         ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
@@ -6446,42 +6483,32 @@ UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, c
     float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
     for (int i = 0; i < n; i++) {
       float* dp = dx + ((ut__i64)i * c + j) * inner;
-      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* gp = gb + (ut__i64)i * gs;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       if (training) {
         for (ut__i64 t = 0; t < inner; t++)
           dp[t] = k0 * (ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act) - mg - (xp[t] - m) * rs * mgx);
       } else {
-        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act);
+        for (ut__i64 t = 0; t < inner; t++)
+          dp[t] = k0 * ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act);
       }
     }
-  }
-}
-#define UT__CPU_BN_BWD_KIND(A)          \
-  case A:                               \
-    ut__cpu_bn_bwd_run(cx, tid, nt, A); \
-    break
-/* the kinds from SILU on, with act_bwd's options (the piecewise kinds' selects vectorize) */
-UT__CPU_ACT_OPT static void ut__cpu_bn_bwd_part_act(const ut__cpu_bn_ctx* cx, int tid, int nt) {
-  switch (cx->act) {
-    UT__CPU_BN_BWD_KIND(UT_ACT_SILU);
-    UT__CPU_BN_BWD_KIND(UT_ACT_HARDSWISH);
-    UT__CPU_BN_BWD_KIND(UT_ACT_HARDSIGMOID);
-    UT__CPU_BN_BWD_KIND(UT_ACT_SIGMOID);
-    UT__CPU_BN_BWD_KIND(UT_ACT_GELU);
-    UT__CPU_BN_BWD_KIND(UT_ACT_GELU_TANH);
   }
 }
 UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   switch (cx->act) {
-    UT__CPU_BN_BWD_KIND(UT_ACT_NONE);
-    UT__CPU_BN_BWD_KIND(UT_ACT_RELU);
-    UT__CPU_BN_BWD_KIND(UT_ACT_RELU6);
-    default: ut__cpu_bn_bwd_part_act(cx, tid, nt);
+    case UT_ACT_RELU: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_RELU); break;
+    case UT_ACT_RELU6: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_RELU6); break;
+    default: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_NONE); /* and the kinds from SILU on */
   }
 }
-#undef UT__CPU_BN_BWD_KIND
+/* the scratch of ut__cpu_bn_bwd_run for the kinds from SILU on (none for the others) */
+static int ut__cpu_bn_scratch(ut__cpu_bn_ctx* cx, int nt) {
+  if (cx->act < UT_ACT_SILU) return UT_OK;
+  cx->gscratch = (float*)malloc((size_t)nt * cx->n * cx->inner * sizeof(float) + 1);
+  return cx->gscratch ? UT_OK : ut__set_error(UT_ERR_MEMORY, "bn_bwd: out of memory");
+}
 UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const float* mean,
                                           const float* rstd, const float* gamma, const float* beta,
                                           float* dx, float* dgamma, float* dbeta, int n, int c,
@@ -6503,7 +6530,9 @@ UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const
   cx.inner = inner;
   cx.training = training;
   cx.act = act;
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   return UT_OK;
 }
 static int ut__cpu_bn_bwd_sums_f32(const float* go, const float* x, const float* mean,
@@ -6515,7 +6544,9 @@ static int ut__cpu_bn_bwd_sums_f32(const float* go, const float* x, const float*
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
                        .beta = beta, .dgamma = dgamma, .dbeta = dbeta, .n = n, .c = c,
                        .inner = inner, .act = act, .training = true, .sums_out = sums};
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   sums[2 * c] = (float)((double)n * inner);
   return UT_OK;
 }
@@ -6528,7 +6559,9 @@ static int ut__cpu_bn_bwd_dx_f32(const float* go, const float* x, const float* m
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
                        .beta = beta, .dx = dx, .n = n, .c = c, .inner = inner, .act = act,
                        .training = true, .sums_in = sums};
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   return UT_OK;
 }
 static int ut__cpu_bn_sync_pack(const float* mean, const float* var, const float* a, float* out,
