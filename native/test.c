@@ -1577,6 +1577,114 @@ static void test_batchnorm2d_eval(ut_dev dev) {
   ut_batchnorm2d_free(&l);
 }
 
+/* a and b (same nelem, synced to the host) agree within tol (absolute below 1, relative above) */
+static void assert_tensors_close_(const ut_tensor* a, const ut_tensor* b, float tol,
+                                  const char* expr, const char* file, int line) {
+  char what[256];
+  snprintf(what, sizeof what, "%s: both tensors exist with the same nelem", expr);
+  if (!check_(a && b && a->shape.nelem == b->shape.nelem, what, file, line)) return;
+  int bad = 0;
+  for (int i = 0; i < a->shape.nelem; i++) {
+    if (!close_enough(a->data[i], b->data[i], tol)) {
+      if (bad < 4)
+        fprintf(stderr, "%s:%d:   %s: [%d] %.7g vs %.7g\n", file, line, expr, i,
+                (double)a->data[i], (double)b->data[i]);
+      bad++;
+    }
+  }
+  snprintf(what, sizeof what, "%s: %d of %d values differ", expr, bad, a->shape.nelem);
+  check_(bad == 0, what, file, line);
+}
+#define assert_tensors_close(a, b, tol) \
+  assert_tensors_close_((a), (b), (tol), #a " ~ " #b, __FILE__, __LINE__)
+
+/* forward and backward of l (a fresh cache) on x, go: y, dx, dW, db (all synced to the host) */
+static bool bn_run(ut_batchnorm2d* l, ut_tensor* x, ut_tensor* go, ut_tensor* out[4]) {
+  ut_batchnorm2d_cache c = {0};
+  out[0] = ut_batchnorm2d_forward(l, x, &c);
+  out[2] = ut_alloc(1, S(l->c), x->dev);
+  out[3] = ut_alloc(1, S(l->c), x->dev);
+  out[1] = out[0] ? ut_batchnorm2d_backward(l, &c, go, out[2], out[3]) : NULL;
+  ut_batchnorm2d_cache_free(&c);
+  for (int i = 0; i < 4; i++)
+    if (out[i]) ut_sync_cpu(out[i]);
+  return out[0] && out[1] && out[2] && out[3];
+}
+
+static void test_batchnorm2d_activation(ut_dev dev) {
+  // BatchNorm2d with a fused activation is BatchNorm2d then ut_activation_forward (and, in
+  // backward, ut_activation_backward at BatchNorm's output, then BatchNorm's backward), for
+  // every kind, in training and eval mode. x spreads over [-6, 6] per channel, gamma = {2, 1.5}
+  // and beta = {0.5, -1}: z crosses relu6's 0 and 6 and hardswish's -3 and 3.
+  float xv[2 * 2 * 2 * 3], gv[2 * 2 * 2 * 3];
+  for (int i = 0; i < 24; i++) {
+    xv[i] = (float)((i * 7) % 24) * 0.5f - 6.f;
+    gv[i] = (float)((i * 5) % 11) * 0.25f - 1.2f;
+  }
+  ut_tensor* x = ut_from_data(4, S(2, 2, 2, 3), xv, dev);
+  ut_tensor* go = ut_from_data(4, S(2, 2, 2, 3), gv, dev);
+  require(x && go);
+  for (int mode = 0; mode < 2; mode++) {
+    for (int k = UT_ACT_RELU; k <= UT_ACT_GELU_TANH; k++) {
+      ut_batchnorm2d l = ut_batchnorm2d_alloc(2, 1e-5f, 0.1f, dev);
+      require(l.weight);
+      set_weight(&l.weight, 1, S(2), F(2.f, 1.5f), dev);
+      set_weight(&l.bias, 1, S(2), F(0.5f, -1.f), dev);
+      set_weight(&l.running_mean, 1, S(2), F(0.5f, -0.5f), dev);
+      set_weight(&l.running_var, 1, S(2), F(9.f, 4.f), dev);
+      l.training = mode == 0;
+      // the unfused chain: z = bn(x); y = f(z); gz = f'(z) go; dx = bn'(gz)
+      ut_tensor* ref[4] = {0};
+      ut_tensor* fused[4] = {0};
+      ut_batchnorm2d_cache c = {0};
+      ut_tensor* z = ut_batchnorm2d_forward(&l, x, &c);
+      ut_tensor* y = z ? ut_activation_forward(z, (ut_activation)k) : NULL;
+      ut_tensor* gz = y ? ut_activation_backward(go, z, (ut_activation)k) : NULL;
+      ref[2] = ut_alloc(1, S(2), dev);
+      ref[3] = ut_alloc(1, S(2), dev);
+      ref[1] = gz ? ut_batchnorm2d_backward(&l, &c, gz, ref[2], ref[3]) : NULL;
+      ref[0] = y;
+      ut_batchnorm2d_cache_free(&c);
+      for (int i = 0; i < 4; i++)
+        if (ref[i]) ut_sync_cpu(ref[i]);
+      l.activation = k;
+      // the running statistics moved once already in training mode: reset them
+      set_weight(&l.running_mean, 1, S(2), F(0.5f, -0.5f), dev);
+      set_weight(&l.running_var, 1, S(2), F(9.f, 4.f), dev);
+      bool ok = ref[0] && ref[1] && bn_run(&l, x, go, fused);
+      assert(ok);
+      if (ok) {
+        assert_tensors_close(fused[0], ref[0], 1e-6f);
+        assert_tensors_close(fused[1], ref[1], 1e-5f);
+        assert_tensors_close(fused[2], ref[2], 1e-5f);
+        assert_tensors_close(fused[3], ref[3], 1e-5f);
+      }
+      ut_free_all(z, gz, ref[0], ref[1], ref[2], ref[3]);
+      ut_free_all(fused[0], fused[1], fused[2], fused[3]);
+      ut_batchnorm2d_free(&l);
+    }
+  }
+  // a value outside the enum: a status and a message, in forward and in backward's cache
+  ut_batchnorm2d l = ut_batchnorm2d_alloc(2, 1e-5f, 0.1f, dev);
+  require(l.weight);
+  ut_batchnorm2d_cache c = {0};
+  l.activation = UT_ACT_GELU_TANH + 1;
+  expect_null(ut_batchnorm2d_forward(&l, x, &c), UT_ERR_ARG);
+  assert(strstr(ut_last_error(), "activation must be a ut_activation") != NULL);
+  l.activation = -1;
+  expect_null(ut_batchnorm2d_forward(&l, x, &c), UT_ERR_ARG);
+  l.activation = UT_ACT_SILU;
+  ut_tensor* y = ut_batchnorm2d_forward(&l, x, &c);
+  require(y);
+  assert(c.activation == UT_ACT_SILU);
+  c.activation = 99;
+  expect_null(ut_batchnorm2d_backward(&l, &c, go, NULL, NULL), UT_ERR_ARG);
+  assert(strstr(ut_last_error(), "cache->activation") != NULL);
+  ut_free_all(x, go, y);
+  ut_batchnorm2d_cache_free(&c);
+  ut_batchnorm2d_free(&l);
+}
+
 static void test_global_avgpool(ut_dev dev) {
   // x [N=2, C=2, 1, 3]: means n0c0 {1,2,3} -> 2, n0c1 {0,0,3} -> 1, n1c0 {-3,0,0} -> -1,
   // n1c1 {4,4,4} -> 4.  Backward spreads go/(h*w) = go/3 over each window.
@@ -3131,6 +3239,7 @@ int main(void) {
   RUN_BOTH(test_channel_scale_layernorm2d); /* issue 30 */
   RUN_BOTH(test_batchnorm2d_train);
   RUN_BOTH(test_batchnorm2d_eval);
+  RUN_BOTH(test_batchnorm2d_activation);
   RUN_BOTH(test_global_avgpool);
   RUN_BOTH(test_mse);
   RUN_BOTH(test_cross_entropy);

@@ -247,8 +247,9 @@ typedef struct ut_layernorm_cache {
 } ut_layernorm_cache;
 
 /* An activation: what ut_activation_forward computes, and what a layer may apply to its own
-   output in the same pass over the data (fused; BatchNorm2d takes NONE, RELU and RELU6):
-   ReLU6 is min(max(x, 0), 6); backward masks the gradient as relu_backward would.
+   output in the same pass over the data (fused: BatchNorm2d takes every kind, its backward
+   recomputing the pre-activation from the input it keeps). ReLU6 is min(max(x, 0), 6);
+   backward masks the gradient as relu_backward would.
    The others are PyTorch's (torch.nn.functional.<name>), forward and backward, their values at
    the kinks and for NaN and infinities included:
      SILU         x sigmoid(x), computed x / (1 + exp(-x))                        (swish)
@@ -773,18 +774,19 @@ typedef struct ut__backend {
   /* running = (1 - momentum) running + momentum * stat, with var scaled by unbias first */
   int (*bn_update_running)(float* running_mean, float* running_var, const float* mean,
                            const float* var, int c, float momentum, float unbias);
-  /* rstd[j] = 1/sqrt(var[j] + eps); z = (x - mean) * (rstd * gamma) + beta; y = act(z), where
-     act < 0: none, act = 0: relu, act > 0: relu capped at act (relu_fwd's rules) */
+  /* rstd[j] = 1/sqrt(var[j] + eps); z = (x - mean) * (rstd * gamma) + beta; y = act(z), act
+     any ut_activation (the core checked it): NONE y = z, RELU and RELU6 relu_fwd's rules, the
+     others ut__act_value */
   int (*bn_apply)(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                   const float* gamma, const float* beta, float* rstd, int n, int c,
-                  ut__i64 inner, float eps, float act);
-  /* g = go masked as relu_bwd masks it at z (z recomputed as bn_apply computes it, to the
-     bit; act < 0: g = go). training: dx = gamma rstd (g - mean(g) - xhat mean(g xhat)) per
-     channel; eval: dx = gamma rstd g. dgamma += sum(g xhat), dbeta += sum(g) (each may be
-     NULL) */
+                  ut__i64 inner, float eps, int act);
+  /* g = go f'(z), z recomputed as bn_apply computes it, to the bit (NONE: g = go; RELU, RELU6:
+     go masked as relu_bwd masks it; the others ut__act_grad). training: dx = gamma rstd (g -
+     mean(g) - xhat mean(g xhat)) per channel; eval: dx = gamma rstd g. dgamma += sum(g xhat),
+     dbeta += sum(g) (each may be NULL) */
   int (*bn_bwd)(ut_dtype dt, const void* go, const void* x, const float* mean, const float* rstd,
                 const float* gamma, const float* beta, void* dx, float* dgamma, float* dbeta,
-                int n, int c, ut__i64 inner, bool training, float act);
+                int n, int c, ut__i64 inner, bool training, int act);
   /* synchronized batchnorm, in the order the core calls them (a and b summed over the ranks
      in between): a == NULL: out[j] = count mean[j], out[c] = count; else, with the common
      mean M[j] = a[j] / a[c]: out[j] = count (var[j] + (mean[j] - M[j])^2) */
@@ -799,10 +801,10 @@ typedef struct ut__backend {
      in training mode with the (summed) sums and count sums[2c] */
   int (*bn_bwd_sums)(ut_dtype dt, const void* go, const void* x, const float* mean,
                      const float* rstd, const float* gamma, const float* beta, float* sums,
-                     float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act);
+                     float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int act);
   int (*bn_bwd_dx)(ut_dtype dt, const void* go, const void* x, const float* mean,
                    const float* rstd, const float* gamma, const float* beta, const float* sums,
-                   void* dx, int n, int c, ut__i64 inner, float act);
+                   void* dx, int n, int c, ut__i64 inner, int act);
 
   /* out[0] = mean((p - t)^2);  g = 2 (p - t) / n */
   int (*mse_fwd)(const float* p, const float* t, float* out, ut__i64 n);
@@ -2875,11 +2877,6 @@ void ut_linear_free(ut_linear* l) {
 }
 
 /* ---- layer norm --------------------------------------------------------------------------- */
-/* a ut_activation as the backends' act argument (bn_apply, bn_bwd) */
-static float ut__act_cap(int activation) {
-  return activation == UT_ACT_RELU6 ? 6.f : activation == UT_ACT_RELU ? 0.f : -1.f;
-}
-
 static int ut__check_eps(float eps, const char* who) {
   UT__CHECK(isfinite(eps) && eps > 0.f, UT_ERR_ARG, "%s: eps must be finite and > 0", who);
   return UT_OK;
@@ -3059,9 +3056,9 @@ static int ut__check_batchnorm2d(const ut_batchnorm2d* l, const ut_tensor* x, co
   UT__TRY(ut__check_f32(l->running_mean, who, "running_mean"));
   UT__TRY(ut__check_f32(l->running_var, who, "running_var"));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
-  UT__CHECK(l->activation >= UT_ACT_NONE && l->activation <= UT_ACT_RELU6, UT_ERR_ARG,
-            "%s: activation must be UT_ACT_NONE, UT_ACT_RELU or UT_ACT_RELU6, got %d", who,
-            l->activation);
+  UT__CHECK(ut__act_valid(l->activation), UT_ERR_ARG,
+            "%s: activation must be a ut_activation (%d to %d), got %d", who, UT_ACT_NONE,
+            UT_ACT_GELU_TANH, l->activation);
   UT__CHECK(x->shape.ndim == 4 && x->shape.shape[1] == l->c, UT_ERR_SHAPE,
             "%s: x must be [N, %d, H, W], got shape %s", who, l->c, ut__shape_text(x).s);
   return UT_OK;
@@ -3079,9 +3076,8 @@ static int ut__bn_apply(const ut__backend* be, const ut_tensor* x, const float* 
                         const float* beta, float* rstd, float eps, int activation) {
   const int* s = x->shape.shape;
   ut__i64 inner = (ut__i64)s[2] * s[3];
-  float act = ut__act_cap(activation);
   return be->bn_apply(ut__buf_dtype(x, be), xp, ut__out(y, be), mean, var, gamma, beta, rstd,
-                      s[0], s[1], inner, eps, act);
+                      s[0], s[1], inner, eps, activation);
 }
 
 /* The plain and the synchronized forward start alike: one place checks the layer and x,
@@ -3189,6 +3185,10 @@ static int ut__bn_backward_prepare(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
                                    const char* who, ut__bn_backward_args* bw) {
   ut_tensor* x = cache->input;
   UT__TRY(ut__check_batchnorm2d(l, x, who));
+  /* backward applies the activation the forward applied, which the cache holds */
+  UT__CHECK(ut__act_valid(cache->activation), UT_ERR_ARG,
+            "%s: cache->activation must be a ut_activation (%d to %d), got %d", who, UT_ACT_NONE,
+            UT_ACT_GELU_TANH, cache->activation);
   UT__TRY(ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out"));
   UT__TRY(ut__check_dtype_as(grad_out, x, who, "grad_out", "cache->input"));
   UT__TRY(ut__check_arg(cache->mean, x, l->c, who, "cache->mean"));
@@ -3230,10 +3230,9 @@ ut_tensor* ut_batchnorm2d_backward(ut_batchnorm2d* l, ut_batchnorm2d_cache* cach
   const ut__backend* be = bw.be;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  float act = ut__act_cap(cache->activation);
   int rc = be->bn_bwd(ut__buf_dtype(x, be), bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp,
                       ut__out(dx, be), bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, cache->training,
-                      act);
+                      cache->activation);
   return ut__backward_done(rc, be, dx, dW, bw.dWp, db, bw.dbp);
 }
 
@@ -3307,7 +3306,7 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
   ut_tensor* sums = ut__new(1, (int[]){2 * bw.c + 1}, x->dev, who);
   ut_tensor* dx = sums ? ut__new_like(x, who) : NULL;
   if (!dx) return ut__drop(sums);
-  float act = ut__act_cap(cache->activation);
+  int act = cache->activation;
   ut_dtype dt = ut__buf_dtype(x, be);
   int rc = be->bn_bwd_sums(dt, bw.gop, bw.xp, bw.mp, bw.rp, bw.wp, bw.bp, ut__out(sums, be),
                            bw.dWp, bw.dbp, bw.n, bw.c, bw.inner, act);
@@ -6232,15 +6231,17 @@ typedef struct {
   int n, c;
   ut__i64 inner;
   float eps;
-  float act; /* bn_apply's and bn_bwd's */
+  int act; /* bn_apply's and bn_bwd's: a ut_activation */
   bool training;
   float* sums_out;      /* bn_bwd_sums: the per-channel sums, no dx */
   const float* sums_in; /* bn_bwd_dx: dx from these sums (and count sums_in[2c]) */
+  float* gscratch;      /* act from SILU on: n inner floats per thread (ut__cpu_bn_bwd_run) */
 } ut__cpu_bn_ctx;
 
 /* batchnorm's output before its activation, one expression for apply and for backward's mask
-   (the same operations in the same order give the same bits) */
-static inline float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
+   (the same operations in the same order give the same bits); always inlined, also into the
+   activations' loops (UT__CPU_ACT_OPT: other options, across which GCC inlines only when told) */
+UT__CPU_INL float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
 /* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
 static inline float ut__cpu_bn_relu(float z, float act) {
   float v = z < 0.0f ? 0.0f : z;
@@ -6250,12 +6251,36 @@ static inline float ut__cpu_bn_relu_grad(float g, float z, float act) {
   int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
   return stop ? 0.0f : g;
 }
-/* batchnorm backward's gradient at one element: go, masked by the activation (act >= 0) at
-   the pre-activation recomputed from x; computed where it is used, in both passes, rather than
-   stored (act is loop-invariant: the loops are unswitched on it) */
-static inline float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, float act) {
-  return act < 0.0f ? g : ut__cpu_bn_relu_grad(g, ut__cpu_bn_z(x, m, sc, bt), act);
+/* batchnorm backward's gradient at one element for NONE, RELU and RELU6: go, masked at the
+   pre-activation recomputed from x; computed where it is used, in both passes, rather than
+   stored. act is a constant wherever this is inlined (ut__cpu_bn_bwd_part instantiates its
+   body per kind), so each loop compiles to one formula. */
+UT__CPU_INL float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, int act) {
+  if (act == UT_ACT_NONE) return g;
+  return ut__cpu_bn_relu_grad(g, ut__cpu_bn_z(x, m, sc, bt), act == UT_ACT_RELU6 ? 6.0f : 0.0f);
 }
+/* the kinds from SILU on: g = go f'(z) over one row, z recomputed from x as bn_apply computes
+   it; one loop per kind, as act_bwd's (and with its options: the piecewise kinds vectorize) */
+#define UT__CPU_BN_GRAD_LOOP(A)                                              \
+  case A:                                                                    \
+    for (ut__i64 t = 0; t < inner; t++) g[t] = ut__act_grad(A, go[t], g[t]); \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const float* restrict x,
+                                                float* restrict g, ut__i64 inner, float m,
+                                                float sc, float bt, int act) {
+  /* z first, in a loop of its own that vectorizes (expf and the like keep the other scalar);
+     the same loop as bn_apply's for these kinds, so the same z to the bit */
+  for (ut__i64 t = 0; t < inner; t++) g[t] = ut__cpu_bn_z(x[t], m, sc, bt);
+  switch (act) {
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_SILU);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_HARDSWISH);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_HARDSIGMOID);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_SIGMOID);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_GELU);
+    UT__CPU_BN_GRAD_LOOP(UT_ACT_GELU_TANH);
+  }
+}
+#undef UT__CPU_BN_GRAD_LOOP
 UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
@@ -6325,6 +6350,28 @@ static int ut__cpu_bn_update_running(float* running_mean, float* running_var, co
   return UT_OK;
 }
 
+/* one row of bn_apply with an activation from SILU on: one loop per kind, the switch outside
+   it, as act_fwd's loops (and their options: the piecewise kinds vectorize as selects) */
+#define UT__CPU_BN_ACT_LOOP(A)                                         \
+  case A:                                                              \
+    for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__act_value(A, yr[i]); \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_bn_apply_act_row(const float* restrict xr, float* restrict yr,
+                                                     ut__i64 inner, float m, float sc, float bt,
+                                                     int act) {
+  /* z first, in a loop of its own that vectorizes (see ut__cpu_bn_grad_row) */
+  for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
+  switch (act) {
+    UT__CPU_BN_ACT_LOOP(UT_ACT_SILU);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSWISH);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSIGMOID);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_SIGMOID);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU_TANH);
+  }
+}
+#undef UT__CPU_BN_ACT_LOOP
+
 UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
@@ -6345,18 +6392,20 @@ UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
     float sc = rs * (gamma ? gamma[j] : 1.0f), m = mean[j], bt = beta ? beta[j] : 0.0f;
     const float* xr = x + r * inner;
     float* yr = y + r * inner;
-    if (cx->act < 0.0f) {
+    if (cx->act == UT_ACT_NONE) {
       for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
-    } else {
-      float act = cx->act;
+    } else if (cx->act == UT_ACT_RELU || cx->act == UT_ACT_RELU6) {
+      float act = cx->act == UT_ACT_RELU6 ? 6.0f : 0.0f;
       for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_relu(ut__cpu_bn_z(xr[i], m, sc, bt), act);
+    } else {
+      ut__cpu_bn_apply_act_row(xr, yr, inner, m, sc, bt, cx->act);
     }
   }
 }
 UT__CPU_OPT static int ut__cpu_bn_apply_f32(const float* x, float* y, const float* mean,
                                             const float* var, const float* gamma, const float* beta,
                                             float* rstd, int n, int c, ut__i64 inner, float eps,
-                                            float act) {
+                                            int act) {
   for (int j = 0; j < c; j++) {
     float rs = (float)(1.0 / sqrt((double)var[j] + (double)eps));
     if (rstd) rstd[j] = rs;
@@ -6380,8 +6429,12 @@ UT__CPU_OPT static int ut__cpu_bn_apply_f32(const float* x, float* y, const floa
   return UT_OK;
 }
 
-UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
-  const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
+/* bn_bwd's work for threads tid of nt, act (NONE, RELU or RELU6) a constant where it is
+   inlined (C's template). The kinds from SILU on come with act NONE: per channel, g = go f'(z)
+   is first computed into the thread's scratch (cx->gscratch, ut__cpu_bn_grad_row), which the
+   passes then read in place of go: the formula, which costs more than a second read of a
+   channel still in cache, runs once per element. */
+UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, const int act) {
   const float* go = cx->go;
   const float* x = cx->x;
   const float* mean = cx->mean;
@@ -6396,13 +6449,23 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   double cnt = cx->sums_in ? (double)cx->sums_in[2 * c] : (double)n * inner;
   ut__i64 lo, hi;
   ut__cpu_part(c, tid, nt, &lo, &hi);
-  const float act = cx->act;
   for (int j = (int)lo; j < hi; j++) {
     float m = mean[j], rs = rstd[j], gm = gamma ? gamma[j] : 1.0f;
     float sc = rs * gm, bt = cx->beta ? cx->beta[j] : 0.0f; /* as bn_apply */
+    /* go's row i of channel j is gb + i gs */
+    const float* gb = go + (ut__i64)j * inner;
+    ut__i64 gs = (ut__i64)c * inner;
+    if (act == UT_ACT_NONE && cx->act >= UT_ACT_SILU) {
+      float* sb = cx->gscratch + (size_t)tid * n * inner;
+      for (int i = 0; i < n; i++)
+        ut__cpu_bn_grad_row(go + ((ut__i64)i * c + j) * inner, x + ((ut__i64)i * c + j) * inner,
+                            sb + (ut__i64)i * inner, inner, m, sc, bt, cx->act);
+      gb = sb;
+      gs = inner;
+    }
     double sg = 0.0, sgx = 0.0;
     for (int i = 0; i < (cx->sums_in ? 0 : n); i++) {
-      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* gp = gb + (ut__i64)i * gs;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       for (ut__i64 i0 = 0; i0 < inner; i0 += 1024) {
         ut__i64 len = UT__CPU_MIN((ut__i64)1024, inner - i0);
@@ -6451,21 +6514,36 @@ UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
     float mgx = training && cnt > 0 ? (float)(sgx / cnt) : 0.0f;
     for (int i = 0; i < n; i++) {
       float* dp = dx + ((ut__i64)i * c + j) * inner;
-      const float* gp = go + ((ut__i64)i * c + j) * inner;
+      const float* gp = gb + (ut__i64)i * gs;
       const float* xp = x + ((ut__i64)i * c + j) * inner;
       if (training) {
         for (ut__i64 t = 0; t < inner; t++)
           dp[t] = k0 * (ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act) - mg - (xp[t] - m) * rs * mgx);
       } else {
-        for (ut__i64 t = 0; t < inner; t++) dp[t] = k0 * ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act);
+        for (ut__i64 t = 0; t < inner; t++)
+          dp[t] = k0 * ut__cpu_bn_g(gp[t], xp[t], m, sc, bt, act);
       }
     }
   }
 }
+UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
+  const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
+  switch (cx->act) {
+    case UT_ACT_RELU: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_RELU); break;
+    case UT_ACT_RELU6: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_RELU6); break;
+    default: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_NONE); /* and the kinds from SILU on */
+  }
+}
+/* the scratch of ut__cpu_bn_bwd_run for the kinds from SILU on (none for the others) */
+static int ut__cpu_bn_scratch(ut__cpu_bn_ctx* cx, int nt) {
+  if (cx->act < UT_ACT_SILU) return UT_OK;
+  cx->gscratch = (float*)malloc((size_t)nt * cx->n * cx->inner * sizeof(float) + 1);
+  return cx->gscratch ? UT_OK : ut__set_error(UT_ERR_MEMORY, "bn_bwd: out of memory");
+}
 UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const float* mean,
                                           const float* rstd, const float* gamma, const float* beta,
                                           float* dx, float* dgamma, float* dbeta, int n, int c,
-                                          ut__i64 inner, bool training, float act) {
+                                          ut__i64 inner, bool training, int act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {0};
@@ -6483,32 +6561,38 @@ UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const
   cx.inner = inner;
   cx.training = training;
   cx.act = act;
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   return UT_OK;
 }
 static int ut__cpu_bn_bwd_sums_f32(const float* go, const float* x, const float* mean,
                                    const float* rstd, const float* gamma, const float* beta,
                                    float* sums, float* dgamma, float* dbeta, int n, int c,
-                                   ut__i64 inner, float act) {
+                                   ut__i64 inner, int act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
                        .beta = beta, .dgamma = dgamma, .dbeta = dbeta, .n = n, .c = c,
                        .inner = inner, .act = act, .training = true, .sums_out = sums};
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   sums[2 * c] = (float)((double)n * inner);
   return UT_OK;
 }
 static int ut__cpu_bn_bwd_dx_f32(const float* go, const float* x, const float* mean,
                                  const float* rstd, const float* gamma, const float* beta,
                                  const float* sums, float* dx, int n, int c, ut__i64 inner,
-                                 float act) {
+                                 int act) {
   int nt = ut__cpu_nt((double)n * c * inner);
   if (nt > c) nt = c;
   ut__cpu_bn_ctx cx = {.go = go, .x = x, .mean = mean, .rstd = rstd, .gamma = gamma,
                        .beta = beta, .dx = dx, .n = n, .c = c, .inner = inner, .act = act,
                        .training = true, .sums_in = sums};
+  UT__TRY(ut__cpu_bn_scratch(&cx, nt));
   ut__parallel_run(nt, ut__cpu_bn_bwd_part, &cx);
+  free(cx.gscratch);
   return UT_OK;
 }
 static int ut__cpu_bn_sync_pack(const float* mean, const float* var, const float* a, float* out,
@@ -7012,7 +7096,7 @@ static int ut__cpu_bn_stats(ut_dtype dt, const void* x, float* mean, float* var,
 }
 static int ut__cpu_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean,
                             const float* var, const float* gamma, const float* beta, float* rstd,
-                            int n, int c, ut__i64 inner, float eps, float act) {
+                            int n, int c, ut__i64 inner, float eps, int act) {
   return dt == UT_F32
              ? ut__cpu_bn_apply_f32(x, y, mean, var, gamma, beta, rstd, n, c, inner, eps, act)
              : ut__cpu_no_dtype("bn_apply", dt);
@@ -7020,7 +7104,7 @@ static int ut__cpu_bn_apply(ut_dtype dt, const void* x, void* y, const float* me
 static int ut__cpu_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
                           const float* rstd, const float* gamma, const float* beta, void* dx,
                           float* dgamma, float* dbeta, int n, int c, ut__i64 inner,
-                          bool training, float act) {
+                          bool training, int act) {
   return dt == UT_F32 ? ut__cpu_bn_bwd_f32(go, x, mean, rstd, gamma, beta, dx, dgamma, dbeta, n,
                                            c, inner, training, act)
                       : ut__cpu_no_dtype("bn_bwd", dt);
@@ -7028,7 +7112,7 @@ static int ut__cpu_bn_bwd(ut_dtype dt, const void* go, const void* x, const floa
 static int ut__cpu_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
                                const float* rstd, const float* gamma, const float* beta,
                                float* sums, float* dgamma, float* dbeta, int n, int c,
-                               ut__i64 inner, float act) {
+                               ut__i64 inner, int act) {
   return dt == UT_F32 ? ut__cpu_bn_bwd_sums_f32(go, x, mean, rstd, gamma, beta, sums, dgamma,
                                                 dbeta, n, c, inner, act)
                       : ut__cpu_no_dtype("bn_bwd_sums", dt);
@@ -7036,7 +7120,7 @@ static int ut__cpu_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const
 static int ut__cpu_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
                              const float* rstd, const float* gamma, const float* beta,
                              const float* sums, void* dx, int n, int c, ut__i64 inner,
-                             float act) {
+                             int act) {
   return dt == UT_F32 ? ut__cpu_bn_bwd_dx_f32(go, x, mean, rstd, gamma, beta, sums, dx, n, c,
                                               inner, act)
                       : ut__cpu_no_dtype("bn_bwd_dx", dt);

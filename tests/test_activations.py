@@ -240,10 +240,18 @@ def test_c_api_refuses_a_bad_kind():
         assert ffi.string(lib.ut_activation_name(9)).decode() == "?"
 
 
-def test_batchnorm_fuses_only_relu_and_relu6():
-    # the fused activation field takes NONE, RELU, RELU6 only; the new kinds run as layers
-    with pytest.raises(ut.ArgumentError, match="activation must be one of"):
-        ut.BatchNorm2d(4, activation="silu")
+@pytest.mark.parametrize("name", NAMES)
+def test_batchnorm_fuses_every_kind(device, rng, name):
+    # BatchNorm2d(activation=name) is BatchNorm2d then the layer (tests/test_bn_activation.py
+    # checks it in depth); here: the name maps to the C kind, and the eval forward matches
+    assert ut.BatchNorm2d._ACTIVATIONS[name] == C_KIND[name]
+    x = (rng.standard_normal((2, 3, 4, 5)) * 4).astype(np.float32)
+    with ut.BatchNorm2d(3, activation=name, device=device) as fused, \
+            ut.BatchNorm2d(3, device=device) as plain, ut.tensor(x, device) as xt:
+        fused.eval(), plain.eval()
+        with fused(xt) as y, plain(xt) as z:
+            want, _ = _ours(name, z.numpy(), np.zeros_like(x), device)
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, atol=1e-7)
 
 
 # ---- the layers -------------------------------------------------------------------------------

@@ -62,7 +62,25 @@ def bf16_round(a):
     return _bf16_round(a)
 
 
-ACTS = [pytest.param(None, id="plain"), pytest.param("relu6", id="relu6")]
+# every fused activation: NONE, RELU and RELU6 take the kernels' cap path, the others their
+# GEN instantiations (norm.cu)
+ACTS = [pytest.param(None, id="plain")] + [
+    pytest.param(a, id=a) for a in ("relu6", "relu", "silu", "hardswish", "hardsigmoid",
+                                    "sigmoid", "gelu", "gelu_tanh")]
+# float64 forward and backward(go, z) of each, and where its derivative jumps
+F64 = {
+    None: (lambda z: z, lambda g, z: g),
+    "relu6": (R.relu6, R.relu6_backward),
+    "relu": (R.relu, R.relu_backward),
+    "silu": (R.silu, R.silu_backward),
+    "hardswish": (R.hardswish, R.hardswish_backward),
+    "hardsigmoid": (R.hardsigmoid, R.hardsigmoid_backward),
+    "sigmoid": (R.sigmoid, R.sigmoid_backward),
+    "gelu": (R.gelu, R.gelu_backward),
+    "gelu_tanh": (lambda z: R.gelu(z, "tanh"), lambda g, z: R.gelu_backward(g, z, "tanh")),
+}
+KINKS = {"relu6": (0.0, 6.0), "relu": (0.0,), "hardswish": (-3.0, 3.0),
+         "hardsigmoid": (-3.0, 3.0)}
 MODES = [pytest.param(True, id="train"), pytest.param(False, id="eval")]
 
 
@@ -181,20 +199,17 @@ def test_batchnorm2d_bf16_training_against_float64(shape, act):
     half, _, (xr, gr, g, b, rm, rv) = _both(shape, act, True, seed=1)
     x64, g64 = xr.astype(np.float64), gr.astype(np.float64)
     z, mean, var = R.batchnorm2d_train(x64, g.astype(float), b.astype(float), EPS)
-    if act == "relu6":
-        y, gz = R.relu6(z), R.relu6_backward(g64, z)
-    else:
-        y, gz = z, g64
+    y, gz = F64[act][0](z), F64[act][1](g64, z)
     rdx, rdg, rdb = R.batchnorm2d_backward(x64, g.astype(float), EPS, gz)
     count = shape[0] * shape[2] * shape[3]
     rrm, rrv = R.batchnorm2d_running_stats(rm.astype(float), rv.astype(float), mean, var, count,
                                            0.3)
     # bf16 outputs: one ulp of the largest value (the scaled atol), float32 for the rest; a
-    # value within float32 noise of the relu6 kinks may be masked on the other side, so dx
-    # is compared where z is clear of them
+    # value within float32 noise of a kink (relu6's 0 and 6, hardswish's -3 and 3) may take
+    # the derivative of the other side, so dx is compared where z is clear of them
     clear = np.abs(z) > 1e-3
-    if act == "relu6":
-        clear &= np.abs(z - 6.0) > 1e-3
+    for k in KINKS.get(act, ()):
+        clear &= np.abs(z - k) > 1e-3
     assert_close("bf16 bn forward", half["y"], y, rtol=ULP, atol=ULP)
     assert_close("bf16 bn backward dx", half["dx"][clear], rdx[clear], rtol=ULP, atol=ULP)
     assert_close("bf16 bn backward dgamma", half["dgamma"], rdg, rtol=1e-4, atol=1e-4)

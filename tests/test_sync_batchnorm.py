@@ -26,7 +26,7 @@ def _load(bn, w, b):
     bn.bias.copy_from(b)
 
 
-@pytest.mark.parametrize("activation", [None, "relu6"])
+@pytest.mark.parametrize("activation", [None, "relu6", "hardswish", "silu", "gelu"])
 @pytest.mark.parametrize("sizes", [(2, 2), (1, 4, 2)])  # equal batches; three unequal ranks
 def test_ranks_together_compute_one_batchnorm_on_the_whole_batch(device, activation, sizes):
     rng = np.random.default_rng(len(sizes))

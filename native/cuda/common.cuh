@@ -303,17 +303,17 @@ int ut__cuda_bn_update_running(float* running_mean, float* running_var, const fl
                                const float* var, int c, float momentum, float unbias);
 int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                       const float* gamma, const float* beta, float* rstd, int n, int c,
-                      ut__i64 inner, float eps, float act);
+                      ut__i64 inner, float eps, int act);
 int ut__cuda_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
                     const float* rstd, const float* gamma, const float* beta, void* dx,
                     float* dgamma, float* dbeta, int n, int c, ut__i64 inner, bool training,
-                    float act);
+                    int act);
 int ut__cuda_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
                          const float* rstd, const float* gamma, const float* beta, float* sums,
-                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act);
+                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int act);
 int ut__cuda_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
                        const float* rstd, const float* gamma, const float* beta, const float* sums,
-                       void* dx, int n, int c, ut__i64 inner, float act);
+                       void* dx, int n, int c, ut__i64 inner, int act);
 int ut__cuda_bn_sync_pack(const float* mean, const float* var, const float* a, float* out, int c,
                           float count);
 int ut__cuda_bn_sync_unpack(const float* a, const float* b, float* mean, float* var,

@@ -38,6 +38,64 @@ static __device__ __forceinline__ float ut__cuda_bn_relu_grad(float g, float z, 
   return stop ? 0.f : g;
 }
 
+/* The fused activation as the elementwise kernels take it. The kernels are templates over
+   GEN: false for NONE, RELU and RELU6, the kernels these have always had (cap: -1 none, 0
+   relu, 6 relu6, compared per element); true for the kinds from SILU on, through the formulas
+   the CPU backend and activation.cu share (ut__act_value, ut__act_grad), switching on kind
+   once per group of W values (the same kind for the whole grid: no divergence), each case one
+   formula unrolled over the group. Kind is not a template argument: that would be nine times
+   the instantiations of these kernels, for a branch per group. */
+struct ut__cuda_bn_act {
+  float cap;
+  int kind;
+};
+static inline ut__cuda_bn_act ut__cuda_bn_act_of(int act) {
+  ut__cuda_bn_act a;
+  a.cap = act == UT_ACT_RELU6 ? 6.f : act == UT_ACT_RELU ? 0.f : -1.f;
+  a.kind = act;
+  return a;
+}
+static inline bool ut__cuda_bn_gen(ut__cuda_bn_act a) { return a.kind >= UT_ACT_SILU; }
+/* whether backward needs z (the pre-activation) to weigh go */
+template <bool GEN>
+static __device__ __forceinline__ bool ut__cuda_bn_act_on(ut__cuda_bn_act a) {
+  return GEN || a.cap >= 0.f;
+}
+/* GEN: z[u] = f(z[u]) and g[u] = g[u] f'(z[u]) over a group, A a constant */
+template <int A, int W>
+static __device__ __forceinline__ void ut__cuda_bn_values_as(float* z) {
+#pragma unroll
+  for (int u = 0; u < W; ++u) z[u] = ut__act_value(A, z[u]);
+}
+template <int A, int W>
+static __device__ __forceinline__ void ut__cuda_bn_grads_as(float* g, const float* z) {
+#pragma unroll
+  for (int u = 0; u < W; ++u) g[u] = ut__act_grad(A, g[u], z[u]);
+}
+template <int W>
+static __device__ __forceinline__ void ut__cuda_bn_gen_values(float* z, int kind) {
+  switch (kind) {
+    case UT_ACT_SILU: ut__cuda_bn_values_as<UT_ACT_SILU, W>(z); break;
+    case UT_ACT_HARDSWISH: ut__cuda_bn_values_as<UT_ACT_HARDSWISH, W>(z); break;
+    case UT_ACT_HARDSIGMOID: ut__cuda_bn_values_as<UT_ACT_HARDSIGMOID, W>(z); break;
+    case UT_ACT_SIGMOID: ut__cuda_bn_values_as<UT_ACT_SIGMOID, W>(z); break;
+    case UT_ACT_GELU: ut__cuda_bn_values_as<UT_ACT_GELU, W>(z); break;
+    case UT_ACT_GELU_TANH: ut__cuda_bn_values_as<UT_ACT_GELU_TANH, W>(z); break;
+  }
+}
+template <int W>
+static __device__ __forceinline__ void ut__cuda_bn_gen_grads(float* g, const float* z,
+                                                             int kind) {
+  switch (kind) {
+    case UT_ACT_SILU: ut__cuda_bn_grads_as<UT_ACT_SILU, W>(g, z); break;
+    case UT_ACT_HARDSWISH: ut__cuda_bn_grads_as<UT_ACT_HARDSWISH, W>(g, z); break;
+    case UT_ACT_HARDSIGMOID: ut__cuda_bn_grads_as<UT_ACT_HARDSIGMOID, W>(g, z); break;
+    case UT_ACT_SIGMOID: ut__cuda_bn_grads_as<UT_ACT_SIGMOID, W>(g, z); break;
+    case UT_ACT_GELU: ut__cuda_bn_grads_as<UT_ACT_GELU, W>(g, z); break;
+    case UT_ACT_GELU_TANH: ut__cuda_bn_grads_as<UT_ACT_GELU_TANH, W>(g, z); break;
+  }
+}
+
 /* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
    float32 kernels have always loaded them with __ldg */
 static __device__ __forceinline__ float ut__cuda_ldg(const float* p) { return __ldg(p); }
@@ -201,12 +259,12 @@ static __device__ void ut__cuda_channel_final(const float* ws, const ut__cuda_ch
   }
 }
 
-template <int KIND, int W, typename T>
+template <int KIND, int W, typename T, bool GEN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_channel_partial_kernel(const T* __restrict__ x, const T* __restrict__ go,
                                     const float* __restrict__ mean, const float* __restrict__ rstd,
                                     const float* __restrict__ gamma,
-                                    const float* __restrict__ beta, float act, int c,
+                                    const float* __restrict__ beta, ut__cuda_bn_act act, int c,
                                     ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
                                     float* __restrict__ ws, ut__cuda_channel_out o) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
@@ -217,10 +275,12 @@ static __global__ void __launch_bounds__(256)
   const ut__i64 g1 = g0 + chunk / W < m / W ? g0 + chunk / W : m / W;
   const float mu = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? mean[j] : 0.f;
   const float rs = (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ? rstd[j] : 0.f;
-  /* the activation's mask (act >= 0) recomputes z as the apply kernel does */
-  const bool masked = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && act >= 0.f;
-  const float sc = masked ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
-  const float bt = masked && beta ? beta[j] : 0.f;
+  /* the activation's derivative at z, z recomputed as the apply kernel computes it: relu's
+     mask per element (masked), GEN's per group */
+  const bool on = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD && ut__cuda_bn_act_on<GEN>(act);
+  const bool masked = on && !GEN;
+  const float sc = on ? rs * (gamma ? gamma[j] : 1.f) : 0.f;
+  const float bt = on && beta ? beta[j] : 0.f;
   const ut__i64 bd = blockDim.x;
   float acc[NV];
 #pragma unroll
@@ -242,13 +302,19 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (q + r * bd >= g1) continue;
+      if (GEN && KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) {
+        float z[W];
+#pragma unroll
+        for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[r][u], mu, sc, bt);
+        ut__cuda_bn_gen_grads<W>(gv[r], z, act.kind);
+      }
 #pragma unroll
       for (int u = 0; u < W; ++u) {
         if (KIND == UT__CUDA_CHANNEL_SUM) {
           acc[0] += xv[r][u];
         } else {
           float g = masked ? ut__cuda_bn_relu_grad(gv[r][u],
-                                                   ut__cuda_bn_z(xv[r][u], mu, sc, bt), act)
+                                                   ut__cuda_bn_z(xv[r][u], mu, sc, bt), act.cap)
                            : gv[r][u];
           acc[0] += g;
           acc[NV - 1] += g * ((xv[r][u] - mu) * rs);
@@ -271,19 +337,36 @@ static int ut__cuda_channel_partial_launch(const T* x, const T* go, const float*
                                            const float* rstd, int n, int c, ut__i64 inner,
                                            float* ws, int chunks, ut__i64 chunk, int w,
                                            ut__cuda_channel_out o, const float* gamma = NULL,
-                                           const float* beta = NULL, float act = -1.f) {
+                                           const float* beta = NULL,
+                                           ut__cuda_bn_act act = ut__cuda_bn_act_of(UT_ACT_NONE)) {
   int st = ut__cuda_counters_acquire(c, &o.counters);
   if (st) return st;
   const unsigned blocks = (unsigned)((ut__i64)c * chunks);
   const ut__i64 m = (ut__i64)n * inner;
+  /* GEN only where an activation from SILU on weighs go (channel_sum has none) */
+  if constexpr (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) {
+    if (ut__cuda_bn_gen(act)) {
+      if (w == 8)
+        ut__cuda_channel_partial_kernel<KIND, 8, T, true><<<blocks, 256, 0, ut__cuda_stream>>>(
+            x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
+      else if (w == 4)
+        ut__cuda_channel_partial_kernel<KIND, 4, T, true><<<blocks, 256, 0, ut__cuda_stream>>>(
+            x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
+      else
+        ut__cuda_channel_partial_kernel<KIND, 1, T, true><<<blocks, 256, 0, ut__cuda_stream>>>(
+            x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
+      UT__CUDA_LAUNCHED("channel reduction");
+      return UT_OK;
+    }
+  }
   if (w == 8)
-    ut__cuda_channel_partial_kernel<KIND, 8, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_channel_partial_kernel<KIND, 8, T, false><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   else if (w == 4)
-    ut__cuda_channel_partial_kernel<KIND, 4, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_channel_partial_kernel<KIND, 4, T, false><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   else
-    ut__cuda_channel_partial_kernel<KIND, 1, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_channel_partial_kernel<KIND, 1, T, false><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, go, mean, rstd, gamma, beta, act, c, inner, m, chunk, chunks, ws, o);
   UT__CUDA_LAUNCHED("channel reduction");
   return UT_OK;
@@ -662,11 +745,12 @@ static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b,
   return 1;
 }
 
-template <int W, typename I, typename T>
+template <int W, typename I, typename T, bool GEN>
 static __global__ void ut__cuda_batchnorm2d_apply_kernel(
     const T* __restrict__ x, T* __restrict__ y, const float* __restrict__ mean,
     const float* __restrict__ var, float* __restrict__ rstd, const float* __restrict__ gamma,
-    const float* __restrict__ beta, I groups, I row_groups, int c, float eps, float act) {
+    const float* __restrict__ beta, I groups, I row_groups, int c, float eps,
+    ut__cuda_bn_act act) {
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
     const I row = v / row_groups;
     const int j = (int)(row % (I)c);
@@ -679,30 +763,44 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
 #pragma unroll
     for (int u = 0; u < W; ++u) {
       float z = ut__cuda_bn_z(e[u], m, sc, bt); /* bf16: rounded only after act, as y */
-      e[u] = act < 0.f ? z : ut__cuda_bn_relu(z, act);
+      e[u] = GEN || act.cap < 0.f ? z : ut__cuda_bn_relu(z, act.cap);
     }
+    if (GEN) ut__cuda_bn_gen_values<W>(e, act.kind);
     ut__cuda_vec<W, T>::store(y + (ut__i64)v * W, e);
   }
 }
 
-template <int W, typename T>
-static void ut__cuda_bn_apply_launch(const T* x, T* y, const float* mean, const float* var,
-                                     float* rstd, const float* gamma, const float* beta,
-                                     ut__i64 total, ut__i64 inner, int c, float eps, float act) {
+template <int W, typename T, bool GEN>
+static void ut__cuda_bn_apply_launch_g(const T* x, T* y, const float* mean, const float* var,
+                                       float* rstd, const float* gamma, const float* beta,
+                                       ut__i64 total, ut__i64 inner, int c, float eps,
+                                       ut__cuda_bn_act act) {
   const ut__i64 groups = total / W, row_groups = inner / W;
   const unsigned blocks = ut__cuda_grid_for(groups, 256);
   if (total < INT_MAX)
-    ut__cuda_batchnorm2d_apply_kernel<W, unsigned, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_batchnorm2d_apply_kernel<W, unsigned, T, GEN><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, (unsigned)groups, (unsigned)row_groups, c, eps, act);
   else
-    ut__cuda_batchnorm2d_apply_kernel<W, ut__i64, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+    ut__cuda_batchnorm2d_apply_kernel<W, ut__i64, T, GEN><<<blocks, 256, 0, ut__cuda_stream>>>(
         x, y, mean, var, rstd, gamma, beta, groups, row_groups, c, eps, act);
+}
+template <int W, typename T>
+static void ut__cuda_bn_apply_launch(const T* x, T* y, const float* mean, const float* var,
+                                     float* rstd, const float* gamma, const float* beta,
+                                     ut__i64 total, ut__i64 inner, int c, float eps,
+                                     ut__cuda_bn_act act) {
+  if (ut__cuda_bn_gen(act))
+    ut__cuda_bn_apply_launch_g<W, T, true>(x, y, mean, var, rstd, gamma, beta, total, inner, c,
+                                           eps, act);
+  else
+    ut__cuda_bn_apply_launch_g<W, T, false>(x, y, mean, var, rstd, gamma, beta, total, inner, c,
+                                            eps, act);
 }
 
 template <typename T>
 static int ut__cuda_bn_apply_impl(const T* x, T* y, const float* mean, const float* var,
                                   const float* gamma, const float* beta, float* rstd, int n, int c,
-                                  ut__i64 inner, float eps, float act) {
+                                  ut__i64 inner, float eps, ut__cuda_bn_act act) {
   if (c <= 0) return UT_OK;
   ut__i64 total = (ut__i64)n * c * inner;
   if (total <= 0) { /* nothing to apply: rstd alone, for the caller's cache */
@@ -733,25 +831,26 @@ static int ut__cuda_bn_apply_impl(const T* x, T* y, const float* mean, const flo
 
 int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                       const float* gamma, const float* beta, float* rstd, int n, int c,
-                      ut__i64 inner, float eps, float act) {
+                      ut__i64 inner, float eps, int act) {
+  const ut__cuda_bn_act a = ut__cuda_bn_act_of(act);
   switch (dt) {
     case UT_F32:
       return ut__cuda_bn_apply_impl<float>((const float*)x, (float*)y, mean, var, gamma, beta,
-                                           rstd, n, c, inner, eps, act);
+                                           rstd, n, c, inner, eps, a);
     case UT_BF16:
       return ut__cuda_bn_apply_impl<ut__cuda_bf16>((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y,
                                                    mean, var, gamma, beta, rstd, n, c, inner,
-                                                   eps, act);
+                                                   eps, a);
   }
   return ut__cuda_no_dtype("bn_apply", dt);
 }
 
-template <int W, typename I, typename T>
+template <int W, typename I, typename T, bool GEN>
 static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     const T* __restrict__ go, const T* __restrict__ x, const float* __restrict__ mean,
     const float* __restrict__ rstd, const float* __restrict__ gamma,
     const float* __restrict__ beta, const float* __restrict__ sums, T* __restrict__ dx,
-    I groups, I row_groups, int c, float inv_m, int training, float act) {
+    I groups, I row_groups, int c, float inv_m, int training, ut__cuda_bn_act act) {
   if (training == 2) inv_m = 1.f / sums[2 * c]; /* bn_bwd_dx: the summed count */
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
     const int j = (int)((v / row_groups) % (I)c);
@@ -761,11 +860,19 @@ static __global__ void ut__cuda_batchnorm2d_dx_kernel(
     const float mgx = training ? sums[2 * j + 1] * inv_m : 0.f;
     float g[W], xv[W];
     ut__cuda_vec<W, T>::load(go + (ut__i64)v * W, g);
-    if (training || act >= 0.f) ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, xv);
+    if (training || ut__cuda_bn_act_on<GEN>(act))
+      ut__cuda_vec<W, T>::load(x + (ut__i64)v * W, xv);
+    if (GEN) {
+      float z[W];
+#pragma unroll
+      for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[u], m, sc, bt);
+      ut__cuda_bn_gen_grads<W>(g, z, act.kind);
+    }
 #pragma unroll
     for (int u = 0; u < W; ++u) {
-      float gu = act >= 0.f ? ut__cuda_bn_relu_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act)
-                            : g[u];
+      float gu = !GEN && act.cap >= 0.f
+                     ? ut__cuda_bn_relu_grad(g[u], ut__cuda_bn_z(xv[u], m, sc, bt), act.cap)
+                     : g[u];
       if (training) {
         float xh = (xv[u] - m) * rs;
         gu = gu - mg - xh * mgx;
@@ -781,7 +888,7 @@ template <typename T>
 static int ut__cuda_bn_sums(const T* go, const T* x, const float* mean, const float* rstd,
                             const float* gamma, const float* beta, float* sums, float* ws,
                             float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int chunks,
-                            ut__i64 chunk, int w, float act, float count) {
+                            ut__i64 chunk, int w, ut__cuda_bn_act act, float count) {
   ut__cuda_channel_out o = {};
   o.sums = sums;
   o.dgamma = dgamma;
@@ -791,27 +898,39 @@ static int ut__cuda_bn_sums(const T* go, const T* x, const float* mean, const fl
       x, go, mean, rstd, n, c, inner, ws, chunks, chunk, w, o, gamma, beta, act);
 }
 
+template <int W, typename T, bool GEN>
+static void ut__cuda_bn_dx_launch_g(const T* go, const T* x, const float* mean,
+                                    const float* rstd, const float* gamma, const float* beta,
+                                    const float* sums, T* dx, ut__i64 total, ut__i64 inner, int c,
+                                    float inv_m, int tr, ut__cuda_bn_act act) {
+  const ut__i64 groups = total / W, row_groups = inner / W;
+  const unsigned blocks = ut__cuda_grid_for(groups, 256);
+  if (total < INT_MAX)
+    ut__cuda_batchnorm2d_dx_kernel<W, unsigned, T, GEN><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
+        inv_m, tr, act);
+  else
+    ut__cuda_batchnorm2d_dx_kernel<W, ut__i64, T, GEN><<<blocks, 256, 0, ut__cuda_stream>>>(
+        go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+}
 template <int W, typename T>
 static void ut__cuda_bn_dx_launch(const T* go, const T* x, const float* mean, const float* rstd,
                                   const float* gamma, const float* beta, const float* sums, T* dx,
                                   ut__i64 total, ut__i64 inner, int c, float inv_m, int tr,
-                                  float act) {
-  const ut__i64 groups = total / W, row_groups = inner / W;
-  const unsigned blocks = ut__cuda_grid_for(groups, 256);
-  if (total < INT_MAX)
-    ut__cuda_batchnorm2d_dx_kernel<W, unsigned, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        go, x, mean, rstd, gamma, beta, sums, dx, (unsigned)groups, (unsigned)row_groups, c,
-        inv_m, tr, act);
+                                  ut__cuda_bn_act act) {
+  if (ut__cuda_bn_gen(act))
+    ut__cuda_bn_dx_launch_g<W, T, true>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner, c,
+                                        inv_m, tr, act);
   else
-    ut__cuda_batchnorm2d_dx_kernel<W, ut__i64, T><<<blocks, 256, 0, ut__cuda_stream>>>(
-        go, x, mean, rstd, gamma, beta, sums, dx, groups, row_groups, c, inv_m, tr, act);
+    ut__cuda_bn_dx_launch_g<W, T, false>(go, x, mean, rstd, gamma, beta, sums, dx, total, inner,
+                                         c, inv_m, tr, act);
 }
 
 /* dx; training: 0 eval, 1 training (count n inner), 2 training with the count at sums[2c] */
 template <typename T>
 static void ut__cuda_bn_dx(const T* go, const T* x, const float* mean, const float* rstd,
                            const float* gamma, const float* beta, const float* sums, T* dx,
-                           int n, int c, ut__i64 inner, int tr, float act) {
+                           int n, int c, ut__i64 inner, int tr, ut__cuda_bn_act act) {
   const ut__i64 m = (ut__i64)n * inner, total = m * c;
   const int w = ut__cuda_bn_width<T>(inner, go, x, dx);
   const float inv_m = 1.f / (float)m;
@@ -839,7 +958,7 @@ template <typename T>
 static int ut__cuda_bn_bwd_impl(const T* go, const T* x, const float* mean, const float* rstd,
                                 const float* gamma, const float* beta, T* dx, float* dgamma,
                                 float* dbeta, int n, int c, ut__i64 inner, bool training,
-                                float act) {
+                                ut__cuda_bn_act act) {
   if (c <= 0) return UT_OK;
   const ut__i64 m = (ut__i64)n * inner;
   if (m <= 0) return UT_OK;
@@ -870,16 +989,17 @@ static int ut__cuda_bn_bwd_impl(const T* go, const T* x, const float* mean, cons
 int ut__cuda_bn_bwd(ut_dtype dt, const void* go, const void* x, const float* mean,
                     const float* rstd, const float* gamma, const float* beta, void* dx,
                     float* dgamma, float* dbeta, int n, int c, ut__i64 inner, bool training,
-                    float act) {
+                    int act) {
+  const ut__cuda_bn_act a = ut__cuda_bn_act_of(act);
   switch (dt) {
     case UT_F32:
       return ut__cuda_bn_bwd_impl<float>((const float*)go, (const float*)x, mean, rstd, gamma,
                                          beta, (float*)dx, dgamma, dbeta, n, c, inner, training,
-                                         act);
+                                         a);
     case UT_BF16:
       return ut__cuda_bn_bwd_impl<ut__cuda_bf16>(
           (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta,
-          (ut__cuda_bf16*)dx, dgamma, dbeta, n, c, inner, training, act);
+          (ut__cuda_bf16*)dx, dgamma, dbeta, n, c, inner, training, a);
   }
   return ut__cuda_no_dtype("bn_bwd", dt);
 }
@@ -888,7 +1008,7 @@ template <typename T>
 static int ut__cuda_bn_bwd_sums_impl(const T* go, const T* x, const float* mean,
                                      const float* rstd, const float* gamma, const float* beta,
                                      float* sums, float* dgamma, float* dbeta, int n, int c,
-                                     ut__i64 inner, float act) {
+                                     ut__i64 inner, ut__cuda_bn_act act) {
   const ut__i64 m = (ut__i64)n * inner;
   if (c <= 0 || m <= 0) return UT_OK;
   std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
@@ -904,15 +1024,16 @@ static int ut__cuda_bn_bwd_sums_impl(const T* go, const T* x, const float* mean,
 
 int ut__cuda_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float* mean,
                          const float* rstd, const float* gamma, const float* beta, float* sums,
-                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, float act) {
+                         float* dgamma, float* dbeta, int n, int c, ut__i64 inner, int act) {
+  const ut__cuda_bn_act a = ut__cuda_bn_act_of(act);
   switch (dt) {
     case UT_F32:
       return ut__cuda_bn_bwd_sums_impl<float>((const float*)go, (const float*)x, mean, rstd,
-                                              gamma, beta, sums, dgamma, dbeta, n, c, inner, act);
+                                              gamma, beta, sums, dgamma, dbeta, n, c, inner, a);
     case UT_BF16:
       return ut__cuda_bn_bwd_sums_impl<ut__cuda_bf16>(
           (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
-          dgamma, dbeta, n, c, inner, act);
+          dgamma, dbeta, n, c, inner, a);
   }
   return ut__cuda_no_dtype("bn_bwd_sums", dt);
 }
@@ -920,7 +1041,7 @@ int ut__cuda_bn_bwd_sums(ut_dtype dt, const void* go, const void* x, const float
 template <typename T>
 static int ut__cuda_bn_bwd_dx_impl(const T* go, const T* x, const float* mean, const float* rstd,
                                    const float* gamma, const float* beta, const float* sums, T* dx,
-                                   int n, int c, ut__i64 inner, float act) {
+                                   int n, int c, ut__i64 inner, ut__cuda_bn_act act) {
   if (c <= 0 || (ut__i64)n * inner <= 0) return UT_OK;
   ut__cuda_bn_dx<T>(go, x, mean, rstd, gamma, beta, sums, dx, n, c, inner, 2, act);
   UT__CUDA_LAUNCHED("bn_bwd_dx");
@@ -929,15 +1050,16 @@ static int ut__cuda_bn_bwd_dx_impl(const T* go, const T* x, const float* mean, c
 
 int ut__cuda_bn_bwd_dx(ut_dtype dt, const void* go, const void* x, const float* mean,
                        const float* rstd, const float* gamma, const float* beta, const float* sums,
-                       void* dx, int n, int c, ut__i64 inner, float act) {
+                       void* dx, int n, int c, ut__i64 inner, int act) {
+  const ut__cuda_bn_act a = ut__cuda_bn_act_of(act);
   switch (dt) {
     case UT_F32:
       return ut__cuda_bn_bwd_dx_impl<float>((const float*)go, (const float*)x, mean, rstd, gamma,
-                                            beta, sums, (float*)dx, n, c, inner, act);
+                                            beta, sums, (float*)dx, n, c, inner, a);
     case UT_BF16:
       return ut__cuda_bn_bwd_dx_impl<ut__cuda_bf16>(
           (const ut__cuda_bf16*)go, (const ut__cuda_bf16*)x, mean, rstd, gamma, beta, sums,
-          (ut__cuda_bf16*)dx, n, c, inner, act);
+          (ut__cuda_bf16*)dx, n, c, inner, a);
   }
   return ut__cuda_no_dtype("bn_bwd_dx", dt);
 }

@@ -1,6 +1,6 @@
 """Normalization: LayerNorm (over the last dimension), LayerNorm2d (over the channels of NCHW:
 ConvNeXt's) and BatchNorm2d (over N, H, W per channel, with running statistics and an optional
-fused ReLU/ReLU6)."""
+fused activation)."""
 
 from .. import _args
 from .._errors import ArgumentError
@@ -55,10 +55,11 @@ class BatchNorm2d(_CLayer):
     Unlike the other layers, forward keeps its (small) cache in eval mode too, so backward
     works with frozen statistics (fine-tuning with a fixed normalization).
 
-    ``activation="relu6"`` (or ``"relu"``) applies ReLU6 to the output in the same pass over the
-    data, forward and backward: the same results as BatchNorm2d followed by ReLU6, with two
-    fewer trips through memory per step (backward recomputes the pre-activation from the input
-    it keeps anyway). Its state_dict is BatchNorm2d's.
+    ``activation`` applies an activation to the output in the same pass over the data, forward
+    and backward: "relu", "relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "gelu" (erf)
+    or "gelu_tanh" (GELU(approximate="tanh")). The results are those of BatchNorm2d followed by
+    the activation's layer, with two fewer trips through memory per step (backward recomputes
+    the pre-activation from the input it keeps anyway). Its state_dict is BatchNorm2d's.
     """
 
     _c_struct = ffi.typeof("ut_batchnorm2d *")
@@ -71,11 +72,16 @@ class BatchNorm2d(_CLayer):
     running_mean = _TensorField()
     running_var = _TensorField()
 
-    _ACTIVATIONS = {None: lib.UT_ACT_NONE, "relu": lib.UT_ACT_RELU, "relu6": lib.UT_ACT_RELU6}
+    # the names are ut_activation_name's (the C enum's); GELU's "gelu_tanh" is
+    # GELU(approximate="tanh")
+    _ACTIVATIONS = {None: lib.UT_ACT_NONE, "relu": lib.UT_ACT_RELU, "relu6": lib.UT_ACT_RELU6,
+                    "silu": lib.UT_ACT_SILU, "hardswish": lib.UT_ACT_HARDSWISH,
+                    "hardsigmoid": lib.UT_ACT_HARDSIGMOID, "sigmoid": lib.UT_ACT_SIGMOID,
+                    "gelu": lib.UT_ACT_GELU, "gelu_tanh": lib.UT_ACT_GELU_TANH}
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, device="cpu", activation=None):
         if activation is not None:
-            _args.to_str(activation, "activation", ("relu", "relu6"))
+            _args.to_str(activation, "activation", tuple(k for k in self._ACTIVATIONS if k))
         self.num_features = _args.to_int(num_features, "num_features", 1)
         self.eps = _args.to_float(eps, "eps", lo=0.0)
         self.momentum = _args.to_float(momentum, "momentum", lo=0.0, hi=1.0)
@@ -88,7 +94,8 @@ class BatchNorm2d(_CLayer):
 
     @property
     def activation(self):
-        """None, "relu" or "relu6": what forward applies to its output in the same pass."""
+        """None or an activation's name (see the class): what forward applies to its output in
+        the same pass."""
         code = self._struct.activation
         return next(k for k, v in self._ACTIVATIONS.items() if v == code)
 

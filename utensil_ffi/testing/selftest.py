@@ -133,11 +133,12 @@ def check_bf16(device, seed=0):
 
     rng = np.random.default_rng(seed)
     ut.seed(seed)
-    # no bias before a batchnorm (it cancels: its gradient is float32 roundoff, not a signal)
+    # no bias before a batchnorm (it cancels: its gradient is float32 roundoff, not a signal);
+    # the batchnorms fuse relu6 (MobileNetV2's) and hardswish (V3's: the other kinds' kernels)
     net = ut.Sequential(ut.Conv2d(3, 8, 3, stride=2, padding=1, bias=False),
                         ut.BatchNorm2d(8, activation="relu6"),
                         ut.DWConv2d(8, 3, padding=1, bias=False),
-                        ut.BatchNorm2d(8, activation="relu6"),
+                        ut.BatchNorm2d(8, activation="hardswish"),
                         ut.Conv2d(8, 16, 1, bias=True), ut.GlobalAvgPool2d(),
                         ut.Linear(16, 5)).to(device)
     try:
