@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import models
+from utensil_ffi.nn import models  # the mobilenet builders (utensil_ffi.models: torchvision's)
 from utensil_ffi.onnx_export import export_onnx
 
 

@@ -1,9 +1,9 @@
 """export_onnx: a utensil model as an ONNX file, for onnxruntime, TensorRT, OpenVINO, ...
 
-    from utensil_ffi.nn import models
+    from utensil_ffi import models
     from utensil_ffi.interop.onnx_export import export_onnx
-    net = models.mobilenet_v2(num_classes=10)
-    export_onnx(net, "mobilenet_v2.onnx", (1, 3, 224, 224))
+    net = models.efficientnet_b0(num_classes=10)
+    export_onnx(net, "efficientnet_b0.onnx", (1, 3, 224, 224))
 
 The graph is the model's eval-mode forward (BatchNorm2d with its running statistics), whatever
 mode the model is in; the model itself is not changed and runs nothing. Supported modules:
@@ -11,7 +11,8 @@ Sequential (its children's names, an OrderedDict's keys too, name the initialize
 Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv), BatchNorm2d (with any fused
 activation: its layer's nodes after the BatchNormalization), ReLU, ReLU6, SiLU, Hardswish,
 Hardsigmoid, Sigmoid, GELU, GlobalAvgPool2d, Linear, LayerNorm, LayerNorm2d, SqueezeExcitation,
-and Dropout and StochasticDepth (their eval-mode identity: no node); any other raises
+utensil_ffi.models' blocks (InvertedResidual, CNBlock with its layer scale, PointwiseLinear: a
+1x1 Conv), and Dropout and StochasticDepth (their eval-mode identity: no node); any other raises
 ArgumentError naming it. The activations are ONNX's own operators where the opset has them
 (HardSwish from 14, Gelu from 20), else their formula in older ones (x * HardSigmoid(x); GELU's
 erf or tanh expression); SiLU is x * Sigmoid(x) at every opset (ONNX has no Swish). LayerNorm is
@@ -37,6 +38,8 @@ from ..nn.norm import BatchNorm2d, LayerNorm, LayerNorm2d
 from ..nn.pooling import GlobalAvgPool2d
 from ..nn.squeeze_excitation import SqueezeExcitation
 from ..nn.dropout import Dropout, StochasticDepth  # issue 30: the identity at inference
+from ..models import CNBlock, InvertedResidual
+from ..models._utils import PointwiseLinear
 
 __all__ = ["export_onnx"]
 
@@ -373,6 +376,29 @@ class _Graph:
             inputs.append(self.const(_join(path, "bias"), _values(m.bias), m.bias))
         return self.node("Gemm", inputs, path, transB=1), (shape[0], m.out_features)
 
+    # -- utensil_ffi.models' blocks ------------------------------------------------------------
+    def _add_residual(self, m, path, x, shape, y, yshape):
+        if yshape != shape:
+            raise ShapeError("export_onnx: %s at '%s': its body maps %s to %s; x + body(x) "
+                             "needs the shape unchanged" % (type(m).__name__, path, _fmt(shape),
+                                                           _fmt(yshape)))
+        return self.node("Add", [x, y], path), shape
+
+    def inverted_residual(self, m, path, x, shape):
+        # body(x), plus x with use_res_connect; its StochasticDepth is the identity at inference
+        name = next(k for k, c in m.named_children() if c is m.body)
+        y, yshape = self.emit(m.body, _join(path, name), x, shape)
+        if not m.use_res_connect:
+            return y, yshape
+        return self._add_residual(m, path, x, shape, y, yshape)
+
+    def cn_block(self, m, path, x, shape):
+        # x + layer_scale * block(x): layer_scale [C, 1, 1] broadcasts over N, H and W
+        y, yshape = self.emit(m.block, _join(path, "block"), x, shape)
+        scale = self.const(_join(path, "layer_scale"), _values(m.layer_scale), m.layer_scale)
+        y = self.node("Mul", [y, scale], path)
+        return self._add_residual(m, path, x, shape, y, yshape)
+
     def identity(self, m, path, x, shape):
         """Dropout, StochasticDepth: the identity in eval mode, so no node (as PyTorch's export
         drops them)."""
@@ -413,6 +439,10 @@ _EMIT = {
     LayerNorm: _Graph.layer_norm,
     LayerNorm2d: _Graph.layer_norm2d,
     SqueezeExcitation: _Graph.squeeze_excitation,
+    # utensil_ffi.models' blocks
+    InvertedResidual: _Graph.inverted_residual,
+    CNBlock: _Graph.cn_block,
+    PointwiseLinear: _Graph.conv2d,  # a 1x1 Conv2d whose state_dict has a Linear's shape
 }
 _EMIT.update((cls, _Graph.activation_layer) for cls in _LAYER_ACTIVATION)
 
