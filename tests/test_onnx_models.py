@@ -70,3 +70,18 @@ def test_unfused_models_match_too(ort, tmp_path, rng, name):
         assert err <= TOL
     finally:
         net.close()
+
+
+@pytest.mark.parametrize("opset", [11, 20])
+def test_convnext_at_other_opsets(ort, tmp_path, rng, opset):
+    # opset 11: LayerNorm2d, LayerNorm and GELU as their formulas; 20: ONNX's Gelu
+    ut.seed(42)
+    net = _build("convnext_tiny")
+    try:
+        proto, err = export_and_compare(ort, net, str(tmp_path / "m.onnx"), (1, 3, 64, 64), rng,
+                                        opset=opset, batches=(1,))
+        assert err <= TOL
+        ops = {n.op_type for n in proto.graph.node}
+        assert ("LayerNormalization" in ops) == (opset >= 17) and ("Gelu" in ops) == (opset >= 20)
+    finally:
+        net.close()
