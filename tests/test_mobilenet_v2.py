@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import models
+from utensil_ffi.nn import models  # the flat mobilenet_v2 (utensil_ffi.models': torchvision's)
 from utensil_ffi import reference as R
 
 

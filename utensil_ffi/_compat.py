@@ -25,7 +25,9 @@ the top of the package, which is the clutter the sub-packages are there to remov
 ``from .cli.train import *`` would be a second module object, which a monkeypatch of one would
 not reach. The finder answers only the names in MOVED, only under this package, and only after
 the regular finders found nothing. ``data`` and ``distributed`` need no entry: they are packages
-of the same name now, whose ``__init__`` holds the old module's names.
+of the same name now, whose ``__init__`` holds the old module's names; so is ``models`` (now
+torchvision's networks, utensil_ffi/models/), which holds nn.models' names but for
+``mobilenet_v2``, whose layout is torchvision's there (the flat one is nn.models').
 """
 
 import importlib
@@ -44,7 +46,6 @@ MOVED = {
     "amp": ("nn.amp",),
     "blocks": ("nn.blocks",),
     "sync_batchnorm": ("nn.sync_batchnorm",),
-    "models": ("nn.models",),
     # data
     "images": ("data.images",),
     "transforms": ("data.transforms",),

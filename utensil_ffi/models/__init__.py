@@ -27,9 +27,17 @@ One family a module:
 Every model is a Sequential with torchvision's attribute names as children (``features``,
 ``avgpool``, ``classifier``; MNASNet: ``layers``, ``pool``, ``classifier``): calling it maps
 [N, in_channels, H, W] to logits [N, num_classes], backward walks it back.
+
+``utensil_ffi.models`` was the old path of ``utensil_ffi.nn.models``: its builders
+(``mobilenet``, ``mobilenet_v1``, ``count_parameters``, the block tables) are here too, but
+``mobilenet_v2`` is torchvision's layout here; the flat one (keys paired with torchvision's by
+order, for old checkpoints) is ``utensil_ffi.nn.models.mobilenet_v2``. list_models() names
+torchvision's networks only.
 """
 
 from .._errors import ArgumentError
+from ..nn.models import (DEFAULT_BLOCKS, V1_BLOCKS, V2_BLOCKS, block_channels, count_parameters,
+                         mobilenet, mobilenet_v1)
 from ._blocks import CNBlock, InvertedResidual
 from .convnext import convnext_tiny
 from .efficientnet import efficientnet_b0, efficientnet_b1, efficientnet_b2, efficientnet_b3
@@ -44,6 +52,9 @@ _BUILDERS = {f.__name__: f for f in (
 
 __all__ = ["list_models", "get_model", "get_model_builder", "InvertedResidual", "CNBlock"]
 __all__ += sorted(_BUILDERS)
+# nn.models' names, from when this was its path
+__all__ += ["mobilenet", "mobilenet_v1", "count_parameters", "block_channels", "DEFAULT_BLOCKS",
+            "V1_BLOCKS", "V2_BLOCKS"]
 
 
 def list_models():

@@ -26,7 +26,8 @@ from .._lifetime import _PASS, _State, _in_pass
 from ..functional import add, layer_scale, layer_scale_backward
 from ..tensor import Tensor, zeros
 from .. import nn
-from ..nn.module import _backward_params_only, _layer_device, _public_state, _rebuild_module, _takes_input_grad
+from ..nn.module import (_backward_params_only, _layer_device, _public_state, _rebuild_module,
+                         _takes_input_grad)
 from ._utils import PointwiseLinear
 
 __all__ = ["InvertedResidual", "CNBlock"]

@@ -70,9 +70,11 @@ def _convnext(name, setting, weights, progress, num_classes, stochastic_depth_pr
 
 
 def convnext_tiny(*, weights=None, progress=True, num_classes=1000, stochastic_depth_prob=0.1,
-                  layer_scale=1e-6, in_channels=3, device="cpu", **kwargs):
+                  layer_scale=1e-6, in_channels=3, device="cpu", fused=True, **kwargs):
     """torchvision.models.convnext_tiny (28,589,128 parameters at 1000 classes), initialised
     as torchvision's (trunc_normal std 0.02, layer_scale 1e-6) from the library's RNG.
-    ``in_channels``: the stem's input channels (utensil's). No BatchNorm, so no ``fused``."""
+    ``in_channels``: the stem's input channels (utensil's). ``fused`` is accepted as by every
+    builder, and changes nothing: no BatchNorm, so nothing to fuse."""
+    _args.to_bool(fused, "fused")
     return _convnext("convnext_tiny", _TINY, weights, progress, num_classes,
                      stochastic_depth_prob, layer_scale, in_channels, device, kwargs)

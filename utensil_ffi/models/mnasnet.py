@@ -17,6 +17,9 @@ torchvision's MNASNet attributes::
     pool                  GlobalAvgPool2d (torchvision's ``x.mean([2, 3])``; no keys)
     classifier            "0" Dropout(dropout), "1" Linear(1280, num_classes)
 
+``net.layers`` is Sequential's own list of its children (which the library's code reads), so
+torchvision's ``layers`` child is ``net[0]`` here (its keys are "layers.*" all the same).
+
 torchvision's MNASNet refuses a state dict without its version metadata (a plain dict, as
 utensil's state_dict is): give it ``sd = collections.OrderedDict(...)`` with
 ``sd._metadata = {"": {"version": 2}}``.

@@ -42,7 +42,8 @@ class Sequential(Module):
         self._names = names if names is not None and names != _index_names(len(layers)) else None
 
     def __getattr__(self, name):
-        # only called when ordinary lookup fails: a child named like an attribute (seq.features)
+        # only called when ordinary lookup fails: a child named like an attribute (seq.features);
+        # one named as an attribute Sequential has (layers, training) is reached by index only
         names = self.__dict__.get("_names")
         if names is not None and name in names and not name.startswith("__"):
             return self.__dict__["layers"][names.index(name)]
