@@ -1,19 +1,24 @@
 """export_onnx: a utensil model as an ONNX file, for onnxruntime, TensorRT, OpenVINO, ...
 
-    from utensil_ffi.nn import models
+    from utensil_ffi import models
     from utensil_ffi.interop.onnx_export import export_onnx
-    net = models.mobilenet_v2(num_classes=10)
-    export_onnx(net, "mobilenet_v2.onnx", (1, 3, 224, 224))
+    net = models.efficientnet_b0(num_classes=10)
+    export_onnx(net, "efficientnet_b0.onnx", (1, 3, 224, 224))
 
 The graph is the model's eval-mode forward (BatchNorm2d with its running statistics), whatever
 mode the model is in; the model itself is not changed and runs nothing. Supported modules:
-Sequential, Residual, Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv),
-BatchNorm2d (with its fused activation), ReLU, ReLU6, SiLU, Hardswish, Hardsigmoid, Sigmoid,
-GELU, GlobalAvgPool2d and Linear, and Dropout and StochasticDepth (their eval-mode identity: no
-node); any other raises ArgumentError naming it. The activations are ONNX's own operators where
-the opset has them (HardSwish from 14, Gelu from 20), else their formula in older ones
-(x * HardSigmoid(x); GELU's erf or tanh expression); SiLU is x * Sigmoid(x) at every opset (ONNX
-has no Swish). Needs the ``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
+Sequential (its children's names, an OrderedDict's keys too, name the initializers), Residual,
+Conv2d, DWConv2d (dilation and channel multiplier: a grouped Conv), BatchNorm2d (with any fused
+activation: its layer's nodes after the BatchNormalization), ReLU, ReLU6, SiLU, Hardswish,
+Hardsigmoid, Sigmoid, GELU, GlobalAvgPool2d, Linear, LayerNorm, LayerNorm2d, SqueezeExcitation,
+utensil_ffi.models' blocks (InvertedResidual, CNBlock with its layer scale, PointwiseLinear: a
+1x1 Conv), and Dropout and StochasticDepth (their eval-mode identity: no node); any other raises
+ArgumentError naming it. The activations are ONNX's own operators where the opset has them
+(HardSwish from 14, Gelu from 20), else their formula in older ones (x * HardSigmoid(x); GELU's
+erf or tanh expression); SiLU is x * Sigmoid(x) at every opset (ONNX has no Swish). LayerNorm is
+LayerNormalization from opset 17 and its formula (ReduceMean, Sub, Mul, Add, Sqrt, Div) before;
+LayerNorm2d is the same over the channels, moved last and back by two Transposes. Needs the
+``onnx`` package (``pip install 'utensil-ffi[onnx]'``).
 """
 
 import os
@@ -29,9 +34,12 @@ from ..nn.container import Sequential
 from ..nn.conv import Conv2d, DWConv2d
 from ..nn.linear import Linear
 from ..nn.module import Module
-from ..nn.norm import BatchNorm2d
+from ..nn.norm import BatchNorm2d, LayerNorm, LayerNorm2d
 from ..nn.pooling import GlobalAvgPool2d
+from ..nn.squeeze_excitation import SqueezeExcitation
 from ..nn.dropout import Dropout, StochasticDepth  # issue 30: the identity at inference
+from ..models import CNBlock, InvertedResidual
+from ..models._utils import PointwiseLinear
 
 __all__ = ["export_onnx"]
 
@@ -190,8 +198,9 @@ class _Graph:
         return fn(self, m, path, x, shape)
 
     def sequential(self, m, path, x, shape):
-        for i, layer in enumerate(m):
-            x, shape = self.emit(layer, _join(path, str(i)), x, shape)
+        # the children's own names ("0", "1"... or an OrderedDict's keys): the state_dict's
+        for name, layer in m.named_children():
+            x, shape = self.emit(layer, _join(path, name), x, shape)
         return x, shape
 
     def residual(self, m, path, x, shape):
@@ -239,50 +248,48 @@ class _Graph:
             ("weight", m.weight), ("bias", m.bias), ("running_mean", m.running_mean),
             ("running_var", m.running_var))]
         y = self.node("BatchNormalization", inputs, path, epsilon=float(m.eps))
-        if m.activation == "relu":
-            y = self.node("Relu", [y], path)
-        elif m.activation == "relu6":
-            y = self._relu6(y, path)
+        if m.activation is not None:  # the fused activation: the node(s) its layer would emit
+            fn = _ACTIVATIONS.get(m.activation)
+            if fn is None:
+                raise ArgumentError(
+                    "export_onnx: BatchNorm2d at '%s': its fused activation %r has no ONNX form; "
+                    "the exporter knows %s" % (path, m.activation, ", ".join(sorted(_ACTIVATIONS))))
+            y = fn(self, y, path)
         return y, shape
+
+    # -- activations: one emitter each, keyed by name in _ACTIVATIONS, shared by the activation
+    # layers and BatchNorm2d's fused activation ------------------------------------------------
+    def _scalar(self, name, value):
+        """A float32 scalar initializer, one per graph for each name."""
+        return self.const(name, np.array(value, np.float32), _SCALARS.setdefault(name, object()))
+
+    def _relu(self, x, path):
+        return self.node("Relu", [x], path)
 
     def _relu6(self, x, path):
         lo = self.const("relu6_min", np.array(0.0, np.float32), _RELU6_MIN)
         hi = self.const("relu6_max", np.array(6.0, np.float32), _RELU6_MAX)
         return self.node("Clip", [x, lo, hi], path)
 
-    def relu(self, m, path, x, shape):
-        return self.node("Relu", [x], path), shape
-
-    def relu6(self, m, path, x, shape):
-        return self._relu6(x, path), shape
-
-    # -- issue 30's activations --------------------------------------------------------------------
-    def _scalar(self, name, value):
-        """A float32 scalar initializer, one per graph for each name."""
-        return self.const(name, np.array(value, np.float32), _SCALARS.setdefault(name, object()))
+    def _sigmoid(self, x, path):
+        return self.node("Sigmoid", [x], path)
 
     def _hardsigmoid(self, x, path):
         # ONNX's max(0, min(1, alpha x + beta)) with PyTorch's alpha 1/6, beta 1/2
         return self.node("HardSigmoid", [x], path, alpha=1.0 / 6.0, beta=0.5)
 
-    def sigmoid(self, m, path, x, shape):
-        return self.node("Sigmoid", [x], path), shape
-
-    def hardsigmoid(self, m, path, x, shape):
-        return self._hardsigmoid(x, path), shape
-
-    def hardswish(self, m, path, x, shape):
+    def _hardswish(self, x, path):
         if self.opset >= 14:
-            return self.node("HardSwish", [x], path), shape
-        return self.node("Mul", [x, self._hardsigmoid(x, path)], path), shape
+            return self.node("HardSwish", [x], path)
+        return self.node("Mul", [x, self._hardsigmoid(x, path)], path)
 
-    def silu(self, m, path, x, shape):
-        return self.node("Mul", [x, self.node("Sigmoid", [x], path)], path), shape
+    def _silu(self, x, path):
+        return self.node("Mul", [x, self.node("Sigmoid", [x], path)], path)
 
-    def gelu(self, m, path, x, shape):
+    def _gelu(self, x, path, approximate="none"):
         if self.opset >= 20:
-            return self.node("Gelu", [x], path, approximate=m.approximate), shape
-        if m.approximate == "tanh":  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
+            return self.node("Gelu", [x], path, approximate=approximate)
+        if approximate == "tanh":  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
             x3 = self.node("Mul", [self.node("Mul", [x, x], path), x], path)
             inner = self.node("Add", [x, self.node("Mul", [x3, self._scalar(
                 "gelu_kappa", 0.044715)], path)], path)
@@ -293,7 +300,65 @@ class _Graph:
                 "gelu_rsqrt2", np.sqrt(0.5))], path)], path)
         one_plus = self.node("Add", [t, self._scalar("gelu_one", 1.0)], path)
         half_x = self.node("Mul", [x, self._scalar("gelu_half", 0.5)], path)
-        return self.node("Mul", [half_x, one_plus], path), shape
+        return self.node("Mul", [half_x, one_plus], path)
+
+    def _gelu_tanh(self, x, path):
+        return self._gelu(x, path, "tanh")
+
+    def activation_layer(self, m, path, x, shape):
+        """An activation layer: the emitter of its name (GELU's by its ``approximate``)."""
+        name = _LAYER_ACTIVATION[type(m)]
+        if name == "gelu" and m.approximate == "tanh":
+            name = "gelu_tanh"
+        return _ACTIVATIONS[name](self, x, path), shape
+
+    # -- issue 30's normalizations and squeeze-and-excitation ----------------------------------
+    def _norm_last_axis(self, m, path, x):
+        """LayerNorm over the last axis, with m's weight, bias and eps: ONNX's
+        LayerNormalization from opset 17, its formula before (LayerNormalization is new in 17)."""
+        scale = self.const(_join(path, "weight"), _values(m.weight), m.weight)
+        bias = self.const(_join(path, "bias"), _values(m.bias), m.bias)
+        if self.opset >= 17:
+            return self.node("LayerNormalization", [x, scale, bias], path, axis=-1,
+                             epsilon=float(m.eps))
+        # (x - mean) / sqrt(mean((x - mean)^2) + eps) * weight + bias; ReduceMean's axes are an
+        # attribute up to opset 17, an input from 18
+        mean = self.node("ReduceMean", [x], path, axes=[-1], keepdims=1)
+        d = self.node("Sub", [x, mean], path)
+        var = self.node("ReduceMean", [self.node("Mul", [d, d], path)], path, axes=[-1],
+                        keepdims=1)
+        eps = self.const(_join(path, "eps"), np.array(m.eps, np.float32))
+        std = self.node("Sqrt", [self.node("Add", [var, eps], path)], path)
+        y = self.node("Mul", [self.node("Div", [d, std], path), scale], path)
+        return self.node("Add", [y, bias], path)
+
+    def layer_norm(self, m, path, x, shape):
+        if shape[-1] != m.dim:
+            raise ShapeError("export_onnx: LayerNorm at '%s' normalizes a last dimension of %d, "
+                             "but gets %s" % (path, m.dim, _fmt(shape)))
+        return self._norm_last_axis(m, path, x), shape
+
+    def layer_norm2d(self, m, path, x, shape):
+        # the channels moved last and back: LayerNormalization normalizes the axes from its
+        # ``axis`` to the end, and here that is C alone (as torchvision's permute, LayerNorm,
+        # permute back)
+        self._image(m, path, shape, m.dim)
+        nhwc = self.node("Transpose", [x], path, perm=[0, 2, 3, 1])
+        y = self._norm_last_axis(m, path, nhwc)
+        return self.node("Transpose", [y], path, perm=[0, 3, 1, 2]), shape
+
+    def squeeze_excitation(self, m, path, x, shape):
+        # x * scale_activation(fc2(activation(fc1(avgpool(x))))); GlobalAveragePool's [N, C, 1, 1]
+        # is what the 1x1 convolutions take, and Mul broadcasts it over H and W
+        self._image(m, path, shape, m.fc1.in_channels)
+        s = self.node("GlobalAveragePool", [x], _join(path, "avgpool"))
+        sshape = (shape[0], shape[1], 1, 1)
+        for name in ("fc1", "activation", "fc2", "scale_activation"):
+            s, sshape = self.emit(getattr(m, name), _join(path, name), s, sshape)
+        if sshape != (shape[0], shape[1], 1, 1):
+            raise ShapeError("export_onnx: SqueezeExcitation at '%s': its scale is %s, not one "
+                             "number per channel of %s" % (path, _fmt(sshape), _fmt(shape)))
+        return self.node("Mul", [x, s], path), shape
 
     def global_avg_pool2d(self, m, path, x, shape):
         if len(shape) != 4:
@@ -311,6 +376,29 @@ class _Graph:
             inputs.append(self.const(_join(path, "bias"), _values(m.bias), m.bias))
         return self.node("Gemm", inputs, path, transB=1), (shape[0], m.out_features)
 
+    # -- utensil_ffi.models' blocks ------------------------------------------------------------
+    def _add_residual(self, m, path, x, shape, y, yshape):
+        if yshape != shape:
+            raise ShapeError("export_onnx: %s at '%s': its body maps %s to %s; x + body(x) "
+                             "needs the shape unchanged" % (type(m).__name__, path, _fmt(shape),
+                                                           _fmt(yshape)))
+        return self.node("Add", [x, y], path), shape
+
+    def inverted_residual(self, m, path, x, shape):
+        # body(x), plus x with use_res_connect; its StochasticDepth is the identity at inference
+        name = next(k for k, c in m.named_children() if c is m.body)
+        y, yshape = self.emit(m.body, _join(path, name), x, shape)
+        if not m.use_res_connect:
+            return y, yshape
+        return self._add_residual(m, path, x, shape, y, yshape)
+
+    def cn_block(self, m, path, x, shape):
+        # x + layer_scale * block(x): layer_scale [C, 1, 1] broadcasts over N, H and W
+        y, yshape = self.emit(m.block, _join(path, "block"), x, shape)
+        scale = self.const(_join(path, "layer_scale"), _values(m.layer_scale), m.layer_scale)
+        y = self.node("Mul", [y, scale], path)
+        return self._add_residual(m, path, x, shape, y, yshape)
+
     def identity(self, m, path, x, shape):
         """Dropout, StochasticDepth: the identity in eval mode, so no node (as PyTorch's export
         drops them)."""
@@ -322,25 +410,41 @@ _RELU6_MIN, _RELU6_MAX = object(), object()
 # keys for the activations' scalar constants by name, likewise shared within a graph
 _SCALARS = {}
 
+# the activations by name: BatchNorm2d's ``activation`` strings, and the layers' (below)
+_ACTIVATIONS = {
+    "relu": _Graph._relu,
+    "relu6": _Graph._relu6,
+    "silu": _Graph._silu,
+    "hardswish": _Graph._hardswish,
+    "hardsigmoid": _Graph._hardsigmoid,
+    "sigmoid": _Graph._sigmoid,
+    "gelu": _Graph._gelu,
+    "gelu_tanh": _Graph._gelu_tanh,
+}
+_LAYER_ACTIVATION = {ReLU: "relu", ReLU6: "relu6", SiLU: "silu", Hardswish: "hardswish",
+                     Hardsigmoid: "hardsigmoid", Sigmoid: "sigmoid", GELU: "gelu"}
+
 _EMIT = {
     Sequential: _Graph.sequential,
     Residual: _Graph.residual,
     Conv2d: _Graph.conv2d,
     DWConv2d: _Graph.dwconv2d,
     BatchNorm2d: _Graph.batchnorm2d,
-    ReLU: _Graph.relu,
-    ReLU6: _Graph.relu6,
-    SiLU: _Graph.silu,
-    Hardswish: _Graph.hardswish,
-    Hardsigmoid: _Graph.hardsigmoid,
-    Sigmoid: _Graph.sigmoid,
-    GELU: _Graph.gelu,
     GlobalAvgPool2d: _Graph.global_avg_pool2d,
     Linear: _Graph.linear,
     # issue 30, the training recipe
     Dropout: _Graph.identity,
     StochasticDepth: _Graph.identity,
+    # issue 30's blocks
+    LayerNorm: _Graph.layer_norm,
+    LayerNorm2d: _Graph.layer_norm2d,
+    SqueezeExcitation: _Graph.squeeze_excitation,
+    # utensil_ffi.models' blocks
+    InvertedResidual: _Graph.inverted_residual,
+    CNBlock: _Graph.cn_block,
+    PointwiseLinear: _Graph.conv2d,  # a 1x1 Conv2d whose state_dict has a Linear's shape
 }
+_EMIT.update((cls, _Graph.activation_layer) for cls in _LAYER_ACTIVATION)
 
 
 def _join(path, name):
