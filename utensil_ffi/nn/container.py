@@ -1,7 +1,14 @@
-"""Containers: Sequential, layers applied in order."""
+"""Containers: Sequential, layers applied in order.
+
+Children are named "0", "1", ... or, built from an OrderedDict as torch's
+``nn.Sequential(OrderedDict([("conv", c), ("bn", b)]))``, by its keys: the names prefix the
+state_dict keys ("conv.weight") and read as attributes (``seq.conv``). Names may skip indices
+("0", "2", "3": a torchvision layout without its parameterless modules)."""
+
+from collections import OrderedDict
 
 from .. import _args
-from .._errors import ArgumentTypeError
+from .._errors import ArgumentError, ArgumentTypeError
 from .._lifetime import _in_pass
 from ..tensor import Tensor
 from .module import Module, _backward_params_only, _public_state, _rebuild_module, _takes_input_grad
@@ -13,17 +20,39 @@ class Sequential(Module):
     """Layers applied in order; backward walks them in reverse.
 
     Intermediate activations and gradients are freed as soon as they are passed on.
+    ``Sequential(l0, l1)``, ``Sequential([l0, l1])`` or ``Sequential(OrderedDict(name=l))``
+    (any dict: its keys name the children; indexing stays positional, as torch's).
     """
 
     def __init__(self, *layers):
-        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+        names = None
+        if len(layers) == 1 and isinstance(layers[0], dict):
+            names = [_child_name(k) for k in layers[0]]
+            layers = tuple(layers[0].values())
+        elif len(layers) == 1 and isinstance(layers[0], (list, tuple)):
             layers = tuple(layers[0])
         for i, l in enumerate(layers):
             if not isinstance(l, Module):
                 raise ArgumentTypeError(
-                    "Sequential: item %d is a %s, not a layer" % (i, type(l).__name__)
+                    "Sequential: item %s is a %s, not a layer"
+                    % (names[i] if names else i, type(l).__name__)
                 )
         self.layers = list(layers)
+        # None: the default names "0", "1", ... (kept None so appending to layers still works)
+        self._names = names if names is not None and names != _index_names(len(layers)) else None
+
+    def __getattr__(self, name):
+        # only called when ordinary lookup fails: a child named like an attribute (seq.features)
+        names = self.__dict__.get("_names")
+        if names is not None and name in names and not name.startswith("__"):
+            return self.__dict__["layers"][names.index(name)]
+        raise AttributeError("%r object has no attribute %r" % (type(self).__name__, name))
+
+    def _child_names(self):
+        names = self.__dict__.get("_names")
+        if names is None or len(names) != len(self.layers):
+            return _index_names(len(self.layers))
+        return names
 
     def __len__(self):
         return len(self.layers)
@@ -35,8 +64,7 @@ class Sequential(Module):
         return iter(self.layers)
 
     def named_children(self):
-        for i, l in enumerate(self.layers):
-            yield str(i), l
+        yield from zip(self._child_names(), self.layers)
 
     def _chain(self, x, steps):
         cur = x
@@ -83,10 +111,26 @@ class Sequential(Module):
     def __reduce_ex__(self, protocol):
         # a layer that appears twice stays one layer in the copy (copy's and pickle's memo)
         state = _public_state(self)
-        return (_rebuild_module, (type(self), Sequential, (state.pop("layers"),), state))
+        layers = state.pop("layers")
+        if self.__dict__.get("_names") is not None:
+            layers = OrderedDict(zip(self._child_names(), layers))
+        return (_rebuild_module, (type(self), Sequential, (layers,), state))
 
     def __repr__(self):
         # a child printed on several lines (a Residual, a nested Sequential) is indented whole
-        inner = "".join("\n  (%d): %s" % (i, repr(l).replace("\n", "\n  "))
-                        for i, l in enumerate(self.layers))
+        inner = "".join("\n  (%s): %s" % (k, repr(l).replace("\n", "\n  "))
+                        for k, l in self.named_children())
         return "Sequential(%s\n)" % inner if inner else "Sequential()"
+
+
+def _index_names(n):
+    return [str(i) for i in range(n)]
+
+
+def _child_name(key):
+    if not isinstance(key, str):
+        raise ArgumentTypeError("Sequential: child names must be strings, got %r" % (key,))
+    if not key or "." in key:
+        raise ArgumentError("Sequential: a child name must be non-empty and without '.', got %r"
+                            % key)
+    return key
