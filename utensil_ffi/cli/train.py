@@ -353,9 +353,10 @@ def _check_run(args, run, resumed):
         if not run["init_from"].lower().endswith((".pt", ".pth", ".npz")):
             raise _UsageError("--init-from %s: expected a state_dict saved with torch.save "
                               "(.pt or .pth) or an .npz of arrays" % args.init_from)
-    if run["warmup_epochs"] and run["warmup_epochs"] >= args.epochs:
-        raise _UsageError("--warmup-epochs %d leaves no epoch of the schedule after the warm-up "
-                          "(--epochs %d): use fewer warm-up epochs or more epochs"
+    # (constant: a run may stop inside its warm-up and be resumed with more --epochs)
+    if run["lr_schedule"] == "cosine" and run["warmup_epochs"] >= args.epochs > 0:
+        raise _UsageError("--warmup-epochs %d leaves no epoch of the cosine schedule after the "
+                          "warm-up (--epochs %d): use fewer warm-up epochs or more epochs"
                           % (run["warmup_epochs"], args.epochs))
 
 
