@@ -139,13 +139,15 @@ def load_init(net, path):
         elif k in head:
             kept.append(k)
         else:
-            bad.append("%s: %s in the file, %s in the network" % (k, a.shape, v.shape))
+            bad.append((k, a.shape, v.shape))
     if bad:
-        hint = ""
-        if any(len(np.asarray(theirs[b.split(":")[0]]).shape) == 4 for b in bad[:1]):
-            hint = " (another channel count: weights for RGB images do not fit grey ones)"
-        raise InitError("%s: shapes differ from the network's: %s%s"
-                        % (path, "; ".join(bad[:4]) + ("; ..." if len(bad) > 4 else ""), hint))
+        k, a, b = bad[0]
+        # a stem of another input channel count: the commonest mismatch, say it plainly
+        hint = " (another channel count: weights for RGB images do not fit grey ones, or the " \
+            "reverse)" if len(a) == 4 and a[0] == b[0] and a[1] != b[1] else ""
+        raise InitError("%s: shapes differ from the network's: %s%s" % (path, "; ".join(
+            "%s: %s in the file, %s in the network" % x for x in bad[:4])
+            + ("; ..." if len(bad) > 4 else ""), hint))
     if kept and len(kept) != len(head):
         raise InitError("%s: the classifier's %s fits the network but %s does not"
                         % (path, sorted(head - set(kept)), kept))
