@@ -4,12 +4,17 @@
     utensil-train --data mnist.npz --epochs 5 --width 32
     utensil-train --resume utensil_checkpoint.npz --epochs 30
     utensil-train --nproc-per-node 2                 # data-parallel on 2 GPUs (train_dist.py)
+    utensil-train --data photos/ --arch efficientnet_b0 --optimizer adamw --warmup-epochs 5 \
+        --label-smoothing 0.1 --ema --init-from efficientnet_b0.pt
     python -m utensil_ffi.cli.train ...              # the same program
 
-The network (utensil_ffi.nn.models.mobilenet) is built only from utensil layers: a 3x3 stem
-convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d
--> ReLU6], global average pooling and a linear classifier, trained with softmax cross-entropy and
-Adam (or SGD with momentum).
+The default network (utensil_ffi.nn.models.mobilenet) is built only from utensil layers: a 3x3
+stem convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 ->
+BatchNorm2d -> ReLU6], global average pooling and a linear classifier; ``--arch`` picks
+mobilenet_v1 or one of torchvision's networks (utensil_ffi.models; archs.py). It trains with
+softmax cross-entropy (``--label-smoothing``) and Adam, AdamW or SGD (``--weight-decay``,
+``--nesterov``), the rate set per epoch (``--warmup-epochs``, then cosine or constant), and
+``--ema`` keeps a moving average of the weights (train_recipe.py).
 
 Each epoch prints the train loss, the test loss and accuracy and the training throughput, and
 saves a checkpoint (.npz: the model's and the optimizer's state_dict(), epoch, history and the
