@@ -311,3 +311,13 @@ def test_init_from_mismatches_are_usage_errors(case, rgb32, tmp_path, capsys):
                    + FAST) == 2
     err = capsys.readouterr().err
     assert words in err and "--init-from" in err and "Traceback" not in err
+
+
+def test_a_torchvision_arch_on_each_device(rgb32, tmp_path, device):
+    ck = str(tmp_path / "ck.npz")
+    assert tr.main(["--data", rgb32, "--arch", "mobilenet_v3_small", "--checkpoint", ck, "-q",
+                    "--batch-size", "8", "--no-progress", "--device", device, "--epochs", "1",
+                    "--optimizer", "adamw", "--ema", "--label-smoothing", "0.1"]) == 0
+    meta = tr.load_checkpoint(ck)[0]
+    assert meta["history"][-1]["device"] == device
+    assert np.isfinite(meta["history"][-1]["test_loss"])

@@ -308,3 +308,14 @@ def test_help_lists_the_recipe_flags(capsys):
     for flag in ("--optimizer {adam,adamw,sgd}", "--weight-decay", "--nesterov",
                  "--label-smoothing", "--warmup-epochs", "--ema [DECAY]", "--init-from"):
         assert flag in out
+
+
+def test_every_recipe_flag_on_each_device(npz, tmp_path, device):
+    # the GPU run of the same settings: the EMA's update (lerp) and the smoothed loss on it
+    ck = str(tmp_path / "ck.npz")
+    assert tr.main(["--data", npz, "--epochs", "2", "--checkpoint", ck, "-q", "--width", "2",
+                    "--batch-size", "16", "--no-progress", "--device", device] + NEW) == 0
+    meta, model, _, ema = tr.load_checkpoint(ck, with_ema=True)
+    assert int(ema["n_averaged"]) == 4  # 2 epochs of 2 batches
+    assert all(np.isfinite(h["test_loss"]) for h in meta["history"])
+    assert meta["history"][-1]["device"] == device
