@@ -321,3 +321,25 @@ def test_a_torchvision_arch_on_each_device(rgb32, tmp_path, device):
     meta = tr.load_checkpoint(ck)[0]
     assert meta["history"][-1]["device"] == device
     assert np.isfinite(meta["history"][-1]["test_loss"])
+
+
+def test_a_grey_image_folder_trains_and_predicts(tmp_path, capsys):
+    # a folder of grey PNGs: folders are read as RGB (grey replicated), what torchvision's
+    # stems take, and predict prepares a grey file the same way
+    Image = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(0)
+    for k in range(2):
+        d = tmp_path / "imgs" / ("c%d" % k)
+        d.mkdir(parents=True)
+        for i in range(6):
+            img = np.clip(60 + 120 * k + rng.normal(0, 20, (20, 20)), 0, 255).astype(np.uint8)
+            Image.fromarray(img, "L").save(d / ("%d.png" % i))
+    ck = str(tmp_path / "ck.npz")
+    assert tr.main(["--data", str(tmp_path / "imgs"), "--arch", "mobilenet_v3_small",
+                    "--image-size", "16", "--workers", "0", "--checkpoint", ck, "-q"]
+                   + FAST[:1] + ["4"] + FAST[2:]) == 0
+    meta = tr.load_checkpoint(ck)[0]
+    assert meta["data_info"]["image_shape"] == [3, 16, 16]
+    capsys.readouterr()
+    assert pr.main([ck, str(tmp_path / "imgs" / "c1" / "0.png")]) == 0
+    assert capsys.readouterr().out.startswith(str(tmp_path))
