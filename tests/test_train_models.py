@@ -16,7 +16,7 @@ from utensil_ffi.cli import predict as pr
 from utensil_ffi.nn import models as flat
 
 NEW_ARCHS = zoo.list_models()
-FAST = ["--batch-size", "8", "--no-progress", "--device", "cpu", "--epochs", "1"]
+FAST = ["--batch-size", "16", "--no-progress", "--device", "cpu", "--epochs", "1"]
 
 
 def _images(path, channels, size, n=24, classes=4, seed=0):
