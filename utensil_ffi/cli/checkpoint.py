@@ -6,9 +6,10 @@
 
 The arrays ``model/<key>`` hold ``net.state_dict()``, ``optim/<i>/<name>`` the optimizer's
 per-parameter state, ``ema/<key>`` (with ``--ema``) the AveragedModel's state_dict
-(``n_averaged``, ``module.<key>``: the averaged weights under the model's own keys); ``meta`` is JSON: the run's settings, epoch, history, the data's shape and
-classes, the optimizer's param_groups, and the format's name and version, which
-load_checkpoint checks. utensil-export and utensil-predict read the same files.
+(``n_averaged``, ``module.<key>``: the averaged weights under the model's own keys); ``meta``
+is JSON: the run's settings, epoch, history, the data's shape and classes, the optimizer's
+param_groups, and the format's name and version, which load_checkpoint checks. utensil-export
+and utensil-predict read the same files (the EMA's weights when there are some).
 """
 
 import json
@@ -20,7 +21,8 @@ from .._errors import UtensilError
 from .paths import temporary_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointSaveError",
-           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "saved_words", "ema_weights"]
+           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "saved_words",
+           "ema_weights"]
 
 PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
