@@ -283,6 +283,7 @@ def test_a_checkpoint_from_before_the_recipe_flags_resumes_with_their_old_values
 @pytest.mark.parametrize("argv,words", [
     (["--weight-decay", "-1"], "a number >= 0"),
     (["--weight-decay", "inf"], "a number >= 0"),
+    (["--weight-decay", "1e40"], "overflows float32"),
     (["--label-smoothing", "1"], "in [0, 1)"),
     (["--label-smoothing", "-0.1"], "in [0, 1)"),
     (["--ema", "0"], "strictly between 0 and 1"),

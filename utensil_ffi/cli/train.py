@@ -753,7 +753,11 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
         init_note = "weights from %s%s" % (run["init_from"], (
             "; the classifier (%s) is initialised afresh: its shape differs (another class "
             "count)" % ", ".join(kept)) if kept else "")
-    opt = _recipe.make_optimizer(run, net)
+    try:
+        opt = _recipe.make_optimizer(run, net)
+    except ArgumentError as e:  # a value argparse passed that float32 cannot hold (1e40)
+        net.close()
+        raise _UsageError("the optimizer's settings: %s" % e) from None
     ema = None
     history, start = [], 0
     try:
