@@ -13,7 +13,7 @@ import pytest
 
 import utensil_ffi as ut
 from utensil_ffi import data as ud
-from utensil_ffi import models
+from utensil_ffi.nn import models
 from utensil_ffi import train as tr
 
 TINY = ["--width", "2", "--batch-size", "16", "--no-progress"]

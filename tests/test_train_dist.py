@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import utensil_ffi as ut
-from utensil_ffi import models
+from utensil_ffi.nn import models
 from utensil_ffi import train as tr
 from utensil_ffi import train_dist as td
 from utensil_ffi.optim import SGD

@@ -1,12 +1,15 @@
 """utensil-train's checkpoints: one .npz file per run, written atomically.
 
-    save_checkpoint(path, net, opt, meta)            # after each epoch
+    save_checkpoint(path, net, opt, meta, ema=None)  # after each epoch
     meta, model_state, optim_state = load_checkpoint(path)
+    meta, model_state, optim_state, ema_state = load_checkpoint(path, with_ema=True)
 
 The arrays ``model/<key>`` hold ``net.state_dict()``, ``optim/<i>/<name>`` the optimizer's
-per-parameter state; ``meta`` is JSON: the run's settings, epoch, history, the data's shape and
-classes, the optimizer's param_groups, and the format's name and version, which
-load_checkpoint checks. utensil-export and utensil-predict read the same files.
+per-parameter state, ``ema/<key>`` (with ``--ema``) the AveragedModel's state_dict
+(``n_averaged``, ``module.<key>``: the averaged weights under the model's own keys); ``meta``
+is JSON: the run's settings, epoch, history, the data's shape and classes, the optimizer's
+param_groups, and the format's name and version, which load_checkpoint checks. utensil-export
+and utensil-predict read the same files (the EMA's weights when there are some).
 """
 
 import json
@@ -18,7 +21,8 @@ from .._errors import UtensilError
 from .paths import temporary_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointSaveError",
-           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "saved_words"]
+           "CheckpointWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "saved_words",
+           "ema_weights"]
 
 PROG = "utensil-train"  # the program that writes them and resumes from them (cli/train.py)
 CHECKPOINT_FORMAT = "utensil-train-checkpoint"
@@ -34,13 +38,16 @@ class CheckpointSaveError(UtensilError, OSError):
     cause, and what is kept. Not a CheckpointError: the run was fine, the file system was not."""
 
 
-def save_checkpoint(path, net, opt, meta):
+def save_checkpoint(path, net, opt, meta, ema=None):
     """Write the checkpoint atomically (a temporary file in the same folder, then os.replace).
 
     The arrays: ``model/<key>`` for each entry of ``net.state_dict()``, ``optim/<i>/<name>`` for
-    each array of ``opt.state_dict()["state"]``; the optimizer's param_groups go into the JSON
-    metadata with ``meta``."""
+    each array of ``opt.state_dict()["state"]``, ``ema/<key>`` for ``ema.state_dict()`` when an
+    AveragedModel is given; the optimizer's param_groups go into the JSON metadata with
+    ``meta``."""
     arrays = {"model/" + k: v for k, v in net.state_dict().items()}
+    if ema is not None:
+        arrays.update({"ema/" + k: v for k, v in ema.state_dict().items()})
     osd = opt.state_dict()
     for i, entry in osd["state"].items():
         arrays.update({"optim/%d/%s" % (i, k): v for k, v in entry.items()})
@@ -72,9 +79,9 @@ class CheckpointWriter:
     def __init__(self, path, saved_epoch=None):
         self.path, self.saved_epoch = path, saved_epoch
 
-    def save(self, net, opt, meta):
+    def save(self, net, opt, meta, ema=None):
         try:
-            save_checkpoint(self.path, net, opt, meta)
+            save_checkpoint(self.path, net, opt, meta, ema)
         except OSError as e:
             cause = e.strerror or str(e) or type(e).__name__
             if self.saved_epoch is None:
@@ -90,9 +97,9 @@ class CheckpointWriter:
         self.saved_epoch = meta["epoch"]
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, with_ema=False):
     """(meta, model state_dict, optimizer state_dict) from a checkpoint file; CheckpointError if
-    unusable."""
+    unusable. ``with_ema``: a fourth item, the EMA's state_dict (None when the run kept none)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError("%s: no such checkpoint file" % path)
@@ -127,7 +134,16 @@ def load_checkpoint(path):
     groups = meta.get("optimizer_param_groups")
     if not isinstance(groups, list):
         raise CheckpointError("%s: the checkpoint's metadata has no optimizer_param_groups" % path)
-    return meta, model, {"state": state, "param_groups": groups}
+    optim = {"state": state, "param_groups": groups}
+    if not with_ema:
+        return meta, model, optim
+    ema = {k[4:]: v for k, v in arrays.items() if k.startswith("ema/")}
+    return meta, model, optim, ema or None
+
+
+def ema_weights(ema_state):
+    """The averaged weights of an EMA state_dict under the model's own keys."""
+    return {k[7:]: v for k, v in ema_state.items() if k.startswith("module.")}
 
 
 # what a checkpoint's run setting of None means, in words (its JSON null is no answer to a user)

@@ -4,7 +4,8 @@
     utensil-export ckpt.npz model.onnx --opset 17 --no-check
 
 The network is rebuilt from the checkpoint's settings (``--arch``, widths, the data's image
-shape and class count), its weights loaded, and its eval-mode forward written as ONNX (input
+shape and class count), its weights loaded (the EMA's when the run kept one, ``--ema``: they
+are what it evaluated), and its eval-mode forward written as ONNX (input
 ``"input"`` [batch, C, H, W] float32, normalized as in training; output ``"output"`` the logits).
 Unless ``--no-check``, onnxruntime (when installed) runs the file on random inputs and the
 largest difference from utensil's own forward is printed; above ``--tolerance`` (1e-4) the
@@ -18,7 +19,7 @@ import sys
 import numpy as np
 
 from .._errors import UtensilError
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, ema_weights, load_checkpoint
 from .paths import writable_file_problem
 from .train import build_network
 
@@ -28,8 +29,14 @@ PROG = "utensil-export"
 
 
 def load_network(path, device="cpu"):
-    """(network in eval mode with the checkpoint's weights, checkpoint metadata)."""
-    meta, model_state, _ = load_checkpoint(path)
+    """(network in eval mode with the checkpoint's weights, checkpoint metadata); the weights
+    are the EMA's when the checkpoint holds one (``meta["weights"]`` says which: "ema" or
+    "model")."""
+    meta, model_state, _, ema_state = load_checkpoint(path, with_ema=True)
+    meta["weights"] = "model"
+    if ema_state is not None:
+        model_state = ema_weights(ema_state)
+        meta["weights"] = "ema"
     info = meta.get("data_info") or {}
     shape, k = info.get("image_shape"), info.get("num_classes")
     if not (isinstance(shape, list) and len(shape) == 3 and isinstance(k, int)):
@@ -86,9 +93,10 @@ def main(argv=None):
                 export_onnx(net, a.output, (1,) + shape, opset=a.opset)
             except OSError as e:  # its temporary file's name is no help: say which file
                 raise OSError("could not write %s: %s" % (a.output, e.strerror or e)) from None
-            print("wrote %s: %s, input [batch, %d, %d, %d], %d classes" % (
+            print("wrote %s: %s, input [batch, %d, %d, %d], %d classes%s" % (
                 a.output, meta["run"].get("arch", "digits"), *shape,
-                meta["data_info"]["num_classes"]))
+                meta["data_info"]["num_classes"],
+                ", the EMA of the weights" if meta["weights"] == "ema" else ""))
             if a.no_check:
                 return 0
             try:

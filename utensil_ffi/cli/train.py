@@ -4,12 +4,17 @@
     utensil-train --data mnist.npz --epochs 5 --width 32
     utensil-train --resume utensil_checkpoint.npz --epochs 30
     utensil-train --nproc-per-node 2                 # data-parallel on 2 GPUs (train_dist.py)
+    utensil-train --data photos/ --arch efficientnet_b0 --optimizer adamw --warmup-epochs 5 \
+        --label-smoothing 0.1 --ema --init-from efficientnet_b0.pt
     python -m utensil_ffi.cli.train ...              # the same program
 
-The network (utensil_ffi.nn.models.mobilenet) is built only from utensil layers: a 3x3 stem
-convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 -> BatchNorm2d
--> ReLU6], global average pooling and a linear classifier, trained with softmax cross-entropy and
-Adam (or SGD with momentum).
+The default network (utensil_ffi.nn.models.mobilenet) is built only from utensil layers: a 3x3
+stem convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 1x1 ->
+BatchNorm2d -> ReLU6], global average pooling and a linear classifier; ``--arch`` picks
+mobilenet_v1 or one of torchvision's networks (utensil_ffi.models; archs.py). It trains with
+softmax cross-entropy (``--label-smoothing``) and Adam, AdamW or SGD (``--weight-decay``,
+``--nesterov``), the rate set per epoch (``--warmup-epochs``, then cosine or constant), and
+``--ema`` keeps a moving average of the weights (train_recipe.py).
 
 Each epoch prints the train loss, the test loss and accuracy and the training throughput, and
 saves a checkpoint (.npz: the model's and the optimizer's state_dict(), epoch, history and the
@@ -38,12 +43,14 @@ from ..functional import cross_entropy, cross_entropy_backward
 from ..nn import models as _models
 from ..nn.amp import MixedPrecision
 from ..nn.module import _backward_params_only
-from ..optim import SGD, Adam
 from ..tensor import Tensor, cuda_available, get_num_threads, seed as _seed_library
 from ..tensor import set_num_threads, zeros
 from . import train_data as _train_data
 from . import train_dist as _dist
+from . import train_recipe as _recipe
 from ._warn import cli_warnings
+from .archs import ARCH_VERSION, arch_names, build_network, describe_network  # noqa: F401
+from .archs import has_width_mult, min_image_size
 # CHECKPOINT_FORMAT and CHECKPOINT_VERSION too: utensil_ffi.train, the old path, is this module
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, PROG, CheckpointError,  # noqa: F401
                          CheckpointWriter, _check_meta, load_checkpoint, save_checkpoint,
@@ -71,11 +78,20 @@ RUN_DEFAULTS = {
     "momentum": 0.9,
     "lr_schedule": "cosine",
     "seed": 0,
+    "weight_decay": None,  # per optimizer, see train_recipe.WEIGHT_DECAY_DEFAULTS
+    "nesterov": False,
+    "label_smoothing": 0.0,
+    "warmup_epochs": 0,
+    "ema": None,         # the EMA's decay per step; None: no EMA
+    "init_from": None,   # the file the weights started from (a new run reads it, not a resume)
 }
-LR_DEFAULTS = {"adam": 1e-2, "sgd": 0.1}
+LR_DEFAULTS = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1}
 # settings added after checkpoints existed: a checkpoint without one ran with this value
-SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True}
-ARCHS = ("digits", "mobilenet_v1", "mobilenet_v2")
+SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True,
+                  "weight_decay": 0.0, "nesterov": False, "label_smoothing": 0.0,
+                  "warmup_epochs": 0, "ema": None, "init_from": None}
+ARCHS = arch_names()
+EMA_DEFAULT_DECAY = 0.999
 PRECISIONS = ("fp32", "tf32", "bf16")
 DEFAULT_EPOCHS = 20
 
@@ -125,6 +141,9 @@ def _lr(s):
 
 _lr.__name__ = "a learning rate"
 _MOMENTUM = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+_WEIGHT_DECAY = _number(float, "a number >= 0", lambda v: v >= 0.0)
+_SMOOTHING = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+_DECAY = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
 
 
 _THREAD_COUNT = _number(int, "a positive integer or auto", lambda v: v >= 1)
@@ -188,16 +207,22 @@ def build_parser():
                    help="how --data's 4-D images are laid out: nchw, nhwc, or auto (default): "
                    "NCHW, and an error when the last axis has 1 or 3 entries (then it could "
                    "be NHWC channels; say which with --layout)")
-    g.add_argument("--arch", choices=ARCHS, default=None,
+    g.add_argument("--arch", choices=ARCHS, default=None, metavar="NAME",
                    help="the network: digits (the small depthwise-separable CNN sized by "
-                   "--width, default), mobilenet_v1 (Howard et al. 2017) or mobilenet_v2 "
-                   "(Sandler et al. 2018), both sized by --width-mult; images under 96 pixels "
-                   "keep the stem at stride 1")
+                   "--width, default), mobilenet_v1 (Howard et al. 2017; images under 96 "
+                   "pixels keep its stem at stride 1), or one of torchvision's, with its "
+                   "layout and state_dict keys (utensil_ffi.models): %s"
+                   % ", ".join(a for a in ARCHS if a not in ("digits", "mobilenet_v1")))
     g.add_argument("--width-mult", type=_POSITIVE_FLOAT, default=None, metavar="M",
-                   help="channel multiplier of mobilenet_v1/v2 (default 1.0)")
+                   help="channel multiplier of the MobileNets (mobilenet_v1, v2, v3_small, "
+                   "v3_large; default 1.0); the other families have none")
     g.add_argument("--width", type=_POSITIVE_INT, default=None, metavar="C",
-                   help="channels of the stem; the blocks use 2C and 4C (default %d)"
+                   help="digits: channels of the stem; the blocks use 2C and 4C (default %d)"
                    % RUN_DEFAULTS["width"])
+    g.add_argument("--init-from", metavar="FILE", default=None,
+                   help="start from these weights: a torchvision state_dict saved with "
+                   "torch.save (.pt/.pth, needs torch) or an .npz of arrays, loaded by name; a "
+                   "classifier of another class count is initialised afresh (fine-tuning)")
     g = p.add_argument_group("training")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to train (default: cuda if a GPU is present, else cpu)")
@@ -206,16 +231,36 @@ def build_parser():
                    "default %d)" % DEFAULT_EPOCHS)
     g.add_argument("--batch-size", type=_POSITIVE_INT, default=None, metavar="N",
                    help="images per step (default %d)" % RUN_DEFAULTS["batch_size"])
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
-                   help="adam, or sgd with momentum (default adam)")
+    g.add_argument("--optimizer", choices=_recipe.OPTIMIZERS, default=None,
+                   help="adam, adamw (decoupled weight decay), or sgd with momentum (default "
+                   "adam)")
     g.add_argument("--lr", type=_lr, default=None,
-                   help="learning rate (default %g for adam, %g for sgd)"
+                   help="learning rate (default %g for adam and adamw, %g for sgd)"
                    % (LR_DEFAULTS["adam"], LR_DEFAULTS["sgd"]))
     g.add_argument("--momentum", type=_MOMENTUM, default=None,
                    help="SGD momentum (default %g)" % RUN_DEFAULTS["momentum"])
+    g.add_argument("--nesterov", action="store_const", const=True, default=None,
+                   help="SGD with Nesterov momentum")
+    g.add_argument("--weight-decay", type=_WEIGHT_DECAY, default=None, metavar="W",
+                   help="weight decay, as PyTorch's optimizers apply it: added to the gradient "
+                   "(sgd, adam) or decoupled (adamw); default 0, for adamw %g"
+                   % _recipe.WEIGHT_DECAY_DEFAULTS["adamw"])
     g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=None,
                    help="cosine: the rate decays to 0 over --epochs, set per epoch; "
                    "constant: no decay (default cosine)")
+    g.add_argument("--warmup-epochs", type=_NONNEG_INT, default=None, metavar="K",
+                   help="first K epochs: the rate grows linearly from %g of --lr to --lr, then "
+                   "the schedule runs over the remaining epochs (default 0)"
+                   % _recipe.WARMUP_START_FACTOR)
+    g.add_argument("--label-smoothing", type=_SMOOTHING, default=None, metavar="E",
+                   help="cross-entropy against (1 - E) one-hot + E / classes, as PyTorch's "
+                   "label_smoothing, in training and evaluation (default 0)")
+    g.add_argument("--ema", type=_DECAY, nargs="?", const=EMA_DEFAULT_DECAY, default=None,
+                   metavar="DECAY",
+                   help="keep an exponential moving average of the weights, updated after "
+                   "every step (avg += (1 - DECAY) (w - avg); DECAY default %g): evaluated, "
+                   "saved in the checkpoint, and what utensil-export and utensil-predict use"
+                   % EMA_DEFAULT_DECAY)
     g.add_argument("--seed", type=_SEED, default=None,
                    help="seeds the weight initialization and the shuffling (default 0)")
     g.add_argument("--threads", type=_threads, default=None, metavar="N|auto",
@@ -265,7 +310,7 @@ def _resolve(args, saved=None):
             if k not in saved:
                 raise CheckpointError("the checkpoint does not record the setting %r" % k)
             if given is not None and given != saved[k] and not (
-                    k == "data" and saved[k] and _same_file(given, saved[k])):
+                    k in ("data", "init_from") and saved[k] and _same_file(given, saved[k])):
                 raise _UsageError(
                     "--%s %s differs from the checkpoint's %s; a resumed run keeps the saved "
                     "run's settings (leave the flag out, or start a new run without --resume)"
@@ -275,9 +320,49 @@ def _resolve(args, saved=None):
             run[k] = given if given is not None else default
     if run["lr"] is None:
         run["lr"] = LR_DEFAULTS[run["optimizer"]]
-    if run["data"] is not None:
-        run["data"] = os.path.abspath(run["data"])
+    if run["weight_decay"] is None:
+        run["weight_decay"] = _recipe.WEIGHT_DECAY_DEFAULTS[run["optimizer"]]
+    for k in ("data", "init_from"):
+        if run[k] is not None:
+            run[k] = os.path.abspath(run[k])
+    # not a flag: which layout --arch names (archs.py); a checkpoint without it predates v2
+    run["arch_version"] = ARCH_VERSION if saved is None else _saved_setting(
+        "arch_version", saved.get("arch_version", 1))
+    _check_run(args, run, saved is not None)
     return run
+
+
+def _check_run(args, run, resumed):
+    """Usage errors for settings that make no sense together (the flags' own values are
+    checked by argparse, a checkpoint's by _saved_setting)."""
+    arch = run["arch"]
+    if args.width_mult is not None and not has_width_mult(arch):
+        raise _UsageError("--width-mult: %s has no width multiplier (%s)" % (
+            arch, "size it with --width" if arch == "digits" else
+            "only the MobileNets have one; mnasnet's is in its name, e.g. mnasnet0_5"))
+    if args.width is not None and arch != "digits":
+        raise _UsageError("--width sizes the digits network; %s is sized by its own layout%s"
+                          % (arch, " and --width-mult" if has_width_mult(arch) else ""))
+    if run["optimizer"] != "sgd":
+        if run["nesterov"]:
+            raise _UsageError("--nesterov is SGD's; --optimizer %s has no Nesterov momentum"
+                              % run["optimizer"])
+        if args.momentum is not None:
+            raise _UsageError("--momentum is SGD's; --optimizer %s has its own betas"
+                              % run["optimizer"])
+    elif run["nesterov"] and run["momentum"] == 0.0:
+        raise _UsageError("--nesterov needs a momentum above 0 (--momentum)")
+    if run["init_from"] is not None and not resumed:
+        if not os.path.isfile(run["init_from"]):
+            raise _UsageError("--init-from %s: no such file" % args.init_from)
+        if not run["init_from"].lower().endswith((".pt", ".pth", ".npz")):
+            raise _UsageError("--init-from %s: expected a state_dict saved with torch.save "
+                              "(.pt or .pth) or an .npz of arrays" % args.init_from)
+    # (constant: a run may stop inside its warm-up and be resumed with more --epochs)
+    if run["lr_schedule"] == "cosine" and run["warmup_epochs"] >= args.epochs > 0:
+        raise _UsageError("--warmup-epochs %d leaves no epoch of the cosine schedule after the "
+                          "warm-up (--epochs %d): use fewer warm-up epochs or more epochs"
+                          % (run["warmup_epochs"], args.epochs))
 
 
 def _saved_setting(k, v):
@@ -287,6 +372,7 @@ def _saved_setting(k, v):
     ok = {
         "width": integer and v >= 1,
         "arch": v in ARCHS,
+        "arch_version": integer and 1 <= v <= ARCH_VERSION,
         "image_size": v is None or (integer and v >= 1),
         "augment": isinstance(v, bool),
         "width_mult": num and math.isfinite(v) and v > 0,
@@ -294,7 +380,13 @@ def _saved_setting(k, v):
         "seed": integer and 0 <= v < 2**63,
         "lr": v is None or (num and _valid(_args.to_lr, v)),
         "momentum": num and 0.0 <= v < 1.0,
-        "optimizer": v in ("adam", "sgd"),
+        "optimizer": v in _recipe.OPTIMIZERS,
+        "weight_decay": num and math.isfinite(v) and v >= 0.0,
+        "nesterov": isinstance(v, bool),
+        "label_smoothing": num and 0.0 <= v < 1.0,
+        "warmup_epochs": integer and v >= 0,
+        "ema": v is None or (num and 0.0 < v < 1.0),
+        "init_from": v is None or isinstance(v, str),
         "lr_schedule": v in ("cosine", "constant"),
         "data": v is None or isinstance(v, str),
     }.get(k, True)
@@ -349,40 +441,15 @@ def _check_progress_available():
 
 
 # -- training -------------------------------------------------------------------------------------
-def build_network(run, image_shape, num_classes, device):
-    """The network a run's settings describe (train, utensil-export and utensil-predict build
-    it alike, so a checkpoint's state_dict fits)."""
-    c, h, w = image_shape
-    if run.get("arch", "digits") == "digits":
-        return _models.mobilenet(c, num_classes, run["width"], device=device)
-    stem = 1 if min(h, w) < 96 else 2  # small images would shrink to 1x1 long before the head
-    if run["arch"] == "mobilenet_v1":  # models.mobilenet_v1 with the stem's stride chosen
-        return _models.mobilenet(c, num_classes, int(round(32 * run["width_mult"])),
-                                 _models.V1_BLOCKS, device=device, stem_stride=stem, fused=True)
-    return _models.mobilenet_v2(num_classes, run["width_mult"], c, device=device, fused=True,
-                                stem_stride=stem)
+_lr_at = _recipe.lr_at
 
 
-def describe_network(run):
-    if run.get("arch", "digits") == "digits":
-        return "depthwise-separable CNN, width %d" % run["width"]
-    return "%s, width multiplier %g" % (run["arch"], run["width_mult"])
-
-
-def _lr_at(run, epoch, epochs):
-    if run["lr_schedule"] == "constant":
-        return run["lr"]
-    return run["lr"] * 0.5 * (1.0 + math.cos(math.pi * epoch / epochs))
-
-
-def _make_optimizer(run, net):
-    if run["optimizer"] == "adam":
-        return Adam(net.parameters(), lr=run["lr"])
-    return SGD(net.parameters(), lr=run["lr"], momentum=run["momentum"])
-
-
-def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, dist=None):
+def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, dist=None,
+                label_smoothing=0.0, after_step=None):
     """One pass over (x, y) in the order batches(seed, epoch); returns (mean loss, images, s).
+
+    ``label_smoothing``: the cross-entropy's (PyTorch's); ``after_step``: called after every
+    optimizer step (the EMA's update).
 
     ``progress``: None, or an object with wants_loss() and update(images, mean loss or None).
     ``dist`` (a train_dist.Dist, ``net`` its wrapped model): this rank's share of every batch;
@@ -398,14 +465,16 @@ def train_epoch(net, opt, x, y, batch_size, seed, epoch, device, progress=None, 
             xb = Tensor(xs, device)
             yb = Tensor(ys.astype(np.float32), device)
             logits = net(xb)
-            loss = cross_entropy(logits, yb)
-            grad = cross_entropy_backward(logits, yb)
+            loss = cross_entropy(logits, yb, label_smoothing)
+            grad = cross_entropy_backward(logits, yb, label_smoothing)
             if dist is not None:
                 grad.mul_(dist.grad_scale(len(ys), whole))
             opt.zero_grad()
             # nothing reads the images' gradient: the first conv skips computing it
             _backward_params_only(net, grad)
             opt.step()
+            if after_step is not None:
+                after_step()
             loss.mul_(float(len(ys)))
             total.add_(loss)
             seen += len(ys)
@@ -429,7 +498,8 @@ def evaluate(net, x, y, batch_size, device, dist=None):
     return r["loss"], r["top1"]
 
 
-def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
+def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None,
+                  label_smoothing=0.0):
     """{"loss", "top1", "top5", "confusion"} over (x, y) in eval mode: the mean cross-entropy,
     the share whose label is strictly the first (or among the first 5) of the logits (ties and
     NaN count against it: metrics.topk_correct), and the confusion matrix of the argmax (rows:
@@ -445,7 +515,7 @@ def evaluate_full(net, x, y, batch_size, device, dist=None, num_classes=None):
         for xs, yb in feed.test_batches(batch_size, None if dist is None else dist.share):
             xb = Tensor(xs, device)
             logits = net(xb)
-            loss = cross_entropy(logits, yb)
+            loss = cross_entropy(logits, yb, label_smoothing)
             loss_sum += loss.item() * len(yb)
             z = logits.numpy()
             k = z.shape[1]
@@ -618,7 +688,7 @@ def _run_ranked(args, out, dist):
     # settings, checkpoint
     resumed = None
     if args.resume:
-        resumed = load_checkpoint(args.resume)
+        resumed = load_checkpoint(args.resume, with_ema=True)
         _check_meta(args.resume, resumed[0])
         run = _resolve(args, resumed[0].get("run", {}))
     else:
@@ -662,15 +732,38 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
         why = dist.check_batches(ds.n_train, run["batch_size"])
         if why:
             raise _UsageError(why)
+    least = min_image_size(run["arch"])
+    if min(ds.image_shape[1:]) < least:
+        raise _UsageError("--arch %s needs images of at least %d x %d pixels (its strided "
+                          "convolutions are unpadded); %s has %d x %d%s"
+                          % (run["arch"], least, least, ds.name, *ds.image_shape[1:],
+                             "; pass --image-size" if run["data"] and os.path.isdir(run["data"])
+                             else ""))
 
     # model and optimizer
     _seed_library(run["seed"])
     net = build_network(run, ds.image_shape, ds.num_classes, device)
-    opt = _make_optimizer(run, net)
+    init_note = ""
+    if run["init_from"] is not None and resumed is None:
+        try:
+            kept = _recipe.load_init(net, run["init_from"])
+        except _recipe.InitError as e:
+            net.close()
+            raise _UsageError("--init-from %s" % e) from None
+        init_note = "weights from %s%s" % (run["init_from"], (
+            "; the classifier (%s) is initialised afresh: its shape differs (another class "
+            "count)" % ", ".join(kept)) if kept else "")
+    try:
+        opt = _recipe.make_optimizer(run, net)
+    except ArgumentError as e:  # a value argparse passed that float32 cannot hold (1e40)
+        net.close()
+        raise _UsageError("the optimizer's settings: %s" % e) from None
+    ema = None
     history, start = [], 0
     try:
+        ema = _recipe.make_ema(run, net)
         if resumed is not None:
-            meta, model_state, optim_state = resumed
+            meta, model_state, optim_state, ema_state = resumed
             try:
                 net.load_state_dict(model_state)
             except (ArgumentError, ShapeError) as e:
@@ -679,7 +772,7 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
             # after an epoch every parameter has state (none for SGD without momentum); one
             # missing would silently restart its moments
             want = set(range(len(opt.params))) if int(resumed[0]["epoch"]) and (
-                run["optimizer"] == "adam" or run["momentum"] != 0.0) else set()
+                run["optimizer"] != "sgd" or run["momentum"] != 0.0) else set()
             if set(optim_state["state"]) != want:
                 raise CheckpointError("%s: the optimizer state has entries for parameters %s, "
                                       "expected %s" % (args.resume, sorted(optim_state["state"]),
@@ -689,6 +782,8 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
             except (ArgumentError, ShapeError) as e:
                 raise CheckpointError("%s: the optimizer state does not fit: %s"
                                       % (args.resume, e)) from None
+            if ema is not None:
+                _load_ema(args.resume, ema, ema_state, int(meta["epoch"]))
             history = list(meta.get("history", []))
             start = int(meta["epoch"])
         # bf16: the layers compute on bfloat16 activations while net (saved, and what the
@@ -697,18 +792,56 @@ def _run_on_data(args, out, dist, run, resumed, ds, device, epochs, ckpt_path, s
         model = trained if dist is None else dist.wrap(trained)
         try:
             return _train_loop(args, run, ds, data_info, net, opt, device, epochs, start,
-                               history, ckpt_path, say, out, threads_note, dist, model)
+                               history, ckpt_path, say, out, threads_note, dist, model, ema,
+                               init_note)
         finally:
             if model is not net:
                 model.close()
     finally:
+        if ema is not None:
+            ema.close()
         opt.close()
         net.close()
 
 
+def _load_ema(path, ema, state, epoch):
+    """The checkpoint's EMA into ``ema``; a run that saved none after an epoch is refused."""
+    if state is None:
+        if epoch:
+            raise CheckpointError("%s: the run keeps an EMA of the weights (--ema) but the "
+                                  "checkpoint holds none" % path)
+        return
+    try:
+        ema.load_state_dict(state)
+    except (ArgumentError, ShapeError) as e:
+        raise CheckpointError("%s: the EMA weights do not fit the network: %s"
+                              % (path, e)) from None
+
+
+def describe_recipe(run, precision="fp32"):
+    """The run description's line of the optimizer, schedule and loss settings."""
+    parts = ["%s lr %g (%s%s)" % (run["optimizer"], run["lr"], run["lr_schedule"],
+                                  ", %d warm-up epoch%s" % (run["warmup_epochs"],
+                                                            "s" * (run["warmup_epochs"] != 1))
+                                  if run["warmup_epochs"] else ""),
+             "batch %d" % run["batch_size"], "seed %d" % run["seed"]]
+    if run["optimizer"] == "sgd":
+        parts.append("%smomentum %g" % ("Nesterov " if run["nesterov"] else "", run["momentum"]))
+    if run["weight_decay"]:
+        parts.append("weight decay %g" % run["weight_decay"])
+    if run["label_smoothing"]:
+        parts.append("label smoothing %g" % run["label_smoothing"])
+    if run["ema"] is not None:
+        parts.append("EMA of the weights, decay %g" % run["ema"])
+    if precision != "fp32":
+        parts.append("precision %s" % precision)
+    return ", ".join(parts)
+
+
 def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, history, ckpt_path,
-                say, out, threads_note="", dist=None, model=None):
-    """``model`` is what trains (``net`` or its data-parallel wrapper); ``net`` is saved."""
+                say, out, threads_note="", dist=None, model=None, ema=None, init_note=""):
+    """``model`` is what trains (``net`` or its data-parallel wrapper); ``net`` is saved, and
+    ``ema`` (an AveragedModel of net, or None) is evaluated and saved beside it."""
     model = net if model is None else model
     main_rank = dist is None or dist.is_main
     say("%s" % ds.describe())
@@ -718,10 +851,9 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
            " (%d CPU thread%s%s)" % (threads, "s" * (threads != 1),
                                      ": " + threads_note if threads_note else "")
            if device == "cpu" else ""))
-    say("%s lr %g (%s), batch %d, seed %d%s%s" % (
-        run["optimizer"], run["lr"], run["lr_schedule"], run["batch_size"], run["seed"],
-        ", momentum %g" % run["momentum"] if run["optimizer"] == "sgd" else "",
-        "" if args.precision == "fp32" else ", precision %s" % args.precision))
+    say(describe_recipe(run, args.precision))
+    if init_note:
+        say(init_note)
     if dist is not None:
         say("data-parallel on %d GPUs (NCCL), global batch %d split over them, %s" % (
             dist.world, run["batch_size"], "SyncBatchNorm" if dist.sync_bn
@@ -742,13 +874,15 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
             opt.lr = _lr_at(run, epoch, epochs)
             bar = _Progress(ds.n_train, "epoch %d/%d" % (epoch + 1, epochs), show_progress)
             try:
-                loss, n, secs = train_epoch(model, opt, ds, None,
-                                            run["batch_size"], run["seed"], epoch, device, bar,
-                                            dist)
+                loss, n, secs = train_epoch(
+                    model, opt, ds, None, run["batch_size"], run["seed"], epoch, device, bar,
+                    dist, run["label_smoothing"],
+                    None if ema is None else lambda: ema.update_parameters(net))
             finally:
                 bar.close()
-            ev = evaluate_full(model, ds, None, args.eval_batch_size, device, dist,
-                               ds.num_classes)
+            # with --ema the averaged weights are the run's result: they are what is evaluated
+            ev = evaluate_full(model if ema is None else ema, ds, None, args.eval_batch_size,
+                               device, dist, ds.num_classes, run["label_smoothing"])
             test_loss, acc, confusion = ev["loss"], ev["top1"], ev["confusion"]
             train_images += n
             train_seconds += secs
@@ -757,13 +891,14 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
                    "lr": opt.lr, "device": device, "gpus": dist.world if dist else 1}
             history.append(rec)
             top5 = "  top-5 %6.2f%%" % (100 * ev["top5"]) if ds.num_classes > 5 else ""
-            say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%%s  %7.0f img/s"
-                "  (%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc, top5,
-                                rec["images_per_s"], secs))
+            say("epoch %3d/%d  train loss %.4f  test loss %.4f  test acc %6.2f%%%s%s  %7.0f "
+                "img/s  (%.2f s)" % (epoch + 1, epochs, loss, test_loss, 100 * acc, top5,
+                                     " (EMA)" if ema is not None else "",
+                                     rec["images_per_s"], secs))
             if writer:
                 writer.save(net, opt, {
                     "epoch": epoch + 1, "run": run, "epochs": epochs, "history": history,
-                    "data_info": data_info})
+                    "data_info": data_info}, ema)
     except KeyboardInterrupt:
         print("\ninterrupted during epoch %d%s" % (
             epoch + 1, "; continue with: %s --resume %s --epochs %d"

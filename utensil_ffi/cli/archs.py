@@ -1,0 +1,94 @@
+"""utensil-train's networks (``--arch``): the two of its own and every model of
+utensil_ffi.models (torchvision's layouts, names and state_dict keys).
+
+    digits          nn.models.mobilenet, the small depthwise-separable CNN sized by --width
+    mobilenet_v1    nn.models.mobilenet with V1_BLOCKS, sized by --width-mult
+    <name>          utensil_ffi.models.get_model(name, ...), e.g. mobilenet_v3_small,
+                    efficientnet_b0, mnasnet1_0, convnext_tiny; --width-mult where the family
+                    has a multiplier (the MobileNets: mnasnet's alpha is fixed by its name)
+
+``mobilenet_v2`` is torchvision's layout since run setting ``arch_version`` 2. Checkpoints
+written before it (no ``arch_version`` in their run settings, read as 1) hold the flat
+``nn.models.mobilenet_v2`` (keys ``"0.weight"``...): for them build_network keeps building that
+flat network, so they resume, export and predict as before (no key mapping: the flat network
+is rebuilt as it was saved).
+"""
+
+from ..nn import models as _flat
+
+__all__ = ["ARCH_VERSION", "arch_names", "has_width_mult", "min_image_size", "build_network",
+           "describe_network", "classifier_keys"]
+
+# 1: mobilenet_v2 is nn.models' flat Sequential; 2: utensil_ffi.models' (torchvision's layout)
+ARCH_VERSION = 2
+OWN = ("digits", "mobilenet_v1")
+_WIDTH_MULT_FAMILIES = ("mobilenet",)
+# stride-2 convolutions without padding: ConvNeXt's 4x4 stem and 2x2 downsamplings need 32
+# pixels to keep one pixel to its last stage
+_MIN_SIZE = {"convnext": 32}
+
+
+def _zoo():
+    from .. import models
+
+    return models
+
+
+def arch_names():
+    """Every --arch value: utensil-train's own, then utensil_ffi.models' list_models()."""
+    return OWN + tuple(n for n in _zoo().list_models() if n not in OWN)
+
+
+def has_width_mult(arch):
+    return arch != "digits" and arch.startswith(_WIDTH_MULT_FAMILIES)
+
+
+def min_image_size(arch):
+    for family, size in _MIN_SIZE.items():
+        if arch.startswith(family):
+            return size
+    return 1
+
+
+def build_network(run, image_shape, num_classes, device):
+    """The network a run's settings describe (train, utensil-export and utensil-predict build
+    it alike, so a checkpoint's state_dict fits)."""
+    c, h, w = image_shape
+    arch = run.get("arch", "digits")
+    if arch == "digits":
+        return _flat.mobilenet(c, num_classes, run["width"], device=device)
+    stem = 1 if min(h, w) < 96 else 2  # small images would shrink to 1x1 long before the head
+    if arch == "mobilenet_v1":  # models.mobilenet_v1 with the stem's stride chosen
+        return _flat.mobilenet(c, num_classes, int(round(32 * run["width_mult"])),
+                               _flat.V1_BLOCKS, device=device, stem_stride=stem, fused=True)
+    if arch == "mobilenet_v2" and run.get("arch_version", 1) < 2:
+        return _flat.mobilenet_v2(num_classes, run["width_mult"], c, device=device, fused=True,
+                                  stem_stride=stem)
+    kw = {"num_classes": num_classes, "in_channels": c, "device": device}
+    if has_width_mult(arch):
+        kw["width_mult"] = run["width_mult"]
+    return _zoo().get_model(arch, **kw)
+
+
+def describe_network(run):
+    arch = run.get("arch", "digits")
+    if arch == "digits":
+        return "depthwise-separable CNN, width %d" % run["width"]
+    if arch == "mobilenet_v2" and run.get("arch_version", 1) < 2:
+        return "mobilenet_v2 (utensil's flat layout), width multiplier %g" % run["width_mult"]
+    if has_width_mult(arch):
+        return "%s, width multiplier %g" % (arch, run["width_mult"])
+    return arch
+
+
+def classifier_keys(state):
+    """The keys of the last Linear layer in a state_dict's order: the weight of the last 2-D
+    ``weight`` entry, and the bias beside it (the classifier, whatever the family names it)."""
+    last = None
+    for k, v in state.items():
+        if k.endswith("weight") and len(getattr(v, "shape", ())) == 2:
+            last = k
+    if last is None:
+        return []
+    bias = last[:-len("weight")] + "bias"
+    return [last] + ([bias] if bias in state else [])
