@@ -295,17 +295,9 @@ def test_fused_under_mixed_precision_trains_as_the_unfused_net(device, act):
 
 
 # ---- ONNX -------------------------------------------------------------------------------------
-# utensil_ffi/interop/onnx_export.py (another helper's) writes the BatchNormalization node, then
-# Relu or Clip for "relu" and "relu6" only: the other kinds still need their nodes after it, as
-# the separate layers are exported. Until then the exported graph is BatchNorm alone, and these
-# fail (xfail); the relu kinds pass.
-_EXPORTED = ("relu", "relu6")
-
-
-@pytest.mark.parametrize("act", [
-    a if a in _EXPORTED else pytest.param(a, marks=pytest.mark.xfail(
-        reason="onnx_export.py does not yet emit this fused activation", strict=False))
-    for a in NAMES])
+# The exported graph is BatchNormalization followed by the activation's nodes, the ones the
+# separate activation layer exports (utensil_ffi/interop/onnx_export.py).
+@pytest.mark.parametrize("act", NAMES)
 @pytest.mark.parametrize("opset", [13, 20])
 def test_onnx_export_applies_the_fused_activation(tmp_path, act, opset):
     pytest.importorskip("onnx")
