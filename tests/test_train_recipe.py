@@ -176,8 +176,10 @@ def test_warmup_resumes_as_an_uninterrupted_run(npz, tmp_path):
     assert [h["lr"] for h in ma["history"]] == [h["lr"] for h in mb["history"]]
     assert ma["history"][0]["lr"] == pytest.approx(0.0002)
     assert mb["run"]["warmup_epochs"] == 2
+    # not bitwise: on a 16-core host the threaded sums differed in the last bits between the
+    # two runs (1e-6 relative); a wrong rate after the resume moves weights by far more
     for k in wa:
-        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 # -- EMA --------------------------------------------------------------------------------------

@@ -1607,17 +1607,40 @@ _MASK_SEED = 30
 
 
 class _MaskRunner(_FnRunner):
-    def __init__(self, ut, layer, device):
+    """On the CPU the layer itself, reseeded before each forward. The GPU draws its masks from
+    a stream of its own (the CPU's mask is not among them), so there the runner applies the
+    const mask with mask_scale_, the op the layer's forward and backward apply; the GPU's draw
+    is checked by tests/test_recipe.py and tests/test_cuda_graph.py."""
+
+    def __init__(self, ut, layer, device, mask):
         self.layer = layer
+        self._mask = None
+        if device == "cpu":
+            def fwd(x):
+                ut.seed(_MASK_SEED)
+                return layer(x)
 
-        def fwd(x):
-            ut.seed(_MASK_SEED)
-            return layer(x)
+            def bwd(g, x):
+                return layer.backward(g)
+        else:
+            m = self._mask = ut.tensor(mask, device)
 
-        super().__init__(device, fwd, lambda g, x: layer.backward(g))
+            def fwd(x):
+                y = x.clone() if isinstance(x, ut.Tensor) else ut.tensor(x, device)
+                ut.functional.mask_scale_(y, m)
+                return y
+
+            def bwd(g, x):
+                d = g.clone()
+                ut.functional.mask_scale_(d, m)
+                return d
+
+        super().__init__(device, fwd, bwd)
 
     def close(self):
         self.layer.close()
+        if self._mask is not None:
+            self._mask.close()
 
 
 def _mask_inputs(mask_shape):
@@ -1648,7 +1671,7 @@ DROPOUT = OpInfo(
     describe=lambda g: "x%s p %g" % (list(g["shape"]), g["p"]),
     make=lambda ut, g, device: ut.Dropout(g["p"]),
     geometry_of=lambda l: dict(p=l.p),
-    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.Dropout(g["p"]), dev),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.Dropout(g["p"]), dev, k["mask"]),
     grad=("x",),
     samples=[
         Sample(dict(shape=(4, 6), p=0.3), {"selftest", "gradcheck"}, "dropout"),
@@ -1679,7 +1702,8 @@ STOCHASTIC_DEPTH = OpInfo(
     describe=lambda g: "x%s p %g %s" % (list(g["shape"]), g["p"], g["mode"]),
     make=lambda ut, g, device: ut.StochasticDepth(g["p"], g["mode"]),
     geometry_of=lambda l: dict(p=l.p, mode=l.mode),
-    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.StochasticDepth(g["p"], g["mode"]), dev),
+    runner=lambda ut, g, k, dev: _MaskRunner(ut, ut.StochasticDepth(g["p"], g["mode"]), dev,
+                                              k["mask"]),
     grad=("x",),
     samples=[
         Sample(dict(shape=(8, 2, 3, 3), p=0.4), {"selftest", "gradcheck"}, "stochastic_depth"),
