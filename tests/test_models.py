@@ -442,3 +442,33 @@ def test_training_gradients_match_torch_autograd(rng, name):
                                            err_msg=k)
     finally:
         net.close()
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_small", "efficientnet_b0",
+                                  "mnasnet0_5"])
+def test_stem_stride_one_keeps_small_images_and_the_keys(name):
+    """utensil's stem_stride: the stem's output keeps a 32 px image's size (torchvision's
+    stride 2 halves it) and the state_dict is the same, so either loads the other's."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    sizes, keys = {}, {}
+    for s in (1, 2):
+        ut.seed(0)
+        net = models.get_model(name, num_classes=5, stem_stride=s)
+        try:
+            stem = net[0][0]  # features.0 (a conv + BN + act), or MNASNet's layers.0 (a conv)
+            y = stem.eval()(x)
+            sizes[s] = y.shape[2:]
+            y.close()
+            sd = net.state_dict()
+            keys[s] = [(k, v.shape) for k, v in sd.items()]
+            if s == 1:
+                logits = net.eval()(x)
+                assert logits.shape == (2, 5) and np.isfinite(logits.numpy()).all()
+                logits.close()
+        finally:
+            net.close()
+    assert sizes == {1: (32, 32), 2: (16, 16)}
+    assert keys[1] == keys[2]
+    for bad, err in ((3, ut.ArgumentError), (0, ut.ArgumentError), ("1", TypeError)):
+        with pytest.raises(err, match="stem_stride"):
+            models.get_model(name, stem_stride=bad)

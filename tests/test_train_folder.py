@@ -110,7 +110,7 @@ def test_mobilenet_v2_learns_a_folder_task(tmp_path, capsys):
     data = make_folder(tmp_path / "imgs", 100)
     device = "cuda" if "cuda" in ut.devices() else "cpu"
     assert tr.main(["--data", data, "--arch", "mobilenet_v2", "--width-mult", "0.5",
-                    "--epochs", "15", "--batch-size", "50", "--optimizer", "sgd", "--lr", "0.05",
+                    "--epochs", "15", "--batch-size", "50", "--optimizer", "sgd", "--lr", "0.02",
                     "--no-progress", "--device", device, "--no-checkpoint"]) == 0
     out = capsys.readouterr().out
     print(out)

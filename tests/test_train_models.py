@@ -212,6 +212,32 @@ def test_an_old_flat_mobilenet_v2_checkpoint_resumes(flat_v2_checkpoint, capsys)
     assert meta["epoch"] == 2 and meta["run"]["arch_version"] == 1 and "0.weight" in model
 
 
+@pytest.mark.parametrize("arch", ["mobilenet_v2", "efficientnet_b0", "mnasnet0_5",
+                                  "convnext_tiny"])
+def test_small_images_get_a_stride_one_stem_since_arch_version_3(arch):
+    """A 32 px run of arch_version 3 builds the zoo's stem with stride 1 (stride 2 left the last
+    stages 1x1 and mobilenet_v2 diverged on a 32 px folder); a version-2 checkpoint keeps
+    torchvision's stride 2; 96 px and up always has it; ConvNeXt's patchify stem is its own."""
+    from utensil_ffi.cli import archs
+
+    def stem_out(version, size):
+        run = {"arch": arch, "width_mult": 1.0, "arch_version": version}
+        net = archs.build_network(run, (3, size, size), 4, "cpu")
+        try:
+            y = net[0][0].eval()(np.zeros((1, 3, size, size), np.float32))
+            out = y.shape[2]
+            y.close()
+            return out
+        finally:
+            net.close()
+
+    assert archs.ARCH_VERSION == 3
+    if arch.startswith("convnext"):
+        assert stem_out(3, 32) == stem_out(2, 32) == 8
+    else:
+        assert (stem_out(3, 32), stem_out(2, 32), stem_out(3, 96)) == (32, 16, 48)
+
+
 def _importable(name):
     try:
         __import__(name)

@@ -29,7 +29,7 @@ import itertools
 import threading
 import weakref
 
-from ._errors import ClosedError
+from ._errors import ArgumentError, ClosedError
 from ._lib import ffi, lib
 
 
@@ -226,6 +226,15 @@ class _State:
             st.pos -= 1
             self.busy += 1
             return st.entries[st.pos]
+
+    def take_for(self, who):
+        """take(), or the ArgumentError a backward without its forward raises (``who``: the
+        layer's name)."""
+        e = self.take()
+        if e is None:
+            raise ArgumentError("%s.backward: no forward pass to differentiate; call forward() "
+                                "in training mode (layer.train()) first" % who)
+        return e
 
     def untake(self):
         """Undo this thread's last take(): a backward refused before it computed anything

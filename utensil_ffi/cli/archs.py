@@ -12,6 +12,12 @@ written before it (no ``arch_version`` in their run settings, read as 1) hold th
 ``nn.models.mobilenet_v2`` (keys ``"0.weight"``...): for them build_network keeps building that
 flat network, so they resume, export and predict as before (no key mapping: the flat network
 is rebuilt as it was saved).
+
+Since ``arch_version`` 3 the models whose stem is a 3x3 stride-2 convolution (all but ConvNeXt,
+whose 4x4 patchify stem is its design) take stem stride 1 below 96 pixels, as mobilenet_v1 and
+the flat mobilenet_v2 always did: at 32 px a stride-2 stem leaves 1x1 maps for the last stages
+and training diverges. Version-2 checkpoints keep stride 2 (the stride is no state_dict key, so
+only the run setting tells them apart).
 """
 
 from ..nn import models as _flat
@@ -19,13 +25,15 @@ from ..nn import models as _flat
 __all__ = ["ARCH_VERSION", "arch_names", "has_width_mult", "min_image_size", "build_network",
            "describe_network", "classifier_keys"]
 
-# 1: mobilenet_v2 is nn.models' flat Sequential; 2: utensil_ffi.models' (torchvision's layout)
-ARCH_VERSION = 2
+# 1: mobilenet_v2 is nn.models' flat Sequential; 2: utensil_ffi.models' (torchvision's layout);
+# 3: the zoo's small-image stem (stride 1 below 96 px)
+ARCH_VERSION = 3
 OWN = ("digits", "mobilenet_v1")
 _WIDTH_MULT_FAMILIES = ("mobilenet",)
 # stride-2 convolutions without padding: ConvNeXt's 4x4 stem and 2x2 downsamplings need 32
 # pixels to keep one pixel to its last stage
 _MIN_SIZE = {"convnext": 32}
+_NO_STEM_STRIDE = ("convnext",)
 
 
 def _zoo():
@@ -67,6 +75,8 @@ def build_network(run, image_shape, num_classes, device):
     kw = {"num_classes": num_classes, "in_channels": c, "device": device}
     if has_width_mult(arch):
         kw["width_mult"] = run["width_mult"]
+    if run.get("arch_version", 1) >= 3 and not arch.startswith(_NO_STEM_STRIDE):
+        kw["stem_stride"] = stem
     return _zoo().get_model(arch, **kw)
 
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import _args
-from .._errors import ArgumentError, ArgumentTypeError, check
+from .._errors import ArgumentTypeError, check
 from .._lib import lib
 from .._lifetime import _PASS, _State, _in_pass
 from ..functional import add, layer_scale, layer_scale_backward
@@ -210,10 +210,7 @@ class CNBlock(nn.Module):
     @_takes_input_grad
     def backward(self, grad_out, *, input_grad=True):
         input_grad = _args.to_bool(input_grad, "input_grad")
-        e = self._state.take()
-        if e is None:
-            raise ArgumentError("CNBlock.backward: no forward pass to differentiate; call "
-                                "forward() in training mode first")
+        e = self._state.take_for("CNBlock")
         done = False
         try:
             g = self.stochastic_depth.backward(grad_out)

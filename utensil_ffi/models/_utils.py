@@ -21,7 +21,7 @@ from ..tensor import randn
 __all__ = ["make_divisible", "conv_norm_act", "bn_act", "activation", "PointwiseLinear",
            "check_weights", "init_conv_kaiming", "init_normal", "init_uniform",
            "init_trunc_normal", "init_zeros", "init_bn", "init_weights", "check_kwargs",
-           "classifier_net"]
+           "classifier_net", "stem_stride_arg"]
 
 # torchvision's activation classes by the names BatchNorm2d._ACTIVATIONS uses
 _ACTIVATION_CLASSES = {
@@ -104,6 +104,12 @@ def check_weights(name, weights, progress=True):
             "for k, v in torchvision.models.%s(weights=...).state_dict().items()})"
             % (name, weights, name))
     _args.to_bool(progress, "progress")
+
+
+def stem_stride_arg(stem_stride):
+    """utensil's ``stem_stride`` (torchvision's stem has stride 2): 1 keeps small images (32 px)
+    from shrinking to 1x1 before the head. A stride is no weight, so the keys are the same."""
+    return _args.to_int(stem_stride, "stem_stride", 1, 2)
 
 
 def check_kwargs(name, kwargs):

@@ -28,7 +28,8 @@ from .. import _args
 from .. import nn
 from ._blocks import InvertedResidual
 from ._utils import (check_kwargs, check_weights, classifier_net, conv_norm_act,
-                     init_conv_kaiming, init_uniform, init_weights, make_divisible)
+                     init_conv_kaiming, init_uniform, init_weights, make_divisible,
+                     stem_stride_arg)
 
 __all__ = ["efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3"]
 
@@ -56,7 +57,7 @@ def _mbconv(cin, cout, k, stride, ratio, sd_prob, fused, device):
 
 
 def _efficientnet(name, weights, progress, num_classes, dropout, stochastic_depth_prob,
-                  in_channels, device, fused, kwargs):
+                  in_channels, device, fused, stem_stride, kwargs):
     check_weights(name, weights, progress)
     check_kwargs(name, kwargs)
     width, depth, default_dropout = _VARIANTS[name]
@@ -65,7 +66,8 @@ def _efficientnet(name, weights, progress, num_classes, dropout, stochastic_dept
     stages = [(r, k, s, make_divisible(cin * width, 8), make_divisible(cout * width, 8),
                int(math.ceil(n * depth))) for r, k, s, cin, cout, n in _STAGES]
     total = sum(st[5] for st in stages)
-    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), stages[0][3], 3, 2,
+    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), stages[0][3], 3,
+                              stem_stride_arg(stem_stride),
                               act="silu", fused=fused, device=device)]
     done = 0
     for r, k, s, cin, cout, n in stages:
@@ -86,9 +88,10 @@ def _efficientnet(name, weights, progress, num_classes, dropout, stochastic_dept
 
 def _builder(name, params):
     def build(*, weights=None, progress=True, num_classes=1000, dropout=None,
-              stochastic_depth_prob=0.2, in_channels=3, device="cpu", fused=True, **kwargs):
+              stochastic_depth_prob=0.2, in_channels=3, device="cpu", fused=True, stem_stride=2,
+              **kwargs):
         return _efficientnet(name, weights, progress, num_classes, dropout,
-                             stochastic_depth_prob, in_channels, device, fused, kwargs)
+                             stochastic_depth_prob, in_channels, device, fused, stem_stride, kwargs)
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = (
@@ -96,7 +99,8 @@ def _builder(name, params):
         "dropout %g by default; stochastic_depth_prob (0.2) as torchvision's. Initialised as "
         "torchvision's (kaiming-normal fan_out convolutions, Linear U(+-1/sqrt(classes))) from "
         "the library's RNG. ``in_channels``: the stem's input channels (utensil's); ``fused``: "
-        "each BatchNorm2d applies its SiLU when BatchNorm2d can (same keys)."
+        "each BatchNorm2d applies its SiLU when BatchNorm2d can (same keys); ``stem_stride`` 1 "
+        "(utensil's) suits small images."
         % ((name,) + params))
     return build
 

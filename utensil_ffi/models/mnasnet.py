@@ -31,7 +31,7 @@ from .. import _args
 from .. import nn
 from ._blocks import InvertedResidual
 from ._utils import (bn_act, check_kwargs, check_weights, classifier_net, init_conv_kaiming,
-                     init_uniform, init_weights)
+                     init_uniform, init_weights, stem_stride_arg)
 
 __all__ = ["mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3"]
 
@@ -74,11 +74,12 @@ def _inverted_residual(cin, cout, k, stride, t, fused, device):
 
 
 def _mnasnet(name, alpha, weights, progress, num_classes, dropout, in_channels, device, fused,
-             kwargs):
+             stem_stride, kwargs):
     check_weights(name, weights, progress)
     check_kwargs(name, kwargs)
     d = [_round_to_multiple_of(x * alpha, 8) for x in _DEPTHS]
-    stem = [nn.Conv2d(_args.to_int(in_channels, "in_channels", 1), d[0], 3, stride=2, padding=1,
+    stem = [nn.Conv2d(_args.to_int(in_channels, "in_channels", 1), d[0], 3,
+                      stride=stem_stride_arg(stem_stride), padding=1,
                       bias=False, device=device), (d[0], "relu"),
             nn.DWConv2d(d[0], 3, padding=1, bias=False, device=device), (d[0], "relu"),
             nn.Conv2d(d[0], d[1], 1, bias=False, device=device), (d[1], None)]
@@ -98,15 +99,16 @@ def _mnasnet(name, alpha, weights, progress, num_classes, dropout, in_channels, 
 
 def _builder(name, alpha, count):
     def build(*, weights=None, progress=True, num_classes=1000, dropout=0.2, in_channels=3,
-              device="cpu", fused=True, **kwargs):
+              device="cpu", fused=True, stem_stride=2, **kwargs):
         return _mnasnet(name, alpha, weights, progress, num_classes, dropout, in_channels,
-                        device, fused, kwargs)
+                        device, fused, stem_stride, kwargs)
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = (
         "torchvision.models.%s (depth multiplier %g, %s parameters at 1000 classes), "
         "initialised as torchvision's from the library's RNG. ``in_channels``: the stem's input "
-        "channels (utensil's); ``fused``: each BatchNorm2d applies its ReLU (same keys)."
+        "channels (utensil's); ``fused``: each BatchNorm2d applies its ReLU (same keys); "
+        "``stem_stride`` 1 (utensil's) suits small images."
         % (name, alpha, count))
     return build
 

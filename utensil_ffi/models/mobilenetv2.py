@@ -24,7 +24,8 @@ from .. import nn
 from .._errors import ArgumentError
 from ._blocks import InvertedResidual
 from ._utils import (bn_act, check_kwargs, check_weights, classifier_net, conv_norm_act,
-                     init_conv_kaiming, init_normal, init_weights, make_divisible)
+                     init_conv_kaiming, init_normal, init_weights, make_divisible,
+                     stem_stride_arg)
 
 __all__ = ["mobilenet_v2"]
 
@@ -48,11 +49,12 @@ def _block(cin, cout, stride, t, fused, device):
 
 def mobilenet_v2(*, weights=None, progress=True, num_classes=1000, width_mult=1.0,
                  round_nearest=8, dropout=0.2, in_channels=3, device="cpu", fused=True,
-                 **kwargs):
+                 stem_stride=2, **kwargs):
     """torchvision.models.mobilenet_v2 (3,504,872 parameters at 1000 classes), initialised as
     torchvision's (kaiming-normal fan_out convolutions, Linear N(0, 0.01)) from the library's
     RNG. ``in_channels`` (utensil's) sets the stem's input channels; ``fused`` folds each
-    ReLU6 into its BatchNorm2d (same keys). ``weights`` must be None (see check_weights)."""
+    ReLU6 into its BatchNorm2d (same keys); ``stem_stride`` 1 (utensil's) suits small images.
+    ``weights`` must be None (see check_weights)."""
     check_weights("mobilenet_v2", weights, progress)
     check_kwargs("mobilenet_v2", kwargs)
     width_mult = _args.to_float(width_mult, "width_mult", lo=0.0)
@@ -61,7 +63,8 @@ def mobilenet_v2(*, weights=None, progress=True, num_classes=1000, width_mult=1.
     rn = _args.to_int(round_nearest, "round_nearest", 1)
     c = make_divisible(32 * width_mult, rn)
     last = make_divisible(1280 * max(1.0, width_mult), rn)
-    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), c, 3, 2,
+    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), c, 3,
+                              stem_stride_arg(stem_stride),
                               act="relu6", fused=fused, device=device)]
     for t, ch, n, s in _SETTING:
         out = make_divisible(ch * width_mult, rn)

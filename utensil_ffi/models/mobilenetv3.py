@@ -25,7 +25,8 @@ from .. import nn
 from .._errors import ArgumentError
 from ._blocks import InvertedResidual
 from ._utils import (check_kwargs, check_weights, classifier_net, conv_norm_act,
-                     init_conv_kaiming, init_normal, init_weights, make_divisible)
+                     init_conv_kaiming, init_normal, init_weights, make_divisible,
+                     stem_stride_arg)
 
 __all__ = ["mobilenet_v3_large", "mobilenet_v3_small"]
 
@@ -67,7 +68,7 @@ def _block(cin, k, exp, cout, se, act, stride, dilation, fused, device):
 
 
 def _mobilenet_v3(name, table, last_channel, weights, progress, num_classes, width_mult,
-                  reduced_tail, dilated, dropout, in_channels, device, fused, kwargs):
+                  reduced_tail, dilated, dropout, in_channels, device, fused, stem_stride, kwargs):
     check_weights(name, weights, progress)
     check_kwargs(name, kwargs)
     width_mult = _args.to_float(width_mult, "width_mult", lo=0.0)
@@ -87,7 +88,8 @@ def _mobilenet_v3(name, table, last_channel, weights, progress, num_classes, wid
             cout = cout // div
         rows.append((adjust(cin), k, adjust(exp), adjust(cout), se, act, s,
                      dilation if tail else 1))
-    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), rows[0][0], 3, 2,
+    features = [conv_norm_act(_args.to_int(in_channels, "in_channels", 1), rows[0][0], 3,
+                              stem_stride_arg(stem_stride),
                               act="hardswish", fused=fused, device=device, **_BN)]
     for cin, k, exp, cout, se, act, s, d in rows:
         features.append(_block(cin, k, exp, cout, se, act, s, d, fused, device))
@@ -105,20 +107,21 @@ def _mobilenet_v3(name, table, last_channel, weights, progress, num_classes, wid
 
 def mobilenet_v3_large(*, weights=None, progress=True, num_classes=1000, width_mult=1.0,
                        reduced_tail=False, dilated=False, dropout=0.2, in_channels=3,
-                       device="cpu", fused=True, **kwargs):
+                       device="cpu", fused=True, stem_stride=2, **kwargs):
     """torchvision.models.mobilenet_v3_large (5,483,032 parameters at 1000 classes),
     initialised as torchvision's from the library's RNG. ``in_channels``: the stem's input
-    channels (utensil's); ``fused``: each BatchNorm2d applies its activation (same keys)."""
+    channels (utensil's); ``fused``: each BatchNorm2d applies its activation (same keys);
+    ``stem_stride`` 1 (utensil's) suits small images."""
     return _mobilenet_v3("mobilenet_v3_large", _LARGE, 1280, weights, progress, num_classes,
                          width_mult, reduced_tail, dilated, dropout, in_channels, device, fused,
-                         kwargs)
+                         stem_stride, kwargs)
 
 
 def mobilenet_v3_small(*, weights=None, progress=True, num_classes=1000, width_mult=1.0,
                        reduced_tail=False, dilated=False, dropout=0.2, in_channels=3,
-                       device="cpu", fused=True, **kwargs):
+                       device="cpu", fused=True, stem_stride=2, **kwargs):
     """torchvision.models.mobilenet_v3_small (2,542,856 parameters at 1000 classes); as
     mobilenet_v3_large."""
     return _mobilenet_v3("mobilenet_v3_small", _SMALL, 1024, weights, progress, num_classes,
                          width_mult, reduced_tail, dilated, dropout, in_channels, device, fused,
-                         kwargs)
+                         stem_stride, kwargs)

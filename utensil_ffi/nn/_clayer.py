@@ -211,12 +211,7 @@ class _CLayer(Module):
         input_grad = _args.to_bool(input_grad, "input_grad")
         self._struct  # ClosedError once closed
         h = self._h
-        e = h.state.take()
-        if e is None:
-            raise ArgumentError(
-                "%s.backward: no forward pass to differentiate; call forward() in training "
-                "mode (layer.train()) first" % name
-            )
+        e = h.state.take_for(name)
         done = False
         try:
             s = h.s

@@ -444,13 +444,7 @@ class _Stateless(Module):
         return t, t._ptr.version
 
     def _take(self):
-        e = self._state.take()
-        if e is None:
-            raise ArgumentError(
-                "%s.backward: no forward pass to differentiate; call forward() in training "
-                "mode first" % type(self).__name__
-            )
-        return e
+        return self._state.take_for(type(self).__name__)
 
     @_takes_input_grad
     def backward(self, grad_out, *, input_grad=True):

@@ -125,10 +125,7 @@ class SqueezeExcitation(Module):
     @_takes_input_grad
     def backward(self, grad_out, *, input_grad=True):
         input_grad = _args.to_bool(input_grad, "input_grad")
-        e = self._state.take()
-        if e is None:
-            raise ArgumentError("SqueezeExcitation.backward: no forward pass to differentiate; "
-                                "call forward() in training mode first")
+        e = self._state.take_for("SqueezeExcitation")
         done = False
         try:
             _, x, version, s = e
