@@ -33,6 +33,7 @@ PyTorch modes
 """
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -88,10 +89,15 @@ def torch_twin(net, name):
     import torch
     import torchvision
 
-    builder = getattr(torchvision.models, name)
-    tnet = builder(weights=None, num_classes=1000, **_no_randomness(builder))
-    tnet.load_state_dict({k: torch.from_numpy(v) for k, v in net.state_dict().items()},
-                         strict=True)
+    from utensil_ffi import models as zoo
+
+    # torchvision's builders take these through **kwargs (no named parameter to look up), so
+    # utensil's builder of the same name says which to zero
+    tnet = getattr(torchvision.models, name)(weights=None, num_classes=1000,
+                                             **_no_randomness(getattr(zoo, name)))
+    sd = collections.OrderedDict((k, torch.from_numpy(v)) for k, v in net.state_dict().items())
+    sd._metadata = {"": {"version": 2}}  # MNASNet's check (see utensil_ffi.models.mnasnet)
+    tnet.load_state_dict(sd, strict=True)
     return tnet
 
 
