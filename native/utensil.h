@@ -348,7 +348,8 @@ ut_tensor* ut_linear_backward(ut_linear* l, ut_linear_cache* cache, ut_tensor* g
 void ut_linear_cache_free(ut_linear_cache* c);
 void ut_linear_free(ut_linear* l);
 
-/* x: [..., D] -> same shape, normalized over the last dimension (weight = 1, bias = 0) */
+/* x: [..., D] float32 or bfloat16 -> same shape and dtype, normalized over the last dimension
+   (weight = 1, bias = 0 when allocated) */
 ut_layernorm ut_layernorm_alloc(int dim, float eps, ut_dev dev);
 ut_tensor* ut_layernorm_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cache* cache);
 /* grad_out: like x, dW: D, db: D -> dx like x */
@@ -2900,6 +2901,14 @@ ut_layernorm ut_layernorm_alloc(int dim, float eps, ut_dev dev) {
   return l;
 }
 
+static int ut__check_grad_like(const ut_tensor* go, const ut_tensor* x, const char* who) {
+  UT__TRY(ut__check_arg(go, x, -1, who, "grad_out"));
+  UT__CHECK(ut__same_shape(go, x), UT_ERR_SHAPE,
+            "%s: grad_out has shape %s but x has shape %s (they must match)", who,
+            ut__shape_text(go).s, ut__shape_text(x).s);
+  return ut__check_dtype_as(go, x, who, "grad_out", "x");
+}
+
 static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const char* who) {
   UT__CHECK(l, UT_ERR_ARG, "%s: layer is NULL", who);
   UT__CHECK(l->dim >= 1, UT_ERR_ARG, "%s: invalid dim %d", who, l->dim);
@@ -2907,7 +2916,6 @@ static int ut__check_layernorm(const ut_layernorm* l, const ut_tensor* x, const 
   UT__CHECK(l->bias, UT_ERR_ARG, "%s: the layer's bias is NULL", who);
   UT__TRY(ut__check_params(l->weight, l->bias, l->dim, l->dim, who));
   UT__TRY(ut__check_arg(x, l->weight, -1, who, "x"));
-  UT__TRY(ut__check_f32(x, who, "x"));
   UT__CHECK(x->shape.shape[x->shape.ndim - 1] == l->dim, UT_ERR_SHAPE,
             "%s: x must be [..., %d], got shape %s", who, l->dim, ut__shape_text(x).s);
   return UT_OK;
@@ -2925,9 +2933,15 @@ ut_tensor* ut_layernorm_forward(ut_layernorm* l, ut_tensor* x, ut_layernorm_cach
   ut_tensor* y = ut__new_like(x, who);
   ut_tensor* mean = y ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
   ut_tensor* rstd = mean ? ut__new(1, (int[]){rows}, x->dev, who) : NULL;
-  int rc = rstd ? be->layernorm_fwd(xp, wp, bp, ut__out(y, be), ut__out(mean, be),
-                                    ut__out(rstd, be), rows, l->dim, l->eps)
-                : ut__err_status;
+  /* bf16 rows on the GPU (a mixed-precision head) take the typed NCHW kernel with H*W = 1:
+     [rows, dim] is [N, C, 1, 1]; the cache keeps its rows shape, so the backward pairs them
+     alike. The CPU computes on a float32 copy, so it keeps the rows kernel. */
+  int rc = !rstd ? ut__err_status
+           : ut__buf_dtype(x, be) == UT_F32
+               ? be->layernorm_fwd(xp, wp, bp, ut__out(y, be), ut__out(mean, be),
+                                   ut__out(rstd, be), rows, l->dim, l->eps)
+               : be->ln2d_fwd(ut__buf_dtype(x, be), xp, wp, bp, ut__out(y, be),
+                              ut__out(mean, be), ut__out(rstd, be), rows, l->dim, 1, l->eps);
   if (rc < 0 || !cache) {
     ut_free_all(mean, rstd);
     if (rc < 0) return ut__drop(y);
@@ -2982,21 +2996,19 @@ ut_tensor* ut_layernorm_backward(ut_layernorm* l, ut_layernorm_cache* cache, ut_
   UT__CHECK_NULL(cache && cache->input && cache->mean && cache->rstd, UT_ERR_ARG,
                  "%s: the cache is empty (run forward with a cache first)", who);
   ut_tensor* x = cache->input;
-  if (ut__check_layernorm(l, x, who) < 0 ||
-      ut__check_arg(grad_out, x, x->shape.nelem, who, "grad_out") < 0 ||
-      ut__check_f32(grad_out, who, "grad_out") < 0)
+  if (ut__check_layernorm(l, x, who) < 0 || ut__check_grad_like(grad_out, x, who) < 0)
     return NULL;
   int rows = x->shape.nelem / l->dim;
-  UT__CHECK_NULL(ut__same_shape(grad_out, x), UT_ERR_SHAPE,
-                 "%s: grad_out has shape %s, the forward output had %s", who,
-                 ut__shape_text(grad_out).s, ut__shape_text(x).s);
   const ut__backend* be = ut__backend_for(x->dev);
   ut__ln_grad_io io;
   if (ut__ln_grad_io_get(l, cache, grad_out, dW, db, rows, 1, who, be, &io) < 0) return NULL;
   ut_tensor* dx = ut__new_like(x, who);
   if (!dx) return NULL;
-  int rc = be->layernorm_bwd(io.go, io.x, io.w, io.mean, io.rstd, ut__out(dx, be), io.dW, io.db,
-                             rows, l->dim);
+  int rc = ut__buf_dtype(x, be) == UT_F32
+               ? be->layernorm_bwd(io.go, io.x, io.w, io.mean, io.rstd, ut__out(dx, be), io.dW,
+                                   io.db, rows, l->dim)
+               : be->ln2d_bwd(ut__buf_dtype(x, be), io.go, io.x, io.w, io.mean, io.rstd,
+                              ut__out(dx, be), io.dW, io.db, rows, l->dim, 1);
   return ut__backward_done(rc, be, dx, dW, io.dW, db, io.db);
 }
 
@@ -3393,13 +3405,6 @@ static int ut__check_chan_scale(const ut_tensor* x, const ut_tensor* s, bool sha
   return shared ? ut__check_f32(s, who, sname) : ut__check_dtype_as(s, x, who, sname, "x");
 }
 /* grad_out: x's shape, dtype and device */
-static int ut__check_grad_like(const ut_tensor* go, const ut_tensor* x, const char* who) {
-  UT__TRY(ut__check_arg(go, x, -1, who, "grad_out"));
-  UT__CHECK(ut__same_shape(go, x), UT_ERR_SHAPE,
-            "%s: grad_out has shape %s but x has shape %s (they must match)", who,
-            ut__shape_text(go).s, ut__shape_text(x).s);
-  return ut__check_dtype_as(go, x, who, "grad_out", "x");
-}
 static ut__i64 ut__chan_inner(const ut_tensor* x) {
   return (ut__i64)x->shape.nelem / ((ut__i64)x->shape.shape[0] * x->shape.shape[1]);
 }

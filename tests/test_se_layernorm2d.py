@@ -276,6 +276,39 @@ def test_layernorm2d_bf16_statistics_in_float32(device, rng):
         ln.close()
 
 
+@pytest.mark.parametrize("shape", [(4, 24), (2, 3, 40)])
+def test_layernorm_rows_in_bf16(device, rng, shape):
+    """nn.LayerNorm on bf16 rows (ConvNeXt's head under MixedPrecision): y and dx in bf16, each
+    the float64 result rounded once (within a bf16 step); dW and db float32 sums of the same
+    bf16 values; a float32 grad_out for a bf16 forward is refused."""
+    d = shape[-1]
+    x = _round_bf16(_f32(rng, *shape, scale=2.0, shift=1.0))
+    go = _round_bf16(_f32(rng, *shape))
+    w, b = _f32(rng, d), _f32(rng, d)
+    ln = ut.LayerNorm(d, device=device)
+    try:
+        ln.load_state_dict({"weight": w, "bias": b})
+        with ut.tensor(x, device, ut.bfloat16) as xb, ut.tensor(go, device, ut.bfloat16) as gb:
+            with ln(xb) as y:
+                assert y.dtype == ut.bfloat16 and y.shape == shape
+                want = R.layernorm(x.astype(np.float64), w, b, 1e-5)
+                np.testing.assert_allclose(y.numpy(), want, rtol=0,
+                                           atol=BF16_STEP * np.abs(want).max())
+            ln.zero_grad()
+            with ln.backward(gb) as dx:
+                assert dx.dtype == ut.bfloat16
+                wdx, wdw, wdb = R.layernorm_backward(x.astype(np.float64), w, 1e-5, go)
+                np.testing.assert_allclose(dx.numpy(), wdx, rtol=0,
+                                           atol=BF16_STEP * np.abs(wdx).max())
+            _close(ln.weight.grad.numpy(), wdw, rtol=1e-4, atol=1e-5)
+            _close(ln.bias.grad.numpy(), wdb, rtol=1e-4, atol=1e-5)
+            ln(xb).close()
+            with ut.tensor(go, device) as g32, pytest.raises(ut.ArgumentError, match="dtype|float"):
+                ln.backward(g32)
+    finally:
+        ln.close()
+
+
 def test_layernorm2d_parameter_gradients_are_deterministic(device, rng):
     x, go = _f32(rng, 8, 32, 15, 15), _f32(rng, 8, 32, 15, 15)
     ln = ut.LayerNorm2d(32, device=device)

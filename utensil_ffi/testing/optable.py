@@ -752,8 +752,9 @@ LAYERNORM = OpInfo(
         Sample(dict(shape=(3, 4), eps=1e-3), {"copy"}, "LayerNorm"),
         Sample(dict(shape=(3, 6)), {"nonfinite"}, "layernorm"),
         Sample(dict(shape=(3, 5, 7)), {"cuda_vs_cpu"}, "layernorm"),
+        Sample(dict(shape=(4, 3, 40)), {"bf16"}, "layernorm"),
     ],
-    bf16=_F32_ONLY,
+    bf16=Bf16(kernel="norm"),
     errors=[
         ErrorCase("LayerNorm", lambda ut: ut.LayerNorm(0), "ArgumentError", "normalized_shape"),
         ErrorCase("LayerNorm", lambda ut: ut.LayerNorm(4, eps=-1.0), "ArgumentError",
