@@ -369,3 +369,44 @@ def test_a_grey_image_folder_trains_and_predicts(tmp_path, capsys):
     capsys.readouterr()
     assert pr.main([ck, str(tmp_path / "imgs" / "c1" / "0.png")]) == 0
     assert capsys.readouterr().out.startswith(str(tmp_path))
+
+
+# -- --dropout and --stochastic-depth-prob ------------------------------------------------------
+
+def test_dropout_and_stochastic_depth_flags_reach_the_model_and_resume(rgb32, tmp_path, capsys):
+    from utensil_ffi.cli import archs
+
+    ck = str(tmp_path / "e.npz")
+    assert tr.main(["--data", rgb32, "--arch", "efficientnet_b0", "--dropout", "0.1",
+                    "--stochastic-depth-prob", "0.05", "--checkpoint", ck] + FAST) == 0
+    assert "dropout 0.1, stochastic depth prob 0.05" in capsys.readouterr().out
+    meta, _, _ = tr.load_checkpoint(ck)
+    run = meta["run"]
+    assert (run["dropout"], run["stochastic_depth_prob"]) == (0.1, 0.05)
+    net = archs.build_network(run, (3, 32, 32), 4, "cpu")
+    try:
+        drops = [m.p for m in net.modules() if type(m).__name__ == "Dropout"]
+        depths = [m.p for m in net.modules() if type(m).__name__ == "StochasticDepth"]
+        # torchvision's rule: block i of n drops with 0.05 * i / n
+        assert drops == [0.1] and len(depths) == 16
+        np.testing.assert_allclose(depths, [0.05 * i / 16 for i in range(16)])
+    finally:
+        net.close()
+    # a resumed run keeps them, and refuses another value
+    assert tr.main(["--resume", ck, "--epochs", "2", "-q", "--no-progress",
+                    "--device", "cpu"]) == 0
+    assert tr.load_checkpoint(ck)[0]["run"]["dropout"] == 0.1
+    assert tr.main(["--resume", ck, "--epochs", "3", "--dropout", "0.3", "--no-progress",
+                    "--device", "cpu"]) == 2
+    assert "--dropout 0.3 differs from the checkpoint's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch, flag", [("convnext_tiny", "--dropout"),
+                                        ("mobilenet_v3_small", "--stochastic-depth-prob"),
+                                        ("digits", "--dropout"),
+                                        ("mobilenet_v1", "--stochastic-depth-prob")])
+def test_regularisation_a_network_lacks_is_a_usage_error(rgb32, arch, flag, capsys):
+    assert tr.main(["--data", rgb32, "--arch", arch, flag, "0.1"] + FAST) == 2
+    err = capsys.readouterr().err
+    assert "%s: %s has no" % (flag, arch) in err and "efficientnet" in err
+

@@ -23,7 +23,7 @@ only the run setting tells them apart).
 from ..nn import models as _flat
 
 __all__ = ["ARCH_VERSION", "arch_names", "has_width_mult", "min_image_size", "build_network",
-           "describe_network", "classifier_keys"]
+           "describe_network", "classifier_keys", "REGULARISATION", "regularisation"]
 
 # 1: mobilenet_v2 is nn.models' flat Sequential; 2: utensil_ffi.models' (torchvision's layout);
 # 3: the zoo's small-image stem (stride 1 below 96 px)
@@ -45,6 +45,22 @@ def _zoo():
 def arch_names():
     """Every --arch value: utensil-train's own, then utensil_ffi.models' list_models()."""
     return OWN + tuple(n for n in _zoo().list_models() if n not in OWN)
+
+
+# the builders' keywords that --dropout and --stochastic-depth-prob set (utensil-train's run
+# settings of the same names; None: the builder's default)
+REGULARISATION = ("dropout", "stochastic_depth_prob")
+
+
+def regularisation(arch, arch_version=ARCH_VERSION):
+    """Which of REGULARISATION the network of ``arch`` takes (torchvision's builder arguments):
+    none for utensil-train's own networks and the flat mobilenet_v2 of arch_version 1."""
+    if arch in OWN or (arch == "mobilenet_v2" and arch_version < 2):
+        return ()
+    import inspect
+
+    params = inspect.signature(_zoo().get_model_builder(arch)).parameters
+    return tuple(k for k in REGULARISATION if k in params)
 
 
 def has_width_mult(arch):
@@ -77,6 +93,9 @@ def build_network(run, image_shape, num_classes, device):
         kw["width_mult"] = run["width_mult"]
     if run.get("arch_version", 1) >= 3 and not arch.startswith(_NO_STEM_STRIDE):
         kw["stem_stride"] = stem
+    for k in regularisation(arch, run.get("arch_version", 1)):
+        if run.get(k) is not None:
+            kw[k] = run[k]
     return _zoo().get_model(arch, **kw)
 
 
@@ -86,9 +105,12 @@ def describe_network(run):
         return "depthwise-separable CNN, width %d" % run["width"]
     if arch == "mobilenet_v2" and run.get("arch_version", 1) < 2:
         return "mobilenet_v2 (utensil's flat layout), width multiplier %g" % run["width_mult"]
+    words = [arch]
     if has_width_mult(arch):
-        return "%s, width multiplier %g" % (arch, run["width_mult"])
-    return arch
+        words.append("width multiplier %g" % run["width_mult"])
+    words += ["%s %g" % (k.replace("_", " "), run[k]) for k in REGULARISATION
+              if run.get(k) is not None]
+    return ", ".join(words)
 
 
 def classifier_keys(state):

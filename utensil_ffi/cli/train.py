@@ -30,6 +30,7 @@ runs without it), matplotlib for ``--plot``.
 import argparse
 import math
 import os
+import re
 import sys
 import time
 
@@ -50,6 +51,7 @@ from . import train_dist as _dist
 from . import train_recipe as _recipe
 from ._warn import cli_warnings
 from .archs import ARCH_VERSION, arch_names, build_network, describe_network  # noqa: F401
+from .archs import REGULARISATION, regularisation
 from .archs import has_width_mult, min_image_size
 # CHECKPOINT_FORMAT and CHECKPOINT_VERSION too: utensil_ffi.train, the old path, is this module
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, PROG, CheckpointError,  # noqa: F401
@@ -84,12 +86,15 @@ RUN_DEFAULTS = {
     "warmup_epochs": 0,
     "ema": None,         # the EMA's decay per step; None: no EMA
     "init_from": None,   # the file the weights started from (a new run reads it, not a resume)
+    "dropout": None,     # the model's dropout probability (None: its builder's default)
+    "stochastic_depth_prob": None,  # likewise its stochastic depth's largest rate
 }
 LR_DEFAULTS = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1}
 # settings added after checkpoints existed: a checkpoint without one ran with this value
 SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True,
                   "weight_decay": 0.0, "nesterov": False, "label_smoothing": 0.0,
-                  "warmup_epochs": 0, "ema": None, "init_from": None}
+                  "warmup_epochs": 0, "ema": None, "init_from": None, "dropout": None,
+                  "stochastic_depth_prob": None}
 ARCHS = arch_names()
 EMA_DEFAULT_DECAY = 0.999
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -144,6 +149,7 @@ _MOMENTUM = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 _WEIGHT_DECAY = _number(float, "a number >= 0", lambda v: v >= 0.0)
 _SMOOTHING = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 _DECAY = _number(float, "a number strictly between 0 and 1", lambda v: 0.0 < v < 1.0)
+_PROB = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 
 
 _THREAD_COUNT = _number(int, "a positive integer or auto", lambda v: v >= 1)
@@ -255,6 +261,13 @@ def build_parser():
     g.add_argument("--label-smoothing", type=_SMOOTHING, default=None, metavar="E",
                    help="cross-entropy against (1 - E) one-hot + E / classes, as PyTorch's "
                    "label_smoothing, in training and evaluation (default 0)")
+    g.add_argument("--dropout", type=_PROB, default=None, metavar="P",
+                   help="the classifier's dropout probability, torchvision's ``dropout`` "
+                   "(default: the model's, e.g. 0.2; the torchvision models only)")
+    g.add_argument("--stochastic-depth-prob", type=_PROB, default=None, metavar="P",
+                   help="stochastic depth's rate at the last block, growing linearly from 0 at "
+                   "the first, torchvision's ``stochastic_depth_prob`` (default: the model's; "
+                   "efficientnet and convnext only)")
     g.add_argument("--ema", type=_DECAY, nargs="?", const=EMA_DEFAULT_DECAY, default=None,
                    metavar="DECAY",
                    help="keep an exponential moving average of the weights, updated after "
@@ -343,6 +356,13 @@ def _check_run(args, run, resumed):
     if args.width is not None and arch != "digits":
         raise _UsageError("--width sizes the digits network; %s is sized by its own layout%s"
                           % (arch, " and --width-mult" if has_width_mult(arch) else ""))
+    taken = regularisation(arch, run["arch_version"])
+    for k in REGULARISATION:
+        if run[k] is not None and k not in taken:
+            families = sorted({re.match("[a-z]+", a).group() for a in ARCHS
+                               if k in regularisation(a)})
+            raise _UsageError("--%s: %s has no %s (the %s models have)" % (
+                k.replace("_", "-"), arch, k.replace("_", " "), ", ".join(families)))
     if run["optimizer"] != "sgd":
         if run["nesterov"]:
             raise _UsageError("--nesterov is SGD's; --optimizer %s has no Nesterov momentum"
@@ -386,6 +406,8 @@ def _saved_setting(k, v):
         "label_smoothing": num and 0.0 <= v < 1.0,
         "warmup_epochs": integer and v >= 0,
         "ema": v is None or (num and 0.0 < v < 1.0),
+        "dropout": v is None or (num and 0.0 <= v < 1.0),
+        "stochastic_depth_prob": v is None or (num and 0.0 <= v < 1.0),
         "init_from": v is None or isinstance(v, str),
         "lr_schedule": v in ("cosine", "constant"),
         "data": v is None or isinstance(v, str),

@@ -39,6 +39,7 @@ from .._errors import ArgumentError
 from ..nn.models import (DEFAULT_BLOCKS, V1_BLOCKS, V2_BLOCKS, block_channels, count_parameters,
                          mobilenet, mobilenet_v1)
 from ._blocks import CNBlock, InvertedResidual
+from ._utils import PointwiseLinear
 from .convnext import convnext_tiny
 from .efficientnet import efficientnet_b0, efficientnet_b1, efficientnet_b2, efficientnet_b3
 from .mnasnet import mnasnet0_5, mnasnet0_75, mnasnet1_0, mnasnet1_3
@@ -50,7 +51,8 @@ _BUILDERS = {f.__name__: f for f in (
     efficientnet_b2, efficientnet_b3, mnasnet0_5, mnasnet0_75, mnasnet1_0, mnasnet1_3,
     convnext_tiny)}
 
-__all__ = ["list_models", "get_model", "get_model_builder", "InvertedResidual", "CNBlock"]
+__all__ = ["list_models", "get_model", "get_model_builder", "InvertedResidual", "CNBlock",
+           "PointwiseLinear"]
 __all__ += sorted(_BUILDERS)
 # nn.models' names, from when this was its path
 __all__ += ["mobilenet", "mobilenet_v1", "count_parameters", "block_channels", "DEFAULT_BLOCKS",
