@@ -1,0 +1,48 @@
+"""bench_inference.py compares like with like: utensil's eval forward, onnxruntime on its own
+export and PyTorch's twin agree on a network with non-trivial BatchNorm statistics, and its
+check refuses an engine that computes something else."""
+
+import numpy as np
+import pytest
+
+import bench_inference as bi
+
+
+def test_engines_agree_and_rates_are_measured():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    res = bi.run("v1", size=32, batches=(2,), threads=1, rounds=1, seconds=0.05,
+                 use_torch=False)
+    rates = res[2]
+    assert rates["utensil"] > 0 and rates["onnxruntime"] > 0
+    assert 0.0 <= rates["max diff"]["onnxruntime"] <= 1e-4
+
+
+def test_the_check_catches_an_engine_that_differs(monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    real = ort.InferenceSession
+
+    class OffByALittle:
+        def __init__(self, *a, **k):
+            self.s = real(*a, **k)
+
+        def run(self, names, feeds):
+            return [o * np.float32(1.01) for o in self.s.run(names, feeds)]
+
+    monkeypatch.setattr(ort, "InferenceSession", OffByALittle)
+    with pytest.raises(AssertionError, match="disagree"):
+        bi.run("v1", size=32, batches=(1,), threads=1, rounds=1, seconds=0.05, use_torch=False)
+
+
+def test_batchnorm_statistics_are_moved_off_their_start():
+    import utensil_ffi as ut
+
+    net = bi.build("v1", "cpu")
+    try:
+        bi._randomise_bn(net, np.random.default_rng(0))
+        bns = [m for m in net.modules() if isinstance(m, ut.BatchNorm2d)]
+        assert bns and all(np.abs(m.running_var.numpy() - 1.0).max() > 0.1 for m in bns)
+        assert all(np.abs(m.running_mean.numpy()).max() > 0.01 for m in bns)
+    finally:
+        net.close()
