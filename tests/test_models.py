@@ -504,7 +504,8 @@ def test_mixed_precision_runs_every_family(device, rng, name):
             y = m(x)
             assert y.dtype == ut.float32
             y.close()
-            assert m.backward(g, input_grad=False) is None
+            with ut.tensor(g, device) as gt:  # a numpy gradient would be a CPU tensor
+                assert m.backward(gt, input_grad=False) is None
             m.eval()
             y = m(x)
             outs.append(y.numpy().astype(np.float64))
