@@ -4579,12 +4579,15 @@ typedef struct {
 /* and no-trapping-math: the selects of the piecewise kinds may then evaluate both sides'
    comparisons (an ordered comparison with NaN raises FE_INVALID, which GCC otherwise keeps
    conditional), so they vectorize; the values are the same, no one reads the FP flags */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(UT_NO_TARGET_CLONES)
 /* On x86-64 (glibc, for the ifunc that picks a clone at load time) the loops are also built
    for AVX2 and AVX-512, which the baseline build (SSE2) leaves unused: SiLU's loop ran 2.6x
    (AVX2) and 5x (AVX-512) faster than SSE2's on one core. fp-contract=off keeps the clones'
    results those of the baseline to the bit (AVX-512 has FMA; SSE2 cannot contract anyway), so
-   a machine's ISA does not change a result. */
+   a machine's ISA does not change a result. Not under ThreadSanitizer, whose program crashes
+   in an ifunc resolver that runs before it is set up (a segfault at start measured), nor with
+   UT_NO_TARGET_CLONES defined (an application's own opt-out). */
 #define UT__CPU_ACT_OPT                                                                     \
   __attribute__((optimize("O3", "fp-contract=off", "no-tree-loop-distribute-patterns",     \
                           "no-trapping-math"),                                             \
