@@ -25,10 +25,10 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import utensil_ffi as ut  # noqa: E402
 
-from bench.bench_networks import _torch_side, build, stage, utensil_steps  # noqa: E402
+from bench.bench_networks import _torch_side, build, stage, utensil_steps, zoo_names  # noqa: E402
 
 
-def _side(name, net, torch, x_np, y_np):
+def _side(name, net, torch, x_np, y_np, net_name):
     """A function running the side's steps over its batches, already staged."""
     lib, mode = name.split()
     if lib == "utensil":
@@ -37,7 +37,7 @@ def _side(name, net, torch, x_np, y_np):
         batches = stage([(x_np, y_np)], "cuda")
         return lambda: utensil_steps(model, opt, batches)
     torch.backends.cudnn.benchmark = True
-    steps = _torch_side(torch, net, mode, "cuda")
+    steps = _torch_side(torch, net, mode, "cuda", net_name)
     batches = [(x_np, y_np.astype(np.int64))]
     return lambda: steps(batches)
 
@@ -61,12 +61,12 @@ def profile(net_name="v1", size=224, batch=256, steps=4, sides=("utensil bf16", 
     ut.seed(0)
     ut.preferred_blas_library("cublas")
     net = build(net_name, "cuda")
-    in_c, classes = (3, 1000) if net_name == "v1" else (1, 10)
+    in_c, classes = (1, 10) if net_name == "digits" else (3, 1000)
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((batch, in_c, size, size)).astype(np.float32)
     y_np = rng.integers(0, classes, batch).astype(np.float32)
     for name in sides:
-        run = _side(name, net, torch, x_np, y_np)
+        run = _side(name, net, torch, x_np, y_np, net_name)
         for _ in range(6):  # warm-up: cudnn.benchmark, cuBLAS, caches
             run()
         t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def profile(net_name="v1", size=224, batch=256, steps=4, sides=("utensil bf16", 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--net", default="v1", choices=("v1", "digits"))
+    p.add_argument("--net", default="v1", choices=("v1", "digits") + tuple(zoo_names()))
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)

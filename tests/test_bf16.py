@@ -225,6 +225,32 @@ def test_mixed_precision_keeps_float32_at_its_edges_and_in_the_weights(device, r
         net.close()
 
 
+def test_mixed_precision_takes_numpy_on_the_modules_device(device, rng):
+    """A numpy input or gradient goes to the wrapped module's device, as a layer puts an
+    array-like on its own (on the GPU it became a CPU tensor the first conv refused), and gives
+    the values a tensor on that device gives."""
+    ut.seed(0)
+    net = ut.Sequential(ut.Conv2d(3, 4, 3, padding=1), ut.BatchNorm2d(4), ut.ReLU6(),
+                        ut.GlobalAvgPool2d(), ut.Linear(4, 2)).to(device)
+    mp = ut.MixedPrecision(net)
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    g = rng.standard_normal((2, 2)).astype(np.float32)
+    try:
+        res = []
+        for as_tensor in (False, True):
+            with ut.tensor(x, device) as xt, ut.tensor(g, device) as gt:
+                mp.zero_grad()
+                with mp(xt if as_tensor else x) as y, \
+                        mp.backward(gt if as_tensor else g) as dx:
+                    assert y.device == dx.device == device
+                    res.append((y.numpy().copy(), dx.numpy().copy(),
+                                net[0].weight.grad.numpy().copy()))
+        for a, b in zip(*res):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        net.close()
+
+
 def test_precision_flag_trains_the_digits_to_the_float32_accuracy(device):
     import io
 

@@ -33,10 +33,12 @@ from .module import _Wrapper, _backward_params_only, _takes_input_grad
 __all__ = ["MixedPrecision"]
 
 
-def _convert(t, dtype):
-    """``t`` as dtype; an array-like becomes a float32 tensor first (the caller's value)."""
+def _convert(t, dtype, module):
+    """``t`` as dtype; an array-like becomes a float32 tensor first (the caller's value), on the
+    device of ``module``'s parameters, as a layer puts an array-like on its own device."""
     if not isinstance(t, Tensor):
-        t = Tensor(t)
+        p = next(iter(module.parameters()), None)
+        t = Tensor(t, "cpu" if p is None else p.device)
     return t.to(dtype=dtype)
 
 
@@ -56,7 +58,7 @@ class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
         self.dtype = _dtypes.parse_dtype(dtype)
 
     def _forward(self, x):
-        xc = _convert(x, self.dtype)
+        xc = _convert(x, self.dtype, self.module)
         try:
             y = self.module(xc)
         except BaseException:
@@ -71,7 +73,7 @@ class MixedPrecision(_Wrapper, child="module", args=("dtype",)):
         """The wrapped module's backward on ``grad_out`` as dtype; returns dx as float32, or with
         ``input_grad=False`` None (no dx to compute or widen)."""
         input_grad = _args.to_bool(input_grad, "input_grad")
-        g = _convert(grad_out, self.dtype)
+        g = _convert(grad_out, self.dtype, self.module)
         if not input_grad:
             try:
                 return _backward_params_only(self.module, g)
