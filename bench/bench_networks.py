@@ -284,6 +284,10 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
     parity = check_parity(torch, net, opt, batches, device,
                           rtol=(1e-4 if precision == "highest" else 2e-3, 2e-2),
                           name=net_name) if check else None
+    if device == "cuda":
+        # utensil allocates with cudaMalloc, not from PyTorch's cache: give back what the
+        # parity twin's steps left cached there (a batch-256 ConvNeXt ran out of memory)
+        torch.cuda.empty_cache()
     rates = {k: [] for k in sides}
     try:
         for name, fn in sides.items():  # warm-up (and compilation)

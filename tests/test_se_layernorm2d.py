@@ -140,6 +140,66 @@ def test_channel_scale_is_deterministic(device, rng):
                 t.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [
+    (2, 5, 8, 8),     # 64 per row: 16-byte loads (8 bf16, 4 float32), a warp per row
+    (3, 5, 14, 14),   # 196: 8-byte bf16 loads; rows (15) end inside a block of 8 warps
+    (3, 4, 7, 7),     # 49: one element per load
+    (1, 3, 64, 64),   # few long rows: a block of 256 threads per row
+    (1, 2, 67, 65),   # long odd rows: a block per row, one element per load
+])
+def test_row_kernels_over_every_width(device, rng, shape, dtype):
+    """Global average pooling, the SE scale and the layer scale (forward and backward) on the
+    row shapes that choose each launch (threads per row, elements per load on the GPU), against
+    float64 on the same values: bf16 results rounded once (within a bf16 step), float32 within
+    float32 sums' rounding."""
+    n, c = shape[:2]
+    bf = dtype == "bfloat16"
+    rnd = _round_bf16 if bf else (lambda a: a)
+    x, go = rnd(_f32(rng, *shape)), rnd(_f32(rng, *shape))
+    s, gy = rnd(_f32(rng, n, c)), rnd(_f32(rng, n, c))
+    gamma = _f32(rng, c, 1, 1)
+    x64, go64, s64 = (a.astype(np.float64) for a in (x, go, s))
+    hw = shape[2] * shape[3]
+    want = {
+        "pool": x64.mean(axis=(2, 3)),
+        "pool dx": np.broadcast_to((gy.astype(np.float64) / hw)[:, :, None, None], shape),
+        "scale": x64 * s64[:, :, None, None],
+        "scale dx": go64 * s64[:, :, None, None],
+        "scale ds": (go64 * x64).sum(axis=(2, 3)),
+        "layer": x64 * gamma.astype(np.float64),
+        "layer dg": (go64 * x64).sum(axis=(0, 2, 3)).reshape(c, 1, 1),
+    }
+    dt = ut.bfloat16 if bf else ut.float32
+    with ut.tensor(x, device, dt) as xt, ut.tensor(go, device, dt) as gt, \
+            ut.tensor(s, device, dt) as st, ut.tensor(gy, device, dt) as gyt, \
+            ut.tensor(gamma, device) as gmt, ut.zeros((c, 1, 1), device) as dg:
+        got = {"pool": ut.global_avg_pool2d(xt),
+               "pool dx": ut.global_avg_pool2d_backward(gyt, shape[2], shape[3]),
+               "scale": F.channel_scale(xt, st)}
+        got["scale dx"], got["scale ds"] = F.channel_scale_backward(gt, xt, st)
+        got["layer"] = F.layer_scale(xt, gmt)
+        F.layer_scale_backward(gt, xt, gmt, dg).close()
+        try:
+            for k, w in want.items():
+                g = (dg if k == "layer dg" else got[k]).numpy().astype(np.float64)
+                assert g.shape == w.reshape(g.shape).shape, k
+                w = w.reshape(g.shape)
+                # a sum's rounding grows with its terms' magnitudes, not its own
+                terms = {"pool": np.abs(x64).mean(axis=(2, 3)),
+                         "scale ds": np.abs(go64 * x64).sum(axis=(2, 3)),
+                         "layer dg": np.abs(go64 * x64).sum(axis=(0, 2, 3)).reshape(c, 1, 1)
+                         }.get(k, np.abs(w))
+                # bf16: rounded once, but a GPU sum in another order may round the other way
+                one = BF16_STEP * (1.0 if device == "cpu" else 2.0) \
+                    if bf and k != "layer dg" else 0.0  # dgamma stays float32
+                np.testing.assert_allclose(g, w, rtol=one, atol=1e-5 * terms.max()
+                                           + one * np.abs(w).max() * 1e-3, err_msg=k)
+        finally:
+            for t in got.values():
+                t.close()
+
+
 # -- layer_scale --------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape, g_shape", [
     ((2, 3, 4, 5), (3, 1, 1)), ((2, 3, 4, 5), (3,)), ((1, 9, 2, 2), (9, 1, 1)),

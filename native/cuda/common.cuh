@@ -124,6 +124,99 @@ static __device__ __forceinline__ void ut__cuda_st(ut__cuda_bf16* p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
+/* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
+   float32 kernels have always loaded them with __ldg */
+static __device__ __forceinline__ float ut__cuda_ldg(const float* p) { return __ldg(p); }
+static __device__ __forceinline__ float ut__cuda_ldg(const ut__cuda_bf16* p) {
+  return __bfloat162float(__ldg(p));
+}
+
+/* Elementwise kernels (batchnorm, pooling, the channel scales) run over groups of W consecutive elements of one row, each
+   group loaded and stored as one vector when the rows are a multiple of W long and every buffer
+   is aligned to the vector: float32 W = 4 (float4, 16 bytes); bf16 W = 8 (16 bytes) or, where
+   rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
+   per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
+   in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
+   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
+template <int W, typename T>
+struct ut__cuda_vec {
+  static_assert(W == 1, "no vector load of this width for this type");
+  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
+  static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
+};
+template <>
+struct ut__cuda_vec<4, float> {
+  static __device__ __forceinline__ void load(const float* p, float* e) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
+  }
+  static __device__ __forceinline__ void store(float* p, const float* e) {
+    *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
+  }
+};
+/* eight floats as two float4: the reductions' walk takes 8 elements per group for both types
+   (ut__cuda_reduce_width) */
+template <>
+struct ut__cuda_vec<8, float> {
+  static __device__ __forceinline__ void load(const float* p, float* e) {
+    ut__cuda_vec<4, float>::load(p, e);
+    ut__cuda_vec<4, float>::load(p + 4, e + 4);
+  }
+  static __device__ __forceinline__ void store(float* p, const float* e) {
+    ut__cuda_vec<4, float>::store(p, e);
+    ut__cuda_vec<4, float>::store(p + 4, e + 4);
+  }
+};
+/* Two bf16 in 32 bits, the first at the lower address (little-endian). A bf16 is the upper
+   half of a float32, so widening is a shift or a mask (exactly ut__cuda_ld's value), and
+   narrowing is one cvt.rn.bf16x2.f32 (__floats2bfloat162_rn: each rounded to nearest even,
+   exactly ut__cuda_st's value). */
+static __device__ __forceinline__ void ut__cuda_bf16x2_unpack(unsigned u, float* e) {
+  e[0] = __uint_as_float(u << 16);
+  e[1] = __uint_as_float(u & 0xffff0000u);
+}
+static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(e[0], e[1]);
+  return (unsigned)__bfloat16_as_ushort(h.x) | (unsigned)__bfloat16_as_ushort(h.y) << 16;
+}
+template <>
+struct ut__cuda_vec<4, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
+  }
+};
+template <>
+struct ut__cuda_vec<8, ut__cuda_bf16> {
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    ut__cuda_bf16x2_unpack(v.x, e);
+    ut__cuda_bf16x2_unpack(v.y, e + 2);
+    ut__cuda_bf16x2_unpack(v.z, e + 4);
+    ut__cuda_bf16x2_unpack(v.w, e + 6);
+  }
+  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),
+                                              ut__cuda_bf16x2_pack(e + 4),
+                                              ut__cuda_bf16x2_pack(e + 6));
+  }
+};
+
+/* W for an elementwise kernel over rows of `inner` elements of T (see ut__cuda_vec); the
+   pointers (NULL allowed) must all be aligned to its vector */
+template <typename T>
+static inline int ut__cuda_vec_width(ut__i64 inner, const void* a, const void* b, const void* c3) {
+  uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c3;
+  const int wide = 16 / (int)sizeof(T);
+  if (inner % wide == 0 && any % 16 == 0) return wide;
+  if (sizeof(T) == 2 && inner % 4 == 0 && any % 8 == 0) return 4; /* bf16's 8-byte vector */
+  return 1;
+}
+
 /* ---- block reductions (blockDim.x a multiple of 32, at most 1024) ---- */
 
 static __device__ __forceinline__ float ut__cuda_warp_sum(float v) {
@@ -196,6 +289,27 @@ static inline int ut__cuda_row_threads(ut__i64 len) {
   if (t > 256) t = 256;
   if (t < 32) t = 32;
   return (int)t;
+}
+
+/* Row kernels (global average pooling and its backward, the squeeze-and-excitation scale and
+   its ds): G threads per row of a [rows, cols] tensor, 256/G rows per block of 256. One block
+   per row (G = 256) was the only shape before, and it left a 7x7 or 14x14 plane's row to a
+   block of 64 threads that spent more time in the block reduction and in launching blocks than
+   in reading: on EfficientNet-B0 (bf16, 224^2, batch 256) those four kernels took 9 ms of a
+   38 ms step, several times their bytes at the memory's speed. A warp per row needs no shared
+   memory and fills the device whenever there are a few thousand rows (any training batch);
+   a block per row stays for few, long rows (batch-1 inference over 112^2 planes). */
+static inline int ut__cuda_row_group(ut__i64 rows, ut__i64 cols) {
+  return rows < 8192 && cols >= 4096 ? 256 : 32;
+}
+/* the sum of v over the G threads of each row group; thread `lane` 0 of the group gets it
+   (every thread for G = 32). sh: 32 floats. Call from every thread of the block. */
+template <int G>
+static __device__ __forceinline__ float ut__cuda_group_sum(float v, float* sh) {
+  if (G == 32) return ut__cuda_warp_sum(v);
+  float a[1] = {v};
+  ut__cuda_block_sum<1>(a, sh);
+  return a[0];
 }
 
 /* chunks per channel of a per-channel reduction (norm.cu, depthwise.cu): about 8 blocks per

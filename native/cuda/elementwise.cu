@@ -461,62 +461,95 @@ int ut__cuda_chan_group_sum(ut_dtype dt, const void* x, void* y, int n, int c, i
    Pooling: global_avgpool2d (a mean over each row of [n*c, h*w])
    ============================================================================================ */
 
-/* x: [rows, cols] -> y[r] = mean of row r; one block per row */
-template <typename T>
+/* x: [rows, cols] -> y[r] = mean of row r; G threads per row (ut__cuda_row_group), W
+   elements per load (ut__cuda_vec); each row's order of additions is fixed by (G, W) */
+template <int G, int W, typename T>
 static __global__ void ut__cuda_global_avgpool2d_kernel(const T* __restrict__ x,
-                                                        T* __restrict__ y, ut__i64 cols) {
+                                                        T* __restrict__ y, int rows,
+                                                        ut__i64 cols) {
+  static_assert(G == 32 || G == 256, "a warp or the block of 256 per row");
   __shared__ float sh[32];
-  const T* row = x + (ut__i64)blockIdx.x * cols;
-  float acc[1] = {0.f};
-  for (ut__i64 i = threadIdx.x; i < cols; i += blockDim.x) acc[0] += ut__cuda_ld(row + i);
-  ut__cuda_block_sum<1>(acc, sh);
-  if (threadIdx.x == 0) ut__cuda_st(y + blockIdx.x, acc[0] / (float)cols);
+  const ut__i64 r = (ut__i64)blockIdx.x * (256 / G) + threadIdx.x / G;
+  const int lane = threadIdx.x % G;
+  float acc = 0.f;
+  if (r < rows) {
+    const T* row = x + r * cols;
+#pragma unroll 4
+    for (ut__i64 k = (ut__i64)lane * W; k < cols; k += (ut__i64)G * W) {
+      float e[W];
+      ut__cuda_vec<W, T>::load(row + k, e);
+#pragma unroll
+      for (int u = 0; u < W; ++u) acc += e[u];
+    }
+  }
+  acc = ut__cuda_group_sum<G>(acc, sh);
+  if (lane == 0 && r < rows) ut__cuda_st(y + r, acc / (float)cols);
 }
 
-template <typename T>
-static int ut__cuda_row_mean_t(const T* x, T* y, int rows, ut__i64 cols, const char* what) {
-  ut__cuda_global_avgpool2d_kernel<T>
-      <<<(unsigned)rows, ut__cuda_row_threads(cols), 0, ut__cuda_stream>>>(
-      x, y, cols);
+/* dx[r, :] = go[r] / cols, the quotient taken once per row (in double, as it always was) */
+template <int G, int W, typename T>
+static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const T* __restrict__ go,
+                                                                 T* __restrict__ dx, int rows,
+                                                                 ut__i64 cols) {
+  const ut__i64 r = (ut__i64)blockIdx.x * (256 / G) + threadIdx.x / G;
+  if (r >= rows) return;
+  float e[W];
+  const float v = (float)((double)ut__cuda_ld(go + r) / (double)cols);
+#pragma unroll
+  for (int u = 0; u < W; ++u) e[u] = v;
+  T* row = dx + r * cols;
+  for (ut__i64 k = (ut__i64)(threadIdx.x % G) * W; k < cols; k += (ut__i64)G * W)
+    ut__cuda_vec<W, T>::store(row + k, e);
+}
+
+/* the row kernels' launch: G and W chosen for the shape and the pointers' alignment */
+template <bool BWD, int G, int W, typename T>
+static void ut__cuda_row_mean_launch_gw(const T* a, T* b, int rows, ut__i64 cols) {
+  const unsigned blocks = (unsigned)ut__cuda_cdiv(rows, 256 / G);
+  if (BWD)
+    ut__cuda_global_avgpool2d_backward_kernel<G, W, T><<<blocks, 256, 0, ut__cuda_stream>>>(
+        a, b, rows, cols);
+  else
+    ut__cuda_global_avgpool2d_kernel<G, W, T><<<blocks, 256, 0, ut__cuda_stream>>>(a, b, rows,
+                                                                                    cols);
+}
+template <bool BWD, int G, typename T>
+static void ut__cuda_row_mean_launch_g(const T* a, T* b, int rows, ut__i64 cols, int w) {
+  if (w == 8) ut__cuda_row_mean_launch_gw<BWD, G, 8, T>(a, b, rows, cols);
+  else if (w == 4) ut__cuda_row_mean_launch_gw<BWD, G, 4, T>(a, b, rows, cols);
+  else ut__cuda_row_mean_launch_gw<BWD, G, 1, T>(a, b, rows, cols);
+}
+template <bool BWD, typename T>
+static int ut__cuda_row_mean_launch(const T* a, T* b, int rows, ut__i64 cols, const char* what) {
+  /* the forward's y and the backward's go hold one value per row: only the side with rows of
+     cols elements needs aligning */
+  const int w = ut__cuda_vec_width<T>(cols, BWD ? (const void*)b : (const void*)a, NULL, NULL);
+  if (ut__cuda_row_group(rows, cols) == 256)
+    ut__cuda_row_mean_launch_g<BWD, 256, T>(a, b, rows, cols, w);
+  else
+    ut__cuda_row_mean_launch_g<BWD, 32, T>(a, b, rows, cols, w);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
+
 int ut__cuda_row_mean(ut_dtype dt, const void* x, void* y, int rows, ut__i64 cols) {
   if (dt != UT_F32 && dt != UT_BF16) return ut__cuda_no_dtype("row_mean", dt);
   if (rows <= 0) return UT_OK;
   if (cols <= 0) return ut__cuda_fill(dt, y, rows, 0.f);
-  if (dt == UT_F32) return ut__cuda_row_mean_t((const float*)x, (float*)y, rows, cols, "row_mean");
-  return ut__cuda_row_mean_t((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, rows, cols,
-                             "row_mean_bf16");
+  if (dt == UT_F32)
+    return ut__cuda_row_mean_launch<false>((const float*)x, (float*)y, rows, cols, "row_mean");
+  return ut__cuda_row_mean_launch<false>((const ut__cuda_bf16*)x, (ut__cuda_bf16*)y, rows, cols,
+                                         "row_mean_bf16");
 }
 
-template <typename T>
-static __global__ void ut__cuda_global_avgpool2d_backward_kernel(const T* __restrict__ go,
-                                                                 T* __restrict__ dx,
-                                                                 ut__i64 total, ut__i64 cols) {
-  UT__CUDA_GRID_STRIDE(i, total)
-    ut__cuda_st(dx + i, (float)((double)ut__cuda_ld(go + i / cols) / (double)cols));
-}
-
-template <typename T>
-static int ut__cuda_row_mean_bwd_t(const T* go, T* dx, int rows, ut__i64 cols, const char* what) {
-  ut__i64 total = (ut__i64)rows * cols;
-  if (total <= 0) return UT_OK;
-  ut__cuda_global_avgpool2d_backward_kernel<T>
-      <<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      go, dx, total, cols);
-  UT__CUDA_LAUNCHED(what);
-  return UT_OK;
-}
 int ut__cuda_row_mean_bwd(ut_dtype dt, const void* go, void* dx, int rows, ut__i64 cols) {
-  switch (dt) {
-    case UT_F32:
-      return ut__cuda_row_mean_bwd_t((const float*)go, (float*)dx, rows, cols, "row_mean_bwd");
-    case UT_BF16:
-      return ut__cuda_row_mean_bwd_t((const ut__cuda_bf16*)go, (ut__cuda_bf16*)dx, rows, cols,
-                                     "row_mean_bwd_bf16");
-  }
-  return ut__cuda_no_dtype("row_mean_bwd", dt);
+  if (dt != UT_F32 && dt != UT_BF16) return ut__cuda_no_dtype("row_mean_bwd", dt);
+  if (rows <= 0 || cols <= 0) return UT_OK;
+  if (dt == UT_F32)
+    return ut__cuda_row_mean_launch<true>((const float*)go, (float*)dx, rows, cols,
+                                          "row_mean_bwd");
+  return ut__cuda_row_mean_launch<true>((const ut__cuda_bf16*)go, (ut__cuda_bf16*)dx, rows, cols,
+                                        "row_mean_bwd_bf16");
 }
 
 /* ============================================================================================

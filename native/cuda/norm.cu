@@ -96,88 +96,6 @@ static __device__ __forceinline__ void ut__cuda_bn_gen_grads(float* g, const flo
   }
 }
 
-/* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
-   float32 kernels have always loaded them with __ldg */
-static __device__ __forceinline__ float ut__cuda_ldg(const float* p) { return __ldg(p); }
-static __device__ __forceinline__ float ut__cuda_ldg(const ut__cuda_bf16* p) {
-  return __bfloat162float(__ldg(p));
-}
-
-/* Elementwise batchnorm kernels run over groups of W consecutive elements of one row, each
-   group loaded and stored as one vector when the rows are a multiple of W long and every buffer
-   is aligned to the vector: float32 W = 4 (float4, 16 bytes); bf16 W = 8 (16 bytes) or, where
-   rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
-   per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
-   in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
-   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
-template <int W, typename T>
-struct ut__cuda_vec {
-  static_assert(W == 1, "no vector load of this width for this type");
-  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
-  static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
-};
-template <>
-struct ut__cuda_vec<4, float> {
-  static __device__ __forceinline__ void load(const float* p, float* e) {
-    float4 v = __ldg(reinterpret_cast<const float4*>(p));
-    e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
-  }
-  static __device__ __forceinline__ void store(float* p, const float* e) {
-    *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
-  }
-};
-/* eight floats as two float4: the reductions' walk takes 8 elements per group for both types
-   (ut__cuda_reduce_width) */
-template <>
-struct ut__cuda_vec<8, float> {
-  static __device__ __forceinline__ void load(const float* p, float* e) {
-    ut__cuda_vec<4, float>::load(p, e);
-    ut__cuda_vec<4, float>::load(p + 4, e + 4);
-  }
-  static __device__ __forceinline__ void store(float* p, const float* e) {
-    ut__cuda_vec<4, float>::store(p, e);
-    ut__cuda_vec<4, float>::store(p + 4, e + 4);
-  }
-};
-/* Two bf16 in 32 bits, the first at the lower address (little-endian). A bf16 is the upper
-   half of a float32, so widening is a shift or a mask (exactly ut__cuda_ld's value), and
-   narrowing is one cvt.rn.bf16x2.f32 (__floats2bfloat162_rn: each rounded to nearest even,
-   exactly ut__cuda_st's value). */
-static __device__ __forceinline__ void ut__cuda_bf16x2_unpack(unsigned u, float* e) {
-  e[0] = __uint_as_float(u << 16);
-  e[1] = __uint_as_float(u & 0xffff0000u);
-}
-static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(e[0], e[1]);
-  return (unsigned)__bfloat16_as_ushort(h.x) | (unsigned)__bfloat16_as_ushort(h.y) << 16;
-}
-template <>
-struct ut__cuda_vec<4, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    ut__cuda_bf16x2_unpack(v.x, e);
-    ut__cuda_bf16x2_unpack(v.y, e + 2);
-  }
-  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
-  }
-};
-template <>
-struct ut__cuda_vec<8, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-    ut__cuda_bf16x2_unpack(v.x, e);
-    ut__cuda_bf16x2_unpack(v.y, e + 2);
-    ut__cuda_bf16x2_unpack(v.z, e + 4);
-    ut__cuda_bf16x2_unpack(v.w, e + 6);
-  }
-  static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),
-                                              ut__cuda_bf16x2_pack(e + 4),
-                                              ut__cuda_bf16x2_pack(e + 6));
-  }
-};
-
 /* The reductions' walk: channel j's m = n * inner elements in groups of W consecutive
    elements of one row, each group one vector load (ut__cuda_vec). W = 8 where rows are a
    multiple of 8 long, 4 where a multiple of 4, else 1, and the same W for float32 and bf16 (a
@@ -734,16 +652,6 @@ static __global__ void ut__cuda_batchnorm2d_rstd_kernel(const float* __restrict_
   if (j < c) rstd[j] = 1.0f / sqrtf(var[j] + eps);
 }
 
-/* W for an elementwise batchnorm kernel over [n*c rows, inner] of T (see ut__cuda_vec); the
-   pointers (NULL allowed) must all be aligned to its vector */
-template <typename T>
-static inline int ut__cuda_bn_width(ut__i64 inner, const void* a, const void* b, const void* c3) {
-  uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c3;
-  const int wide = 16 / (int)sizeof(T);
-  if (inner % wide == 0 && any % 16 == 0) return wide;
-  if (sizeof(T) == 2 && inner % 4 == 0 && any % 8 == 0) return 4; /* bf16's 8-byte vector */
-  return 1;
-}
 
 template <int W, typename I, typename T, bool GEN>
 static __global__ void ut__cuda_batchnorm2d_apply_kernel(
@@ -811,7 +719,7 @@ static int ut__cuda_bn_apply_impl(const T* x, T* y, const float* mean, const flo
     }
     return UT_OK;
   }
-  const int w = ut__cuda_bn_width<T>(inner, x, y, NULL);
+  const int w = ut__cuda_vec_width<T>(inner, x, y, NULL);
   if constexpr (sizeof(T) == 2) {
     if (w == 8)
       ut__cuda_bn_apply_launch<8, T>(x, y, mean, var, rstd, gamma, beta, total, inner, c, eps, act);
@@ -932,7 +840,7 @@ static void ut__cuda_bn_dx(const T* go, const T* x, const float* mean, const flo
                            const float* gamma, const float* beta, const float* sums, T* dx,
                            int n, int c, ut__i64 inner, int tr, ut__cuda_bn_act act) {
   const ut__i64 m = (ut__i64)n * inner, total = m * c;
-  const int w = ut__cuda_bn_width<T>(inner, go, x, dx);
+  const int w = ut__cuda_vec_width<T>(inner, go, x, dx);
   const float inv_m = 1.f / (float)m;
   if constexpr (sizeof(T) == 2) {
     if (w == 8)

@@ -4,8 +4,8 @@
    type (float32, bf16) to a template over it; statistics, parameters and sums are float32.
 
    Reductions are deterministic (common.cuh): chan_dot and the LayerNorm2d parameter gradients
-   sum each (sample, channel) row in one block (fixed-order tree), and a second kernel sums
-   the rows of a channel over the samples in order, in double.
+   sum each (sample, channel) row in one warp or block (a fixed order for the shape), and a
+   second kernel sums the rows of a channel over the samples in order, in double.
 
    LayerNorm2d works on NCHW directly: a lane per position walks (its share of) the C channels
    at stride H*W, and adjacent lanes read adjacent positions of one channel, so every access is
@@ -16,26 +16,54 @@
    two mostly from L1/L2. */
 #include "common.cuh"
 
-/* ---- chan_scale: y[i, j, :] = x[i, j, :] * s[i*c + j] (shared: s[j]) ---- */
-template <typename T, typename S>
+/* ---- chan_scale: y[i, j, :] = x[i, j, :] * s[i*c + j] (shared: s[j]) ----
+   Row kernels (common.cuh, ut__cuda_row_group): G threads per (sample, channel) row, so s is
+   read once per row and the element's row costs no division. */
+template <int G, int W, typename T, typename S>
 static __global__ void ut__cuda_channel_scale_kernel(const T* __restrict__ x,
                                                      const S* __restrict__ s, T* __restrict__ y,
-                                                     ut__i64 total, int c, ut__i64 inner,
+                                                     ut__i64 rows, int c, ut__i64 inner,
                                                      bool shared) {
-  UT__CUDA_GRID_STRIDE(e, total) {
-    const ut__i64 r = e / inner;
-    const float sv = ut__cuda_ld(s + (shared ? r % c : r));
-    ut__cuda_st(y + e, ut__cuda_ld(x + e) * sv);
+  const ut__i64 r = (ut__i64)blockIdx.x * (256 / G) + threadIdx.x / G;
+  if (r >= rows) return;
+  const float sv = ut__cuda_ld(s + (shared ? r % c : r));
+  const T* xr = x + r * inner;
+  T* yr = y + r * inner;
+#pragma unroll 4
+  for (ut__i64 k = (ut__i64)(threadIdx.x % G) * W; k < inner; k += (ut__i64)G * W) {
+    float e[W];
+    ut__cuda_vec<W, T>::load(xr + k, e);
+#pragma unroll
+    for (int u = 0; u < W; ++u) e[u] *= sv;
+    ut__cuda_vec<W, T>::store(yr + k, e);
   }
+}
+
+template <int G, int W, typename T, typename S>
+static void ut__cuda_chan_scale_gw(const T* x, const S* s, T* y, ut__i64 rows, int c,
+                                   ut__i64 inner, bool shared) {
+  ut__cuda_channel_scale_kernel<G, W, T, S>
+      <<<(unsigned)ut__cuda_cdiv(rows, 256 / G), 256, 0, ut__cuda_stream>>>(x, s, y, rows, c,
+                                                                            inner, shared);
+}
+template <int G, typename T, typename S>
+static void ut__cuda_chan_scale_g(const T* x, const S* s, T* y, ut__i64 rows, int c,
+                                  ut__i64 inner, bool shared, int w) {
+  if (w == 8) ut__cuda_chan_scale_gw<G, 8, T, S>(x, s, y, rows, c, inner, shared);
+  else if (w == 4) ut__cuda_chan_scale_gw<G, 4, T, S>(x, s, y, rows, c, inner, shared);
+  else ut__cuda_chan_scale_gw<G, 1, T, S>(x, s, y, rows, c, inner, shared);
 }
 
 template <typename T, typename S>
 static int ut__cuda_chan_scale_t(const void* x, const void* s, void* y, int n, int c,
                                  ut__i64 inner, bool shared, const char* what) {
-  const ut__i64 total = (ut__i64)n * c * inner;
-  if (total <= 0) return UT_OK;
-  ut__cuda_channel_scale_kernel<T, S><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      (const T*)x, (const S*)s, (T*)y, total, c, inner, shared);
+  const ut__i64 rows = (ut__i64)n * c;
+  if (rows <= 0 || inner <= 0) return UT_OK;
+  const int w = ut__cuda_vec_width<T>(inner, x, y, NULL);
+  if (ut__cuda_row_group(rows, inner) == 256)
+    ut__cuda_chan_scale_g<256>((const T*)x, (const S*)s, (T*)y, rows, c, inner, shared, w);
+  else
+    ut__cuda_chan_scale_g<32>((const T*)x, (const S*)s, (T*)y, rows, c, inner, shared, w);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
@@ -54,22 +82,55 @@ int ut__cuda_chan_scale(ut_dtype dt, ut_dtype s_dt, const void* x, const void* s
 }
 
 /* ---- chan_dot ---- */
-/* one block per row r of [rows, inner]: dst[r] = sum_k a[r, k] b[r, k] (to_ws), else
-   dst[r] = beta * dst[r] + that sum */
-template <typename T>
+/* G threads per row r of [rows, inner] (as chan_scale): dst[r] = sum_k a[r, k] b[r, k]
+   (to_ws), else dst[r] = beta * dst[r] + that sum */
+template <int G, int W, typename T>
 static __global__ void ut__cuda_channel_dot_rows_kernel(const T* __restrict__ a,
                                                         const T* __restrict__ b,
-                                                        float* __restrict__ dst, ut__i64 inner,
-                                                        bool to_ws, float beta) {
+                                                        float* __restrict__ dst, ut__i64 rows,
+                                                        ut__i64 inner, bool to_ws, float beta) {
   __shared__ float sh[32];
-  const ut__i64 r = blockIdx.x;
-  const T* ar = a + r * inner;
-  const T* br = b + r * inner;
-  float v[1] = {0.f};
-  for (ut__i64 k = threadIdx.x; k < inner; k += blockDim.x)
-    v[0] += ut__cuda_ld(ar + k) * ut__cuda_ld(br + k);
-  ut__cuda_block_sum<1>(v, sh);
-  if (threadIdx.x == 0) dst[r] = (to_ws || beta == 0.f) ? v[0] : dst[r] + v[0];
+  const ut__i64 r = (ut__i64)blockIdx.x * (256 / G) + threadIdx.x / G;
+  const int lane = threadIdx.x % G;
+  float v = 0.f;
+  if (r < rows) {
+    const T* ar = a + r * inner;
+    const T* br = b + r * inner;
+#pragma unroll 4
+    for (ut__i64 k = (ut__i64)lane * W; k < inner; k += (ut__i64)G * W) {
+      float ea[W], eb[W];
+      ut__cuda_vec<W, T>::load(ar + k, ea);
+      ut__cuda_vec<W, T>::load(br + k, eb);
+#pragma unroll
+      for (int u = 0; u < W; ++u) v += ea[u] * eb[u];
+    }
+  }
+  v = ut__cuda_group_sum<G>(v, sh);
+  if (lane == 0 && r < rows) dst[r] = (to_ws || beta == 0.f) ? v : dst[r] + v;
+}
+
+template <int G, int W, typename T>
+static void ut__cuda_chan_dot_rows_gw(const T* a, const T* b, float* dst, ut__i64 rows,
+                                      ut__i64 inner, bool to_ws, float beta) {
+  ut__cuda_channel_dot_rows_kernel<G, W, T>
+      <<<(unsigned)ut__cuda_cdiv(rows, 256 / G), 256, 0, ut__cuda_stream>>>(a, b, dst, rows,
+                                                                            inner, to_ws, beta);
+}
+template <int G, typename T>
+static void ut__cuda_chan_dot_rows_g(const T* a, const T* b, float* dst, ut__i64 rows,
+                                     ut__i64 inner, bool to_ws, float beta, int w) {
+  if (w == 8) ut__cuda_chan_dot_rows_gw<G, 8, T>(a, b, dst, rows, inner, to_ws, beta);
+  else if (w == 4) ut__cuda_chan_dot_rows_gw<G, 4, T>(a, b, dst, rows, inner, to_ws, beta);
+  else ut__cuda_chan_dot_rows_gw<G, 1, T>(a, b, dst, rows, inner, to_ws, beta);
+}
+template <typename T>
+static void ut__cuda_chan_dot_rows(const T* a, const T* b, float* dst, ut__i64 rows,
+                                   ut__i64 inner, bool to_ws, float beta) {
+  const int w = ut__cuda_vec_width<T>(inner, a, b, NULL);
+  if (ut__cuda_row_group(rows, inner) == 256)
+    ut__cuda_chan_dot_rows_g<256>(a, b, dst, rows, inner, to_ws, beta, w);
+  else
+    ut__cuda_chan_dot_rows_g<32>(a, b, dst, rows, inner, to_ws, beta, w);
 }
 
 /* out[j] = beta * out[j] + sum over i in order of ws[i*c + j] (in double) */
@@ -88,10 +149,8 @@ static int ut__cuda_chan_dot_t(const void* a, const void* b, float* out, int n, 
                                ut__i64 inner, bool shared, float beta, const char* what) {
   const ut__i64 rows = (ut__i64)n * c;
   if (rows <= 0) return UT_OK;
-  const int threads = ut__cuda_row_threads(inner);
   if (!shared) {
-    ut__cuda_channel_dot_rows_kernel<T><<<(unsigned)rows, threads, 0, ut__cuda_stream>>>(
-        (const T*)a, (const T*)b, out, inner, false, beta);
+    ut__cuda_chan_dot_rows((const T*)a, (const T*)b, out, rows, inner, false, beta);
     UT__CUDA_LAUNCHED(what);
     return UT_OK;
   }
@@ -99,8 +158,7 @@ static int ut__cuda_chan_dot_t(const void* a, const void* b, float* out, int n, 
   float* ws;
   int st = ut__cuda_workspace_acquire((size_t)rows * sizeof(float), &ws);
   if (st) return st;
-  ut__cuda_channel_dot_rows_kernel<T><<<(unsigned)rows, threads, 0, ut__cuda_stream>>>(
-      (const T*)a, (const T*)b, ws, inner, true, 0.f);
+  ut__cuda_chan_dot_rows((const T*)a, (const T*)b, ws, rows, inner, true, 0.f);
   UT__CUDA_LAUNCHED(what);
   ut__cuda_channel_dot_final_kernel<<<(unsigned)ut__cuda_cdiv(c, 256), 256, 0,
                                       ut__cuda_stream>>>(ws, out, n, c, beta);
