@@ -2446,6 +2446,16 @@ static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be,
   if (ut__is_device_backend(be)) return dt == UT_BF16 && P % 8 != 0;
   return P < UT__PW_BATCH_MERGE_P;
 }
+/* The same regrouping for a k x k convolution without padding on the CPU (ConvNeXt's 4x4
+   stem and 2x2 downsampling): its im2col columns [n, K, P] regrouped [K, n, P] for the GEMMs
+   only, the cache keeping the per-image columns. Over small planes the per-image GEMMs are
+   as slow as a pointwise one's (P = 4 at ConvNeXt's last downsampling from 64^2: the [768, 1536]
+   weight gradient was 8 GEMMs of depth 4, 27 ms of a 30 ms layer). With padding the per-image
+   form stays: its exact pass (conv_exact) sums per image. */
+static bool ut__conv_regroups_batch(const ut__conv_geom* g, const ut__backend* be) {
+  return !ut__conv_is_pointwise(g) && g->pad == 0 && g->n > 1 && !ut__is_device_backend(be) &&
+         (ut__i64)g->ho * g->wo < UT__PW_BATCH_MERGE_P;
+}
 /* The merged GEMM's columns: x [n, c, P] regrouped [c, n, P]; NULL on failure. */
 static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
                                          const ut__conv_geom* g, const ut_tensor* x,
@@ -2501,19 +2511,24 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   }
   float* op = ut__out(out, be);
   int rc;
-  if (merged) { /* Y [out_c, n*P] = W . X, then back to [n, out_c, P] */
+  bool regroup = !merged && ut__conv_regroups_batch(&g, be);
+  if (merged || regroup) { /* Y [out_c, n*P] = W . X, then back to [n, out_c, P] */
     ut_tensor* yt = ut__new_typed(3, (int[]){l->out_c, g.n, P}, x->dev, x->dtype, who);
-    if (!yt) {
-      ut_free(wt);
+    ut_tensor* xr = yt && regroup ? ut__new_typed(3, (int[]){K, g.n, P}, x->dev, x->dtype, who)
+                                  : NULL;
+    if (!yt || (regroup && !xr)) {
+      ut_free_all(yt, wt);
       ut_free(col);
       return ut__drop(out);
     }
+    rc = regroup ? be->transpose(dt, ut__in(col, be), ut__out(xr, be), 1, g.n, 1, K, P) : UT_OK;
     ut__gemm_args mm = {.m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
-                        .beta = 0.f, .a = wp, .lda = K, .b = ut__in(col, be), .ldb = g.n * P,
+                        .beta = 0.f, .a = wp, .lda = K,
+                        .b = regroup ? ut__out(xr, be) : ut__in(col, be), .ldb = g.n * P,
                         .c = ut__out(yt, be), .ldc = g.n * P};
-    rc = be->gemm(dt, dt, &mm);
+    if (rc >= 0) rc = be->gemm(dt, dt, &mm);
     if (rc >= 0) rc = be->transpose(dt, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
-    ut_free(yt);
+    ut_free_all(yt, xr);
   } else {
     ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
@@ -2592,8 +2607,17 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     if (!dx || (!pointwise && !dcol)) rc = ut__err_status;
   }
   if (rc >= 0 && dbp) rc = be->channel_sum(dt, gop, dbp, g.n, l->out_c, P, 1.f);
-  if (rc >= 0 && merged) {
-    /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to [n, c, P] */
+  bool regroup = !merged && ut__conv_regroups_batch(&g, be);
+  ut_tensor* colr = NULL; /* regroup: the per-image columns regrouped [K, n, P] */
+  if (rc >= 0 && regroup) {
+    colr = ut__new_typed(3, (int[]){K, g.n, P}, grad_out->dev, at, who);
+    float* colrp = colr ? ut__out(colr, be) : NULL;
+    rc = colrp ? be->transpose(dt, colp, colrp, 1, g.n, 1, K, P) : ut__err_status;
+    colp = colrp;
+  }
+  if (rc >= 0 && (merged || regroup)) {
+    /* as forward: G [out_c, n*P] regrouped once; dW += G . X^T; dX = W^T . G, back to
+       [n, c, P] (regroup: dcol, for col2im) */
     ut_tensor* gr = ut__new_typed(3, (int[]){l->out_c, g.n, P}, grad_out->dev, at, who);
     ut_tensor* dxt = gr && dxo ? ut__new_typed(3, (int[]){K, g.n, P}, grad_out->dev, at, who)
                                : NULL;
@@ -2610,7 +2634,9 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
                            .ldc = g.n * P};
     if (rc >= 0 && dxo) rc = be->gemm(dt, dt, &dx_mm);
     if (rc >= 0 && dxo)
-      rc = be->transpose(dt, ut__out(dxt, be), ut__out(dx, be), 1, K, 1, g.n, P);
+      rc = be->transpose(dt, ut__out(dxt, be), ut__out(regroup ? dcol : dx, be), 1, K, 1, g.n,
+                         P);
+    if (rc >= 0 && dxo && regroup) rc = be->col2im(dt, ut__out(dcol, be), ut__out(dx, be), &g);
     ut_free(gr);
     ut_free(dxt);
   } else if (rc >= 0) {
@@ -2633,7 +2659,7 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
                           l->out_c, &g);
     ut_free(part);
   }
-  if (rc >= 0 && !merged && dxo) {
+  if (rc >= 0 && !merged && !regroup && dxo) {
     /* dcol[n] = W^T [K, out_c] . grad_out[n] [out_c, P]; a 1x1 conv's dcol is dx itself */
     float* dst = pointwise ? ut__out(dx, be) : ut__out(dcol, be);
     ut__gemm_args mm = {.trans_a = true,
@@ -2644,7 +2670,7 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
     rc = be->gemm(dt, dt, &mm);
     if (rc >= 0 && !pointwise) rc = be->col2im(dt, dst, ut__out(dx, be), &g);
   }
-  ut_free(wt);
+  ut_free_all(wt, colr);
   if (own_col) ut_free(col);
   ut_free(dcol);
   dx = ut__backward_done(rc, be, dx, dW, dWp, db, dbp);

@@ -300,6 +300,19 @@ def test_pointwise_conv2d_over_small_images(device):
         _conv_random_case(device, False, n, c, o, h, w, 1, 1, 1, 0)
 
 
+def test_unpadded_conv2d_over_small_planes(device):
+    """A k x k convolution without padding over small output planes (ConvNeXt's patchify stem
+    and 2x2 downsampling) runs on the CPU as one GEMM over the batch (its im2col columns
+    regrouped channel-major); with padding, a single image or 256 output pixels and more, one
+    GEMM per image. Each case, forward and backward, against the float64 reference."""
+    ut.seed(17)
+    for n, c, o, h, w, k, s, p in [(3, 6, 5, 8, 8, 2, 2, 0), (4, 3, 7, 16, 12, 4, 4, 0),
+                                   (2, 5, 4, 7, 9, 3, 1, 0), (3, 4, 6, 9, 9, 3, 2, 1),
+                                   (1, 4, 3, 8, 8, 2, 2, 0), (2, 3, 4, 32, 32, 2, 2, 0),
+                                   (5, 8, 3, 3, 3, 3, 1, 0)]:
+        _conv_random_case(device, False, n, c, o, h, w, k, k, s, p)
+
+
 def test_dwconv2d_random(device):
     ut.seed(12)
     _conv_random_case(device, True, 2, 3, 0, 7, 6, 3, 2, 2, 1)
