@@ -42,10 +42,10 @@ def make_optimizer(run, net):
 
 
 class _Rate:
-    """What the schedulers read and write of an optimizer: the rate alone."""
+    """What the schedulers read and write of an optimizer: one group's rate alone."""
 
     def __init__(self, lr):
-        self.lr, self.initial_lr = lr, None
+        self.param_groups = [{"lr": lr}]
 
     def step(self):
         pass
@@ -68,7 +68,7 @@ def lr_at(run, epoch, epochs):
         return run["lr"]
     for _ in range(epoch):
         sched.step()
-    return opt.lr
+    return opt.param_groups[0]["lr"]
 
 
 def make_ema(run, net):
