@@ -484,3 +484,20 @@ def test_the_description_and_help_name_the_flags(capsys):
         pass
     out = capsys.readouterr().out
     assert "--norm-weight-decay W" in out and "--bias-weight-decay W" in out
+
+
+def test_step_checks_a_value_equal_to_a_good_one_but_of_another_type():
+    """step() remembers the values it checked; 1.0 equals True, but is no flag."""
+    ps = [ut.Parameter(a) for a in _inits()]
+    opt = ut.SGD([{"params": ps[:2]}, {"params": ps[2:]}], lr=0.1, momentum=0.9, nesterov=True)
+    for p in ps:
+        p.grad.fill_(1.0)
+    opt.step()
+    opt.param_groups[1]["nesterov"] = 1.0
+    with pytest.raises(ut.ArgumentTypeError, match=r"param_groups\[1\]: nesterov"):
+        opt.step()
+    opt.param_groups[1]["nesterov"] = np.bool_(True)  # not memoized: checked every time
+    opt.param_groups[1]["lr"] = np.float32(0.05)
+    opt.step()
+    assert opt.t == 2 and opt.state_dict()["param_groups"][1]["lr"] == pytest.approx(0.05)
+    _close(opt, *ps)

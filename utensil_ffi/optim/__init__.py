@@ -358,8 +358,8 @@ class Optimizer:
         groups, i, n = self.param_groups, 0, len(self.params)
         for k, g in enumerate(groups):
             ps = g.get("params") if isinstance(g, dict) else None
-            if not isinstance(ps, list) or i + len(ps) > n or any(
-                    p is not self.params[i + j] for j, p in enumerate(ps)):
+            # (a Parameter compares by identity: the list comparison is the identity check)
+            if not isinstance(ps, list) or ps != self.params[i:i + len(ps)]:
                 raise ArgumentError("%s: param_groups[%d]['params'] changed after the group was "
                                     "added (add parameters with add_param_group)" % (name, k))
             i += len(ps)
@@ -424,7 +424,7 @@ class Optimizer:
         name = "%s.step" % type(self).__name__
         out, i = [], 0
         for k, g in enumerate(self._groups_checked(name)):  # on every step: kept to cheap reads
-            hyper = self._check_group(g, "%s: param_groups[%d]" % (name, k))
+            hyper = self._step_hyper(g, "%s: param_groups[%d]" % (name, k))
             todo = []
             for p in g["params"]:
                 g_ = p.grad
@@ -447,6 +447,23 @@ class Optimizer:
             out.append((hyper, todo))
         return out
 
+    def _step_hyper(self, group, name):
+        """_check_group for step(), memoized: the float32 checks cost more than a small step, and
+        a group's values rarely change. Only plain Python scalars (and tuples or lists of them)
+        are memoized, by type and value, so that a value equal but of another type (1 for True)
+        is checked afresh, and NaN, never equal to itself, always is."""
+        try:
+            key = (type(self),) + tuple(_plain(group[k]) for k in self._keys)
+        except (KeyError, TypeError):
+            return self._check_group(group, name)
+        hyper = _CHECKED.get(key)
+        if hyper is None:
+            hyper = self._check_group(group, name)
+            if len(_CHECKED) >= 1024:  # a schedule writes a new rate each epoch
+                _CHECKED.clear()
+            _CHECKED[key] = hyper
+        return hyper
+
     def close(self):
         """Free the optimizer's state tensors now (idempotent)."""
         for st in self._state:
@@ -464,6 +481,19 @@ class Optimizer:
     def _groups_note(self):
         n = len(self.param_groups)
         return ", %d groups" % n if n > 1 else ""
+
+
+_CHECKED = {}  # _step_hyper's memo: (class, plain values) -> the checked hyperparameters
+_SCALARS = (bool, int, float)
+
+
+def _plain(v):
+    """A hashable key for a plain value, its type part of it; TypeError for anything else."""
+    if type(v) in _SCALARS:
+        return type(v), v
+    if type(v) in (tuple, list) and all(type(x) in _SCALARS for x in v):
+        return type(v), tuple((type(x), x) for x in v)
+    raise TypeError
 
 
 def _groups_of(params):
