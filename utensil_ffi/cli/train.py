@@ -13,6 +13,7 @@ stem convolution, blocks of [depthwise 3x3 -> BatchNorm2d -> ReLU6 -> pointwise 
 BatchNorm2d -> ReLU6], global average pooling and a linear classifier; ``--arch`` picks
 mobilenet_v1 or one of torchvision's networks (utensil_ffi.models; archs.py). It trains with
 softmax cross-entropy (``--label-smoothing``) and Adam, AdamW or SGD (``--weight-decay``,
+``--norm-weight-decay`` and ``--bias-weight-decay`` as torchvision's recipe: parameter groups,
 ``--nesterov``), the rate set per epoch (``--warmup-epochs``, then cosine or constant), and
 ``--ema`` keeps a moving average of the weights (train_recipe.py).
 
@@ -81,6 +82,8 @@ RUN_DEFAULTS = {
     "lr_schedule": "cosine",
     "seed": 0,
     "weight_decay": None,  # per optimizer, see train_recipe.WEIGHT_DECAY_DEFAULTS
+    "norm_weight_decay": None,  # the norm layers' weights and biases (None: --weight-decay)
+    "bias_weight_decay": None,  # the other layers' biases (None: --weight-decay)
     "nesterov": False,
     "label_smoothing": 0.0,
     "warmup_epochs": 0,
@@ -92,7 +95,8 @@ RUN_DEFAULTS = {
 LR_DEFAULTS = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1}
 # settings added after checkpoints existed: a checkpoint without one ran with this value
 SAVED_DEFAULTS = {"arch": "digits", "width_mult": 1.0, "image_size": None, "augment": True,
-                  "weight_decay": 0.0, "nesterov": False, "label_smoothing": 0.0,
+                  "weight_decay": 0.0, "norm_weight_decay": None, "bias_weight_decay": None,
+                  "nesterov": False, "label_smoothing": 0.0,
                   "warmup_epochs": 0, "ema": None, "init_from": None, "dropout": None,
                   "stochastic_depth_prob": None}
 ARCHS = arch_names()
@@ -251,6 +255,13 @@ def build_parser():
                    help="weight decay, as PyTorch's optimizers apply it: added to the gradient "
                    "(sgd, adam) or decoupled (adamw); default 0, for adamw %g"
                    % _recipe.WEIGHT_DECAY_DEFAULTS["adamw"])
+    g.add_argument("--norm-weight-decay", type=_WEIGHT_DECAY, default=None, metavar="W",
+                   help="weight decay of the normalization layers' weights and biases "
+                   "(BatchNorm2d, LayerNorm, LayerNorm2d), as torchvision's reference recipe's "
+                   "flag: a parameter group of its own (default: --weight-decay's)")
+    g.add_argument("--bias-weight-decay", type=_WEIGHT_DECAY, default=None, metavar="W",
+                   help="weight decay of the other layers' biases, likewise (default: "
+                   "--weight-decay's)")
     g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=None,
                    help="cosine: the rate decays to 0 over --epochs, set per epoch; "
                    "constant: no decay (default cosine)")
@@ -402,6 +413,8 @@ def _saved_setting(k, v):
         "momentum": num and 0.0 <= v < 1.0,
         "optimizer": v in _recipe.OPTIMIZERS,
         "weight_decay": num and math.isfinite(v) and v >= 0.0,
+        "norm_weight_decay": v is None or (num and math.isfinite(v) and v >= 0.0),
+        "bias_weight_decay": v is None or (num and math.isfinite(v) and v >= 0.0),
         "nesterov": isinstance(v, bool),
         "label_smoothing": num and 0.0 <= v < 1.0,
         "warmup_epochs": integer and v >= 0,
@@ -851,6 +864,9 @@ def describe_recipe(run, precision="fp32"):
         parts.append("%smomentum %g" % ("Nesterov " if run["nesterov"] else "", run["momentum"]))
     if run["weight_decay"]:
         parts.append("weight decay %g" % run["weight_decay"])
+    for k, what in (("norm_weight_decay", "norm layers"), ("bias_weight_decay", "biases")):
+        if run.get(k) is not None:
+            parts.append("%s' weight decay %g" % (what, run[k]))
     if run["label_smoothing"]:
         parts.append("label smoothing %g" % run["label_smoothing"])
     if run["ema"] is not None:
@@ -893,7 +909,9 @@ def _train_loop(args, run, ds, data_info, net, opt, device, epochs, start, histo
         ckpt_path, args.resume) else None)
     try:
         for epoch in range(start, epochs):
-            opt.lr = _lr_at(run, epoch, epochs)
+            lr = _lr_at(run, epoch, epochs)
+            for group in opt.param_groups:  # every group: they differ in weight decay only
+                group["lr"] = lr
             bar = _Progress(ds.n_train, "epoch %d/%d" % (epoch + 1, epochs), show_progress)
             try:
                 loss, n, secs = train_epoch(

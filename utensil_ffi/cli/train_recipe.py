@@ -1,5 +1,6 @@
-"""utensil-train's recipe: the optimizer, the learning rate of each epoch, the EMA of the
-weights, and the weights a run starts from (``--init-from``).
+"""utensil-train's recipe: the optimizer (with its parameter groups of weight decay), the
+learning rate of each epoch, the EMA of the weights, and the weights a run starts from
+(``--init-from``).
 
 The learning rate is set once per epoch (as torchvision's reference recipe steps its
 schedulers): ``--warmup-epochs K`` is LinearLR from WARMUP_START_FACTOR of the rate to all of
@@ -13,13 +14,14 @@ import os
 
 import numpy as np
 
+from ..nn.norm import BatchNorm2d, LayerNorm
 from ..optim import SGD, Adam, AdamW
 from ..optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from ..optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from .archs import classifier_keys
 
 __all__ = ["OPTIMIZERS", "WEIGHT_DECAY_DEFAULTS", "WARMUP_START_FACTOR", "make_optimizer",
-           "lr_at", "make_ema", "load_init", "InitError"]
+           "param_groups", "lr_at", "make_ema", "load_init", "InitError"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 # PyTorch's defaults: Adam and SGD have none, AdamW 1e-2
@@ -33,19 +35,52 @@ class InitError(ValueError):
 
 def make_optimizer(run, net):
     wd = run["weight_decay"]
+    params = param_groups(net, wd, run.get("norm_weight_decay"), run.get("bias_weight_decay"))
     if run["optimizer"] == "adam":
-        return Adam(net.parameters(), lr=run["lr"], weight_decay=wd)
+        return Adam(params, lr=run["lr"], weight_decay=wd)
     if run["optimizer"] == "adamw":
-        return AdamW(net.parameters(), lr=run["lr"], weight_decay=wd)
-    return SGD(net.parameters(), lr=run["lr"], momentum=run["momentum"], weight_decay=wd,
+        return AdamW(params, lr=run["lr"], weight_decay=wd)
+    return SGD(params, lr=run["lr"], momentum=run["momentum"], weight_decay=wd,
                nesterov=run["nesterov"])
 
 
+NORM_LAYERS = (BatchNorm2d, LayerNorm)  # their subclasses too: SyncBatchNorm, LayerNorm2d
+
+
+def param_groups(net, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
+    """``net``'s parameters for the optimizer, grouped by weight decay as torchvision's
+    reference recipe does (--norm-weight-decay, --bias-weight-decay): the normalization layers'
+    weights and biases (BatchNorm2d, LayerNorm and their subclasses) get ``norm_weight_decay``,
+    the other layers' biases ``bias_weight_decay``, the rest ``weight_decay``; a None takes
+    ``weight_decay``'s place. The groups come in torchvision's order (the rest, norm, bias),
+    empty ones left out, each listing its parameters in ``net.parameters()``' order.
+
+    Unlike torchvision's set_weight_decay, where the "bias" key also takes the normalization
+    layers' biases when both flags are given, a norm layer's bias stays in the norm group: the
+    flags are what their names say. Both None: ``net.parameters()`` as it is (one group, the
+    run of a utensil-train that had no such flags)."""
+    params = net.parameters()
+    if norm_weight_decay is None and bias_weight_decay is None:
+        return params
+    norm, bias = set(), set()
+    for _, m in net.named_modules():
+        for k, p in m.named_parameters(recurse=False):
+            if norm_weight_decay is not None and isinstance(m, NORM_LAYERS):
+                norm.add(id(p))
+            elif bias_weight_decay is not None and k == "bias":
+                bias.add(id(p))
+    parts = {"other": [], "norm": [], "bias": []}
+    for p in params:
+        parts["norm" if id(p) in norm else "bias" if id(p) in bias else "other"].append(p)
+    decay = {"other": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
+    return [{"params": ps, "weight_decay": decay[k]} for k, ps in parts.items() if ps]
+
+
 class _Rate:
-    """What the schedulers read and write of an optimizer: the rate alone."""
+    """What the schedulers read and write of an optimizer: one group's rate alone."""
 
     def __init__(self, lr):
-        self.lr, self.initial_lr = lr, None
+        self.param_groups = [{"lr": lr}]
 
     def step(self):
         pass
@@ -68,7 +103,7 @@ def lr_at(run, epoch, epochs):
         return run["lr"]
     for _ in range(epoch):
         sched.step()
-    return opt.lr
+    return opt.param_groups[0]["lr"]
 
 
 def make_ema(run, net):

@@ -10,16 +10,16 @@ PyTorch composes it::
         train_one_epoch(...)          # opt.step() inside
         sched.step()
 
-A utensil optimizer has one parameter group: the scheduler reads and writes ``optimizer.lr``
-(PyTorch's ``param_groups[0]["lr"]``) and keeps ``optimizer.initial_lr`` (its
-``"initial_lr"``, which the optimizer's state_dict then carries, as PyTorch's does). The
-arithmetic is PyTorch's, step by step in Python floats (the recursive forms included), so the
-learning rates equal PyTorch's exactly. ``get_last_lr()`` is a one-element list; ``state_dict()``
-holds the same keys as PyTorch's (every attribute but the optimizer). Not here: PyTorch's
-warning when ``scheduler.step()`` comes before ``optimizer.step()``.
+Each parameter group is scheduled on its own, as in PyTorch: the scheduler reads and writes
+each group's "lr" and keeps its "initial_lr" (which the optimizer's state_dict then carries, as
+PyTorch's does); ``base_lrs`` and ``get_last_lr()`` have one entry per group. The arithmetic is
+PyTorch's, step by step in Python floats (the recursive forms included), so the learning rates
+equal PyTorch's exactly. ``state_dict()`` holds the same keys as PyTorch's (every attribute but
+the optimizer). Not here: PyTorch's warning when ``scheduler.step()`` comes before
+``optimizer.step()``.
 
-Needs only the optimizer's ``lr`` and ``initial_lr`` attributes (duck-typed: it imports no
-optimizer).
+Needs only the optimizer's ``param_groups`` (a list of dicts with "lr"; duck-typed: it imports
+no optimizer). Each rate written is checked as a learning rate (ArgumentError).
 """
 
 import math
@@ -31,30 +31,35 @@ from .._errors import ArgumentError, ArgumentTypeError
 __all__ = ["LRScheduler", "LinearLR", "CosineAnnealingLR", "SequentialLR"]
 
 
-def _set_lr(optimizer, lr):
-    optimizer.lr = _args.to_lr(lr)
+def _set_lrs(optimizer, lrs):
+    lrs = [_args.to_lr(lr, "param_groups[%d]: lr" % k) for k, lr in enumerate(lrs)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
 
 
 class LRScheduler:
-    """torch.optim.lr_scheduler.LRScheduler: step() moves last_epoch on and sets the
-    optimizer's lr to get_lr()."""
+    """torch.optim.lr_scheduler.LRScheduler: step() moves last_epoch on and sets each
+    parameter group's lr to get_lr()'s."""
 
     _get_lr_called_within_step = False
     _is_initial = False
 
     def __init__(self, optimizer, last_epoch=-1):
-        if not hasattr(optimizer, "lr") or not hasattr(optimizer, "step"):
+        if not isinstance(getattr(optimizer, "param_groups", None), list) \
+                or not hasattr(optimizer, "step"):
             raise ArgumentTypeError("%s is not an Optimizer" % type(optimizer).__name__)
         last_epoch = _args.to_int(last_epoch, "last_epoch", -1)
         self.optimizer = optimizer
-        if last_epoch == -1:
-            if getattr(optimizer, "initial_lr", None) is None:
-                optimizer.initial_lr = optimizer.lr
-        elif getattr(optimizer, "initial_lr", None) is None:
-            raise ArgumentError("param 'initial_lr' is not specified in param_groups[0] when "
-                                "resuming scheduler with last_epoch >= 0 (load the "
-                                "optimizer's state_dict first)")
-        self.base_lrs = [optimizer.initial_lr]
+        groups = optimizer.param_groups
+        for k, group in enumerate(groups):
+            if last_epoch == -1:
+                if group.get("initial_lr") is None:
+                    group["initial_lr"] = group["lr"]
+            elif group.get("initial_lr") is None:
+                raise ArgumentError("param 'initial_lr' is not specified in param_groups[%d] "
+                                    "when resuming scheduler with last_epoch >= 0 (load the "
+                                    "optimizer's state_dict first)" % k)
+        self.base_lrs = [group["initial_lr"] for group in groups]
         self.last_epoch = last_epoch
         self._initial_step()
 
@@ -77,7 +82,7 @@ class LRScheduler:
         self.__dict__.update(state_dict)
 
     def get_last_lr(self):
-        """The learning rate the last step set, as a one-element list (one parameter group)."""
+        """The learning rates the last step set, one per parameter group."""
         return self._last_lr
 
     def get_lr(self):
@@ -101,12 +106,12 @@ class LRScheduler:
                 values = closed() if closed is not None else self.get_lr()
         finally:
             self._get_lr_called_within_step = False
-        _set_lr(self.optimizer, values[0])
-        self._last_lr = [self.optimizer.lr]
+        _set_lrs(self.optimizer, values)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def __repr__(self):
-        return "%s(last_epoch=%d, lr=%g)" % (type(self).__name__, self.last_epoch,
-                                             self.optimizer.lr)
+        return "%s(last_epoch=%d, lr=%s)" % (type(self).__name__, self.last_epoch, ", ".join(
+            "%g" % group["lr"] for group in self.optimizer.param_groups))
 
 
 class LinearLR(LRScheduler):
@@ -128,14 +133,15 @@ class LinearLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self):
-        lr = self.optimizer.lr
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
         if self.last_epoch == 0:
-            return [lr * self.start_factor]
+            return [lr * self.start_factor for lr in lrs]
         if self._is_initial or self.last_epoch > self.total_iters:
-            return [lr]
+            return lrs
         return [lr * (1.0 + (self.end_factor - self.start_factor)
                       / (self.total_iters * self.start_factor
-                         + (self.last_epoch - 1) * (self.end_factor - self.start_factor)))]
+                         + (self.last_epoch - 1) * (self.end_factor - self.start_factor)))
+                for lr in lrs]
 
     def _get_closed_form_lr(self):
         return [base_lr * (self.start_factor + (self.end_factor - self.start_factor)
@@ -153,17 +159,20 @@ class CosineAnnealingLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self):
-        lr, base_lr, eta_min, t_max = self.optimizer.lr, self.base_lrs[0], self.eta_min, self.T_max
+        return [self._lr(group["lr"], base_lr)
+                for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs)]
+
+    def _lr(self, lr, base_lr):
+        eta_min, t_max = self.eta_min, self.T_max
         if self._is_initial:
-            return [lr]
+            return lr
         if self._step_count == 1 and self.last_epoch > 0:
-            return [eta_min + (base_lr - eta_min)
-                    * (1 + math.cos(self.last_epoch * math.pi / t_max)) / 2]
+            return eta_min + (base_lr - eta_min) * (1 + math.cos(self.last_epoch * math.pi
+                                                                 / t_max)) / 2
         if (self.last_epoch - 1 - t_max) % (2 * t_max) == 0:
-            return [lr + (base_lr - eta_min) * (1 - math.cos(math.pi / t_max)) / 2]
-        return [(1 + math.cos(math.pi * self.last_epoch / t_max))
-                / (1 + math.cos(math.pi * (self.last_epoch - 1) / t_max))
-                * (lr - eta_min) + eta_min]
+            return lr + (base_lr - eta_min) * (1 - math.cos(math.pi / t_max)) / 2
+        return (1 + math.cos(math.pi * self.last_epoch / t_max)) \
+            / (1 + math.cos(math.pi * (self.last_epoch - 1) / t_max)) * (lr - eta_min) + eta_min
 
     def _get_closed_form_lr(self):
         return [self.eta_min + (base_lr - self.eta_min)
@@ -198,7 +207,8 @@ class SequentialLR(LRScheduler):
                             for i, m in enumerate(milestones)]
         self.last_epoch = _args.to_int(last_epoch, "last_epoch", -1) + 1
         self.optimizer = optimizer
-        _set_lr(optimizer, optimizer.initial_lr)  # back to the start: undo the others' steps
+        # back to the start: undo the others' steps
+        _set_lrs(optimizer, [group["initial_lr"] for group in optimizer.param_groups])
         self.recursive_undo()
         idx = bisect_right(self._milestones, 0)
         self._schedulers[idx]._initial_step()
