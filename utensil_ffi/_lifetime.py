@@ -252,6 +252,10 @@ class _State:
             self.busy += 1
             return st.entries[st.pos]
 
+    def local(self):
+        """This thread's _Stack (its entries and walk position), None before its first push."""
+        return getattr(self.tls, "st", None)
+
     def take_for(self, who):
         """take(), or the ArgumentError a backward without its forward raises (``who``: the
         layer's name)."""
