@@ -221,10 +221,11 @@ class CNBlock(nn.Module):
     def backward(self, grad_out, *, input_grad=True):
         input_grad = _args.to_bool(input_grad, "input_grad")
         e = self._state.take_for("CNBlock")
-        done = False
+        done, forgot = False, None
         try:
-            if e[2]:
-                self._recall_gelu_output(self._state.local().pos)
+            forgot = self._state.local().pos if e[2] else None
+            if forgot is not None:
+                self._recall_gelu_output(forgot)
             g = self.stochastic_depth.backward(grad_out)
             done = True
             try:
@@ -237,6 +238,8 @@ class CNBlock(nn.Module):
                 _close_unless(g, grad_out)
             return _residual_backward(self.block, grad_out, dy, input_grad)
         finally:
+            if forgot is not None:  # kept for a repeated backward: recomputed again then
+                self.block.layers[-1]._forget_input(forgot)
             if not done:
                 self._state.untake()
             self._state.leave()

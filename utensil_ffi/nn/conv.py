@@ -43,14 +43,17 @@ class Conv2d(_CLayer):
         super().__init__(device, lib.ut_conv2d_alloc, self.in_channels, self.out_channels, kh, kw,
                          self.stride, self.padding, _args.to_bool(bias, "bias"))
 
-    def _forget_input(self):
-        """Free this thread's last forward's kept input (and columns) now: for a caller that
-        can rebuild the same values before backward (CNBlock recomputes its GELU's output, the
-        input of its second PointwiseLinear) and hands them back with _recall_input."""
+    def _forget_input(self, index=-1):
+        """Free the input (and columns) this thread's forward ``index`` kept (by default the
+        last; nothing if that entry is gone): for a caller that can rebuild the same values
+        before backward (CNBlock recomputes its GELU's output, the input of its second
+        PointwiseLinear) and hands them back with _recall_input."""
         h = self._h
         st = h.state.local()
         with h.state.lock:
-            c = st.entries[-1][1]
+            if st is None or not -len(st.entries) <= index < len(st.entries):
+                return
+            c = st.entries[index][1]
             p, q = c.input, c.col
             c.input = c.col = ffi.NULL
         lib.ut_free(p)
