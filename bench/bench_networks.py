@@ -256,6 +256,9 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
     else:
         ut.preferred_blas_library(blas)
     ut.set_float32_matmul_precision(precision)
+    # as PyTorch: each layer frees its activations as backward uses them, not at the next
+    # forward (else a whole network's stay allocated while the PyTorch sides run)
+    retain = ut.set_retain_forward(False)
     ut.seed(seed)
     net = build(net_name, device, fused)
     digits = net_name == "digits"
@@ -301,6 +304,7 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
         for c in closers:
             c()
         ut.set_float32_matmul_precision("highest")
+        ut.set_retain_forward(retain)
         for staged in ut_staged.values():
             for xb, yb in staged:
                 xb.close()

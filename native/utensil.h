@@ -140,6 +140,11 @@ void ut_seed(unsigned long long seed);   /* reseeds the shared RNG used by ut_ra
 int ut_set_num_threads(int n);        /* CPU threads per op (n >= 1); returns status */
 int ut_get_num_threads(void);
 long long ut_live_tensors(void);      /* tensors allocated and not yet freed */
+/* The values of those tensors, 4 bytes each (a bf16 tensor's device copy is half that): what
+   a network keeps between its forward and backward, for memory tests and profiling. The peak
+   is the highest since the last reset (reset != 0 returns it and starts over from now). */
+long long ut_live_bytes(void);
+long long ut_peak_live_bytes(int reset);
 /* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
 long long ut_type_size(const char* type_name);
 long long ut_field_offset(const char* type_name, const char* field_name);
@@ -208,7 +213,8 @@ typedef struct ut_conv2d {
 
 typedef struct ut_conv2d_cache {
   ut_tensor* input; /* [N, in_c, H, W] */
-  ut_tensor* col;   /* [N, in_c*kh*kw, Ho*Wo] (the input itself for 1x1, stride 1, pad 0) */
+  ut_tensor* col;   /* the input itself for 1x1, stride 1, pad 0, computed per image; else
+                       NULL: backward rebuilds the columns from the input */
 } ut_conv2d_cache;
 
 typedef struct ut_dwconv2d {
@@ -1084,6 +1090,7 @@ int ut_version(void) { return UT_VERSION; }
 
 /* ---- library state ------------------------------------------------------------------------ */
 static atomic_llong ut__live = 0;
+static atomic_llong ut__live_bytes = 0, ut__peak_bytes = 0;
 static atomic_int ut__nthreads = 0; /* 0: not yet set, use the cores present */
 
 int ut_set_num_threads(int n) {
@@ -1111,6 +1118,20 @@ int ut_get_num_threads(void) {
   return n > 0 ? n : ut__default_threads();
 }
 long long ut_live_tensors(void) { return atomic_load(&ut__live); }
+long long ut_live_bytes(void) { return atomic_load(&ut__live_bytes); }
+long long ut_peak_live_bytes(int reset) {
+  long long peak = reset ? atomic_exchange(&ut__peak_bytes, atomic_load(&ut__live_bytes))
+                         : atomic_load(&ut__peak_bytes);
+  return peak;
+}
+/* a tensor of n values born (+) or freed (-) */
+static void ut__count_bytes(long long n, int sign) {
+  long long now = atomic_fetch_add(&ut__live_bytes, sign * n * (long long)sizeof(float)) +
+                  sign * n * (long long)sizeof(float);
+  long long peak = atomic_load(&ut__peak_bytes);
+  while (now > peak && !atomic_compare_exchange_weak(&ut__peak_bytes, &peak, now)) {
+  }
+}
 
 static atomic_llong ut__uploads = 0, ut__downloads = 0;
 void ut_transfer_counts(long long* uploads, long long* downloads) {
@@ -1430,6 +1451,7 @@ static ut_tensor* ut__new_typed(int ndim, const int* shape, ut_dev dev, ut_dtype
     }
   }
   atomic_fetch_add(&ut__live, 1);
+  ut__count_bytes(t->shape.nelem, 1);
   if (r) ut__recording_note(r, t, UT__SEEN_BORN);
   return t;
 }
@@ -1513,6 +1535,7 @@ ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*rel
     t->data = (float*)ptr;
   }
   atomic_fetch_add(&ut__live, 1);
+  ut__count_bytes(t->shape.nelem, 1);
   return t;
 }
 
@@ -1532,6 +1555,7 @@ void ut_free(ut_tensor* t) {
   }
   if (own_host) free(t->data);
   if (t->release) t->release(t->release_ctx);
+  ut__count_bytes(t->shape.nelem, -1);
   free(t);
   atomic_fetch_sub(&ut__live, 1);
 }
@@ -2546,12 +2570,12 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     return ut__drop(out);
   }
   ut__wrote(out, be);
-  if (cache) {
-    cache->input = ut_retain(x);
-    cache->col = col;
-  } else {
-    ut_free(col);
-  }
+  if (cache) cache->input = ut_retain(x);
+  /* Other columns (im2col's, kh*kw times the input for a 3x3; the regrouped copy of a merged
+     pointwise GEMM) are not kept: they would be a second copy of the input, held from forward
+     to the end of the step. Backward rebuilds them from the input, one memory-speed pass. */
+  if (cache && col == x) cache->col = col;
+  else ut_free(col);
   return out;
 }
 
@@ -2579,7 +2603,7 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
   /* a pointwise conv's columns are the input itself (4-D) or, merged, regrouped (3-D) */
   if (!col || col->shape.nelem != (long long)g.n * K * P || col->dev != grad_out->dev ||
       col->dtype != at || merged != (pointwise && col->shape.ndim == 3)) {
-    /* the cache lost its columns (or holds another layout): rebuild them from the input */
+    /* the forward kept no columns (see ut_conv2d_forward), or another layout: from the input */
     own_col = true;
     if (merged) {
       if (!(col = ut__conv_batch_columns(be, ut__in(cache->input, be), &g, cache->input, who)))

@@ -107,6 +107,8 @@ from .tensor import (
     full,
     get_num_threads,
     live_tensors,
+    live_bytes,
+    peak_live_bytes,
     ones,
     randn,
     seed,
@@ -126,6 +128,8 @@ from .functional import (
 from .nn import LayerNorm2d, SqueezeExcitation
 # issue 30, the training recipe: regularisation layers (the optimizers are imported above)
 from .nn import Dropout, StochasticDepth
+# what forward keeps, once backward has used it: kept (a backward can be repeated) or freed
+from ._lifetime import get_retain_forward, set_retain_forward
 
 from . import _compat
 
@@ -138,6 +142,7 @@ __all__ = [
     "from_dlpack",
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
+    "live_bytes", "peak_live_bytes", "set_retain_forward", "get_retain_forward",
     # element types, and mixed-precision training
     "dtype", "float32", "bfloat16", "MixedPrecision",
     # the GPU's matrix products, and recorded GPU work (ut.cuda.CUDAGraph, ut.cuda.graph)

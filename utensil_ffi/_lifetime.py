@@ -160,16 +160,40 @@ def _in_pass(fn, args):
         _PASS.id = None
 
 
+# Whether what forward keeps stays after backward has used it (set_retain_forward): True, the
+# entries stay until the next outer call replaces them, so a backward can be repeated; False,
+# each layer frees its entries once its backward has walked them all (PyTorch's default), so
+# a training step's activations are gone by the end of its backward instead of staying
+# allocated until the next forward (a whole network's activations, between steps).
+_RETAIN = [True]
+
+
+def set_retain_forward(retain):
+    """Keep (True, the default) or free (False) what each layer's forward keeps once its
+    backward has used it; returns the previous setting. The gradients are the same either way;
+    with False a second backward after one forward raises, as the first found nothing kept."""
+    old = _RETAIN[0]
+    _RETAIN[0] = bool(retain)
+    return old
+
+
+def get_retain_forward():
+    return _RETAIN[0]
+
+
 class _Stack:
     """One thread's forward caches on one layer: entries [(pass id, cache, versions...)], the
-    first ``pos`` not yet differentiated. Freed with its thread (threading.local drops it)."""
+    first ``pos`` not yet differentiated; ``spent``: the last take() walked the first entry
+    while forward entries are not retained (leave() frees them all). Freed with its thread
+    (threading.local drops it)."""
 
-    __slots__ = ("owner", "entries", "pos", "__weakref__")
+    __slots__ = ("owner", "entries", "pos", "spent", "__weakref__")
 
     def __init__(self, owner):
         self.owner = owner
         self.entries = []
         self.pos = 0
+        self.spent = False
 
     def __del__(self):
         if self.entries and not _EXITING[0]:
@@ -224,8 +248,13 @@ class _State:
             if st.pos == 0:
                 st.pos = len(st.entries)
             st.pos -= 1
+            st.spent = st.pos == 0 and not _RETAIN[0]
             self.busy += 1
             return st.entries[st.pos]
+
+    def local(self):
+        """This thread's _Stack (its entries and walk position), None before its first push."""
+        return getattr(self.tls, "st", None)
 
     def take_for(self, who):
         """take(), or the ArgumentError a backward without its forward raises (``who``: the
@@ -244,9 +273,16 @@ class _State:
         with self.lock:
             if st is not None and st.pos < len(st.entries):
                 st.pos += 1
+                st.spent = False
 
     def leave(self):
+        st = getattr(self.tls, "st", None)
         with self.lock:
+            if st is not None and st.spent:  # this thread's backward used its last entry
+                st.spent = False
+                self.pending.extend(st.entries)
+                st.entries = []
+                st.pos = 0
             self.busy -= 1
             if self.busy:
                 return

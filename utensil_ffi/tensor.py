@@ -30,6 +30,8 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "live_tensors",
+    "live_bytes",
+    "peak_live_bytes",
     "synchronize",
 ]
 
@@ -614,6 +616,18 @@ def get_num_threads():
 def live_tensors():
     """C tensors allocated and not yet freed (for leak checks)."""
     return int(lib.ut_live_tensors())
+
+
+def live_bytes():
+    """The values of the C tensors allocated and not yet freed, 4 bytes each: what a network
+    keeps from its forward for its backward shows here (memory tests, profiling)."""
+    return int(lib.ut_live_bytes())
+
+
+def peak_live_bytes(reset=False):
+    """The highest live_bytes() since the last reset; ``reset=True`` returns it and starts the
+    count over from the bytes live now (a step's peak: reset, step, read)."""
+    return int(lib.ut_peak_live_bytes(1 if _args.to_bool(reset, "reset") else 0))
 
 
 def synchronize():

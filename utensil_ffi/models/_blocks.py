@@ -173,6 +173,11 @@ class CNBlock(nn.Module):
                                         name="layer_scale")
         self.stochastic_depth = nn.StochasticDepth(stochastic_depth_prob, "row")
 
+    # Training forward frees the second Linear's input (GELU's output, 4 dim channels: a third
+    # of what the block keeps) and backward recomputes it from GELU's kept input: one more
+    # elementwise pass per step for the memory. False keeps it, as PyTorch does.
+    recompute_gelu = True
+
     @property
     def device(self):
         return self.layer_scale.device
@@ -193,7 +198,12 @@ class CNBlock(nn.Module):
             y.close()
             raise
         if self.training:
-            self._state.push((getattr(_PASS, "id", None), y))
+            forgot = self.recompute_gelu
+            if forgot:
+                # GELU keeps its input h (4 dim channels), the second Linear GELU(h): free the
+                # latter now and recompute it, bitwise the same, just before it is needed
+                self.block.layers[-1]._forget_input()
+            self._state.push((getattr(_PASS, "id", None), y, forgot))
         else:
             y.close()
         try:
@@ -211,8 +221,11 @@ class CNBlock(nn.Module):
     def backward(self, grad_out, *, input_grad=True):
         input_grad = _args.to_bool(input_grad, "input_grad")
         e = self._state.take_for("CNBlock")
-        done = False
+        done, forgot = False, None
         try:
+            forgot = self._state.local().pos if e[2] else None
+            if forgot is not None:
+                self._recall_gelu_output(forgot)
             g = self.stochastic_depth.backward(grad_out)
             done = True
             try:
@@ -225,9 +238,22 @@ class CNBlock(nn.Module):
                 _close_unless(g, grad_out)
             return _residual_backward(self.block, grad_out, dy, input_grad)
         finally:
+            if forgot is not None:  # kept for a repeated backward: recomputed again then
+                self.block.layers[-1]._forget_input(forgot)
             if not done:
                 self._state.untake()
             self._state.leave()
+
+    def _recall_gelu_output(self, index):
+        """The second Linear's input for this thread's forward ``index``: GELU's output,
+        recomputed from the input GELU kept (the same op on the same values: the same bits)."""
+        gelu, pw2 = self.block.layers[-2], self.block.layers[-1]
+        h = gelu._state.local().entries[index][1]
+        a = gelu._op(h)
+        try:
+            pw2._recall_input(index, a)
+        finally:
+            a.close()  # the Linear's cache holds its own reference
 
     def train(self, mode=True):
         self.training = _args.to_bool(mode, "mode")

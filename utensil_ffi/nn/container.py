@@ -105,6 +105,11 @@ class Sequential(Module):
             l.to(device)
         return self
 
+    def _clear_cache(self):
+        # a block's _clear_cache (CNBlock's, InvertedResidual's) reaches its layers through here
+        for l in self.layers:
+            l._clear_cache()
+
     def close(self):
         for l in self.layers:
             l.close()

@@ -43,6 +43,36 @@ class Conv2d(_CLayer):
         super().__init__(device, lib.ut_conv2d_alloc, self.in_channels, self.out_channels, kh, kw,
                          self.stride, self.padding, _args.to_bool(bias, "bias"))
 
+    def _forget_input(self, index=-1):
+        """Free the input (and columns) this thread's forward ``index`` kept (by default the
+        last; nothing if that entry is gone): for a caller that can rebuild the same values
+        before backward (CNBlock recomputes its GELU's output, the input of its second
+        PointwiseLinear) and hands them back with _recall_input."""
+        h = self._h
+        st = h.state.local()
+        with h.state.lock:
+            if st is None or not -len(st.entries) <= index < len(st.entries):
+                return
+            c = st.entries[index][1]
+            p, q = c.input, c.col
+            c.input = c.col = ffi.NULL
+        lib.ut_free(p)
+        lib.ut_free(q)
+
+    def _recall_input(self, index, x):
+        """Give this thread's entry ``index`` (forgotten by _forget_input) the input ``x``
+        again: its own reference, and x's version for backward's check."""
+        h = self._h
+        st = h.state.local()
+        with h.state.lock:
+            pid, c, _, vw = st.entries[index]
+            old, q = c.input, c.col
+            c.input = lib.ut_retain(x.ptr)
+            c.col = ffi.NULL  # backward takes a pointwise input itself as its columns
+            st.entries[index] = (pid, c, c.input.version, vw)
+        lib.ut_free(old)  # a repeated backward's earlier recall
+        lib.ut_free(q)
+
     def _describe(self):
         return "%d, %d, kernel_size=%s, stride=%d, padding=%d, bias=%s" % (
             self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,

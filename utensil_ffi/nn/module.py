@@ -12,7 +12,12 @@ and backward raises. ``close()`` frees the layer's C tensors now; ``with`` does 
 What forward keeps is a stack per thread, scoped to one outer call: a layer used several times in
 one network (``Sequential(l, ReLU(), l)``, or a Module whose forward calls ``l`` twice) keeps one
 entry per use, and backward walks them in reverse; a forward under a new outer call (calling the
-model or a layer again) drops what the earlier one kept, so memory stays bounded. Call a Module
+model or a layer again) drops what the earlier one kept, so memory stays bounded. By default
+the entries outlive backward (a backward can be repeated: the gradients add up again), so a
+network's activations stay allocated between training steps; ``ut.set_retain_forward(False)``
+frees each layer's entries once its backward has walked them (PyTorch's retain_graph=False):
+the same gradients, the step's peak lower by the backward's temporaries, nothing held between
+steps (ut.live_bytes counts it; tests/test_forward_memory.py). Call a Module
 (``net(x)``) rather than ``net.forward(x)`` so its layers know they are inside one call. Backward
 refuses (ArgumentError) when the input its forward saw, or the layer's weight, was changed in
 place since (a version counter on every C tensor, bumped by every library write, copy_from and
