@@ -83,6 +83,9 @@ _LIBRARY = [
     ("set_num_threads", lambda: ut.set_num_threads(2**40), A),
     ("set_num_threads", lambda: ut.set_num_threads(10**6), A),  # passes Python, refused by C
     ("set_num_threads", lambda: ut.set_num_threads("2"), T),
+    ("set_retain_forward", lambda: ut.set_retain_forward("no"), T),
+    ("set_retain_forward", lambda: ut.set_retain_forward(2), T),
+    ("peak_live_bytes", lambda: ut.peak_live_bytes(reset="yes"), T),
     ("Tensor.reshape", lambda: t(3).reshape(4), S),  # refused by C
     ("Tensor.reshape", lambda: t(3).reshape(-1, -1), S),
     ("Tensor.reshape", lambda: t(4).reshape(3, -1), S),
@@ -168,7 +171,8 @@ def test_wrong_input_raises(entry, call, exc, match):
 
 
 NO_INPUT = {"devices", "cuda_available", "get_num_threads", "live_tensors", "synchronize",
-            "backends", "get_float32_matmul_precision"}  # take no arguments
+            "backends", "get_float32_matmul_precision", "live_bytes",
+            "get_retain_forward"}  # take no arguments
 
 
 def test_every_entry_point_is_covered():

@@ -172,8 +172,11 @@ def set_retain_forward(retain):
     """Keep (True, the default) or free (False) what each layer's forward keeps once its
     backward has used it; returns the previous setting. The gradients are the same either way;
     with False a second backward after one forward raises, as the first found nothing kept."""
+    from . import _args  # not at the top: _args imports the C library, this module does not
+
+    retain = _args.to_bool(retain, "set_retain_forward: retain")
     old = _RETAIN[0]
-    _RETAIN[0] = bool(retain)
+    _RETAIN[0] = retain
     return old
 
 
