@@ -367,16 +367,7 @@ BASE = ["--width", "2", "--batch-size", "16", "--no-progress", "--device", "cpu"
         "--optimizer", "sgd", "--lr", "0.1", "--weight-decay", "0.5"]
 
 
-@pytest.fixture
-def npz(tmp_path):
-    """32 training images (two batches of 16) and 12 test images, 3 classes, 1x6x6."""
-    rng = np.random.default_rng(1)
-    y = rng.integers(0, 3, 44)
-    x = rng.normal(0, 0.3, (44, 6, 6)).astype(np.float32)
-    x[np.arange(44), 1 + 2 * y, :] += 2.0
-    path = tmp_path / "toy.npz"
-    np.savez(path, x_train=x[:32], y_train=y[:32], x_test=x[32:], y_test=y[32:])
-    return str(path)
+from test_train_recipe import npz  # noqa: E402,F401  (the toy data set, a fixture)
 
 
 def _train(npz, path, *flags, epochs=1, resume=False):

@@ -142,18 +142,7 @@ class Optimizer:
         ps = param_group["params"]
         if isinstance(ps, Module):
             ps = ps.parameters()
-        if isinstance(ps, Parameter):
-            ps = [ps]
-        elif isinstance(ps, (set, frozenset)):
-            raise ArgumentTypeError("optimizer parameters need to be organized in ordered "
-                                    "collections, but the ordering of tensors in sets will "
-                                    "change between runs. Please use a list instead.")
-        try:
-            ps = list(ps)
-        except TypeError:
-            raise ArgumentTypeError(
-                "params must be an iterable of Parameters (e.g. model.parameters())"
-            ) from None
+        ps = [ps] if isinstance(ps, Parameter) else _ordered_list(ps)
         if not ps:
             raise ArgumentError("the optimizer got an empty parameter list" if _one
                                 else "param group %d has no parameters" % k)
@@ -496,6 +485,21 @@ def _plain(v):
     raise TypeError
 
 
+def _ordered_list(params):
+    """``params`` as a list: an ordered iterable (a set's order changes between runs, so the
+    state_dict's numbering would; PyTorch's message)."""
+    if isinstance(params, (set, frozenset)):
+        raise ArgumentTypeError("optimizer parameters need to be organized in ordered "
+                                "collections, but the ordering of tensors in sets will change "
+                                "between runs. Please use a list instead.")
+    try:
+        return list(params)
+    except TypeError:
+        raise ArgumentTypeError(
+            "params must be an iterable of Parameters (e.g. model.parameters())"
+        ) from None
+
+
 def _groups_of(params):
     """(the groups ``params`` describes, as a list of dicts; whether it was the one-group form)
     PyTorch's two forms: Parameters, one group; or dicts, a group each."""
@@ -503,16 +507,7 @@ def _groups_of(params):
         params = params.parameters()
     if isinstance(params, dict):
         return [params], False
-    if isinstance(params, (set, frozenset)):
-        raise ArgumentTypeError("optimizer parameters need to be organized in ordered "
-                                "collections, but the ordering of tensors in sets will change "
-                                "between runs. Please use a list instead.")
-    try:
-        params = list(params)
-    except TypeError:
-        raise ArgumentTypeError(
-            "params must be an iterable of Parameters (e.g. model.parameters())"
-        ) from None
+    params = _ordered_list(params)
     if not params:
         raise ArgumentError("the optimizer got an empty parameter list")
     dicts = [isinstance(p, dict) for p in params]
