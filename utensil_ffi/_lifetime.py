@@ -26,10 +26,11 @@ tests/test_threads.py (layers used from several threads) exercise it.
 
 import atexit
 import itertools
+import numbers
 import threading
 import weakref
 
-from ._errors import ArgumentError, ClosedError
+from ._errors import ArgumentError, ArgumentTypeError, ClosedError
 from ._lib import ffi, lib
 
 
@@ -172,9 +173,13 @@ def set_retain_forward(retain):
     """Keep (True, the default) or free (False) what each layer's forward keeps once its
     backward has used it; returns the previous setting. The gradients are the same either way;
     with False a second backward after one forward raises, as the first found nothing kept."""
-    from . import _args  # not at the top: _args imports the C library, this module does not
-
-    retain = _args.to_bool(retain, "set_retain_forward: retain")
+    # a flag as _args.to_bool takes one (that module is this one's neighbour, not below it)
+    if not (isinstance(retain, (bool, numbers.Integral)) and retain in (0, 1)
+            or type(retain).__module__ == "numpy"  # numpy's bool, without importing numpy
+            and type(retain).__name__ in ("bool", "bool_")):
+        raise ArgumentTypeError("set_retain_forward: retain must be True or False, got %r"
+                                % (retain,))
+    retain = bool(retain)
     old = _RETAIN[0]
     _RETAIN[0] = retain
     return old
