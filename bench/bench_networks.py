@@ -242,7 +242,18 @@ def _torch_side(torch, net, mode, device, name="v1"):
     return steps
 
 
-def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
+def run(*args, **kwargs):
+    """_run's figures, with every layer freeing its activations as backward uses them, as
+    PyTorch's do (else a whole network's stay allocated while the PyTorch sides run); the
+    setting comes back whatever happens (the parity check raises on a disagreement)."""
+    retain = ut.set_retain_forward(False)
+    try:
+        return _run(*args, **kwargs)
+    finally:
+        ut.set_retain_forward(retain)
+
+
+def _run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
         precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True,
         graph=False, bf16=False, check=True):
     import torch
@@ -256,9 +267,6 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
     else:
         ut.preferred_blas_library(blas)
     ut.set_float32_matmul_precision(precision)
-    # as PyTorch: each layer frees its activations as backward uses them, not at the next
-    # forward (else a whole network's stay allocated while the PyTorch sides run)
-    retain = ut.set_retain_forward(False)
     ut.seed(seed)
     net = build(net_name, device, fused)
     digits = net_name == "digits"
@@ -304,7 +312,6 @@ def run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, roun
         for c in closers:
             c()
         ut.set_float32_matmul_precision("highest")
-        ut.set_retain_forward(retain)
         for staged in ut_staged.values():
             for xb, yb in staged:
                 xb.close()
