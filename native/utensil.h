@@ -155,6 +155,13 @@ const char* ut_backend_name(ut_dev dev); /* "cpu" or "cuda": where ops on dev re
 /* Host<->GPU copies the mirror has made since the process started (for tests and profiling). */
 void ut_transfer_counts(long long* uploads, long long* downloads);
 int ut_cuda_mem_info(size_t* free_bytes, size_t* total_bytes); /* status; error without GPU */
+/* Freed GPU memory stays cached for the next allocation of its size (cudaMalloc and cudaFree
+   stall the device). ut_cuda_empty_cache hands the cached blocks back to the driver, for other
+   users of the GPU (PyTorch in the same process, other processes); blocks that recorded graphs
+   own stay until the graph is freed. ut_cuda_cached_bytes: how much is cached now. Both no-ops
+   (0) without a GPU; empty_cache is an error while a graph is recorded. */
+int ut_cuda_empty_cache(void);        /* status */
+long long ut_cuda_cached_bytes(void);
 int ut_cuda_synchronize(void);        /* wait for all queued GPU work; no-op without a GPU */
 /* Make `waiting` wait for the work queued so far on `signalling` (cudaStream_t handles; NULL is
    the stream the library queues its work on). No-op without a GPU. */
@@ -672,6 +679,8 @@ typedef struct ut__backend {
   int (*upload)(void* dst, const float* src, size_t bytes);
   int (*download)(float* dst, const void* src, size_t bytes);
   int (*mem_info)(size_t* free_bytes, size_t* total_bytes);
+  int (*empty_cache)(void);       /* cached device blocks back to the driver */
+  long long (*cached_bytes)(void);
   int (*synchronize)(void);                            /* wait for all queued work */
   /* make stream `waiting` wait for the work queued so far on `signalling` (NULL: the library's
      stream, the legacy default stream) */
@@ -1286,6 +1295,17 @@ int ut_cuda_synchronize(void) {
             "recorded work has not run (wait after ut_cuda_graph_end, or after a replay)");
   const ut__backend* gpu = ut__cuda_backend();
   return gpu ? gpu->synchronize() : UT_OK;
+}
+int ut_cuda_empty_cache(void) {
+  UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
+            "ut_cuda_empty_cache: called while a CUDA graph is recorded (the device cannot be "
+            "waited for then: empty the cache after ut_cuda_graph_end)");
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->empty_cache() : UT_OK;
+}
+long long ut_cuda_cached_bytes(void) {
+  const ut__backend* gpu = ut__cuda_backend();
+  return gpu ? gpu->cached_bytes() : 0;
 }
 int ut_cuda_stream_wait(void* waiting, void* signalling) {
   const ut__backend* gpu = ut__cuda_backend();
@@ -7289,6 +7309,8 @@ static const ut__backend ut__cpu_backend = {
     .upload = NULL,
     .download = NULL,
     .mem_info = NULL,
+    .empty_cache = NULL,
+    .cached_bytes = NULL,
     .fill = ut__cpu_fill,
     .copy = ut__cpu_copy,
     .cast = ut__cpu_cast,

@@ -144,6 +144,44 @@ def test_recorded_temporaries_never_land_under_other_tensors():
     assert ut.live_tensors() <= live  # the graph's own references are gone
 
 
+@pytest.mark.skipif(HAVE, reason="a GPU is present")
+def test_the_cache_calls_without_a_gpu():
+    assert ut.cuda.cached_bytes() == 0
+    assert ut.cuda.empty_cache() is None
+    with pytest.raises(ut.DeviceError, match="no CUDA device"):
+        ut.cuda.mem_get_info()
+
+
+@needs_gpu
+def test_empty_cache_hands_back_freed_blocks_while_graphs_live():
+    # the shared cache holds no block a live graph uses, so it can be emptied while graphs live
+    # (two recorded steps in one process used to keep every freed block cached until both died)
+    x = ut.tensor(np.ones((64, 64), np.float32), "cuda")
+    ut.relu(ut.relu6(x)).close()
+    g = ut.cuda.CUDAGraph()
+    with ut.cuda.graph(g):
+        t1 = ut.relu6(x)   # a temporary the graph owns: freed, it stays with the graph
+        y = ut.relu(t1)
+        t1.close()
+    big = ut.zeros((4, 1 << 20), "cuda")  # 16 MB, then cached on close
+    big.close()
+    assert ut.cuda.cached_bytes() >= 16 << 20
+    free, total = ut.cuda.mem_get_info()
+    assert 0 < free <= total
+    ut.cuda.empty_cache()
+    assert ut.cuda.cached_bytes() == 0
+    keep = [ut.tensor(np.full((64, 64), 7.0, np.float32), "cuda") for _ in range(4)]
+    for v in (3.0, 9.0, -2.0):
+        x.copy_from(np.full((64, 64), v, np.float32))
+        g.replay()
+        np.testing.assert_array_equal(y.numpy(), np.clip(v, 0, 6))
+    for k in keep:
+        np.testing.assert_array_equal(k.numpy(), 7.0)
+    g.close()
+    ut.cuda.empty_cache()  # the graph's own blocks, back in the cache when it was freed
+    assert ut.cuda.cached_bytes() == 0
+
+
 @needs_gpu
 def test_recording_refuses_host_reads_uploads_and_waits():
     x = ut.tensor(np.ones((4, 4), np.float32), "cuda")
@@ -152,6 +190,7 @@ def test_recording_refuses_host_reads_uploads_and_waits():
         (lambda: ut.relu(x).numpy(), "reading a GPU tensor"),
         (lambda: ut.relu(ut.tensor(np.ones((2, 2), np.float32), "cuda")), "uploading"),
         (ut.synchronize, "while a CUDA graph is recorded"),
+        (ut.cuda.empty_cache, "while a CUDA graph is recorded"),
     ):
         g = ut.cuda.CUDAGraph()
         with pytest.raises(ut.ArgumentError, match=pattern):

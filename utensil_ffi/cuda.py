@@ -27,7 +27,8 @@ import weakref
 from ._errors import ClosedError, check, check_status
 from ._lib import ffi, lib
 
-__all__ = ["CUDAGraph", "graph", "is_current_stream_capturing"]
+__all__ = ["CUDAGraph", "graph", "is_current_stream_capturing", "empty_cache", "cached_bytes",
+           "mem_get_info"]
 
 # the thread recording now (the library allows one recording at a time), or None
 _RECORDING_THREAD = [None]
@@ -37,6 +38,26 @@ def is_current_stream_capturing():
     """True while the calling thread records a CUDA graph (PyTorch's name): code that would
     wait for the GPU (reads, synchronize) must not run then."""
     return _RECORDING_THREAD[0] == threading.get_ident()
+
+
+def empty_cache():
+    """Hand the GPU memory utensil keeps cached for reuse back to the driver (PyTorch's name), so
+    that PyTorch in the same process or another process can have it. Memory that live tensors or
+    recorded graphs hold stays. A no-op without a GPU; raises while a graph is being recorded."""
+    check_status(lib.ut_cuda_empty_cache(), "empty_cache")
+
+
+def cached_bytes():
+    """Bytes of freed GPU memory utensil keeps for its next allocations (0 without a GPU)."""
+    return int(lib.ut_cuda_cached_bytes())
+
+
+def mem_get_info():
+    """``(free, total)`` bytes of the GPU (PyTorch's name); utensil's cached blocks count as free.
+    Raises DeviceError without a GPU."""
+    free, total = ffi.new("size_t*"), ffi.new("size_t*")
+    check_status(lib.ut_cuda_mem_info(free, total), "mem_get_info")
+    return int(free[0]), int(total[0])
 
 
 def _free(holder):

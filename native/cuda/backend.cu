@@ -99,10 +99,13 @@ int ut__cuda_counters_acquire(int n, unsigned** out) {
    synchronizes the device, which a training step allocating dozens of temporaries cannot afford.
    Freed blocks go to a free list per rounded size and are handed out again; all work is queued
    on one stream, so a block's next user runs after its last one. The cache is emptied when
-   cudaMalloc fails (unless a graph exists), and cached bytes count as free in mem_info.
+   cudaMalloc fails and on ut_cuda_empty_cache (never while a graph is being recorded), and
+   cached bytes count as free in mem_info.
    A block handed out while a graph is recorded belongs to that graph until the graph is
    freed: freed, it goes to the graph's own free list (a replay writes it again), never to
-   another tensor. */
+   another tensor. So the shared free lists hold no block a live graph uses (the tensors a
+   graph reads or writes are held by it), and they can be released while graphs live: the
+   recorded fp32 and bf16 steps of one process then no longer keep every other block cached. */
 /* rounded size -> blocks */
 static std::unordered_map<size_t, std::vector<void*>> ut__cuda_pool_free;
 static std::unordered_map<void*, size_t> ut__cuda_pool_size; /* every live or cached block */
@@ -125,9 +128,9 @@ static size_t ut__cuda_pool_round(size_t bytes) {
   return (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
 }
 
-/* Caller holds ut__cuda_pool_lock. */
+/* Caller holds ut__cuda_pool_lock. Not while recording: the device cannot be waited for then. */
 static void ut__cuda_pool_release_cached(void) {
-  if (ut__cuda_pool_cached == 0 || ut__cuda_graphs_alive) return;
+  if (ut__cuda_pool_cached == 0 || ut__cuda_capture_id) return;
   cudaDeviceSynchronize();
   for (auto& kv : ut__cuda_pool_free) {
     for (void* p : kv.second) {
@@ -212,6 +215,17 @@ static int ut__cuda_mem_info(size_t* free_bytes, size_t* total_bytes) {
   if (free_bytes) *free_bytes = f;
   if (total_bytes) *total_bytes = t;
   return UT_OK;
+}
+
+static int ut__cuda_empty_cache(void) {
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  ut__cuda_pool_release_cached();
+  return UT_OK;
+}
+
+static long long ut__cuda_cached_bytes(void) {
+  std::lock_guard<std::mutex> lock(ut__cuda_pool_lock);
+  return (long long)ut__cuda_pool_cached;
 }
 
 static int ut__cuda_synchronize(void) {
@@ -358,6 +372,8 @@ static void ut__cuda_init(void) {
   t->upload = ut__cuda_upload;
   t->download = ut__cuda_download;
   t->mem_info = ut__cuda_mem_info;
+  t->empty_cache = ut__cuda_empty_cache;
+  t->cached_bytes = ut__cuda_cached_bytes;
   t->synchronize = ut__cuda_synchronize;
   t->stream_wait = ut__cuda_stream_wait;
   t->fill = ut__cuda_fill; /* the overload with the slot's signature */
