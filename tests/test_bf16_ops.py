@@ -214,7 +214,11 @@ def test_add_and_scale(rng, n):
 
 @needs_gpu
 @pytest.mark.parametrize("shape, d0, d1", [((3, 5, 7), 0, 2), ((2, 3, 4, 5), 1, 3),
-                                           ((9, 17), 0, 1), ((2, 1, 8, 8), 2, 3)])
+                                           ((9, 17), 0, 1), ((2, 1, 8, 8), 2, 3),
+                                           # rows of 16+ units, moved a warp per row: the
+                                           # merged pointwise regroups at 14^2 and 7^2
+                                           ((4, 6, 196), 0, 1), ((3, 5, 49), 0, 1),
+                                           ((3, 4, 5, 64), 0, 2), ((2, 3, 33, 35), 0, 1)])
 def test_transpose(rng, shape, d0, d1):
     x = randb(rng, shape)
     with on_gpu(x) as xb:

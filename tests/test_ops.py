@@ -101,6 +101,11 @@ def test_transpose(device):
     x4 = ut.tensor(x, device)
     for d0, d1 in [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]:
         np.testing.assert_array_equal(x4.transpose(d0, d1).numpy(), np.swapaxes(x, d0, d1))
+    # rows of 16+ units (a warp per row on the GPU), with and without a middle dimension
+    for shape, d0, d1 in [((4, 6, 196), 0, 1), ((3, 4, 5, 64), 0, 2), ((2, 5, 3, 49), 1, 2)]:
+        x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(ut.tensor(x, device).transpose(d0, d1).numpy(),
+                                      np.swapaxes(x, d0, d1))
     y3 = T((3, 1, 4), range(12), device).transpose(2, 0)
     assert y3.shape == (4, 1, 3)
     check(y3, [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11], 0)

@@ -367,19 +367,23 @@ static __global__ void ut__cuda_conv2d_im2col_kernel(const T* __restrict__ x,
 
 /* the adjoint of im2col as a gather: one thread per dx element sums the columns that read it
    (in float32; a bf16 dx is rounded once, at the store) */
-template <typename T>
+/* Each dx element sums the column entries of the windows that cover it. Indexed with I =
+   32-bit integers when both buffers allow: the index's divisions are most of the kernel's
+   work, and in 64 bits they cost several times more (a ConvNeXt downsampling's col2im took
+   450 us for 77 MB). */
+template <typename T, typename I>
 static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
                                                      T* __restrict__ dx, ut__conv_geom g,
-                                                     ut__i64 total) {
-  const ut__i64 hw = (ut__i64)g.ho * g.wo;
-  const int rows = g.c * g.kh * g.kw;
-  UT__CUDA_GRID_STRIDE(i, total) {
-    int ix = (int)(i % g.w);
-    ut__i64 t = i / g.w;
-    int iy = (int)(t % g.h);
-    t /= g.h;
-    int ci = (int)(t % g.c);
-    ut__i64 ni = t / g.c;
+                                                     I total) {
+  const I hw = (I)g.ho * (I)g.wo;
+  const I rows = (I)g.c * g.kh * g.kw;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+    int ix = (int)(i % (I)g.w);
+    I t = i / (I)g.w;
+    int iy = (int)(t % (I)g.h);
+    t /= (I)g.h;
+    int ci = (int)(t % (I)g.c);
+    I ni = t / (I)g.c;
     float s = 0.f;
     for (int ky = 0; ky < g.kh; ++ky) {
       int ty = iy + g.pad - ky;
@@ -391,8 +395,8 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
         if (tx < 0 || tx % g.stride) continue;
         int ox = tx / g.stride;
         if (ox >= g.wo) continue;
-        s += ut__cuda_ld(col + (ni * rows + (ci * g.kh + ky) * g.kw + kx) * hw +
-                         (ut__i64)oy * g.wo + ox);
+        s += ut__cuda_ld(col + (ni * rows + (I)((ci * g.kh + ky) * g.kw + kx)) * hw +
+                         (I)oy * g.wo + ox);
       }
     }
     ut__cuda_st(dx + i, s);
@@ -441,8 +445,14 @@ template <typename T>
 static int ut__cuda_col2im_t(const T* col, T* dx, const ut__conv_geom* g, const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
-  ut__cuda_conv2d_col2im_kernel<T><<<ut__cuda_grid_for(total, 256), 256, 0, ut__cuda_stream>>>(
-      col, dx, *g, total);
+  const ut__i64 col_total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
+  const unsigned blocks = ut__cuda_grid_for(total, 256);
+  if (total <= (ut__i64)UINT_MAX && col_total <= (ut__i64)UINT_MAX)
+    ut__cuda_conv2d_col2im_kernel<T, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
+        col, dx, *g, (unsigned)total);
+  else
+    ut__cuda_conv2d_col2im_kernel<T, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(col, dx, *g,
+                                                                                  total);
   UT__CUDA_LAUNCHED(what);
   return UT_OK;
 }
