@@ -296,43 +296,9 @@ static __global__ void ut__cuda_transpose_kernel(const U* __restrict__ in, U* __
   }
 }
 
-/* The same move a row at a time, for rows of at least a warp's worth of units (a merged
-   pointwise GEMM's [n, c, P] <-> [c, n, P] regroups): a warp per output row, one index
-   decoding per row instead of per unit (the per-unit kernel ran those regroups at 40% of
-   memory speed, its divisions the bottleneck). */
-template <typename U, typename I>
-static __global__ void ut__cuda_transpose_rows_kernel(const U* __restrict__ in,
-                                                      U* __restrict__ out, I rows, I d0, I mid,
-                                                      I d1, int inner) {
-  const int lane = threadIdx.x & 31;
-  const I warps = ((I)gridDim.x * blockDim.x) >> 5;
-  for (I r = ((I)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
-    I t = r;
-    I i0 = t % d0; t /= d0;
-    I m = t % mid; t /= mid;
-    I i1 = t % d1;
-    I o = t / d1;
-    const U* src = in + (((o * d0 + i0) * mid + m) * d1 + i1) * (I)inner;
-    U* dst = out + r * (I)inner;
-    for (int e = lane; e < inner; e += 32) dst[e] = src[e];
-  }
-}
-
 template <typename U>
 static void ut__cuda_transpose_units(const void* in, void* out, ut__i64 total, int d0, int mid,
                                      int d1, ut__i64 inner) {
-  if (inner >= 16) {
-    const ut__i64 rows = total / inner;
-    const unsigned blocks = ut__cuda_grid_for(rows * 32, 256);
-    if (total <= (ut__i64)UINT_MAX)
-      ut__cuda_transpose_rows_kernel<U, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
-          (const U*)in, (U*)out, (unsigned)rows, (unsigned)d0, (unsigned)mid, (unsigned)d1,
-          (int)inner);
-    else
-      ut__cuda_transpose_rows_kernel<U, ut__i64><<<blocks, 256, 0, ut__cuda_stream>>>(
-          (const U*)in, (U*)out, rows, d0, mid, d1, (int)inner);
-    return;
-  }
   const unsigned blocks = ut__cuda_grid_for(total, 256);
   if (total <= (ut__i64)UINT_MAX)
     ut__cuda_transpose_kernel<U, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(
