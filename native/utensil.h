@@ -542,6 +542,7 @@ const char* ut_get_float32_matmul_precision(void);
      the GPU when the recording starts), and GPU calls from other threads fail;
    - host-side values are recorded as they were: scalars such as a learning rate or Adam's bias
      correction, shapes, train/eval mode. CPU tensors are computed at once, not recorded.
+   - a tensor the graph uses stays on the GPU in its dtype: moved away, the replay refuses.
    One recording at a time; graphs hold their device memory until freed. */
 typedef struct ut_cuda_graph ut_cuda_graph;
 int ut_cuda_graph_begin(void);              /* status; an error without a GPU */
@@ -1820,6 +1821,7 @@ struct ut_cuda_graph {
   void* g;          /* the backend's */
   ut_tensor** t;    /* what a replay refreshes, held until ut_cuda_graph_free */
   unsigned char* how;
+  void** buf;       /* t[i]'s device buffer when recorded: the memory the replay touches */
   size_t n;
 };
 
@@ -1881,10 +1883,12 @@ ut_cuda_graph* ut_cuda_graph_end(void) {
   ut_cuda_graph* out = (ut_cuda_graph*)calloc(1, sizeof *out);
   ut_tensor** t = (ut_tensor**)malloc((r->n ? r->n : 1) * sizeof *t);
   unsigned char* how = (unsigned char*)calloc(r->n ? r->n : 1, 1);
-  if (r->oom || !out || !t || !how) {
+  void** buf = (void**)malloc((r->n ? r->n : 1) * sizeof *buf);
+  if (r->oom || !out || !t || !how || !buf) {
     free(out);
     free(t);
     free(how);
+    free(buf);
     gpu->graph_free(g);
     ut__recording_free(r);
     ut__set_error(UT_ERR_MEMORY, "ut_cuda_graph_end: out of host memory");
@@ -1910,6 +1914,7 @@ ut_cuda_graph* ut_cuda_graph_end(void) {
       continue;
     }
     t[kept] = t[i];
+    buf[kept] = t[i]->gpu_buf;
     how[kept++] = how[i];
   }
   free(r->t);
@@ -1918,6 +1923,7 @@ ut_cuda_graph* ut_cuda_graph_end(void) {
   out->g = g;
   out->t = t;
   out->how = how;
+  out->buf = buf;
   out->n = kept;
   return out;
 }
@@ -1927,6 +1933,12 @@ int ut_cuda_graph_replay(ut_cuda_graph* g) {
   UT__CHECK(!ut__recording_now(), UT_ERR_ARG,
             "ut_cuda_graph_replay: a CUDA graph is being recorded (replay after its end)");
   const ut__backend* gpu = ut__cuda_backend();
+  /* a held tensor moved to the CPU or cast since has given its device buffer back (to the
+     cache, or the driver): the replay would write memory it no longer owns */
+  for (size_t i = 0; i < g->n; i++)
+    UT__CHECK(g->t[i]->dev == UT_CUDA && g->t[i]->gpu_buf == g->buf[i], UT_ERR_ARG,
+              "ut_cuda_graph_replay: a tensor the graph uses has left its device memory since "
+              "the recording (moved to the CPU or to another dtype): record the step again");
   for (size_t i = 0; i < g->n; i++)
     if (g->how[i] & UT__SEEN_READ) UT__TRY(ut_sync_gpu(g->t[i]));
   UT__TRY(gpu->graph_replay(g->g));
@@ -1964,6 +1976,7 @@ void ut_cuda_graph_free(ut_cuda_graph* g) {
   for (size_t i = 0; i < g->n; i++) ut_free(g->t[i]);
   free(g->t);
   free(g->how);
+  free(g->buf);
   free(g);
 }
 

@@ -183,6 +183,25 @@ def test_empty_cache_hands_back_freed_blocks_while_graphs_live():
 
 
 @needs_gpu
+def test_a_replay_after_its_tensors_left_the_gpu_is_refused():
+    # moved to the CPU, a layer's weight gives its device block back (and the cache may give it
+    # to the driver): replaying would write memory the graph no longer owns
+    layer = ut.Linear(8, 4, device="cuda")
+    x = ut.tensor(np.ones((2, 8), np.float32), "cuda")
+    layer(x).close()
+    with ut.cuda.CUDAGraph() as g:
+        with ut.cuda.graph(g):
+            y = layer(x)
+        g.replay()
+        want = x.numpy() @ layer.weight.numpy().T + layer.bias.numpy()
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+        layer.to("cpu")
+        ut.cuda.empty_cache()
+        with pytest.raises(ut.ArgumentError, match="left its device memory"):
+            g.replay()
+
+
+@needs_gpu
 def test_recording_refuses_host_reads_uploads_and_waits():
     x = ut.tensor(np.ones((4, 4), np.float32), "cuda")
     ut.relu(x).close()
