@@ -1,0 +1,110 @@
+"""Inference: a convolution and the BatchNorm2d after it, folded into one pass (issue 32).
+
+In eval mode Sequential runs each Conv2d or DWConv2d that is directly followed by a
+BatchNorm2d as one C call (``ut_conv2d_bn_forward``, ``ut_dwconv2d_bn_forward``): the
+BatchNorm's running statistics, affine parameters and fused activation applied per output
+channel as the convolution writes its output, instead of a second pass over memory. The fold
+(scale = gamma / sqrt(var + eps), shift = beta + (bias - mean) scale) is computed in C from the
+layers' values at every call, so no cache can go stale: optimizer steps, load_state_dict,
+copy_from and writes through numpy views are all seen by the next forward. The result is the
+two layers' own forwards within float32 rounding; training mode (either layer) runs them as
+they are, and so do the GPU and bfloat16 (in C).
+
+``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare.
+"""
+
+from .. import _args
+from .._errors import ClosedError
+from .._lib import ffi, lib
+from .._lifetime import _hold, _let_go
+from ..functional import _Args, fail
+from ..tensor import Tensor
+from .conv import Conv2d, DWConv2d
+from .norm import BatchNorm2d
+
+__all__ = ["set_inference_fold", "get_inference_fold", "fold_steps", "conv_bn_forward"]
+
+_FOLD = [True]
+
+# the C entry point of each convolution class (subclasses, PointwiseLinear, inherit it)
+_ENTRY = ((DWConv2d, lib.ut_dwconv2d_bn_forward), (Conv2d, lib.ut_conv2d_bn_forward))
+
+
+def set_inference_fold(enabled):
+    """Fold (True, the default) or not (False) each eval-mode BatchNorm2d into the convolution
+    before it in a Sequential; returns the previous setting. Results agree within float32
+    rounding either way."""
+    prev = _FOLD[0]
+    _FOLD[0] = _args.to_bool(enabled, "enabled")
+    return prev
+
+
+def get_inference_fold():
+    """Whether eval-mode Sequentials fold BatchNorm2d into the convolution before it."""
+    return _FOLD[0]
+
+
+def _entry(conv):
+    for cls, fn in _ENTRY:
+        if isinstance(conv, cls):
+            return fn
+    return None
+
+
+def _foldable(conv, bn):
+    # both in eval mode: the convolution then keeps no cache and the BatchNorm's (kept in eval
+    # mode for a backward through frozen statistics) has no convolution backward to feed
+    return (isinstance(bn, BatchNorm2d) and not bn.training and not conv.training
+            and _entry(conv) is not None)
+
+
+def fold_steps(layers):
+    """The forwards a Sequential runs for ``layers``: each eval-mode (convolution, BatchNorm2d)
+    pair as one conv_bn_forward step when the fold is on, every other layer's own forward."""
+    if not _FOLD[0]:
+        return [l.forward for l in layers]
+    steps, i, n = [], 0, len(layers)
+    while i < n:
+        l = layers[i]
+        if i + 1 < n and _foldable(l, layers[i + 1]):
+            bn = layers[i + 1]
+            steps.append(lambda x, c=l, b=bn: conv_bn_forward(c, b, x))
+            i += 2
+        else:
+            steps.append(l.forward)
+            i += 1
+    return steps
+
+
+def conv_bn_forward(conv, bn, x):
+    """bn(conv(x)) in one C call (eval mode: see the module's doc); x a Tensor or array-like."""
+    fn = _entry(conv)
+    ch, bh = conv._h, bn._h
+    cs = ch.enter() if ch is not None else None
+    if cs is None:
+        raise ClosedError("operation on a closed %s" % type(conv).__name__)
+    try:
+        bs = bh.enter() if bh is not None else None
+        if bs is None:
+            raise ClosedError("operation on a closed %s" % type(bn).__name__)
+        try:
+            what = "%s+%s.forward" % (type(conv).__name__, type(bn).__name__)
+            if isinstance(x, Tensor):
+                xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
+                try:
+                    return Tensor._wrap(_call(fn, cs, bs, xp, what))
+                finally:
+                    _let_go(xp)
+            with _Args(type(conv).__name__, cs.weight.dev) as a:
+                return Tensor._wrap(_call(fn, cs, bs, a.array(x, "x"), what))
+        finally:
+            bh.state.leave()
+    finally:
+        ch.state.leave()
+
+
+def _call(fn, cs, bs, xp, what):
+    p = fn(cs, bs, xp)
+    if p == ffi.NULL:
+        fail(what, cs.weight, xp)
+    return p
