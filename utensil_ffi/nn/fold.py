@@ -15,19 +15,19 @@ they are, and so do the GPU and bfloat16 (in C).
 
 from .. import _args
 from .._errors import ClosedError
-from .._lib import ffi, lib
+from .._lib import ffi
 from .._lifetime import _hold, _let_go
 from ..functional import _Args, fail
 from ..tensor import Tensor
-from .conv import Conv2d, DWConv2d
-from .norm import BatchNorm2d
 
 __all__ = ["set_inference_fold", "get_inference_fold", "fold_steps", "conv_bn_forward"]
 
 _FOLD = [True]
 
-# the C entry point of each convolution class (subclasses, PointwiseLinear, inherit it)
-_ENTRY = ((DWConv2d, lib.ut_dwconv2d_bn_forward), (Conv2d, lib.ut_conv2d_bn_forward))
+# The layers name their part themselves (this module sits below them: nn.container imports it):
+# a convolution class its C entry point in ``_c_bn_forward`` (Conv2d: ut_conv2d_bn_forward,
+# DWConv2d: ut_dwconv2d_bn_forward; subclasses such as PointwiseLinear inherit it), and
+# BatchNorm2d ``_folds_into_conv = True``.
 
 
 def set_inference_fold(enabled):
@@ -44,18 +44,11 @@ def get_inference_fold():
     return _FOLD[0]
 
 
-def _entry(conv):
-    for cls, fn in _ENTRY:
-        if isinstance(conv, cls):
-            return fn
-    return None
-
-
 def _foldable(conv, bn):
     # both in eval mode: the convolution then keeps no cache and the BatchNorm's (kept in eval
     # mode for a backward through frozen statistics) has no convolution backward to feed
-    return (isinstance(bn, BatchNorm2d) and not bn.training and not conv.training
-            and _entry(conv) is not None)
+    return (getattr(bn, "_folds_into_conv", False) and getattr(conv, "_c_bn_forward", None)
+            is not None and not bn.training and not conv.training)
 
 
 def fold_steps(layers):
@@ -78,7 +71,7 @@ def fold_steps(layers):
 
 def conv_bn_forward(conv, bn, x):
     """bn(conv(x)) in one C call (eval mode: see the module's doc); x a Tensor or array-like."""
-    fn = _entry(conv)
+    fn = conv._c_bn_forward
     ch, bh = conv._h, bn._h
     cs = ch.enter() if ch is not None else None
     if cs is None:
