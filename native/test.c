@@ -1637,16 +1637,25 @@ static void test_conv_bn_fold(ut_dev dev) {
   set_weight(&dw.bias, 1, S(2), F(1, 0), dev);
   ut_tensor* x1 = ut_from_data(4, S(1, 1, 1, 2), F(1, 3), dev);
   ut_tensor* x2 = ut_from_data(4, S(1, 2, 1, 2), F(1, 3, 1, 3), dev);
-  ut_tensor* y1 = ut_conv2d_bn_forward(&cv, &bn, x1);
-  ut_tensor* y2 = ut_dwconv2d_bn_forward(&dw, &bn, x2);
+  ut_tensor* y1 = ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_NONE);
+  ut_tensor* y2 = ut_dwconv2d_bn_forward(&dw, &bn, x2, UT_ACT_NONE);
   require(y1 && y2);
   ut_sync_cpu(y1);
   ut_sync_cpu(y2);
   assert_data(y1, F(2, 6, 3, 0), 1e-5f);
   assert_data(y2, F(2, 6, 3, 0), 1e-5f);
+  /* the same ReLU as a layer after the BatchNorm (act), not both */
+  bn.activation = UT_ACT_NONE;
+  ut_tensor* y3 = ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_RELU);
+  require(y3);
+  ut_sync_cpu(y3);
+  assert_data(y3, F(2, 6, 3, 0), 1e-5f);
+  bn.activation = UT_ACT_RELU;
+  assert(!ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_RELU6) && ut_last_status() == UT_ERR_ARG);
+  ut_free(y3);
   bn.training = true; /* refused: the fold uses running statistics */
-  assert(!ut_conv2d_bn_forward(&cv, &bn, x1) && ut_last_status() == UT_ERR_ARG);
-  assert(!ut_dwconv2d_bn_forward(&dw, &bn, x2) && ut_last_status() == UT_ERR_ARG);
+  assert(!ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_NONE) && ut_last_status() == UT_ERR_ARG);
+  assert(!ut_dwconv2d_bn_forward(&dw, &bn, x2, UT_ACT_NONE) && ut_last_status() == UT_ERR_ARG);
   ut_free_all(x1, x2, y1, y2);
   ut_conv2d_free(&cv);
   ut_dwconv2d_free(&dw);
@@ -1670,10 +1679,10 @@ static void test_conv_bn_fold(ut_dev dev) {
     b8.activation = k ? UT_ACT_HARDSWISH : UT_ACT_SILU;
     ut_tensor* c = ut_conv2d_forward(&c3, x, NULL);
     ut_tensor* want = c ? ut_batchnorm2d_forward(&b8, c, NULL) : NULL;
-    ut_tensor* got = ut_conv2d_bn_forward(&c3, &b8, x);
+    ut_tensor* got = ut_conv2d_bn_forward(&c3, &b8, x, UT_ACT_NONE);
     ut_tensor* d = want ? ut_dwconv2d_forward(&d5, want, NULL) : NULL;
     ut_tensor* want2 = d ? ut_batchnorm2d_forward(&b8, d, NULL) : NULL;
-    ut_tensor* got2 = want ? ut_dwconv2d_bn_forward(&d5, &b8, want) : NULL;
+    ut_tensor* got2 = want ? ut_dwconv2d_bn_forward(&d5, &b8, want, UT_ACT_NONE) : NULL;
     require(want && got && want2 && got2);
     ut_sync_cpu(want);
     ut_sync_cpu(got);

@@ -403,11 +403,15 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
    cache: the GEMM's epilogue (dense), each few planes as the depthwise engine writes them (the
    filters themselves scaled there, kh*kw values per channel). On a GPU and for bfloat16 the two
    layers' own forwards run, one after the other. bn must be in eval mode (training false) with
-   bn->c the convolution's output channels.
+   bn->c the convolution's output channels. `act` is an activation layer after the BatchNorm
+   folded too (y = act(bn(conv(x))), ut_activation_forward's values): UT_ACT_NONE, or any kind
+   when bn->activation is UT_ACT_NONE (one activation per call, never two composed).
    x: [N, in_c, H, W] -> [N, out_c, Ho, Wo] (ut_conv2d_forward's shapes) */
-ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x);
+ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                ut_activation act);
 /* x: [N, C, H, W] -> [N, C*mult, Ho, Wo] (ut_dwconv2d_forward's shapes) */
-ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x);
+ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                  ut_activation act);
 
 /* x: [N, C, H, W] -> [N, C], the mean over H and W */
 ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x);
@@ -3497,7 +3501,7 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
 /* ---- inference: convolution + BatchNorm2d folded (issue 32) -------------------------------- */
 
 /* The BatchNorm after a convolution of out_c channels: in eval mode, its tensors on w's device. */
-static int ut__check_fold_bn(const ut_batchnorm2d* bn, int out_c, const ut_tensor* w,
+static int ut__check_fold_bn(const ut_batchnorm2d* bn, int out_c, const ut_tensor* w, int act,
                              const char* who) {
   UT__CHECK(bn, UT_ERR_ARG, "%s: the BatchNorm2d is NULL", who);
   UT__CHECK(!bn->training, UT_ERR_ARG,
@@ -3511,6 +3515,12 @@ static int ut__check_fold_bn(const ut_batchnorm2d* bn, int out_c, const ut_tenso
   UT__CHECK(ut__act_valid(bn->activation), UT_ERR_ARG,
             "%s: the BatchNorm2d's activation must be a ut_activation (%d to %d), got %d", who,
             UT_ACT_NONE, UT_ACT_GELU_TANH, bn->activation);
+  UT__CHECK(ut__act_valid(act), UT_ERR_ARG, "%s: act must be a ut_activation (%d to %d), got %d",
+            who, UT_ACT_NONE, UT_ACT_GELU_TANH, act);
+  UT__CHECK(act == UT_ACT_NONE || bn->activation == UT_ACT_NONE, UT_ERR_ARG,
+            "%s: the BatchNorm2d applies %s already; act (%s) must be UT_ACT_NONE", who,
+            ut_activation_name((ut_activation)bn->activation),
+            ut_activation_name((ut_activation)act));
   UT__CHECK(bn->weight && bn->bias && bn->running_mean && bn->running_var, UT_ERR_ARG,
             "%s: the BatchNorm2d's tensors are not allocated", who);
   const ut_tensor* t[4] = {bn->weight, bn->bias, bn->running_mean, bn->running_var};
@@ -3543,16 +3553,24 @@ static int ut__fold_bn(ut_batchnorm2d* bn, ut_tensor* conv_bias, const ut__backe
   return UT_OK;
 }
 
+/* the one activation of the call: the BatchNorm's own, or the layer's after it (never both) */
+static int ut__fold_act(const ut_batchnorm2d* bn, ut_activation act) {
+  return bn->activation != UT_ACT_NONE ? bn->activation : (int)act;
+}
+
 /* Whether the fused path serves x (the CPU, float32); else each layer's forward in turn. The
    CPU backend's host copies are the only copies, so the fold reads them in place. */
 static bool ut__fold_runs_here(const ut_tensor* x, const ut__backend* be) {
   return !ut__is_device_backend(be) && x->dtype == UT_F32;
 }
-static ut_tensor* ut__bn_after(ut_tensor* y, ut_batchnorm2d* bn) {
+static ut_tensor* ut__bn_after(ut_tensor* y, ut_batchnorm2d* bn, int act) {
   if (!y) return NULL;
   ut_tensor* out = ut_batchnorm2d_forward(bn, y, NULL);
   ut_free(y);
-  return out;
+  if (!out || act == UT_ACT_NONE) return out;
+  ut_tensor* a = ut_activation_forward(out, (ut_activation)act);
+  ut_free(out);
+  return a;
 }
 /* A padded dense convolution's non-finite weight needs the exact pass (conv_exact), which the
    epilogue would run before: such a layer takes the unfused path. */
@@ -3562,40 +3580,44 @@ static bool ut__host_all_finite(const float* p, ut__i64 n) {
   return acc == 0.0f;
 }
 
-ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x) {
+ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                ut_activation act) {
   const char* who = "ut_conv2d_bn_forward";
   ut__conv_geom g;
-  if (ut__check_conv2d(l, who) < 0 || ut__check_fold_bn(bn, l->out_c, l->weight, who) < 0 ||
+  if (ut__check_conv2d(l, who) < 0 ||
+      ut__check_fold_bn(bn, l->out_c, l->weight, (int)act, who) < 0 ||
       ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
       ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
-  if (!ut__fold_runs_here(x, be)) return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn);
+  if (!ut__fold_runs_here(x, be)) return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn, act);
   const float* w = ut__in(l->weight, be);
   if (!w) return NULL;
   if (l->pad > 0 && !ut__host_all_finite(w, l->weight->shape.nelem))
-    return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn);
+    return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn, act);
   ut_tensor* fold = ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who);
   if (!fold) return NULL;
   if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
-  ut__conv_epi epi = {fold->data, fold->data + l->out_c, bn->activation};
+  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act)};
   ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
   ut_free(fold);
   return out;
 }
 
-ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x) {
+ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                  ut_activation act) {
   const char* who = "ut_dwconv2d_bn_forward";
   ut__conv_geom g;
   const int m = l ? ut__dw_mult(l) : 1;
-  if (ut__check_dwconv2d(l, who) < 0 || ut__check_fold_bn(bn, l->c * m, l->weight, who) < 0 ||
+  if (ut__check_dwconv2d(l, who) < 0 ||
+      ut__check_fold_bn(bn, l->c * m, l->weight, (int)act, who) < 0 ||
       ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
       ut__conv_geometry(&g, x, l->c, l->c * m, l->kh, l->kw, l->stride, l->pad, ut__dw_dil(l),
                         who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
   if (!ut__fold_runs_here(x, be) || !be->dw_fwd_act)
-    return ut__bn_after(ut_dwconv2d_forward(l, x, NULL), bn);
+    return ut__bn_after(ut_dwconv2d_forward(l, x, NULL), bn, act);
   /* the filters scaled per channel (kh*kw values each), the shift as their bias */
   int oc = l->c * m;
   ut__i64 taps = (ut__i64)l->kh * l->kw;
@@ -3615,7 +3637,7 @@ ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor*
   if (xp) out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
   if (out)
     out = ut__finish(out, be, be->dw_fwd_act(UT_F32, xp, wf, shift, out->data, &g,
-                                             bn->activation));
+                                             ut__fold_act(bn, act)));
   ut_free_all(xr, fold);
   return out;
 }

@@ -13,6 +13,7 @@ import utensil_ffi as ut
 from tolerances import assert_close
 from utensil_ffi import models
 from utensil_ffi import reference as R
+from utensil_ffi._lib import lib
 from utensil_ffi.nn import fold
 
 ACTS = [None, "relu", "relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "gelu",
@@ -156,6 +157,39 @@ def test_only_eval_pairs_fold():
     assert len(fold.fold_steps([bn, conv])) == 2  # the order matters
     fold.set_inference_fold(False)
     assert len(fold.fold_steps(seq)) == 3
+
+
+@pytest.mark.parametrize("layer", ["relu", "relu6", "silu", "hardswish", "hardsigmoid",
+                                   "sigmoid", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dw", [False, True])
+def test_an_activation_layer_after_the_batchnorm_folds_too(layer, dw):
+    """conv, BatchNorm2d (no activation), activation layer: one step, the layer's values."""
+    rng = np.random.default_rng(len(layer) + 10 * dw)
+    conv = ut.DWConv2d(4, 3, stride=2, padding=1) if dw else ut.Conv2d(3, 4, 3, padding=1)
+    bn = ut.BatchNorm2d(4)
+    _randomise_bn(bn, rng)
+    act = {"relu": ut.ReLU(), "relu6": ut.ReLU6(), "silu": ut.SiLU(), "hardswish": ut.Hardswish(),
+           "hardsigmoid": ut.Hardsigmoid(), "sigmoid": ut.Sigmoid(), "gelu": ut.GELU(),
+           "gelu_tanh": ut.GELU(approximate="tanh")}[layer]
+    model = ut.Sequential(conv, bn, act).eval()
+    assert len(fold.fold_steps(model.layers)) == 1
+    x = rng.standard_normal((2, 4 if dw else 3, 9, 8)).astype(np.float32) * 2
+    got = _folded(model, x)
+    ref = _REF_ACT[layer](_reference(conv, bn, x))
+    assert_close("conv+bn+%s layer vs float64" % layer, got, ref, rtol=1e-4, atol=2e-6)
+    assert_close("conv+bn+%s layer vs unfolded" % layer, got, _unfolded(model, x), rtol=1e-5,
+                 atol=2e-6)
+    # a BatchNorm with its own activation leaves the layer after it to itself
+    bn2 = ut.BatchNorm2d(4, activation="relu").eval()
+    assert len(fold.fold_steps([conv, bn2, act])) == 2
+    act.train()
+    assert len(fold.fold_steps([conv, bn, act])) == 2
+
+
+def test_the_c_entry_refuses_two_activations():
+    conv, bn = ut.Conv2d(3, 4, 1), ut.BatchNorm2d(4, activation="relu").eval()
+    with pytest.raises(ut.UtensilError, match="relu already"):
+        fold.conv_bn_forward(conv, bn, np.zeros((1, 3, 2, 2), np.float32), lib.UT_ACT_SILU)
 
 
 def test_padded_non_finite_weight_takes_the_exact_path():

@@ -2,8 +2,10 @@
 
 In eval mode Sequential runs each Conv2d or DWConv2d that is directly followed by a
 BatchNorm2d as one C call (``ut_conv2d_bn_forward``, ``ut_dwconv2d_bn_forward``): the
-BatchNorm's running statistics, affine parameters and fused activation applied per output
-channel as the convolution writes its output, instead of a second pass over memory. The fold
+BatchNorm's running statistics, affine parameters and fused activation (or, when it has none,
+the activation layer after it: ReLU, ReLU6, SiLU, Hardswish, Hardsigmoid, Sigmoid, GELU)
+applied per output channel as the convolution writes its output, instead of one or two more
+passes over memory. The fold
 (scale = gamma / sqrt(var + eps), shift = beta + (bias - mean) scale) is computed in C from the
 layers' values at every call, so no cache can go stale: optimizer steps, load_state_dict,
 copy_from and writes through numpy views are all seen by the next forward. The result is the
@@ -15,7 +17,7 @@ they are, and so do the GPU and bfloat16 (in C).
 
 from .. import _args
 from .._errors import ClosedError
-from .._lib import ffi
+from .._lib import ffi, lib
 from .._lifetime import _hold, _let_go
 from ..functional import _Args, fail
 from ..tensor import Tensor
@@ -53,24 +55,31 @@ def _foldable(conv, bn):
 
 def fold_steps(layers):
     """The forwards a Sequential runs for ``layers``: each eval-mode (convolution, BatchNorm2d)
-    pair as one conv_bn_forward step when the fold is on, every other layer's own forward."""
+    pair as one conv_bn_forward step when the fold is on, with the activation layer after it
+    too when the BatchNorm applies none itself; every other layer its own forward."""
     if not _FOLD[0]:
         return [l.forward for l in layers]
     steps, i, n = [], 0, len(layers)
     while i < n:
         l = layers[i]
         if i + 1 < n and _foldable(l, layers[i + 1]):
-            bn = layers[i + 1]
-            steps.append(lambda x, c=l, b=bn: conv_bn_forward(c, b, x))
-            i += 2
+            bn, act, used = layers[i + 1], lib.UT_ACT_NONE, 2
+            nxt = layers[i + 2] if i + 2 < n else None
+            code = getattr(nxt, "_fold_act", None)
+            if (code is not None and not nxt.training
+                    and bn._struct.activation == lib.UT_ACT_NONE):
+                act, used = code, 3
+            steps.append(lambda x, c=l, b=bn, a=act: conv_bn_forward(c, b, x, a))
+            i += used
         else:
             steps.append(l.forward)
             i += 1
     return steps
 
 
-def conv_bn_forward(conv, bn, x):
-    """bn(conv(x)) in one C call (eval mode: see the module's doc); x a Tensor or array-like."""
+def conv_bn_forward(conv, bn, x, act=lib.UT_ACT_NONE):
+    """bn(conv(x)) in one C call (eval mode: see the module's doc), then ``act`` (a C
+    ut_activation, when the BatchNorm applies none); x a Tensor or array-like."""
     fn = conv._c_bn_forward
     ch, bh = conv._h, bn._h
     cs = ch.enter() if ch is not None else None
@@ -85,19 +94,19 @@ def conv_bn_forward(conv, bn, x):
             if isinstance(x, Tensor):
                 xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
                 try:
-                    return Tensor._wrap(_call(fn, cs, bs, xp, what))
+                    return Tensor._wrap(_call(fn, cs, bs, xp, act, what))
                 finally:
                     _let_go(xp)
             with _Args(type(conv).__name__, cs.weight.dev) as a:
-                return Tensor._wrap(_call(fn, cs, bs, a.array(x, "x"), what))
+                return Tensor._wrap(_call(fn, cs, bs, a.array(x, "x"), act, what))
         finally:
             bh.state.leave()
     finally:
         ch.state.leave()
 
 
-def _call(fn, cs, bs, xp, what):
-    p = fn(cs, bs, xp)
+def _call(fn, cs, bs, xp, act, what):
+    p = fn(cs, bs, xp, act)
     if p == ffi.NULL:
         fail(what, cs.weight, xp)
     return p
