@@ -4959,6 +4959,22 @@ UT__CPU_ACT_OPT static void ut__cpu_epi_run(float* restrict y, ut__i64 n, int ac
   }
 }
 #undef UT__CPU_EPI_LOOP
+/* ut__cpu_epi_run over n values on the pool's threads (a pass of its own) */
+typedef struct {
+  float* y;
+  ut__i64 n;
+  int act;
+} ut__cpu_epi_ctx;
+static void ut__cpu_epi_part(void* vc, int tid, int nt) {
+  const ut__cpu_epi_ctx* c = (const ut__cpu_epi_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  ut__cpu_epi_run(c->y + lo, hi - lo, c->act);
+}
+static void ut__cpu_epi_pass(float* y, ut__i64 n, int act) {
+  ut__cpu_epi_ctx c = {y, n, act};
+  ut__parallel_run(ut__cpu_nt(ut__cpu_act_work(act, n)), ut__cpu_epi_part, &c);
+}
 /* rows x cols of a row-major block (row stride ld), row r taking scale[r] and shift[r] */
 UT__CPU_ACT_OPT static void ut__cpu_epi_rows(float* y, ut__i64 ld, int rows, ut__i64 cols,
                                              const float* scale, const float* shift, int act) {
@@ -5668,7 +5684,7 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
 /* The paths other than the planes' engines apply act in a pass of its own (inference only). */
 static int ut__cpu_dw_act_after(int st, float* y, const ut__conv_geom* g, int act) {
   if (st >= 0 && act != UT_ACT_NONE)
-    ut__cpu_epi_run(y, (ut__i64)g->n * g->c * g->ho * g->wo, act);
+    ut__cpu_epi_pass(y, (ut__i64)g->n * g->c * g->ho * g->wo, act);
   return st;
 }
 static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,

@@ -87,10 +87,15 @@ GEOMS = [
     ("dense1x1", lambda: ut.Conv2d(6, 9, 1, bias=False), 6, (17, 18)),
     ("dense1x1-small-plane", lambda: ut.Conv2d(8, 12, 1, bias=False), 8, (5, 5)),
     ("dense2x2s2p0", lambda: ut.Conv2d(4, 8, 2, stride=2, bias=False), 4, (8, 8)),
+    # K = 32 * 9 = 288 > the GEMM's 256-deep blocks: the epilogue after the last one only
+    ("dense3x3-K288", lambda: ut.Conv2d(32, 10, 3, padding=1, bias=False), 32, (7, 9)),
     ("dw3x3s1p1", lambda: ut.DWConv2d(6, 3, padding=1, bias=False), 6, (13, 12)),
     ("dw3x3s2p1+bias", lambda: ut.DWConv2d(6, 3, stride=2, padding=1), 6, (14, 15)),
     ("dw5x5s2p2", lambda: ut.DWConv2d(5, 5, stride=2, padding=2, bias=False), 5, (16, 16)),
     ("dw7x7s1p3", lambda: ut.DWConv2d(4, 7, padding=3, bias=False), 4, (12, 12)),
+    # wide planes: stride 2 in the planes' engine itself (the small ones above detour through
+    # stride 1 and take the activation afterwards)
+    ("dw3x3s2p1-wide", lambda: ut.DWConv2d(5, 3, stride=2, padding=1, bias=False), 5, (18, 40)),
     ("dw3x5-dil2", lambda: ut.DWConv2d(4, (3, 5), padding=2, dilation=2, bias=False), 4, (11, 13)),
     ("dw-grouped-x2", lambda: ut.DWConv2d(3, 3, padding=1, out_channels=6), 3, (9, 9)),
     ("dw-stride3", lambda: ut.DWConv2d(4, 3, stride=3, padding=1, bias=False), 4, (20, 19)),
