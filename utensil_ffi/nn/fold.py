@@ -49,8 +49,8 @@ def get_inference_fold():
 def _foldable(conv, bn):
     # both in eval mode: the convolution then keeps no cache and the BatchNorm's (kept in eval
     # mode for a backward through frozen statistics) has no convolution backward to feed
-    return (getattr(bn, "_folds_into_conv", False) and getattr(conv, "_c_bn_forward", None)
-            is not None and not bn.training and not conv.training)
+    return (not conv.training and not bn.training and getattr(bn, "_folds_into_conv", False)
+            and getattr(conv, "_c_bn_forward", None) is not None)
 
 
 def fold_steps(layers):
