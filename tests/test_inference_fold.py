@@ -360,3 +360,36 @@ def test_an_eval_forward_leaves_training_unchanged():
             np.testing.assert_array_equal(u, v)
     for u, v in zip(sa, sb):
         np.testing.assert_array_equal(u, v)
+
+
+# -- where the fold does not run: bfloat16 and the GPU take the layers' own forwards ----------------
+
+def _mixed_model(device):
+    ut.seed(1)
+    m = ut.Sequential(ut.Conv2d(3, 8, 3, padding=1), ut.BatchNorm2d(8), ut.ReLU6(),
+                      ut.DWConv2d(8, 3, stride=2, padding=1),
+                      ut.BatchNorm2d(8, activation="silu"))
+    rng = np.random.default_rng(2)
+    for bn in (m[1], m[4]):
+        _randomise_bn(bn, rng)
+    return m.to(device).eval()
+
+
+def test_bfloat16_runs_the_layers_themselves():
+    net = ut.MixedPrecision(_mixed_model("cpu")).eval()
+    x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(_folded(net, x), _unfolded(net, x))
+
+
+def test_every_device_matches_the_cpu_fold(device):
+    """On the GPU the C entry points run the layers one after the other (no CUDA kernel of
+    their own): the same values as the CPU's fold within float32 rounding."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 9, 9)).astype(np.float32)
+    cpu = _folded(_mixed_model("cpu"), x)
+    net = _mixed_model(device)
+    with ut.tensor(x, device) as xt:
+        got = _folded(net, xt)
+    assert_close("fold on %s vs the CPU's" % device, got, cpu, rtol=1e-4, atol=1e-5)
+    with ut.tensor(x, device) as xt:
+        assert_close("fold on %s vs its layers" % device, got, _unfolded(net, xt), rtol=1e-5,
+                     atol=1e-6)
