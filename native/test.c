@@ -1611,6 +1611,93 @@ static bool bn_run(ut_batchnorm2d* l, ut_tensor* x, ut_tensor* go, ut_tensor* ou
   return out[0] && out[1] && out[2] && out[3];
 }
 
+/* issue 32: a convolution and the eval-mode BatchNorm2d after it in one call. By hand, with
+   the statistics of test_batchnorm2d_eval and ReLU: weights {2, -1}, bias {1, 0}, x = {1, 3}
+   per channel -> conv {3, 7}, {-1, -3} -> bn ch0 (y - 1) = {2, 6}, ch1 2 (y + 1) + 3 = {3, -1}
+   -> relu {2, 6, 3, 0}; dense (1 -> 2 channels) and depthwise (2 channels) alike. Then larger
+   random layers against the two layers' own forwards. */
+static void set_fold_bn(ut_batchnorm2d* bn, ut_dev dev) {
+  bn->training = false;
+  bn->activation = UT_ACT_RELU;
+  set_weight(&bn->running_mean, 1, S(2), F(1, -1), dev);
+  set_weight(&bn->running_var, 1, S(2), F(4, 0.25f), dev);
+  set_weight(&bn->weight, 1, S(2), F(2, 1), dev);
+  set_weight(&bn->bias, 1, S(2), F(0, 3), dev);
+}
+static void test_conv_bn_fold(ut_dev dev) {
+  ut_batchnorm2d bn = ut_batchnorm2d_alloc(2, 1e-5f, 0.1f, dev);
+  require(bn.weight);
+  set_fold_bn(&bn, dev);
+  ut_conv2d cv = ut_conv2d_alloc(1, 2, 1, 1, 1, 0, true, dev);
+  ut_dwconv2d dw = ut_dwconv2d_alloc(2, 1, 1, 1, 0, true, dev);
+  require(cv.weight && dw.weight);
+  set_weight(&cv.weight, 4, S(2, 1, 1, 1), F(2, -1), dev);
+  set_weight(&cv.bias, 1, S(2), F(1, 0), dev);
+  set_weight(&dw.weight, 3, S(2, 1, 1), F(2, -1), dev);
+  set_weight(&dw.bias, 1, S(2), F(1, 0), dev);
+  ut_tensor* x1 = ut_from_data(4, S(1, 1, 1, 2), F(1, 3), dev);
+  ut_tensor* x2 = ut_from_data(4, S(1, 2, 1, 2), F(1, 3, 1, 3), dev);
+  ut_tensor* y1 = ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_NONE);
+  ut_tensor* y2 = ut_dwconv2d_bn_forward(&dw, &bn, x2, UT_ACT_NONE);
+  require(y1 && y2);
+  ut_sync_cpu(y1);
+  ut_sync_cpu(y2);
+  assert_data(y1, F(2, 6, 3, 0), 1e-5f);
+  assert_data(y2, F(2, 6, 3, 0), 1e-5f);
+  /* the same ReLU as a layer after the BatchNorm (act), not both */
+  bn.activation = UT_ACT_NONE;
+  ut_tensor* y3 = ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_RELU);
+  require(y3);
+  ut_sync_cpu(y3);
+  assert_data(y3, F(2, 6, 3, 0), 1e-5f);
+  bn.activation = UT_ACT_RELU;
+  assert(!ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_RELU6) && ut_last_status() == UT_ERR_ARG);
+  ut_free(y3);
+  bn.training = true; /* refused: the fold uses running statistics */
+  assert(!ut_conv2d_bn_forward(&cv, &bn, x1, UT_ACT_NONE) && ut_last_status() == UT_ERR_ARG);
+  assert(!ut_dwconv2d_bn_forward(&dw, &bn, x2, UT_ACT_NONE) && ut_last_status() == UT_ERR_ARG);
+  ut_free_all(x1, x2, y1, y2);
+  ut_conv2d_free(&cv);
+  ut_dwconv2d_free(&dw);
+  ut_batchnorm2d_free(&bn);
+
+  /* 3 -> 8 channels 3x3 stride 2, then its 8-channel 5x5 depthwise, SiLU and Hardswish */
+  ut_batchnorm2d b8 = ut_batchnorm2d_alloc(8, 1e-3f, 0.1f, dev);
+  ut_conv2d c3 = ut_conv2d_alloc(3, 8, 3, 3, 2, 1, false, dev);
+  ut_dwconv2d d5 = ut_dwconv2d_alloc(8, 5, 5, 1, 2, false, dev);
+  ut_tensor* mean = ut_randn(1, S(8), 0.f, 0.5f, dev);
+  require(b8.weight && c3.weight && d5.weight && mean);
+  ut_free(b8.running_mean);
+  b8.running_mean = mean;
+  ut_fill(b8.running_var, 2.5f);
+  ut_fill(b8.weight, -0.75f);
+  ut_fill(b8.bias, 0.25f);
+  b8.training = false;
+  ut_tensor* x = ut_randn(4, S(2, 3, 9, 11), 0.f, 1.f, dev);
+  require(x);
+  for (int k = 0; k < 2; k++) {
+    b8.activation = k ? UT_ACT_HARDSWISH : UT_ACT_SILU;
+    ut_tensor* c = ut_conv2d_forward(&c3, x, NULL);
+    ut_tensor* want = c ? ut_batchnorm2d_forward(&b8, c, NULL) : NULL;
+    ut_tensor* got = ut_conv2d_bn_forward(&c3, &b8, x, UT_ACT_NONE);
+    ut_tensor* d = want ? ut_dwconv2d_forward(&d5, want, NULL) : NULL;
+    ut_tensor* want2 = d ? ut_batchnorm2d_forward(&b8, d, NULL) : NULL;
+    ut_tensor* got2 = want ? ut_dwconv2d_bn_forward(&d5, &b8, want, UT_ACT_NONE) : NULL;
+    require(want && got && want2 && got2);
+    ut_sync_cpu(want);
+    ut_sync_cpu(got);
+    ut_sync_cpu(want2);
+    ut_sync_cpu(got2);
+    assert_tensors_close(got, want, 1e-5f);
+    assert_tensors_close(got2, want2, 1e-5f);
+    ut_free_all(c, want, got, d, want2, got2);
+  }
+  ut_free(x);
+  ut_conv2d_free(&c3);
+  ut_dwconv2d_free(&d5);
+  ut_batchnorm2d_free(&b8);
+}
+
 static void test_batchnorm2d_activation(ut_dev dev) {
   // BatchNorm2d with a fused activation is BatchNorm2d then ut_activation_forward (and, in
   // backward, ut_activation_backward at BatchNorm's output, then BatchNorm's backward), for
@@ -3240,6 +3327,7 @@ int main(void) {
   RUN_BOTH(test_batchnorm2d_train);
   RUN_BOTH(test_batchnorm2d_eval);
   RUN_BOTH(test_batchnorm2d_activation);
+  RUN_BOTH(test_conv_bn_fold);
   RUN_BOTH(test_global_avgpool);
   RUN_BOTH(test_mse);
   RUN_BOTH(test_cross_entropy);

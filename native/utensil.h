@@ -397,6 +397,29 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
                                         ut_tensor* grad_out, ut_tensor* dW, ut_tensor* db,
                                         ut_reduce_fn reduce, void* ctx);
 
+/* ---- inference: a convolution and the BatchNorm2d after it in one pass (issue 32) ----------
+   Eval only: no cache, no gradient. y = bn(conv(x)) with bn's running statistics and its fused
+   activation (bn->activation), as ut_conv2d_forward / ut_dwconv2d_forward then
+   ut_batchnorm2d_forward in eval mode give it, within float32 rounding. The BatchNorm is folded
+   into the convolution: per output channel o, scale[o] = gamma[o] / sqrt(var[o] + eps) and
+   shift[o] = beta[o] + (bias[o] - mean[o]) scale[o] (bias: the convolution's, or 0). The fold is
+   recomputed from the layers' current values at every call (a few values per channel, against a
+   whole convolution): nothing is cached, so nothing can go stale, whatever wrote the weights or
+   statistics (an optimizer, load_state_dict, a numpy view the library cannot see). On the CPU
+   (float32) scale, shift and activation are applied to each tile of the output while it is in
+   cache: the GEMM's epilogue (dense), each few planes as the depthwise engine writes them (the
+   filters themselves scaled there, kh*kw values per channel). On a GPU and for bfloat16 the two
+   layers' own forwards run, one after the other. bn must be in eval mode (training false) with
+   bn->c the convolution's output channels. `act` is an activation layer after the BatchNorm
+   folded too (y = act(bn(conv(x))), ut_activation_forward's values): UT_ACT_NONE, or any kind
+   when bn->activation is UT_ACT_NONE (one activation per call, never two composed).
+   x: [N, in_c, H, W] -> [N, out_c, Ho, Wo] (ut_conv2d_forward's shapes) */
+ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                ut_activation act);
+/* x: [N, C, H, W] -> [N, C*mult, Ho, Wo] (ut_dwconv2d_forward's shapes) */
+ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                  ut_activation act);
+
 /* x: [N, C, H, W] -> [N, C], the mean over H and W */
 ut_tensor* ut_global_avgpool2d_forward(ut_tensor* x);
 /* grad_out: [N, C] -> dx [N, C, h, w] */
@@ -656,6 +679,12 @@ typedef struct ut__gemm_args {
   void* c;
   int ldc;
   ut__i64 stride_c;
+  /* Inference's epilogue (issue 32; the CPU backend's gemm only, so the core sets it for the
+     CPU only; never with sum_batch): row_scale non-NULL makes each element of C, once summed,
+     act(row_scale[i] C[i, j] + row_shift[i]) for its row i (act a ut_activation). */
+  const float* row_scale;
+  const float* row_shift;
+  int act;
 } ut__gemm_args;
 
 /* The optimizers' hyperparameters, as their slots take them (ut_sgd_step_many_ex and
@@ -748,6 +777,10 @@ typedef struct ut__backend {
      taps g->dil apart (the channel multiplier is the core's: see ut__dw_repeat) */
   int (*dw_fwd)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
                 const ut__conv_geom* g);
+  /* dw_fwd, then y = act(y) (a ut_activation) applied as the output is written (inference,
+     issue 32); NULL where a backend has none (the core then runs the layers one by one) */
+  int (*dw_fwd_act)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                    const ut__conv_geom* g, int act);
   /* go: [n, c, ho, wo], w -> dx: [n, c, h, w] (overwrites) */
   int (*dw_bwd_dx)(ut_dtype dt, const void* go, const float* w, void* dx, const ut__conv_geom* g);
   /* go, x -> dw: [c, kh, kw]  += */
@@ -2533,8 +2566,19 @@ static int ut__check_col(const ut__conv_geom* g, const char* who) {
   return UT_OK;
 }
 
-ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
-  const char* who = "ut_conv2d_forward";
+/* Inference's fold of a BatchNorm into the convolution before it (ut_conv2d_bn_forward): per
+   output channel, y = act(scale y + shift), in host memory (the CPU's). */
+typedef struct ut__conv_epi {
+  const float* scale;
+  const float* shift;
+  int act;
+} ut__conv_epi;
+
+/* ut_conv2d_forward, and with epi (the CPU's float32 only; no cache) the fused inference
+   forward: the GEMM applies epi in its epilogue, which then replaces the bias pass, and the
+   caller has made sure that the padded exact pass has nothing to redo (finite weights). */
+static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache,
+                                         const ut__conv_epi* epi, const char* who) {
   ut__conv_geom g;
   if (ut__check_conv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
       ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, who) < 0 ||
@@ -2582,7 +2626,9 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     ut__gemm_args mm = {.m = l->out_c, .n = g.n * P, .k = K, .batch = 1, .alpha = 1.f,
                         .beta = 0.f, .a = wp, .lda = K,
                         .b = regroup ? ut__out(xr, be) : ut__in(col, be), .ldb = g.n * P,
-                        .c = ut__out(yt, be), .ldc = g.n * P};
+                        .c = ut__out(yt, be), .ldc = g.n * P,
+                        .row_scale = epi ? epi->scale : NULL,
+                        .row_shift = epi ? epi->shift : NULL, .act = epi ? epi->act : 0};
     if (rc >= 0) rc = be->gemm(dt, dt, &mm);
     if (rc >= 0) rc = be->transpose(dt, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free_all(yt, xr);
@@ -2590,12 +2636,14 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
     ut__gemm_args mm = {.m = l->out_c, .n = P, .k = K, .batch = g.n, .alpha = 1.f, .beta = 0.f,
                         .a = wp, .lda = K, .stride_a = 0,
                         .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)K * P,
-                        .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P};
+                        .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P,
+                        .row_scale = epi ? epi->scale : NULL,
+                        .row_shift = epi ? epi->shift : NULL, .act = epi ? epi->act : 0};
     rc = be->gemm(dt, dt, &mm);
   }
-  if (rc >= 0 && bp) rc = be->bias_add(dt, op, bp, g.n, l->out_c, P);
+  if (rc >= 0 && bp && !epi) rc = be->bias_add(dt, op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
-  if (rc >= 0 && g.pad > 0)
+  if (rc >= 0 && g.pad > 0 && !epi)
     rc = be->conv_exact(dt, UT__CONV_Y, xp, NULL, wp, bp, NULL, op, l->out_c, &g);
   ut_free(wt);
   if (rc < 0) {
@@ -2610,6 +2658,10 @@ ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache)
   if (cache && col == x) cache->col = col;
   else ut_free(col);
   return out;
+}
+
+ut_tensor* ut_conv2d_forward(ut_conv2d* l, ut_tensor* x, ut_conv2d_cache* cache) {
+  return ut__conv2d_forward_epi(l, x, cache, NULL, "ut_conv2d_forward");
 }
 
 /* The body of ut_conv2d_backward (dxo: where dx goes) and ut_conv2d_backward_params (dxo NULL).
@@ -3477,6 +3529,150 @@ ut_tensor* ut_batchnorm2d_backward_sync(ut_batchnorm2d* l, ut_batchnorm2d_cache*
                        ut__out(dx, be), bw.n, bw.c, bw.inner, act);
   ut_free(sums);
   return ut__finish(dx, be, rc);
+}
+
+/* ---- inference: convolution + BatchNorm2d folded (issue 32) -------------------------------- */
+
+/* The BatchNorm after a convolution of out_c channels: in eval mode, its tensors on w's device. */
+static int ut__check_fold_bn(const ut_batchnorm2d* bn, int out_c, const ut_tensor* w, int act,
+                             const char* who) {
+  UT__CHECK(bn, UT_ERR_ARG, "%s: the BatchNorm2d is NULL", who);
+  UT__CHECK(!bn->training, UT_ERR_ARG,
+            "%s: the BatchNorm2d is in training mode; the fold uses its running statistics, so "
+            "it is for eval mode only (set training false, or run the two layers' forwards)",
+            who);
+  UT__CHECK(bn->c == out_c, UT_ERR_SHAPE,
+            "%s: the BatchNorm2d has %d channels, the convolution %d output channels", who,
+            bn->c, out_c);
+  UT__TRY(ut__check_eps(bn->eps, who));
+  UT__CHECK(ut__act_valid(bn->activation), UT_ERR_ARG,
+            "%s: the BatchNorm2d's activation must be a ut_activation (%d to %d), got %d", who,
+            UT_ACT_NONE, UT_ACT_GELU_TANH, bn->activation);
+  UT__CHECK(ut__act_valid(act), UT_ERR_ARG, "%s: act must be a ut_activation (%d to %d), got %d",
+            who, UT_ACT_NONE, UT_ACT_GELU_TANH, act);
+  UT__CHECK(act == UT_ACT_NONE || bn->activation == UT_ACT_NONE, UT_ERR_ARG,
+            "%s: the BatchNorm2d applies %s already; act (%s) must be UT_ACT_NONE", who,
+            ut_activation_name((ut_activation)bn->activation),
+            ut_activation_name((ut_activation)act));
+  UT__CHECK(bn->weight && bn->bias && bn->running_mean && bn->running_var, UT_ERR_ARG,
+            "%s: the BatchNorm2d's tensors are not allocated", who);
+  const ut_tensor* t[4] = {bn->weight, bn->bias, bn->running_mean, bn->running_var};
+  const char* names[4] = {"the BatchNorm2d's weight", "the BatchNorm2d's bias",
+                          "the BatchNorm2d's running_mean", "the BatchNorm2d's running_var"};
+  for (int i = 0; i < 4; i++) {
+    UT__TRY(ut__check_arg(t[i], w, out_c, who, names[i]));
+    UT__TRY(ut__check_f32(t[i], who, names[i]));
+  }
+  return UT_OK;
+}
+
+/* scale and shift [c] (host memory) from the layers' values now, in double, rounded once:
+   batchnorm's own rstd = 1 / sqrt(var + eps) in double, so a channel's scale is its gamma rstd.
+   The CPU backend's host copies are the only ones: read in place. */
+static int ut__fold_bn(ut_batchnorm2d* bn, ut_tensor* conv_bias, const ut__backend* be,
+                       float* scale, float* shift) {
+  const float* g = ut__in(bn->weight, be);
+  const float* b = g ? ut__in(bn->bias, be) : NULL;
+  const float* m = b ? ut__in(bn->running_mean, be) : NULL;
+  const float* v = m ? ut__in(bn->running_var, be) : NULL;
+  const float* cb = v && conv_bias ? ut__in(conv_bias, be) : NULL;
+  if (!v || (conv_bias && !cb)) return ut__err_status;
+  for (int o = 0; o < bn->c; o++) {
+    float rs = (float)(1.0 / sqrt((double)v[o] + (double)bn->eps));
+    double s = (double)rs * g[o];
+    scale[o] = (float)s;
+    shift[o] = (float)((double)b[o] + ((cb ? (double)cb[o] : 0.0) - m[o]) * s);
+  }
+  return UT_OK;
+}
+
+/* the one activation of the call: the BatchNorm's own, or the layer's after it (never both) */
+static int ut__fold_act(const ut_batchnorm2d* bn, ut_activation act) {
+  return bn->activation != UT_ACT_NONE ? bn->activation : (int)act;
+}
+
+/* Whether the fused path serves x (the CPU, float32); else each layer's forward in turn. The
+   CPU backend's host copies are the only copies, so the fold reads them in place. */
+static bool ut__fold_runs_here(const ut_tensor* x, const ut__backend* be) {
+  return !ut__is_device_backend(be) && x->dtype == UT_F32;
+}
+static ut_tensor* ut__bn_after(ut_tensor* y, ut_batchnorm2d* bn, int act) {
+  if (!y) return NULL;
+  ut_tensor* out = ut_batchnorm2d_forward(bn, y, NULL);
+  ut_free(y);
+  if (!out || act == UT_ACT_NONE) return out;
+  ut_tensor* a = ut_activation_forward(out, (ut_activation)act);
+  ut_free(out);
+  return a;
+}
+/* A padded dense convolution's non-finite weight needs the exact pass (conv_exact), which the
+   epilogue would run before: such a layer takes the unfused path. */
+static bool ut__host_all_finite(const float* p, ut__i64 n) {
+  float acc = 0.0f;
+  for (ut__i64 i = 0; i < n; i++) acc += p[i] * 0.0f;
+  return acc == 0.0f;
+}
+
+ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                ut_activation act) {
+  const char* who = "ut_conv2d_bn_forward";
+  ut__conv_geom g;
+  if (ut__check_conv2d(l, who) < 0 ||
+      ut__check_fold_bn(bn, l->out_c, l->weight, (int)act, who) < 0 ||
+      ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__conv_geometry(&g, x, l->in_c, l->out_c, l->kh, l->kw, l->stride, l->pad, 1, who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  if (!ut__fold_runs_here(x, be)) return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn, act);
+  const float* w = ut__in(l->weight, be);
+  if (!w) return NULL;
+  if (l->pad > 0 && !ut__host_all_finite(w, l->weight->shape.nelem))
+    return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn, act);
+  ut_tensor* fold = ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who);
+  if (!fold) return NULL;
+  if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
+  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act)};
+  ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
+  ut_free(fold);
+  return out;
+}
+
+ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                  ut_activation act) {
+  const char* who = "ut_dwconv2d_bn_forward";
+  ut__conv_geom g;
+  const int m = l ? ut__dw_mult(l) : 1;
+  if (ut__check_dwconv2d(l, who) < 0 ||
+      ut__check_fold_bn(bn, l->c * m, l->weight, (int)act, who) < 0 ||
+      ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__conv_geometry(&g, x, l->c, l->c * m, l->kh, l->kw, l->stride, l->pad, ut__dw_dil(l),
+                        who) < 0)
+    return NULL;
+  const ut__backend* be = ut__backend_for(x->dev);
+  if (!ut__fold_runs_here(x, be) || !be->dw_fwd_act)
+    return ut__bn_after(ut_dwconv2d_forward(l, x, NULL), bn, act);
+  /* the filters scaled per channel (kh*kw values each), the shift as their bias */
+  int oc = l->c * m;
+  ut__i64 taps = (ut__i64)l->kh * l->kw;
+  ut_tensor* fold = ut__new(1, (int[]){(int)(oc * (taps + 2))}, UT_CPU, who);
+  if (!fold) return NULL;
+  float *scale = fold->data, *shift = scale + oc, *wf = shift + oc;
+  const float* w = ut__in(l->weight, be);
+  const float* xp = w ? ut__in(x, be) : NULL;
+  if (!xp || ut__fold_bn(bn, l->bias, be, scale, shift) < 0) return ut__drop(fold);
+  for (ut__i64 i = 0; i < oc * taps; i++) wf[i] = w[i] * scale[i / taps];
+  ut_tensor *xr = NULL, *out = NULL;
+  if (m > 1) {
+    xr = ut__dw_repeat(x, xp, m, be, who);
+    xp = xr ? xr->data : NULL;
+    g.c *= m;
+  }
+  if (xp) out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
+  if (out)
+    out = ut__finish(out, be, be->dw_fwd_act(UT_F32, xp, wf, shift, out->data, &g,
+                                             ut__fold_act(bn, act)));
+  ut_free_all(xr, fold);
+  return out;
 }
 
 void ut_batchnorm2d_cache_free(ut_batchnorm2d_cache* c) {
@@ -4767,6 +4963,62 @@ static int ut__cpu_act_bwd_f32(int act, const float* go, const float* x, float* 
   return UT_OK;
 }
 
+/* ---- inference's output epilogue (issue 32) -------------------------------------------------
+   y = act(scale y + shift) over a short run of outputs that the GEMM or the depthwise engine
+   has just written (still in cache), in place: the folded BatchNorm's affine map and its
+   activation. One loop per kind, the switch outside, as act_fwd's (and its options, so the
+   values are act_fwd's and relu_fwd's to the bit for the same input). */
+#define UT__CPU_EPI_LOOP(A)                                               \
+  case A:                                                                 \
+    for (ut__i64 i = 0; i < n; i++) y[i] = ut__act_value(A, y[i]);        \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_epi_run(float* restrict y, ut__i64 n, int act) {
+  switch (act) {
+    case UT_ACT_RELU: /* relu_fwd's rule: NaN passes */
+      for (ut__i64 i = 0; i < n; i++) y[i] = y[i] < 0.0f ? 0.0f : y[i];
+      break;
+    case UT_ACT_RELU6:
+      for (ut__i64 i = 0; i < n; i++) {
+        float v = y[i] < 0.0f ? 0.0f : y[i];
+        y[i] = v > 6.0f ? 6.0f : v;
+      }
+      break;
+    UT__CPU_EPI_LOOP(UT_ACT_SILU);
+    UT__CPU_EPI_LOOP(UT_ACT_HARDSWISH);
+    UT__CPU_EPI_LOOP(UT_ACT_HARDSIGMOID);
+    UT__CPU_EPI_LOOP(UT_ACT_SIGMOID);
+    UT__CPU_EPI_LOOP(UT_ACT_GELU);
+    UT__CPU_EPI_LOOP(UT_ACT_GELU_TANH);
+  }
+}
+#undef UT__CPU_EPI_LOOP
+/* ut__cpu_epi_run over n values on the pool's threads (a pass of its own) */
+typedef struct {
+  float* y;
+  ut__i64 n;
+  int act;
+} ut__cpu_epi_ctx;
+static void ut__cpu_epi_part(void* vc, int tid, int nt) {
+  const ut__cpu_epi_ctx* c = (const ut__cpu_epi_ctx*)vc;
+  ut__i64 lo, hi;
+  ut__cpu_part(c->n, tid, nt, &lo, &hi);
+  ut__cpu_epi_run(c->y + lo, hi - lo, c->act);
+}
+static void ut__cpu_epi_pass(float* y, ut__i64 n, int act) {
+  ut__cpu_epi_ctx c = {y, n, act};
+  ut__parallel_run(ut__cpu_nt(ut__cpu_act_work(act, n)), ut__cpu_epi_part, &c);
+}
+/* rows x cols of a row-major block (row stride ld), row r taking scale[r] and shift[r] */
+UT__CPU_ACT_OPT static void ut__cpu_epi_rows(float* y, ut__i64 ld, int rows, ut__i64 cols,
+                                             const float* scale, const float* shift, int act) {
+  for (int r = 0; r < rows; r++) {
+    float* restrict yr = y + r * ld;
+    const float s = scale[r], t = shift[r];
+    for (ut__i64 i = 0; i < cols; i++) yr[i] = yr[i] * s + t;
+    if (act != UT_ACT_NONE) ut__cpu_epi_run(yr, cols, act);
+  }
+}
+
 /* ---- layout ------------------------------------------------------------------------------ */
 
 /* in: [outer, d0, mid, d1, inner] -> out: [outer, d1, mid, d0, inner], in tiles of 32 x 32. */
@@ -5023,6 +5275,7 @@ typedef struct ut__dwctx {
   int flat, nvec, taps, dmin, dmax, marg;
   const int* d;      /* [taps] */
   const int32_t* M;  /* [nvec][taps][16] lane masks; then [nvec][16] output-valid masks */
+  int act; /* forward: a ut_activation applied to each few planes once written (issue 32) */
 } ut__dwctx;
 
 /* complete unrolling of the filter loops (GCC's size limits stop short of 5x5 with two rows) */
@@ -5256,11 +5509,24 @@ typedef struct {
   float* bufs;
   ut__i64 per;
 } ut__cpu_dw_planes_ctx;
+/* planes' outputs run through the activation together: some 64 KB, still in cache */
+#define UT__CPU_DW_ACT_FLOATS 16384
 static void ut__cpu_dw_planes_part(void* vc, int t, int nt) {
   const ut__cpu_dw_planes_ctx* c = (const ut__cpu_dw_planes_ctx*)vc;
   const ut__dwctx* C = c->C;
   ut__i64 planes = C->planes, per = c->per;
-  c->fn(C, planes * t / nt, planes * (t + 1) / nt, c->bufs + (ut__i64)t * per);
+  ut__i64 lo = planes * t / nt, hi = planes * (t + 1) / nt;
+  float* buf = c->bufs + (ut__i64)t * per;
+  if (C->act == UT_ACT_NONE) {
+    c->fn(C, lo, hi, buf);
+    return;
+  }
+  ut__i64 plane = (ut__i64)C->ho * C->wo, step = UT__CPU_MAX(1, UT__CPU_DW_ACT_FLOATS / plane);
+  for (ut__i64 p = lo; p < hi; p += step) {
+    ut__i64 q = UT__CPU_MIN(hi, p + step);
+    c->fn(C, p, q, buf);
+    ut__cpu_epi_run(C->y + p * plane, (q - p) * plane, C->act);
+  }
 }
 
 /* Runs fn over the planes, one contiguous range per thread. */
@@ -5442,9 +5708,23 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   return st;
 }
 
+static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,
+                                  const ut__conv_geom* g, int act);
 static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
                               const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g);
+  return ut__cpu_dw_fwd_act_f32(x, wt, bias, y, g, UT_ACT_NONE);
+}
+/* The paths other than the planes' engines apply act in a pass of its own (inference only). */
+static int ut__cpu_dw_act_after(int st, float* y, const ut__conv_geom* g, int act) {
+  if (st >= 0 && act != UT_ACT_NONE)
+    ut__cpu_epi_pass(y, (ut__i64)g->n * g->c * g->ho * g->wo, act);
+  return st;
+}
+static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,
+                                  const ut__conv_geom* g, int act) {
+  if (g->dil > 1)
+    return ut__cpu_dw_act_after(ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g), y, g,
+                                act);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
@@ -5457,11 +5737,11 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
         for (int ox = 0; ox < g->wo; ox++)
           y[(q * g->ho + oy) * g->wo + ox] = full[q * hw + (ut__i64)oy * s * g->w + (ut__i64)ox * s];
     free(full);
-    return st;
+    return ut__cpu_dw_act_after(st, y, g, act);
   }
   if (!ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
     ut__cpu_conv_real_input(UT__CONV_Y, x, NULL, wt, bias, y, g->c, true, g);
-    return UT_OK;
+    return ut__cpu_dw_act_after(UT_OK, y, g, act);
   }
   ut__dwctx C;
   memset(&C, 0, sizeof C);
@@ -5479,6 +5759,7 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
   C.ho = g->ho;
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * g->c;
+  C.act = act;
   if (C.planes <= 0 || C.ho <= 0 || C.wo <= 0) return UT_OK;
   return ut__cpu_dw_planes(&C, false, (double)C.planes * C.ho * C.wo * g->kh * g->kw / 4,
                            "dw_fwd");
@@ -5746,6 +6027,7 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
         ut__cpu_pack_a(a, g->lda, g->trans_a, i0 + a_full, mc - a_full, k0, kc, MR, abuf);
       float beta = first ? beta0 : 1.0f;
       first = false;
+      bool epi_now = g->row_scale && bb == b1 - 1 && k0 + kc >= g->k;
       for (int jp = 0; jp < nc; jp += NR) {
         const float* bp = jp < b_full ? b + (ut__i64)k0 * g->ldb + j0 + jp
                                       : bbuf + (ut__i64)((jp - b_full) / NR) * kc * NR;
@@ -5759,6 +6041,10 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
           kern(kc, ap, ip < a_full ? a_rs : 1, ip < a_full ? a_ks : MR, bp, b_ks,
                c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
                UT__CPU_MIN(NR, nc - jp), g->alpha, beta);
+          if (epi_now) /* the tile is final: inference's epilogue while it is in cache */
+            ut__cpu_epi_rows(c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
+                             UT__CPU_MIN(NR, nc - jp), g->row_scale + i0 + ip,
+                             g->row_shift + i0 + ip, g->act);
         }
       }
     }
@@ -5966,6 +6252,10 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
   int nbt = g->sum_batch ? 1 : g->batch;
   if (m <= 0 || n <= 0 || nbt <= 0) return UT_OK;
+  /* the epilogue is applied as the packed engine finishes each tile (ut__cpu_gemm_task) */
+  if (g->row_scale && (g->sum_batch || k <= 0 || g->batch <= 0))
+    return ut__set_error(UT_ERR_ARG, "gemm: the epilogue needs a plain product (k %d, batch %d)",
+                         k, g->batch);
   if (k <= 0 || g->batch <= 0) {
     for (int bi = 0; bi < nbt; bi++)
       ut__cpu_gemm_scale_c((float*)g->c + (g->sum_batch ? 0 : (ut__i64)bi * g->stride_c), g->ldc,
@@ -5974,8 +6264,8 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   }
   /* where packing would cost about as much as the products: a short side, a long k (a weight
      gradient summed over the batch; a Linear forward, x [batch, in] . W^T with W [out, in]) */
-  if ((g->sum_batch || g->batch == 1) && !g->trans_a && g->trans_b && k >= 256 &&
-      (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
+  if (!g->row_scale && (g->sum_batch || g->batch == 1) && !g->trans_a && g->trans_b &&
+      k >= 256 && (UT__CPU_MIN(m, n) <= 96 || UT__CPU_MAX(m, n) <= 256))
     return ut__cpu_gemm_dot(g);
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();
   ut__cpu_gemm_kern kern = isa->gemm;
@@ -7234,6 +7524,11 @@ static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const floa
                           const ut__conv_geom* g) {
   return dt == UT_F32 ? ut__cpu_dw_fwd_f32(x, w, bias, y, g) : ut__cpu_no_dtype("dw_fwd", dt);
 }
+static int ut__cpu_dw_fwd_act(ut_dtype dt, const void* x, const float* w, const float* bias,
+                              void* y, const ut__conv_geom* g, int act) {
+  return dt == UT_F32 ? ut__cpu_dw_fwd_act_f32(x, w, bias, y, g, act)
+                      : ut__cpu_no_dtype("dw_fwd_act", dt);
+}
 static int ut__cpu_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
                              const ut__conv_geom* g) {
   return dt == UT_F32 ? ut__cpu_dw_bwd_dx_f32(go, w, dx, g) : ut__cpu_no_dtype("dw_bwd_dx", dt);
@@ -7345,6 +7640,7 @@ static const ut__backend ut__cpu_backend = {
     .col2im = ut__cpu_col2im,
     .conv_exact = ut__cpu_conv_exact,
     .dw_fwd = ut__cpu_dw_fwd,
+    .dw_fwd_act = ut__cpu_dw_fwd_act,
     .dw_bwd_dx = ut__cpu_dw_bwd_dx,
     .dw_bwd_dw = ut__cpu_dw_bwd_dw,
     .layernorm_fwd = ut__cpu_layernorm_fwd,

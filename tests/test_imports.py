@@ -38,7 +38,7 @@ LAYERS = [
     ["dlpack", "blas", "cuda"],
     ["tensor"],
     ["functional"],
-    ["nn.module", "nn.parameter"],
+    ["nn.module", "nn.parameter", "nn.fold"],
     ["nn._clayer", "nn.activation", "nn.pooling", "nn.container", "nn.loss", "nn.dropout"],
     ["nn.conv", "nn.linear", "nn.norm", "nn.blocks", "nn.amp"],
     ["nn.sync_batchnorm", "nn.squeeze_excitation"],

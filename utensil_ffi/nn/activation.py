@@ -10,6 +10,7 @@ is memory only, and a caller that uses the returned value sees the same numbers.
 
 from .. import _args
 from .. import functional as _F
+from .._lib import lib
 from .module import _Stateless
 
 __all__ = ["ReLU", "ReLU6", "SiLU", "Hardswish", "Hardsigmoid", "Sigmoid", "GELU"]
@@ -35,6 +36,7 @@ class ReLU(_Inplace):
 
     _op = staticmethod(_F.relu)
     _bwd_op = staticmethod(_F.relu_backward)
+    _fold_act = lib.UT_ACT_RELU  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class ReLU6(_Inplace):
@@ -42,6 +44,7 @@ class ReLU6(_Inplace):
 
     _op = staticmethod(_F.relu6)
     _bwd_op = staticmethod(_F.relu6_backward)
+    _fold_act = lib.UT_ACT_RELU6  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class SiLU(_Inplace):
@@ -49,6 +52,7 @@ class SiLU(_Inplace):
 
     _op = staticmethod(_F.silu)
     _bwd_op = staticmethod(_F.silu_backward)
+    _fold_act = lib.UT_ACT_SILU  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class Hardswish(_Inplace):
@@ -58,6 +62,7 @@ class Hardswish(_Inplace):
     _repr_inplace = False
     _op = staticmethod(_F.hardswish)
     _bwd_op = staticmethod(_F.hardswish_backward)
+    _fold_act = lib.UT_ACT_HARDSWISH  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class Hardsigmoid(_Inplace):
@@ -66,6 +71,7 @@ class Hardsigmoid(_Inplace):
     _repr_inplace = False
     _op = staticmethod(_F.hardsigmoid)
     _bwd_op = staticmethod(_F.hardsigmoid_backward)
+    _fold_act = lib.UT_ACT_HARDSIGMOID  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class Sigmoid(_Stateless):
@@ -73,6 +79,7 @@ class Sigmoid(_Stateless):
 
     _op = staticmethod(_F.sigmoid)
     _bwd_op = staticmethod(_F.sigmoid_backward)
+    _fold_act = lib.UT_ACT_SIGMOID  # the C kind a convolution + BatchNorm2d step may apply (fold.py)
 
 
 class GELU(_Stateless):
@@ -88,6 +95,10 @@ class GELU(_Stateless):
 
     def _bwd_op(self, grad_out, x):
         return _F.gelu_backward(grad_out, x, self.approximate)
+
+    @property
+    def _fold_act(self):
+        return lib.UT_ACT_GELU_TANH if self.approximate == "tanh" else lib.UT_ACT_GELU
 
     def __repr__(self):
         return "GELU(approximate=%r)" % (self.approximate,)

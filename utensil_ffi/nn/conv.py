@@ -30,6 +30,7 @@ class Conv2d(_CLayer):
     _c_backward_params = lib.ut_conv2d_backward_params
     _c_cache_free = lib.ut_conv2d_cache_free
     _c_free = lib.ut_conv2d_free
+    _c_bn_forward = lib.ut_conv2d_bn_forward  # eval mode, with the BatchNorm2d after it (fold.py)
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  device="cpu"):
@@ -95,6 +96,7 @@ class DWConv2d(_CLayer):
     _c_backward = lib.ut_dwconv2d_backward
     _c_cache_free = lib.ut_dwconv2d_cache_free
     _c_free = lib.ut_dwconv2d_free
+    _c_bn_forward = lib.ut_dwconv2d_bn_forward  # eval mode, with the BatchNorm2d after it (fold.py)
 
     def __init__(self, channels, kernel_size, stride=1, padding=0, bias=True, device="cpu", *,
                  dilation=1, out_channels=None):

@@ -71,6 +71,8 @@ class BatchNorm2d(_CLayer):
 
     running_mean = _TensorField()
     running_var = _TensorField()
+    # in eval mode a Sequential runs a convolution and this layer after it as one step (fold.py)
+    _folds_into_conv = True
 
     # the names are ut_activation_name's (the C enum's); GELU's "gelu_tanh" is
     # GELU(approximate="tanh")

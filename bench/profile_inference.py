@@ -1,0 +1,95 @@
+"""Where utensil's CPU inference spends its time: an eval forward of a network split by the kind of
+folded convolution step (issue 32: every convolution + BatchNorm2d runs as one step, timed as
+one), with each kind's GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
+
+    python bench/profile_inference.py [--net mobilenet_v2] [--size 224] [--batch 1]
+                                      [--threads 2] [--calls 5]
+
+The network and its BatchNorm statistics are bench_inference.py's. Timings are wall-clock
+around each C call, so on a busy machine compare shares, not milliseconds.
+"""
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import numpy as np
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import utensil_ffi as ut  # noqa: E402
+from utensil_ffi.nn import fold  # noqa: E402
+
+from bench.bench_inference import _randomise_bn  # noqa: E402
+from bench.bench_networks import build, zoo_names  # noqa: E402
+
+
+def _kind(conv):
+    kh, kw = conv.kernel_size
+    if isinstance(conv, ut.DWConv2d):
+        return "dw %dx%d s%d" % (kh, kw, conv.stride)
+    return "conv %dx%d s%d" % (kh, kw, conv.stride)
+
+
+def _flops(conv, y):
+    """2 x the multiply-adds of the convolution that wrote y [N, O, Ho, Wo]."""
+    kh, kw = conv.kernel_size
+    n, o, ho, wo = y.shape
+    per_out = kh * kw * (1 if isinstance(conv, ut.DWConv2d) else conv.in_channels)
+    return 2.0 * n * o * ho * wo * per_out
+
+
+def profile(net_name, size, batch, threads, calls):
+    ut.set_num_threads(threads)
+    net = build(net_name, "cpu")
+    net.eval()
+    _randomise_bn(net, np.random.default_rng(0))
+    x = ut.tensor(np.random.default_rng(1).standard_normal((batch, 3, size, size)), "cpu")
+    secs, flops = collections.Counter(), collections.Counter()
+    real = fold.conv_bn_forward
+
+    def timed(conv, bn, xin, act=0):
+        t0 = time.perf_counter()
+        y = real(conv, bn, xin, act)
+        k = _kind(conv)
+        secs[k] += time.perf_counter() - t0
+        flops[k] += _flops(conv, y)
+        return y
+
+    fold.conv_bn_forward = timed  # fold_steps' steps look it up at each call
+    try:
+        for _ in range(2):
+            net(x).close()
+        secs.clear()
+        flops.clear()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            net(x).close()
+        total = (time.perf_counter() - t0) / calls
+    finally:
+        fold.conv_bn_forward = real
+    print("%s %d^2, batch %d, %d threads: %.2f ms per forward (%.1f img/s)"
+          % (net_name, size, batch, threads, total * 1e3, batch / total))
+    for k, s in sorted(secs.items(), key=lambda kv: -kv[1]):
+        print("  %-12s %8.2f ms  %5.1f%%  %7.1f GFLOP/s"
+              % (k, s / calls * 1e3, 100 * s / calls / total, flops[k] / s / 1e9))
+    rest = total - sum(secs.values()) / calls
+    print("  %-12s %8.2f ms  %5.1f%%" % ("rest", rest * 1e3, 100 * rest / total))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--net", default="mobilenet_v2", choices=["v1"] + zoo_names())
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--calls", type=int, default=5)
+    a = p.parse_args(argv)
+    profile(a.net, a.size, a.batch, a.threads, a.calls)
+
+
+if __name__ == "__main__":
+    main()
