@@ -4973,6 +4973,8 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
    later, which overwrite them. Only stores reaching past ylim are cut.
    ============================================================================================ */
 #define UT__DW_R16(v) (((v) + 15) & ~(ut__i64)15)
+/* go rows a block of the any-height filter-gradient engine (ut__dwdw_rows_kw) */
+#define UT__DWDW_RB 8
 
 /* Everything a depthwise call needs; built by the entry points, read by the ISA variants. */
 typedef struct ut__dwctx {
@@ -4983,6 +4985,7 @@ typedef struct ut__dwctx {
   float* y;
   float* dw;
   int c, h, w, kh, kw, s, py, px, ho, wo;
+  int dil; /* tap spacing of the any-height row engine (ut__dwf_rows_kw); 0 or 1: none */
   ut__i64 planes;
   /* row engine sizes */
   int Wq, nv, PS, SL; /* phase row length, vectors per output row, phase row / slot stride */
@@ -5136,22 +5139,30 @@ static int ut__cpu_col2im_f32(const float* col, float* dx, const ut__conv_geom* 
    (free it), NULL when unused. */
 static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   const int V = ut__cpu_isa()->dw_lanes;
-  int kh = C->kh, kw = C->kw, s = C->s;
+  int s = C->s, dl = C->dil > 1 ? C->dil : 1;
+  int kh = (C->kh - 1) * dl + 1, kw = (C->kw - 1) * dl + 1; /* the window's extent */
   *tab = NULL;
   /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
      with the stride: geometries whose scratch would not fit an int index or 2^40 floats a
      thread are refused (0) rather than overflowing the sizes below */
   ut__i64 ps = UT__DW_R16(((ut__i64)C->wo + V - 1) / V * V + (kw - 1) / s);
   if ((double)s * ps > (double)(INT_MAX / 2) ||
-      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 3) * s * ps > 1099511627776.0)
+      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + s + 2) * s * ps > 1099511627776.0)
     return 0;
   C->Wq = C->wo + (kw - 1) / s;
   C->nv = (C->wo + V - 1) / V;
   C->PS = (int)UT__DW_R16((ut__i64)C->nv * V + (kw - 1) / s);
   C->SL = (int)UT__DW_R16((ut__i64)s * C->PS);
   ut__i64 taps = (ut__i64)kh * kw;
-  ut__i64 per = (ut__i64)(kh + 2) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
-                taps * V + kh + kw + 64;
+  /* kh + s + 1 ring slots and the zero slot: the any-height row engine's two output rows */
+  ut__i64 per = (ut__i64)(kh + s + 2) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
+                taps * V + kh + kw + s + 64;
+  /* the any-height filter gradient's block: ring, go rows, partial sums, tags */
+  {
+    ut__i64 nb = (ut__i64)(UT__DWDW_RB - 1) * s + kh;
+    per = UT__CPU_MAX(per, (nb + 2) * C->SL + UT__DWDW_RB * ((ut__i64)C->nv * V + V) +
+                               taps * V + nb + 64);
+  }
   /* stride >= 2 input gradient */
   {
     int L = (kw - 1) / s, nq = (C->w + s - 1) / s, nvq = (nq + V - 1) / V;
@@ -5163,8 +5174,8 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   }
   C->flat = 0;
   ut__i64 hw = (ut__i64)C->h * C->w;
-  if (s == 1 && C->ho == C->h && C->wo == C->w && (taps == 9 || taps == 25) && C->w < 32 &&
-      hw <= 256 && C->py == (kh - 1) / 2 && C->px == (kw - 1) / 2) {
+  if (s == 1 && dl == 1 && C->ho == C->h && C->wo == C->w && (taps == 9 || taps == 25) &&
+      C->w < 32 && hw <= 256 && C->py == (kh - 1) / 2 && C->px == (kw - 1) / 2) {
     int nvec = (int)((hw + V - 1) / V);
     size_t bytes = sizeof(int) * (size_t)taps +
                    sizeof(int32_t) * (size_t)V * (size_t)nvec * (size_t)(taps + 1) + 64;
@@ -5322,7 +5333,7 @@ static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const floa
    between), which is exactly the strided transposed convolution. Returns the stride-1
    geometry in g1, or false when the shape is not such a case. */
 static bool ut__cpu_dw_via_stride1(const ut__conv_geom* g, ut__conv_geom* g1) {
-  if (g->stride < 2 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) || g->pad != (g->kh - 1) / 2 ||
+  if (g->stride < 2 || g->dil > 1 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) || g->pad != (g->kh - 1) / 2 ||
       g->w >= 32 || (ut__i64)g->h * g->w > 256 || g->ho != (g->h - 1) / g->stride + 1 ||
       g->wo != (g->w - 1) / g->stride + 1)
     return false;
@@ -5409,9 +5420,16 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   return st;
 }
 
+/* Dilation 2 with filters up to 7x7 and strides up to 3 runs on the any-height row engine,
+   which spaces the taps itself: no zero taps, so no d^2 times the work. */
+static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
+  return g->dil == 2 && g->kh <= 7 && g->kw <= 7 && g->stride <= 3;
+}
+
 static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
                               const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g);
+  if (g->dil > 1 && !ut__cpu_dw_dil_native(g))
+    return ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
@@ -5443,6 +5461,7 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
   C.kw = g->kw;
   C.s = g->stride;
   C.py = C.px = g->pad;
+  C.dil = g->dil;
   C.ho = g->ho;
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * g->c;
@@ -5456,7 +5475,8 @@ static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias
    column phase (ut__dwdx_range_body). */
 static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
                                  const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
+  if (g->dil > 1 && !(g->stride == 1 && ut__cpu_dw_dil_native(g)))
+    return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1) && ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -5492,8 +5512,9 @@ static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
     C.w = g->wo;
     C.ho = g->h;
     C.wo = g->w;
-    C.py = kh - 1 - p;
-    C.px = kw - 1 - p;
+    C.py = (kh - 1) * g->dil - p;
+    C.px = (kw - 1) * g->dil - p;
+    C.dil = g->dil;
     int st = ut__cpu_dw_planes(&C, false, work, "dw_bwd_dx");
     free(rot);
     return st;
@@ -5571,7 +5592,7 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* ex_g);
 static int ut__cpu_dw_bwd_dw_f32(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
+  if (g->dil > 1 && !ut__cpu_dw_dil_native(g)) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -5602,6 +5623,7 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
   C.kw = g->kw;
   C.s = g->stride;
   C.py = C.px = g->pad;
+  C.dil = g->dil;
   C.ho = g->ho;
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * c;
@@ -7713,6 +7735,104 @@ UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
   }
 }
 
+/* Row engine, one plane, any filter height: KW taps a row at stride S with the taps D apart
+   (constants when inlined with literals; the filter rows are D input rows apart too). A step
+   computes two output rows and two vectors of each: four independent sums stay in registers
+   over the filter rows' loop (kh * KW FMAs each), where ut__dwf_rows_gen adds every tap into
+   memory. The ring holds the S + (kh-1)*D + 1 input rows a step spans. Stores go last vector to
+   first, as in ut__dwf_rows_k. */
+UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
+                                 const float* restrict wk, float b, float* restrict yp,
+                                 const float* ylim, float* restrict buf, const int KW,
+                                 const int S, const int D, const int V) {
+  int h = C->h, w = C->w, kh = C->kh, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  int NI = S + (kh - 1) * D + 1;
+  float* slots = buf;
+  int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
+  for (int k = 0; k < NI; k++) tags[k] = -1;
+  for (int oy = 0; oy < ho; oy += 2) {
+    const float* r0[7];
+    const float* r1[7];
+    for (int ky = 0; ky < kh; ky++) {
+      int iy = oy * S - py + ky * D;
+      r0[ky] = ut__dw_row(xp, iy, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
+      r1[ky] = ut__dw_row(xp, iy + S, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
+    }
+    float* yr0 = yp + (ut__i64)oy * wo;
+    float* yr1 = yr0 + wo;
+    bool two = oy + 1 < ho;
+    for (int v = nv - 1; v >= 0; v -= 2) {
+      int u = v > 0 ? v - 1 : v; /* the second vector (v again when v is the last) */
+      ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V),
+              c1 = ut__v_dup(b, V);
+      for (int ky = 0; ky < kh; ky++) {
+        const float* p0 = r0[ky];
+        const float* p1 = r1[ky];
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          int off = (kx * D % S) * PS + kx * D / S;
+          float wv = wr[kx];
+          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off + v * V, V), V);
+          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off + u * V, V), V);
+          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off + v * V, V), V);
+          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off + u * V, V), V);
+        }
+      }
+      ut__v_st_lim(yr0 + v * V, a0, ylim, V);
+      ut__v_st_lim(yr0 + u * V, c0, ylim, V);
+      if (two) {
+        ut__v_st_lim(yr1 + v * V, a1, ylim, V);
+        ut__v_st_lim(yr1 + u * V, c1, ylim, V);
+      }
+    }
+  }
+}
+
+/* The any-height row engine with the constants for this call: filter widths 1 to 7, strides 1
+   to 3, dilation 1 or 2 (the caller checks ut__dw_rows_kw_fits). */
+static inline bool ut__dw_rows_kw_fits(const ut__dwctx* C) {
+  int d = C->dil > 1 ? C->dil : 1;
+  return C->kh >= 1 && C->kh <= 7 && C->kw >= 1 && C->kw <= 7 && C->s >= 1 && C->s <= 3 &&
+         d <= 2;
+}
+UT__CPU_INL void ut__dwf_rows_any(const ut__dwctx* C, const float* restrict xp,
+                                  const float* restrict wk, float b, float* restrict yp,
+                                  const float* ylim, float* restrict buf, const int V) {
+  int d = C->dil > 1 ? 2 : 1;
+  switch ((C->kw * 4 + C->s) * 2 + d - 1) {
+#define UT__DWF_KW(kw_, s_, d_)                                                \
+  case ((kw_) * 4 + (s_)) * 2 + (d_) - 1:                                      \
+    ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, kw_, s_, d_, V);              \
+    break;
+    UT__DWF_KW(1, 1, 1) UT__DWF_KW(1, 1, 2)
+    UT__DWF_KW(1, 2, 1) UT__DWF_KW(1, 2, 2)
+    UT__DWF_KW(1, 3, 1) UT__DWF_KW(1, 3, 2)
+    UT__DWF_KW(2, 1, 1) UT__DWF_KW(2, 1, 2)
+    UT__DWF_KW(2, 2, 1) UT__DWF_KW(2, 2, 2)
+    UT__DWF_KW(2, 3, 1) UT__DWF_KW(2, 3, 2)
+    UT__DWF_KW(3, 1, 1) UT__DWF_KW(3, 1, 2)
+    UT__DWF_KW(3, 2, 1) UT__DWF_KW(3, 2, 2)
+    UT__DWF_KW(3, 3, 1) UT__DWF_KW(3, 3, 2)
+    UT__DWF_KW(4, 1, 1) UT__DWF_KW(4, 1, 2)
+    UT__DWF_KW(4, 2, 1) UT__DWF_KW(4, 2, 2)
+    UT__DWF_KW(4, 3, 1) UT__DWF_KW(4, 3, 2)
+    UT__DWF_KW(5, 1, 1) UT__DWF_KW(5, 1, 2)
+    UT__DWF_KW(5, 2, 1) UT__DWF_KW(5, 2, 2)
+    UT__DWF_KW(5, 3, 1) UT__DWF_KW(5, 3, 2)
+    UT__DWF_KW(6, 1, 1) UT__DWF_KW(6, 1, 2)
+    UT__DWF_KW(6, 2, 1) UT__DWF_KW(6, 2, 2)
+    UT__DWF_KW(6, 3, 1) UT__DWF_KW(6, 3, 2)
+    UT__DWF_KW(7, 1, 1) UT__DWF_KW(7, 1, 2)
+    UT__DWF_KW(7, 2, 1) UT__DWF_KW(7, 2, 2)
+    UT__DWF_KW(7, 3, 1) UT__DWF_KW(7, 3, 2)
+#undef UT__DWF_KW
+    default:
+      ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
+  }
+}
+
 /* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
 UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
                                 const float* restrict wk, float b, float* restrict yp,
@@ -7764,7 +7884,9 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       continue;
     }
     const float* xp = C->x + q * hw;
-    if (kh == 3 && kw == 3 && s == 1)
+    if (C->dil > 1)
+      ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
+    else if (kh == 3 && kw == 3 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
     else if (kh == 3 && kw == 3 && s == 2)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2, V);
@@ -7772,6 +7894,8 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
     else if (kh == 5 && kw == 5 && s == 2)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2, V);
+    else if (ut__dw_rows_kw_fits(C))
+      ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
     else
       ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
   }
@@ -7841,7 +7965,17 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
           nt++;
         }
         float* Eb = E + (ut__i64)bb * nvq * V;
-        for (int v = 0; v < nvq; v++) {
+        int v = 0;
+        for (; v + 2 <= nvq; v += 2) { /* two vectors: two independent sums */
+          ut__vec a0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(0.0f, V);
+          for (int i = 0; i < nt; i++) {
+            a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+            a1 = ut__v_fma(a1, tw[i], ut__v_ld(tp[i] + v * V + V, V), V);
+          }
+          ut__v_st(Eb + v * V, a0, V);
+          ut__v_st(Eb + v * V + V, a1, V);
+        }
+        for (; v < nvq; v++) {
           ut__vec acc = ut__v_dup(0.0f, V);
           for (int i = 0; i < nt; i++) acc = ut__v_fma(acc, tw[i], ut__v_ld(tp[i] + v * V, V), V);
           ut__v_st(Eb + v * V, acc, V);
@@ -7987,6 +8121,120 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
   }
 }
 
+/* Filter gradient of one channel over the batch, any filter height: KW taps a row at stride S,
+   taps D apart (constants when inlined with literals). Blocks of UT__DWDW_RB go rows: the input
+   rows the block reads are turned into phase rows once (a ring of NB slots), then each filter
+   row's KW taps are summed in registers over the whole block (two sets over alternate go rows
+   when KW <= 3, for independent chains), into float partial sums per tap added into the
+   doubles every ~128 vectors, as ut__dwdw_rows_k does. */
+UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict dacc,
+                                  float* restrict buf, const int KW, const int S, const int D,
+                                  const int V) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
+  const int RB = UT__DWDW_RB;
+  const int NA = KW <= 3 ? 2 : 1;
+  int NB = (RB - 1) * S + (kh - 1) * D + 1, GS = nv * V + V;
+  float* slots = buf;
+  float* gt = buf + (ut__i64)(NB + 1) * SL; /* the block's go rows, zero past wo */
+  float* A = gt + (ut__i64)RB * GS;          /* [kh * KW][V] float partial sums */
+  int* tags = (int*)(void*)(A + (ut__i64)kh * KW * V);
+  int flush = UT__CPU_MAX(RB, 128 / nv / RB * RB);
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < NB; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush) {
+      int oyf = UT__CPU_MIN(ho, oy0 + flush);
+      for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++) ut__v_st(A + t * V, ut__v_dup(0.0f, V), V);
+      for (int ob = oy0; ob < oyf; ob += RB) {
+        int nb = UT__CPU_MIN(RB, oyf - ob), nr = (nb - 1) * S + (kh - 1) * D + 1;
+        const float* rows[(UT__DWDW_RB - 1) * 3 + 6 * 2 + 1];
+        for (int i = 0; i < nr; i++)
+          rows[i] = ut__dw_row(xp, ob * S - py + i, h, w, S, px, Wq, PS, SL, NB, slots, tags, V);
+        for (int r = 0; r < nb; r++)
+          memcpy(gt + (ut__i64)r * GS, gp + (ut__i64)(ob + r) * wo, (size_t)wo * sizeof(float));
+        for (int ky = 0; ky < kh; ky++) {
+          float* Ak = A + (ut__i64)ky * KW * V;
+          ut__vec a[7], e[7];
+          UT__DW_UNROLL
+          for (int kx = 0; kx < KW; kx++) {
+            a[kx] = ut__v_ld(Ak + kx * V, V);
+            e[kx] = ut__v_dup(0.0f, V);
+          }
+          int r = 0;
+          if (NA == 2)
+            for (; r + 1 < nb; r += 2) {
+              const float* p0 = rows[r * S + ky * D];
+              const float* p1 = rows[(r + 1) * S + ky * D];
+              const float* g0 = gt + (ut__i64)r * GS;
+              for (int v = 0; v < nv; v++) {
+                ut__vec G0 = ut__v_ld(g0 + v * V, V), G1 = ut__v_ld(g0 + GS + v * V, V);
+                UT__DW_UNROLL
+                for (int kx = 0; kx < KW; kx++) {
+                  int off = (kx * D % S) * PS + kx * D / S + v * V;
+                  a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off, V), V);
+                  e[kx] = ut__v_fmav(e[kx], G1, ut__v_ld(p1 + off, V), V);
+                }
+              }
+            }
+          for (; r < nb; r++) {
+            const float* p0 = rows[r * S + ky * D];
+            const float* g0 = gt + (ut__i64)r * GS;
+            for (int v = 0; v < nv; v++) {
+              ut__vec G0 = ut__v_ld(g0 + v * V, V);
+              UT__DW_UNROLL
+              for (int kx = 0; kx < KW; kx++)
+                a[kx] = ut__v_fmav(a[kx], G0,
+                                   ut__v_ld(p0 + (kx * D % S) * PS + kx * D / S + v * V, V), V);
+            }
+          }
+          UT__DW_UNROLL
+          for (int kx = 0; kx < KW; kx++) ut__v_st(Ak + kx * V, ut__v_add(a[kx], e[kx], V), V);
+        }
+      }
+      for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++)
+        ut__v_acc_d(dacc + t * V, ut__v_ld(A + t * V, V), V);
+    }
+  }
+}
+UT__CPU_INL void ut__dwdw_rows_any(const ut__dwctx* C, int ch, double* restrict dacc,
+                                   float* restrict buf, const int V) {
+  int d = C->dil > 1 ? 2 : 1;
+  switch ((C->kw * 4 + C->s) * 2 + d - 1) {
+#define UT__DWDW_KW(kw_, s_, d_)                                               \
+  case ((kw_) * 4 + (s_)) * 2 + (d_) - 1:                                      \
+    ut__dwdw_rows_kw(C, ch, dacc, buf, kw_, s_, d_, V);                        \
+    break;
+    UT__DWDW_KW(1, 1, 1) UT__DWDW_KW(1, 1, 2)
+    UT__DWDW_KW(1, 2, 1) UT__DWDW_KW(1, 2, 2)
+    UT__DWDW_KW(1, 3, 1) UT__DWDW_KW(1, 3, 2)
+    UT__DWDW_KW(2, 1, 1) UT__DWDW_KW(2, 1, 2)
+    UT__DWDW_KW(2, 2, 1) UT__DWDW_KW(2, 2, 2)
+    UT__DWDW_KW(2, 3, 1) UT__DWDW_KW(2, 3, 2)
+    UT__DWDW_KW(3, 1, 1) UT__DWDW_KW(3, 1, 2)
+    UT__DWDW_KW(3, 2, 1) UT__DWDW_KW(3, 2, 2)
+    UT__DWDW_KW(3, 3, 1) UT__DWDW_KW(3, 3, 2)
+    UT__DWDW_KW(4, 1, 1) UT__DWDW_KW(4, 1, 2)
+    UT__DWDW_KW(4, 2, 1) UT__DWDW_KW(4, 2, 2)
+    UT__DWDW_KW(4, 3, 1) UT__DWDW_KW(4, 3, 2)
+    UT__DWDW_KW(5, 1, 1) UT__DWDW_KW(5, 1, 2)
+    UT__DWDW_KW(5, 2, 1) UT__DWDW_KW(5, 2, 2)
+    UT__DWDW_KW(5, 3, 1) UT__DWDW_KW(5, 3, 2)
+    UT__DWDW_KW(6, 1, 1) UT__DWDW_KW(6, 1, 2)
+    UT__DWDW_KW(6, 2, 1) UT__DWDW_KW(6, 2, 2)
+    UT__DWDW_KW(6, 3, 1) UT__DWDW_KW(6, 3, 2)
+    UT__DWDW_KW(7, 1, 1) UT__DWDW_KW(7, 1, 2)
+    UT__DWDW_KW(7, 2, 1) UT__DWDW_KW(7, 2, 2)
+    UT__DWDW_KW(7, 3, 1) UT__DWDW_KW(7, 3, 2)
+#undef UT__DWDW_KW
+    default:
+      ut__dwdw_rows_gen(C, ch, dacc, buf, V);
+  }
+}
+
 /* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
    output-valid mask, x lanes outside the plane by the tap masks. */
 UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
@@ -8034,7 +8282,9 @@ UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict
       ut__dwdw_rows_gen(C, ch, dacc, buf, V); /* (flat is only chosen for 9 and 25 taps) */
     return;
   }
-  if (kh == 3 && kw == 3 && s == 1)
+  if (C->dil > 1)
+    ut__dwdw_rows_any(C, ch, dacc, buf, V);
+  else if (kh == 3 && kw == 3 && s == 1)
     ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1, V);
   else if (kh == 3 && kw == 3 && s == 2)
     ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2, V);
@@ -8042,6 +8292,8 @@ UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict
     ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1, V);
   else if (kh == 5 && kw == 5 && s == 2)
     ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2, V);
+  else if (ut__dw_rows_kw_fits(C))
+    ut__dwdw_rows_any(C, ch, dacc, buf, V);
   else
     ut__dwdw_rows_gen(C, ch, dacc, buf, V);
 }
