@@ -4959,8 +4959,11 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
    iy = oy*s - py + ky. Each input row is turned once into s phase rows (zero padded at the
    ends, P_b[c] = x[iy][c*s + b - px]) kept in a ring of kh slots, so every tap (ky, kx) is one
    contiguous stream P_{kx%s}[ox + kx/s] and a vector of 16 outputs is kh*kw loads + FMAs with
-   the weights in registers; rows outside x read a zero slot. 3x3 and 5x5 at strides 1 and 2
-   are compiled with constant sizes.
+   the weights in registers; rows outside x read a zero slot. 3x3 and 5x5 at stride 1 are
+   compiled with constant sizes; every other filter up to 7x7 (any stride, any dilation, the
+   taps spaced by the engine rather than by zeros in the filter) runs on the any-height
+   engines, compiled per filter width, which keep their sums in registers over the filter rows
+   and split strided rows into phases with vector shuffles (ut__dwf_rows_kw, ut__dwdw_rows_kw).
 
    Flat engine (stride 1, "same" geometry: ho == h, wo == w, small planes). The plane is one
    stream: output o reads input o + d_t for tap t, d_t = (ky-py)*w + kx-px, and a precomputed
@@ -5147,7 +5150,7 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
      thread are refused (0) rather than overflowing the sizes below */
   ut__i64 ps = UT__DW_R16(((ut__i64)C->wo + V - 1) / V * V + (kw - 1) / s);
   if ((double)s * ps > (double)(INT_MAX / 2) ||
-      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + s + 2) * s * ps > 1099511627776.0)
+      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 8 * s + 3) * s * ps > 1099511627776.0)
     return 0;
   C->Wq = C->wo + (kw - 1) / s;
   C->nv = (C->wo + V - 1) / V;
@@ -5155,13 +5158,13 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   C->SL = (int)UT__DW_R16((ut__i64)s * C->PS);
   ut__i64 taps = (ut__i64)kh * kw;
   /* kh + s + 1 ring slots and the zero slot: the any-height row engine's two output rows */
-  ut__i64 per = (ut__i64)(kh + s + 2) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
-                taps * V + kh + kw + s + 64;
+  ut__i64 per = (ut__i64)(kh + s + 3) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
+                taps * V + kh + kw + s + 192;
   /* the any-height filter gradient's block: ring, go rows, partial sums, tags */
   {
     ut__i64 nb = (ut__i64)(UT__DWDW_RB - 1) * s + kh;
-    per = UT__CPU_MAX(per, (nb + 2) * C->SL + UT__DWDW_RB * ((ut__i64)C->nv * V + V) +
-                               taps * V + nb + 64);
+    per = UT__CPU_MAX(per, (nb + 3) * C->SL + UT__DWDW_RB * ((ut__i64)C->nv * V + V) +
+                               taps * V + 3 * nb + 256);
   }
   /* stride >= 2 input gradient */
   {
@@ -5420,10 +5423,10 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   return st;
 }
 
-/* Dilation 2 with filters up to 7x7 and strides up to 3 runs on the any-height row engine,
-   which spaces the taps itself: no zero taps, so no d^2 times the work. */
+/* Dilated filters up to 7x7 run on the any-height row engines, which space the taps
+   themselves: no zero taps, so no d^2 times the work. */
 static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
-  return g->dil == 2 && g->kh <= 7 && g->kw <= 7 && g->stride <= 3;
+  return g->kh <= 7 && g->kw <= 7;
 }
 
 static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
@@ -7522,6 +7525,61 @@ UT__CPU_INL ut__vec ut__v_even(ut__vec x0, ut__vec x1, const int V) {
   else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 2, 4, 6);
   return r;
 }
+/* the odd lanes of x0 then of x1 (a stride-2 row's phase 1) */
+UT__CPU_INL ut__vec ut__v_odd(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+  if (V == 16)
+    r.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                        29, 31);
+  else if (V == 8) r.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 1, 3, 5, 7, 9, 11, 13, 15);
+  else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 1, 3, 5, 7);
+  return r;
+}
+/* lanes b, b+3, b+6, ... of x0, x1, x2 (a stride-3 row's phase b): two two-vector shuffles */
+UT__CPU_INL ut__vec ut__v_third(ut__vec x0, ut__vec x1, ut__vec x2, int b, const int V) {
+  ut__vec t, r;
+  if (V == 16) {
+    if (b == 0) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 20, 23, 26,
+                          29);
+    } else if (b == 1) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18, 21, 24, 27,
+                          30);
+    } else {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19, 22, 25, 28,
+                          31);
+    }
+  } else if (V == 8) {
+    if (b == 0) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 3, 6, 9, 12, 15, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 5, 10, 13);
+    } else if (b == 1) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 1, 4, 7, 10, 13, 0, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 8, 11, 14);
+    } else {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 2, 5, 8, 11, 14, 0, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 9, 12, 15);
+    }
+  } else {
+    if (b == 0) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 3, 6, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 2, 5);
+    } else if (b == 1) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 1, 4, 7, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 2, 6);
+    } else {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 2, 5, 0, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 4, 7);
+    }
+  }
+  return r;
+}
 /* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
 UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
@@ -7735,35 +7793,81 @@ UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
   }
 }
 
-/* Row engine, one plane, any filter height: KW taps a row at stride S with the taps D apart
-   (constants when inlined with literals; the filter rows are D input rows apart too). A step
-   computes two output rows and two vectors of each: four independent sums stay in registers
-   over the filter rows' loop (kh * KW FMAs each), where ut__dwf_rows_gen adds every tap into
-   memory. The ring holds the S + (kh-1)*D + 1 input rows a step spans. Stores go last vector to
-   first, as in ut__dwf_rows_k. */
+/* Input row iy as s phase rows like ut__dw_row, for strides 2 and 3 through tmp (a zero padded
+   copy of the row: tmp[j] = x[iy][j - px]) split into its phases by vector shuffles, where
+   ut__dw_row moves one float at a time (on 28-pixel rows that moving cost more than the FMAs).
+   tmp: s * (PS + V) + 16 floats. */
+UT__CPU_INL const float* ut__dw_row_split(const float* restrict xp, int iy, int h, int w, int s,
+                                          int px, int Wq, int PS, int SL, int nslots,
+                                          float* restrict slots, int* restrict tags,
+                                          float* restrict tmp, const int V) {
+#if defined(__GNUC__)
+  if (s == 1 || s > 3 || V == 1 || iy < 0 || iy >= h)
+    return ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, nslots, slots, tags, V);
+  int k = iy % nslots;
+  float* dst = slots + (ut__i64)(k + 1) * SL;
+  if (tags[k] == iy) return dst;
+  tags[k] = iy;
+  int nc = (Wq + V - 1) / V * V; /* phase floats written (<= PS: zeros past Wq) */
+  int tn = s * nc + s * V;       /* tmp floats read */
+  int c0 = UT__CPU_MIN(px, tn), c1 = UT__CPU_MIN(px + w, tn);
+  for (int j = 0; j < c0; j++) tmp[j] = 0.0f;
+  if (c1 > c0) memcpy(tmp + c0, xp + (ut__i64)iy * w, (size_t)(c1 - c0) * sizeof(float));
+  for (int j = UT__CPU_MAX(c1, c0); j < tn; j++) tmp[j] = 0.0f;
+  if (s == 2) {
+    for (int c = 0; c < nc; c += V) {
+      ut__vec x0 = ut__v_ld(tmp + 2 * c, V), x1 = ut__v_ld(tmp + 2 * c + V, V);
+      ut__v_st(dst + c, ut__v_even(x0, x1, V), V);
+      ut__v_st(dst + PS + c, ut__v_odd(x0, x1, V), V);
+    }
+  } else {
+    for (int c = 0; c < nc; c += V) {
+      const float* t = tmp + 3 * c;
+      ut__vec x0 = ut__v_ld(t, V), x1 = ut__v_ld(t + V, V), x2 = ut__v_ld(t + 2 * V, V);
+      for (int bb = 0; bb < 3; bb++)
+        ut__v_st(dst + (ut__i64)bb * PS + c, ut__v_third(x0, x1, x2, bb, V), V);
+    }
+  }
+  return dst;
+#else
+  (void)tmp;
+  return ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, nslots, slots, tags, V);
+#endif
+}
+
+/* Row engine, one plane, any filter height: KW taps a row (a constant when inlined with a
+   literal) at any stride with the taps C->dil apart (rows too). A step computes two output rows
+   and two vectors of each: four independent sums stay in registers over the filter rows' loop,
+   where ut__dwf_rows_gen adds every tap into memory; a lone last vector splits its sums over
+   even and odd filter rows instead. The ring holds the s + (kh-1)*dil + 1 input rows a step
+   spans. Stores go last vector to first, as in ut__dwf_rows_k. */
 UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
                                  const float* restrict wk, float b, float* restrict yp,
                                  const float* ylim, float* restrict buf, const int KW,
-                                 const int S, const int D, const int V) {
-  int h = C->h, w = C->w, kh = C->kh, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
-  int NI = S + (kh - 1) * D + 1;
+                                 const int V) {
+  int h = C->h, w = C->w, kh = C->kh, s = C->s, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL, D = C->dil > 1 ? C->dil : 1;
+  int NI = s + (kh - 1) * D + 1;
   float* slots = buf;
   int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
+  float* tmp = buf + (ut__i64)(NI + 1) * SL + 64;
   for (int k = 0; k < NI; k++) tags[k] = -1;
+  int off[7];
+  UT__DW_UNROLL
+  for (int kx = 0; kx < KW; kx++) off[kx] = (kx * D % s) * PS + kx * D / s;
   for (int oy = 0; oy < ho; oy += 2) {
     const float* r0[7];
     const float* r1[7];
     for (int ky = 0; ky < kh; ky++) {
-      int iy = oy * S - py + ky * D;
-      r0[ky] = ut__dw_row(xp, iy, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
-      r1[ky] = ut__dw_row(xp, iy + S, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
+      int iy = oy * s - py + ky * D;
+      r0[ky] = ut__dw_row_split(xp, iy, h, w, s, px, Wq, PS, SL, NI, slots, tags, tmp, V);
+      r1[ky] = ut__dw_row_split(xp, iy + s, h, w, s, px, Wq, PS, SL, NI, slots, tags, tmp, V);
     }
     float* yr0 = yp + (ut__i64)oy * wo;
     float* yr1 = yr0 + wo;
     bool two = oy + 1 < ho;
-    for (int v = nv - 1; v >= 0; v -= 2) {
-      int u = v > 0 ? v - 1 : v; /* the second vector (v again when v is the last) */
+    for (int v = nv - 1; v >= 1; v -= 2) {
+      int u = v - 1;
       ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V),
               c1 = ut__v_dup(b, V);
       for (int ky = 0; ky < kh; ky++) {
@@ -7772,12 +7876,11 @@ UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
         const float* wr = wk + ky * KW;
         UT__DW_UNROLL
         for (int kx = 0; kx < KW; kx++) {
-          int off = (kx * D % S) * PS + kx * D / S;
           float wv = wr[kx];
-          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off + v * V, V), V);
-          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off + u * V, V), V);
-          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off + v * V, V), V);
-          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off + u * V, V), V);
+          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off[kx] + v * V, V), V);
+          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off[kx] + u * V, V), V);
+          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off[kx] + v * V, V), V);
+          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off[kx] + u * V, V), V);
         }
       }
       ut__v_st_lim(yr0 + v * V, a0, ylim, V);
@@ -7787,49 +7890,50 @@ UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
         ut__v_st_lim(yr1 + u * V, c1, ylim, V);
       }
     }
+    if (nv & 1) { /* vector 0 alone: sums over even and odd filter rows */
+      ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(b, V),
+              c1 = ut__v_dup(0.0f, V);
+      int ky = 0;
+      for (; ky + 1 < kh; ky += 2) {
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          a0 = ut__v_fma(a0, wr[kx], ut__v_ld(r0[ky] + off[kx], V), V);
+          a1 = ut__v_fma(a1, wr[kx], ut__v_ld(r1[ky] + off[kx], V), V);
+          c0 = ut__v_fma(c0, wr[KW + kx], ut__v_ld(r0[ky + 1] + off[kx], V), V);
+          c1 = ut__v_fma(c1, wr[KW + kx], ut__v_ld(r1[ky + 1] + off[kx], V), V);
+        }
+      }
+      if (ky < kh) {
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          a0 = ut__v_fma(a0, wr[kx], ut__v_ld(r0[ky] + off[kx], V), V);
+          a1 = ut__v_fma(a1, wr[kx], ut__v_ld(r1[ky] + off[kx], V), V);
+        }
+      }
+      ut__v_st_lim(yr0, ut__v_add(a0, c0, V), ylim, V);
+      if (two) ut__v_st_lim(yr1, ut__v_add(a1, c1, V), ylim, V);
+    }
   }
 }
 
-/* The any-height row engine with the constants for this call: filter widths 1 to 7, strides 1
-   to 3, dilation 1 or 2 (the caller checks ut__dw_rows_kw_fits). */
+/* The any-height row engines cover filters up to 7x7 at any stride and dilation (their
+   buffers are sized by ut__dw_setup); the width is a constant per call. */
 static inline bool ut__dw_rows_kw_fits(const ut__dwctx* C) {
-  int d = C->dil > 1 ? C->dil : 1;
-  return C->kh >= 1 && C->kh <= 7 && C->kw >= 1 && C->kw <= 7 && C->s >= 1 && C->s <= 3 &&
-         d <= 2;
+  return C->kh >= 1 && C->kh <= 7 && C->kw >= 1 && C->kw <= 7;
 }
 UT__CPU_INL void ut__dwf_rows_any(const ut__dwctx* C, const float* restrict xp,
                                   const float* restrict wk, float b, float* restrict yp,
                                   const float* ylim, float* restrict buf, const int V) {
-  int d = C->dil > 1 ? 2 : 1;
-  switch ((C->kw * 4 + C->s) * 2 + d - 1) {
-#define UT__DWF_KW(kw_, s_, d_)                                                \
-  case ((kw_) * 4 + (s_)) * 2 + (d_) - 1:                                      \
-    ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, kw_, s_, d_, V);              \
-    break;
-    UT__DWF_KW(1, 1, 1) UT__DWF_KW(1, 1, 2)
-    UT__DWF_KW(1, 2, 1) UT__DWF_KW(1, 2, 2)
-    UT__DWF_KW(1, 3, 1) UT__DWF_KW(1, 3, 2)
-    UT__DWF_KW(2, 1, 1) UT__DWF_KW(2, 1, 2)
-    UT__DWF_KW(2, 2, 1) UT__DWF_KW(2, 2, 2)
-    UT__DWF_KW(2, 3, 1) UT__DWF_KW(2, 3, 2)
-    UT__DWF_KW(3, 1, 1) UT__DWF_KW(3, 1, 2)
-    UT__DWF_KW(3, 2, 1) UT__DWF_KW(3, 2, 2)
-    UT__DWF_KW(3, 3, 1) UT__DWF_KW(3, 3, 2)
-    UT__DWF_KW(4, 1, 1) UT__DWF_KW(4, 1, 2)
-    UT__DWF_KW(4, 2, 1) UT__DWF_KW(4, 2, 2)
-    UT__DWF_KW(4, 3, 1) UT__DWF_KW(4, 3, 2)
-    UT__DWF_KW(5, 1, 1) UT__DWF_KW(5, 1, 2)
-    UT__DWF_KW(5, 2, 1) UT__DWF_KW(5, 2, 2)
-    UT__DWF_KW(5, 3, 1) UT__DWF_KW(5, 3, 2)
-    UT__DWF_KW(6, 1, 1) UT__DWF_KW(6, 1, 2)
-    UT__DWF_KW(6, 2, 1) UT__DWF_KW(6, 2, 2)
-    UT__DWF_KW(6, 3, 1) UT__DWF_KW(6, 3, 2)
-    UT__DWF_KW(7, 1, 1) UT__DWF_KW(7, 1, 2)
-    UT__DWF_KW(7, 2, 1) UT__DWF_KW(7, 2, 2)
-    UT__DWF_KW(7, 3, 1) UT__DWF_KW(7, 3, 2)
-#undef UT__DWF_KW
-    default:
-      ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
+  switch (C->kw) {
+    case 1: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 1, V); break;
+    case 2: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 2, V); break;
+    case 3: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 3, V); break;
+    case 4: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 4, V); break;
+    case 5: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 5, V); break;
+    case 6: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 6, V); break;
+    default: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 7, V); break;
   }
 }
 
@@ -7884,16 +7988,11 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       continue;
     }
     const float* xp = C->x + q * hw;
-    if (C->dil > 1)
-      ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
-    else if (kh == 3 && kw == 3 && s == 1)
+    bool plain = C->dil <= 1;
+    if (plain && kh == 3 && kw == 3 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
-    else if (kh == 3 && kw == 3 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2, V);
-    else if (kh == 5 && kw == 5 && s == 1)
+    else if (plain && kh == 5 && kw == 5 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
-    else if (kh == 5 && kw == 5 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2, V);
     else if (ut__dw_rows_kw_fits(C))
       ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
     else
@@ -7975,10 +8074,15 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
           ut__v_st(Eb + v * V, a0, V);
           ut__v_st(Eb + v * V + V, a1, V);
         }
-        for (; v < nvq; v++) {
-          ut__vec acc = ut__v_dup(0.0f, V);
-          for (int i = 0; i < nt; i++) acc = ut__v_fma(acc, tw[i], ut__v_ld(tp[i] + v * V, V), V);
-          ut__v_st(Eb + v * V, acc, V);
+        for (; v < nvq; v++) { /* a lone vector: two sums over alternate taps */
+          ut__vec a0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(0.0f, V);
+          int i = 0;
+          for (; i + 1 < nt; i += 2) {
+            a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+            a1 = ut__v_fma(a1, tw[i + 1], ut__v_ld(tp[i + 1] + v * V, V), V);
+          }
+          if (i < nt) a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+          ut__v_st(Eb + v * V, ut__v_add(a0, a1, V), V);
         }
       }
       float* dr = dxp + (ut__i64)iy * w;
@@ -8121,26 +8225,31 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
   }
 }
 
-/* Filter gradient of one channel over the batch, any filter height: KW taps a row at stride S,
-   taps D apart (constants when inlined with literals). Blocks of UT__DWDW_RB go rows: the input
-   rows the block reads are turned into phase rows once (a ring of NB slots), then each filter
-   row's KW taps are summed in registers over the whole block (two sets over alternate go rows
-   when KW <= 3, for independent chains), into float partial sums per tap added into the
-   doubles every ~128 vectors, as ut__dwdw_rows_k does. */
+/* Filter gradient of one channel over the batch, any filter height: KW taps a row (a constant
+   when inlined with a literal), any stride, taps C->dil apart. Blocks of UT__DWDW_RB go rows:
+   the input rows a block reads are split into phase rows once (a ring of NB slots), then each
+   filter row's KW taps are summed in registers over the whole block (two sets over alternate go
+   rows when KW <= 3, for independent chains), into float partial sums per tap that are added
+   into the doubles every ~128 vectors, as ut__dwdw_rows_k does. */
 UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict dacc,
-                                  float* restrict buf, const int KW, const int S, const int D,
-                                  const int V) {
-  int c = C->c, h = C->h, w = C->w, kh = C->kh, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
-  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL;
+                                  float* restrict buf, const int KW, const int V) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, s = C->s, py = C->py, px = C->px, ho = C->ho,
+      wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL, D = C->dil > 1 ? C->dil : 1;
   ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
   const int RB = UT__DWDW_RB;
   const int NA = KW <= 3 ? 2 : 1;
-  int NB = (RB - 1) * S + (kh - 1) * D + 1, GS = nv * V + V;
+  int NB = (RB - 1) * s + (kh - 1) * D + 1, GS = nv * V + V;
   float* slots = buf;
   float* gt = buf + (ut__i64)(NB + 1) * SL; /* the block's go rows, zero past wo */
   float* A = gt + (ut__i64)RB * GS;          /* [kh * KW][V] float partial sums */
   int* tags = (int*)(void*)(A + (ut__i64)kh * KW * V);
+  float* tmp = A + (ut__i64)kh * KW * V + 64;
   int flush = UT__CPU_MAX(RB, 128 / nv / RB * RB);
+  int off[7];
+  UT__DW_UNROLL
+  for (int kx = 0; kx < KW; kx++) off[kx] = (kx * D % s) * PS + kx * D / s;
+  const float** rows = (const float**)(void*)(tmp + (ut__i64)s * (PS + V) + 16);
   for (int n = 0; n < C->planes / c; n++) {
     ut__i64 q = (ut__i64)n * c + ch;
     const float* xp = C->x + q * hw;
@@ -8150,10 +8259,10 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
       int oyf = UT__CPU_MIN(ho, oy0 + flush);
       for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++) ut__v_st(A + t * V, ut__v_dup(0.0f, V), V);
       for (int ob = oy0; ob < oyf; ob += RB) {
-        int nb = UT__CPU_MIN(RB, oyf - ob), nr = (nb - 1) * S + (kh - 1) * D + 1;
-        const float* rows[(UT__DWDW_RB - 1) * 3 + 6 * 2 + 1];
+        int nb = UT__CPU_MIN(RB, oyf - ob), nr = (nb - 1) * s + (kh - 1) * D + 1;
         for (int i = 0; i < nr; i++)
-          rows[i] = ut__dw_row(xp, ob * S - py + i, h, w, S, px, Wq, PS, SL, NB, slots, tags, V);
+          rows[i] = ut__dw_row_split(xp, ob * s - py + i, h, w, s, px, Wq, PS, SL, NB, slots,
+                                     tags, tmp, V);
         for (int r = 0; r < nb; r++)
           memcpy(gt + (ut__i64)r * GS, gp + (ut__i64)(ob + r) * wo, (size_t)wo * sizeof(float));
         for (int ky = 0; ky < kh; ky++) {
@@ -8167,28 +8276,26 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
           int r = 0;
           if (NA == 2)
             for (; r + 1 < nb; r += 2) {
-              const float* p0 = rows[r * S + ky * D];
-              const float* p1 = rows[(r + 1) * S + ky * D];
+              const float* p0 = rows[r * s + ky * D];
+              const float* p1 = rows[(r + 1) * s + ky * D];
               const float* g0 = gt + (ut__i64)r * GS;
               for (int v = 0; v < nv; v++) {
                 ut__vec G0 = ut__v_ld(g0 + v * V, V), G1 = ut__v_ld(g0 + GS + v * V, V);
                 UT__DW_UNROLL
                 for (int kx = 0; kx < KW; kx++) {
-                  int off = (kx * D % S) * PS + kx * D / S + v * V;
-                  a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off, V), V);
-                  e[kx] = ut__v_fmav(e[kx], G1, ut__v_ld(p1 + off, V), V);
+                  a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
+                  e[kx] = ut__v_fmav(e[kx], G1, ut__v_ld(p1 + off[kx] + v * V, V), V);
                 }
               }
             }
           for (; r < nb; r++) {
-            const float* p0 = rows[r * S + ky * D];
+            const float* p0 = rows[r * s + ky * D];
             const float* g0 = gt + (ut__i64)r * GS;
             for (int v = 0; v < nv; v++) {
               ut__vec G0 = ut__v_ld(g0 + v * V, V);
               UT__DW_UNROLL
               for (int kx = 0; kx < KW; kx++)
-                a[kx] = ut__v_fmav(a[kx], G0,
-                                   ut__v_ld(p0 + (kx * D % S) * PS + kx * D / S + v * V, V), V);
+                a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
             }
           }
           UT__DW_UNROLL
@@ -8202,36 +8309,14 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
 }
 UT__CPU_INL void ut__dwdw_rows_any(const ut__dwctx* C, int ch, double* restrict dacc,
                                    float* restrict buf, const int V) {
-  int d = C->dil > 1 ? 2 : 1;
-  switch ((C->kw * 4 + C->s) * 2 + d - 1) {
-#define UT__DWDW_KW(kw_, s_, d_)                                               \
-  case ((kw_) * 4 + (s_)) * 2 + (d_) - 1:                                      \
-    ut__dwdw_rows_kw(C, ch, dacc, buf, kw_, s_, d_, V);                        \
-    break;
-    UT__DWDW_KW(1, 1, 1) UT__DWDW_KW(1, 1, 2)
-    UT__DWDW_KW(1, 2, 1) UT__DWDW_KW(1, 2, 2)
-    UT__DWDW_KW(1, 3, 1) UT__DWDW_KW(1, 3, 2)
-    UT__DWDW_KW(2, 1, 1) UT__DWDW_KW(2, 1, 2)
-    UT__DWDW_KW(2, 2, 1) UT__DWDW_KW(2, 2, 2)
-    UT__DWDW_KW(2, 3, 1) UT__DWDW_KW(2, 3, 2)
-    UT__DWDW_KW(3, 1, 1) UT__DWDW_KW(3, 1, 2)
-    UT__DWDW_KW(3, 2, 1) UT__DWDW_KW(3, 2, 2)
-    UT__DWDW_KW(3, 3, 1) UT__DWDW_KW(3, 3, 2)
-    UT__DWDW_KW(4, 1, 1) UT__DWDW_KW(4, 1, 2)
-    UT__DWDW_KW(4, 2, 1) UT__DWDW_KW(4, 2, 2)
-    UT__DWDW_KW(4, 3, 1) UT__DWDW_KW(4, 3, 2)
-    UT__DWDW_KW(5, 1, 1) UT__DWDW_KW(5, 1, 2)
-    UT__DWDW_KW(5, 2, 1) UT__DWDW_KW(5, 2, 2)
-    UT__DWDW_KW(5, 3, 1) UT__DWDW_KW(5, 3, 2)
-    UT__DWDW_KW(6, 1, 1) UT__DWDW_KW(6, 1, 2)
-    UT__DWDW_KW(6, 2, 1) UT__DWDW_KW(6, 2, 2)
-    UT__DWDW_KW(6, 3, 1) UT__DWDW_KW(6, 3, 2)
-    UT__DWDW_KW(7, 1, 1) UT__DWDW_KW(7, 1, 2)
-    UT__DWDW_KW(7, 2, 1) UT__DWDW_KW(7, 2, 2)
-    UT__DWDW_KW(7, 3, 1) UT__DWDW_KW(7, 3, 2)
-#undef UT__DWDW_KW
-    default:
-      ut__dwdw_rows_gen(C, ch, dacc, buf, V);
+  switch (C->kw) {
+    case 1: ut__dwdw_rows_kw(C, ch, dacc, buf, 1, V); break;
+    case 2: ut__dwdw_rows_kw(C, ch, dacc, buf, 2, V); break;
+    case 3: ut__dwdw_rows_kw(C, ch, dacc, buf, 3, V); break;
+    case 4: ut__dwdw_rows_kw(C, ch, dacc, buf, 4, V); break;
+    case 5: ut__dwdw_rows_kw(C, ch, dacc, buf, 5, V); break;
+    case 6: ut__dwdw_rows_kw(C, ch, dacc, buf, 6, V); break;
+    default: ut__dwdw_rows_kw(C, ch, dacc, buf, 7, V); break;
   }
 }
 
@@ -8282,16 +8367,11 @@ UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict
       ut__dwdw_rows_gen(C, ch, dacc, buf, V); /* (flat is only chosen for 9 and 25 taps) */
     return;
   }
-  if (C->dil > 1)
-    ut__dwdw_rows_any(C, ch, dacc, buf, V);
-  else if (kh == 3 && kw == 3 && s == 1)
+  bool plain = C->dil <= 1;
+  if (plain && kh == 3 && kw == 3 && s == 1)
     ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1, V);
-  else if (kh == 3 && kw == 3 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2, V);
-  else if (kh == 5 && kw == 5 && s == 1)
+  else if (plain && kh == 5 && kw == 5 && s == 1)
     ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1, V);
-  else if (kh == 5 && kw == 5 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2, V);
   else if (ut__dw_rows_kw_fits(C))
     ut__dwdw_rows_any(C, ch, dacc, buf, V);
   else
