@@ -7868,9 +7868,33 @@ UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
     bool two = oy + 1 < ho;
     for (int v = nv - 1; v >= 1; v -= 2) {
       int u = v - 1;
+      /* eight sums: (row, vector) x (even, odd filter row), enough chains to fill both FMA
+         ports through their latency */
       ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V),
               c1 = ut__v_dup(b, V);
-      for (int ky = 0; ky < kh; ky++) {
+      ut__vec e0 = ut__v_dup(0.0f, V), f0 = ut__v_dup(0.0f, V), e1 = ut__v_dup(0.0f, V),
+              f1 = ut__v_dup(0.0f, V);
+      int ky = 0;
+      for (; ky + 1 < kh; ky += 2) {
+        const float* p0 = r0[ky];
+        const float* p1 = r1[ky];
+        const float* q0 = r0[ky + 1];
+        const float* q1 = r1[ky + 1];
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          float wv = wr[kx], wn = wr[KW + kx];
+          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off[kx] + v * V, V), V);
+          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off[kx] + u * V, V), V);
+          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off[kx] + v * V, V), V);
+          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off[kx] + u * V, V), V);
+          e0 = ut__v_fma(e0, wn, ut__v_ld(q0 + off[kx] + v * V, V), V);
+          f0 = ut__v_fma(f0, wn, ut__v_ld(q0 + off[kx] + u * V, V), V);
+          e1 = ut__v_fma(e1, wn, ut__v_ld(q1 + off[kx] + v * V, V), V);
+          f1 = ut__v_fma(f1, wn, ut__v_ld(q1 + off[kx] + u * V, V), V);
+        }
+      }
+      if (ky < kh) {
         const float* p0 = r0[ky];
         const float* p1 = r1[ky];
         const float* wr = wk + ky * KW;
@@ -7883,11 +7907,11 @@ UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
           c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off[kx] + u * V, V), V);
         }
       }
-      ut__v_st_lim(yr0 + v * V, a0, ylim, V);
-      ut__v_st_lim(yr0 + u * V, c0, ylim, V);
+      ut__v_st_lim(yr0 + v * V, ut__v_add(a0, e0, V), ylim, V);
+      ut__v_st_lim(yr0 + u * V, ut__v_add(c0, f0, V), ylim, V);
       if (two) {
-        ut__v_st_lim(yr1 + v * V, a1, ylim, V);
-        ut__v_st_lim(yr1 + u * V, c1, ylim, V);
+        ut__v_st_lim(yr1 + v * V, ut__v_add(a1, e1, V), ylim, V);
+        ut__v_st_lim(yr1 + u * V, ut__v_add(c1, f1, V), ylim, V);
       }
     }
     if (nv & 1) { /* vector 0 alone: sums over even and odd filter rows */
@@ -8228,8 +8252,8 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
 /* Filter gradient of one channel over the batch, any filter height: KW taps a row (a constant
    when inlined with a literal), any stride, taps C->dil apart. Blocks of UT__DWDW_RB go rows:
    the input rows a block reads are split into phase rows once (a ring of NB slots), then each
-   filter row's KW taps are summed in registers over the whole block (two sets over alternate go
-   rows when KW <= 3, for independent chains), into float partial sums per tap that are added
+   filter row's KW taps are summed in registers over the whole block (2 or 4 sets over go rows
+   when KW <= 3, for independent chains), into float partial sums per tap that are added
    into the doubles every ~128 vectors, as ut__dwdw_rows_k does. */
 UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict dacc,
                                   float* restrict buf, const int KW, const int V) {
@@ -8238,7 +8262,7 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
   int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL, D = C->dil > 1 ? C->dil : 1;
   ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
   const int RB = UT__DWDW_RB;
-  const int NA = KW <= 3 ? 2 : 1;
+  const int NA = KW <= 2 ? 4 : KW == 3 ? 2 : 1; /* NA * KW >= 4 independent sums */
   int NB = (RB - 1) * s + (kh - 1) * D + 1, GS = nv * V + V;
   float* slots = buf;
   float* gt = buf + (ut__i64)(NB + 1) * SL; /* the block's go rows, zero past wo */
@@ -8267,27 +8291,27 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
           memcpy(gt + (ut__i64)r * GS, gp + (ut__i64)(ob + r) * wo, (size_t)wo * sizeof(float));
         for (int ky = 0; ky < kh; ky++) {
           float* Ak = A + (ut__i64)ky * KW * V;
-          ut__vec a[7], e[7];
+          ut__vec a[4][7]; /* NA sets of KW sums, one per go row of each group of NA */
           UT__DW_UNROLL
-          for (int kx = 0; kx < KW; kx++) {
-            a[kx] = ut__v_ld(Ak + kx * V, V);
-            e[kx] = ut__v_dup(0.0f, V);
-          }
+          for (int j = 0; j < NA; j++)
+            UT__DW_UNROLL
+            for (int kx = 0; kx < KW; kx++)
+              a[j][kx] = j ? ut__v_dup(0.0f, V) : ut__v_ld(Ak + kx * V, V);
           int r = 0;
-          if (NA == 2)
-            for (; r + 1 < nb; r += 2) {
-              const float* p0 = rows[r * s + ky * D];
-              const float* p1 = rows[(r + 1) * s + ky * D];
-              const float* g0 = gt + (ut__i64)r * GS;
-              for (int v = 0; v < nv; v++) {
-                ut__vec G0 = ut__v_ld(g0 + v * V, V), G1 = ut__v_ld(g0 + GS + v * V, V);
+          for (; r + NA <= nb; r += NA) {
+            const float* pj[4];
+            UT__DW_UNROLL
+            for (int j = 0; j < NA; j++) pj[j] = rows[(r + j) * s + ky * D];
+            const float* g0 = gt + (ut__i64)r * GS;
+            for (int v = 0; v < nv; v++)
+              UT__DW_UNROLL
+              for (int j = 0; j < NA; j++) {
+                ut__vec G = ut__v_ld(g0 + (ut__i64)j * GS + v * V, V);
                 UT__DW_UNROLL
-                for (int kx = 0; kx < KW; kx++) {
-                  a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
-                  e[kx] = ut__v_fmav(e[kx], G1, ut__v_ld(p1 + off[kx] + v * V, V), V);
-                }
+                for (int kx = 0; kx < KW; kx++)
+                  a[j][kx] = ut__v_fmav(a[j][kx], G, ut__v_ld(pj[j] + off[kx] + v * V, V), V);
               }
-            }
+          }
           for (; r < nb; r++) {
             const float* p0 = rows[r * s + ky * D];
             const float* g0 = gt + (ut__i64)r * GS;
@@ -8295,11 +8319,15 @@ UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict d
               ut__vec G0 = ut__v_ld(g0 + v * V, V);
               UT__DW_UNROLL
               for (int kx = 0; kx < KW; kx++)
-                a[kx] = ut__v_fmav(a[kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
+                a[0][kx] = ut__v_fmav(a[0][kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
             }
           }
           UT__DW_UNROLL
-          for (int kx = 0; kx < KW; kx++) ut__v_st(Ak + kx * V, ut__v_add(a[kx], e[kx], V), V);
+          for (int j = 1; j < NA; j++)
+            UT__DW_UNROLL
+            for (int kx = 0; kx < KW; kx++) a[0][kx] = ut__v_add(a[0][kx], a[j][kx], V);
+          UT__DW_UNROLL
+          for (int kx = 0; kx < KW; kx++) ut__v_st(Ak + kx * V, a[0][kx], V);
         }
       }
       for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++)
