@@ -5171,7 +5171,7 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
     int L = (kw - 1) / s, nq = (C->w + s - 1) / s, nvq = (nq + V - 1) / V;
     ut__i64 GP = UT__DW_R16(L + UT__CPU_MAX(nvq * V, C->wo) + (s - 1 + C->py) / s + 1);
     ut__i64 NS = (kh + s - 1) / s + 1;
-    ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + NS + 64 +
+    ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + 3 * NS + 64 +
                    (ut__i64)s * s * (3 * taps + 1);
     per = UT__CPU_MAX(per, need);
   }
@@ -7580,6 +7580,46 @@ UT__CPU_INL ut__vec ut__v_third(ut__vec x0, ut__vec x1, ut__vec x2, int b, const
   }
   return r;
 }
+/* vector m (0..2) of x0, x1, x2 interleaved by threes (x0[0], x1[0], x2[0], x0[1], ...): a
+   stride-3 row's phases put back in place; two two-vector shuffles */
+UT__CPU_INL ut__vec ut__v_inter3(ut__vec x0, ut__vec x1, ut__vec x2, int m, const int V) {
+  ut__vec t, r;
+  if (V == 16) {
+    if (m == 0) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 16, 0, 1, 17, 0, 2, 18, 0, 3, 19, 0, 4, 20, 0, 5);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 16, 3, 4, 17, 6, 7, 18, 9, 10, 19, 12, 13, 20, 15);
+    } else if (m == 1) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 21, 0, 6, 22, 0, 7, 23, 0, 8, 24, 0, 9, 25, 0, 10, 26);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 21, 2, 3, 22, 5, 6, 23, 8, 9, 24, 11, 12, 25, 14, 15);
+    } else {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 11, 27, 0, 12, 28, 0, 13, 29, 0, 14, 30, 0, 15, 31, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 26, 1, 2, 27, 4, 5, 28, 7, 8, 29, 10, 11, 30, 13, 14, 31);
+    }
+  } else if (V == 8) {
+    if (m == 0) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 8, 0, 1, 9, 0, 2, 10);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 8, 3, 4, 9, 6, 7);
+    } else if (m == 1) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 3, 11, 0, 4, 12, 0, 5);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 10, 1, 2, 11, 4, 5, 12, 7);
+    } else {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 13, 0, 6, 14, 0, 7, 15, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 13, 2, 3, 14, 5, 6, 15);
+    }
+  } else {
+    if (m == 0) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 4, 0, 1);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 4, 3);
+    } else if (m == 1) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 5, 0, 2, 6);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 5, 2, 3);
+    } else {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 3, 7, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 6, 1, 2, 7);
+    }
+  }
+  return r;
+}
 /* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
 UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
@@ -8041,7 +8081,9 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
   float* E = ring + (ut__i64)NS * GP;
   const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * V);
   float* tw = (float*)(void*)(tp + taps);
-  int* tags = (int*)(void*)(tw + taps);
+  const float** grow = /* [NS] this dx row's go rows (8-byte aligned) */
+      (const float**)(void*)(tw + taps + (taps & 1));
+  int* tags = (int*)(void*)(grow + NS);
   /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
   int* tcnt = tags + NS;           /* [s*s] */
   int* tab = tcnt + (ut__i64)s * s; /* [s*s][taps][3] */
@@ -8069,21 +8111,30 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
     for (int k = 0; k < NS; k++) tags[k] = -1;
     for (int iy = 0; iy < h; iy++) {
       int a = (iy + p) % s, oyb = (iy + p - a) / s;
+      /* the go rows oyb - dky this row reads, looked up once for all its phases and taps */
+      for (int j = 0; j < NS; j++) {
+        int oy = oyb - j;
+        if (oy < 0 || oy >= ho) {
+          grow[j] = NULL;
+          continue;
+        }
+        int k = oy % NS;
+        float* row = ring + (ut__i64)k * GP;
+        if (tags[k] != oy) {
+          tags[k] = oy;
+          for (int jj = 0; jj < L; jj++) row[jj] = 0.0f;
+          memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+          for (int jj = L + wo; jj < GP; jj++) row[jj] = 0.0f;
+        }
+        grow[j] = row + L;
+      }
       for (int bb = 0; bb < s; bb++) {
         int nt = 0, cnt = tcnt[a * s + bb];
         const int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
         for (int i = 0; i < cnt; i++) {
-          int oy = oyb - e3[3 * i];
-          if (oy < 0 || oy >= ho) continue;
-          int k = oy % NS;
-          float* row = ring + (ut__i64)k * GP;
-          if (tags[k] != oy) {
-            tags[k] = oy;
-            for (int j = 0; j < L; j++) row[j] = 0.0f;
-            memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
-            for (int j = L + wo; j < GP; j++) row[j] = 0.0f;
-          }
-          tp[nt] = row + L + e3[3 * i + 2];
+          const float* row = grow[e3[3 * i]];
+          if (!row) continue;
+          tp[nt] = row + e3[3 * i + 2];
           tw[nt] = wk[e3[3 * i + 1]];
           nt++;
         }
@@ -8129,6 +8180,19 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
           dr[2 * i + 1] = e1[i];
         }
         if (w & 1) dr[w - 1] = e0[w2];
+#endif
+#if defined(__GNUC__)
+      } else if (s == 3) { /* whole vectors, as at stride 2 */
+        const float* e0 = E;
+        const float* e1 = E + (ut__i64)nvq * V;
+        const float* e2 = e1 + (ut__i64)nvq * V;
+        for (int v = 0; v < nvq; v++) {
+          ut__vec x0 = ut__v_ld(e0 + v * V, V), x1 = ut__v_ld(e1 + v * V, V),
+                  x2 = ut__v_ld(e2 + v * V, V);
+          for (int m = 0; m < 3; m++)
+            if (3 * v * V + m * V < w)
+              ut__v_st_lim(dr + 3 * v * V + m * V, ut__v_inter3(x0, x1, x2, m, V), dlim, V);
+        }
 #endif
       } else {
         for (int bb = 0; bb < s; bb++) {
