@@ -5336,7 +5336,8 @@ static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const floa
    between), which is exactly the strided transposed convolution. Returns the stride-1
    geometry in g1, or false when the shape is not such a case. */
 static bool ut__cpu_dw_via_stride1(const ut__conv_geom* g, ut__conv_geom* g1) {
-  if (g->stride < 2 || g->dil > 1 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) || g->pad != (g->kh - 1) / 2 ||
+  if (g->stride < 2 || g->dil > 1 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) ||
+      g->pad != (g->kh - 1) / 2 ||
       g->w >= 32 || (ut__i64)g->h * g->w > 256 || g->ho != (g->h - 1) / g->stride + 1 ||
       g->wo != (g->w - 1) / g->stride + 1)
     return false;
@@ -5595,7 +5596,8 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* ex_g);
 static int ut__cpu_dw_bwd_dw_f32(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* g) {
-  if (g->dil > 1 && !ut__cpu_dw_dil_native(g)) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
+  if (g->dil > 1 && !ut__cpu_dw_dil_native(g))
+    return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -7586,14 +7588,20 @@ UT__CPU_INL ut__vec ut__v_inter3(ut__vec x0, ut__vec x1, ut__vec x2, int m, cons
   ut__vec t, r;
   if (V == 16) {
     if (m == 0) {
-      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 16, 0, 1, 17, 0, 2, 18, 0, 3, 19, 0, 4, 20, 0, 5);
-      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 16, 3, 4, 17, 6, 7, 18, 9, 10, 19, 12, 13, 20, 15);
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 16, 0, 1, 17, 0, 2, 18, 0, 3, 19, 0, 4, 20, 0,
+                          5);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 16, 3, 4, 17, 6, 7, 18, 9, 10, 19, 12, 13, 20,
+                          15);
     } else if (m == 1) {
-      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 21, 0, 6, 22, 0, 7, 23, 0, 8, 24, 0, 9, 25, 0, 10, 26);
-      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 21, 2, 3, 22, 5, 6, 23, 8, 9, 24, 11, 12, 25, 14, 15);
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 21, 0, 6, 22, 0, 7, 23, 0, 8, 24, 0, 9, 25, 0, 10,
+                          26);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 21, 2, 3, 22, 5, 6, 23, 8, 9, 24, 11, 12, 25, 14,
+                          15);
     } else {
-      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 11, 27, 0, 12, 28, 0, 13, 29, 0, 14, 30, 0, 15, 31, 0);
-      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 26, 1, 2, 27, 4, 5, 28, 7, 8, 29, 10, 11, 30, 13, 14, 31);
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 11, 27, 0, 12, 28, 0, 13, 29, 0, 14, 30, 0, 15,
+                          31, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 26, 1, 2, 27, 4, 5, 28, 7, 8, 29, 10, 11, 30, 13, 14,
+                          31);
     }
   } else if (V == 8) {
     if (m == 0) {
@@ -7898,11 +7906,16 @@ UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
   for (int oy = 0; oy < ho; oy += 2) {
     const float* r0[7];
     const float* r1[7];
-    for (int ky = 0; ky < kh; ky++) {
-      int iy = oy * s - py + ky * D;
-      r0[ky] = ut__dw_row_split(xp, iy, h, w, s, px, Wq, PS, SL, NI, slots, tags, tmp, V);
-      r1[ky] = ut__dw_row_split(xp, iy + s, h, w, s, px, Wq, PS, SL, NI, slots, tags, tmp, V);
-    }
+    for (int ky = 0; ky < kh; ky++)
+      r0[ky] = ut__dw_row_split(xp, oy * s - py + ky * D, h, w, s, px, Wq, PS, SL, NI, slots,
+                                tags, tmp, V);
+    /* the second row's filter rows are mostly the first's, s input rows on (a ring lookup
+       apiece costs more than the FMAs of a narrow filter) */
+    int sh = s % D == 0 ? s / D : kh;
+    for (int ky = 0; ky < kh; ky++)
+      r1[ky] = ky + sh < kh ? r0[ky + sh]
+                            : ut__dw_row_split(xp, oy * s - py + ky * D + s, h, w, s, px, Wq,
+                                               PS, SL, NI, slots, tags, tmp, V);
     float* yr0 = yp + (ut__i64)oy * wo;
     float* yr1 = yr0 + wo;
     bool two = oy + 1 < ho;
