@@ -5244,8 +5244,11 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
    iy = oy*s - py + ky. Each input row is turned once into s phase rows (zero padded at the
    ends, P_b[c] = x[iy][c*s + b - px]) kept in a ring of kh slots, so every tap (ky, kx) is one
    contiguous stream P_{kx%s}[ox + kx/s] and a vector of 16 outputs is kh*kw loads + FMAs with
-   the weights in registers; rows outside x read a zero slot. 3x3 and 5x5 at strides 1 and 2
-   are compiled with constant sizes.
+   the weights in registers; rows outside x read a zero slot. 3x3 and 5x5 at stride 1 are
+   compiled with constant sizes; every other filter up to 7x7 (any stride, any dilation, the
+   taps spaced by the engine rather than by zeros in the filter) runs on the any-height
+   engines, compiled per filter width, which keep their sums in registers over the filter rows
+   and split strided rows into phases with vector shuffles (ut__dwf_rows_kw, ut__dwdw_rows_kw).
 
    Flat engine (stride 1, "same" geometry: ho == h, wo == w, small planes). The plane is one
    stream: output o reads input o + d_t for tap t, d_t = (ky-py)*w + kx-px, and a precomputed
@@ -5258,6 +5261,8 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
    later, which overwrite them. Only stores reaching past ylim are cut.
    ============================================================================================ */
 #define UT__DW_R16(v) (((v) + 15) & ~(ut__i64)15)
+/* go rows a block of the any-height filter-gradient engine (ut__dwdw_rows_kw) */
+#define UT__DWDW_RB 8
 
 /* Everything a depthwise call needs; built by the entry points, read by the ISA variants. */
 typedef struct ut__dwctx {
@@ -5268,6 +5273,7 @@ typedef struct ut__dwctx {
   float* y;
   float* dw;
   int c, h, w, kh, kw, s, py, px, ho, wo;
+  int dil; /* tap spacing of the any-height row engine (ut__dwf_rows_kw); 0 or 1: none */
   ut__i64 planes;
   /* row engine sizes */
   int Wq, nv, PS, SL; /* phase row length, vectors per output row, phase row / slot stride */
@@ -5422,35 +5428,43 @@ static int ut__cpu_col2im_f32(const float* col, float* dx, const ut__conv_geom* 
    (free it), NULL when unused. */
 static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
   const int V = ut__cpu_isa()->dw_lanes;
-  int kh = C->kh, kw = C->kw, s = C->s;
+  int s = C->s, dl = C->dil > 1 ? C->dil : 1;
+  int kh = (C->kh - 1) * dl + 1, kw = (C->kw - 1) * dl + 1; /* the window's extent */
   *tab = NULL;
   /* the ring of phase rows (s * PS floats a slot) and the stride >= 2 gather's s * s tables grow
      with the stride: geometries whose scratch would not fit an int index or 2^40 floats a
      thread are refused (0) rather than overflowing the sizes below */
   ut__i64 ps = UT__DW_R16(((ut__i64)C->wo + V - 1) / V * V + (kw - 1) / s);
   if ((double)s * ps > (double)(INT_MAX / 2) ||
-      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 3) * s * ps > 1099511627776.0)
+      (double)s * s * (3.0 * kh * kw + 1) + (double)(kh + 8 * s + 3) * s * ps > 1099511627776.0)
     return 0;
   C->Wq = C->wo + (kw - 1) / s;
   C->nv = (C->wo + V - 1) / V;
   C->PS = (int)UT__DW_R16((ut__i64)C->nv * V + (kw - 1) / s);
   C->SL = (int)UT__DW_R16((ut__i64)s * C->PS);
   ut__i64 taps = (ut__i64)kh * kw;
-  ut__i64 per = (ut__i64)(kh + 2) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
-                taps * V + kh + kw + 64;
+  /* kh + s + 1 ring slots and the zero slot: the any-height row engine's two output rows */
+  ut__i64 per = (ut__i64)(kh + s + 3) * C->SL + 2 * ((ut__i64)C->nv * V + V) +
+                taps * V + kh + kw + s + 192;
+  /* the any-height filter gradient's block: ring, go rows, partial sums, tags */
+  {
+    ut__i64 nb = (ut__i64)(UT__DWDW_RB - 1) * s + kh;
+    per = UT__CPU_MAX(per, (nb + 3) * C->SL + UT__DWDW_RB * ((ut__i64)C->nv * V + V) +
+                               taps * V + 3 * nb + 256);
+  }
   /* stride >= 2 input gradient */
   {
     int L = (kw - 1) / s, nq = (C->w + s - 1) / s, nvq = (nq + V - 1) / V;
     ut__i64 GP = UT__DW_R16(L + UT__CPU_MAX(nvq * V, C->wo) + (s - 1 + C->py) / s + 1);
     ut__i64 NS = (kh + s - 1) / s + 1;
-    ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + NS + 64 +
+    ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + 3 * NS + 64 +
                    (ut__i64)s * s * (3 * taps + 1);
     per = UT__CPU_MAX(per, need);
   }
   C->flat = 0;
   ut__i64 hw = (ut__i64)C->h * C->w;
-  if (s == 1 && C->ho == C->h && C->wo == C->w && (taps == 9 || taps == 25) && C->w < 32 &&
-      hw <= 256 && C->py == (kh - 1) / 2 && C->px == (kw - 1) / 2) {
+  if (s == 1 && dl == 1 && C->ho == C->h && C->wo == C->w && (taps == 9 || taps == 25) &&
+      C->w < 32 && hw <= 256 && C->py == (kh - 1) / 2 && C->px == (kw - 1) / 2) {
     int nvec = (int)((hw + V - 1) / V);
     size_t bytes = sizeof(int) * (size_t)taps +
                    sizeof(int32_t) * (size_t)V * (size_t)nvec * (size_t)(taps + 1) + 64;
@@ -5621,7 +5635,8 @@ static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const floa
    between), which is exactly the strided transposed convolution. Returns the stride-1
    geometry in g1, or false when the shape is not such a case. */
 static bool ut__cpu_dw_via_stride1(const ut__conv_geom* g, ut__conv_geom* g1) {
-  if (g->stride < 2 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) || g->pad != (g->kh - 1) / 2 ||
+  if (g->stride < 2 || g->dil > 1 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) ||
+      g->pad != (g->kh - 1) / 2 ||
       g->w >= 32 || (ut__i64)g->h * g->w > 256 || g->ho != (g->h - 1) / g->stride + 1 ||
       g->wo != (g->w - 1) / g->stride + 1)
     return false;
@@ -5708,6 +5723,12 @@ static int ut__cpu_dw_dilated(ut__conv_dir dir, const float* x, const float* go,
   return st;
 }
 
+/* Dilated filters up to 7x7 run on the any-height row engines, which space the taps
+   themselves: no zero taps, so no d^2 times the work. */
+static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
+  return g->kh <= 7 && g->kw <= 7;
+}
+
 static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,
                                   const ut__conv_geom* g, int act);
 static int ut__cpu_dw_fwd_f32(const float* x, const float* wt, const float* bias, float* y,
@@ -5722,7 +5743,7 @@ static int ut__cpu_dw_act_after(int st, float* y, const ut__conv_geom* g, int ac
 }
 static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,
                                   const ut__conv_geom* g, int act) {
-  if (g->dil > 1)
+  if (g->dil > 1 && !ut__cpu_dw_dil_native(g))
     return ut__cpu_dw_act_after(ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g), y, g,
                                 act);
   ut__conv_geom g1;
@@ -5756,6 +5777,7 @@ static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* 
   C.kw = g->kw;
   C.s = g->stride;
   C.py = C.px = g->pad;
+  C.dil = g->dil;
   C.ho = g->ho;
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * g->c;
@@ -5770,7 +5792,8 @@ static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* 
    column phase (ut__dwdx_range_body). */
 static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
                                  const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
+  if (g->dil > 1 && !(g->stride == 1 && ut__cpu_dw_dil_native(g)))
+    return ut__cpu_dw_dilated(UT__CONV_DX, NULL, go, wt, NULL, dx, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1) && ut__cpu_all_finite(wt, (ut__i64)g->c * g->kh * g->kw)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -5806,8 +5829,9 @@ static int ut__cpu_dw_bwd_dx_f32(const float* go, const float* wt, float* dx,
     C.w = g->wo;
     C.ho = g->h;
     C.wo = g->w;
-    C.py = kh - 1 - p;
-    C.px = kw - 1 - p;
+    C.py = (kh - 1) * g->dil - p;
+    C.px = (kw - 1) * g->dil - p;
+    C.dil = g->dil;
     int st = ut__cpu_dw_planes(&C, false, work, "dw_bwd_dx");
     free(rot);
     return st;
@@ -5885,7 +5909,8 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* ex_g);
 static int ut__cpu_dw_bwd_dw_f32(const float* go, const float* x, float* dw,
                                  const ut__conv_geom* g) {
-  if (g->dil > 1) return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
+  if (g->dil > 1 && !ut__cpu_dw_dil_native(g))
+    return ut__cpu_dw_dilated(UT__CONV_DW, x, go, NULL, NULL, dw, g);
   ut__conv_geom g1;
   if (ut__cpu_dw_via_stride1(g, &g1)) {
     float* up = ut__cpu_dw_spread(go, g);
@@ -5916,6 +5941,7 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
   C.kw = g->kw;
   C.s = g->stride;
   C.py = C.px = g->pad;
+  C.dil = g->dil;
   C.ho = g->ho;
   C.wo = g->wo;
   C.planes = (ut__i64)g->n * c;
@@ -7831,6 +7857,107 @@ UT__CPU_INL ut__vec ut__v_even(ut__vec x0, ut__vec x1, const int V) {
   else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 2, 4, 6);
   return r;
 }
+/* the odd lanes of x0 then of x1 (a stride-2 row's phase 1) */
+UT__CPU_INL ut__vec ut__v_odd(ut__vec x0, ut__vec x1, const int V) {
+  ut__vec r;
+  if (V == 16)
+    r.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                        29, 31);
+  else if (V == 8) r.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 1, 3, 5, 7, 9, 11, 13, 15);
+  else r.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 1, 3, 5, 7);
+  return r;
+}
+/* lanes b, b+3, b+6, ... of x0, x1, x2 (a stride-3 row's phase b): two two-vector shuffles */
+UT__CPU_INL ut__vec ut__v_third(ut__vec x0, ut__vec x1, ut__vec x2, int b, const int V) {
+  ut__vec t, r;
+  if (V == 16) {
+    if (b == 0) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 20, 23, 26,
+                          29);
+    } else if (b == 1) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18, 21, 24, 27,
+                          30);
+    } else {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0, 0, 0, 0,
+                          0, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19, 22, 25, 28,
+                          31);
+    }
+  } else if (V == 8) {
+    if (b == 0) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 3, 6, 9, 12, 15, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 5, 10, 13);
+    } else if (b == 1) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 1, 4, 7, 10, 13, 0, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 8, 11, 14);
+    } else {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 2, 5, 8, 11, 14, 0, 0, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 2, 3, 4, 9, 12, 15);
+    }
+  } else {
+    if (b == 0) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 3, 6, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 2, 5);
+    } else if (b == 1) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 1, 4, 7, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 2, 6);
+    } else {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 2, 5, 0, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 4, 7);
+    }
+  }
+  return r;
+}
+/* vector m (0..2) of x0, x1, x2 interleaved by threes (x0[0], x1[0], x2[0], x0[1], ...): a
+   stride-3 row's phases put back in place; two two-vector shuffles */
+UT__CPU_INL ut__vec ut__v_inter3(ut__vec x0, ut__vec x1, ut__vec x2, int m, const int V) {
+  ut__vec t, r;
+  if (V == 16) {
+    if (m == 0) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 16, 0, 1, 17, 0, 2, 18, 0, 3, 19, 0, 4, 20, 0,
+                          5);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 1, 16, 3, 4, 17, 6, 7, 18, 9, 10, 19, 12, 13, 20,
+                          15);
+    } else if (m == 1) {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 21, 0, 6, 22, 0, 7, 23, 0, 8, 24, 0, 9, 25, 0, 10,
+                          26);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 0, 21, 2, 3, 22, 5, 6, 23, 8, 9, 24, 11, 12, 25, 14,
+                          15);
+    } else {
+      t.z = UT__V_SHUFFLE(x0.z, x1.z, ut__v16i, 0, 11, 27, 0, 12, 28, 0, 13, 29, 0, 14, 30, 0, 15,
+                          31, 0);
+      r.z = UT__V_SHUFFLE(t.z, x2.z, ut__v16i, 26, 1, 2, 27, 4, 5, 28, 7, 8, 29, 10, 11, 30, 13, 14,
+                          31);
+    }
+  } else if (V == 8) {
+    if (m == 0) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 8, 0, 1, 9, 0, 2, 10);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 1, 8, 3, 4, 9, 6, 7);
+    } else if (m == 1) {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 0, 3, 11, 0, 4, 12, 0, 5);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 10, 1, 2, 11, 4, 5, 12, 7);
+    } else {
+      t.y = UT__V_SHUFFLE(x0.y, x1.y, ut__v8i, 13, 0, 6, 14, 0, 7, 15, 0);
+      r.y = UT__V_SHUFFLE(t.y, x2.y, ut__v8i, 0, 13, 2, 3, 14, 5, 6, 15);
+    }
+  } else {
+    if (m == 0) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 4, 0, 1);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 1, 4, 3);
+    } else if (m == 1) {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 5, 0, 2, 6);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 0, 5, 2, 3);
+    } else {
+      t.x = UT__V_SHUFFLE(x0.x, x1.x, ut__v4i, 0, 3, 7, 0);
+      r.x = UT__V_SHUFFLE(t.x, x2.x, ut__v4i, 6, 1, 2, 7);
+    }
+  }
+  return r;
+}
 /* x0 and x1 interleaved (x0[0], x1[0], x0[1], ...): its first V lanes (lo) and last V (hi) */
 UT__CPU_INL ut__vec ut__v_zip_lo(ut__vec x0, ut__vec x1, const int V) {
   ut__vec r;
@@ -8044,6 +8171,179 @@ UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
   }
 }
 
+/* Input row iy as s phase rows like ut__dw_row, for strides 2 and 3 through tmp (a zero padded
+   copy of the row: tmp[j] = x[iy][j - px]) split into its phases by vector shuffles, where
+   ut__dw_row moves one float at a time (on 28-pixel rows that moving cost more than the FMAs).
+   tmp: s * (PS + V) + 16 floats. */
+UT__CPU_INL const float* ut__dw_row_split(const float* restrict xp, int iy, int h, int w, int s,
+                                          int px, int Wq, int PS, int SL, int nslots,
+                                          float* restrict slots, int* restrict tags,
+                                          float* restrict tmp, const int V) {
+#if defined(__GNUC__)
+  if (s == 1 || s > 3 || V == 1 || iy < 0 || iy >= h)
+    return ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, nslots, slots, tags, V);
+  int k = iy % nslots;
+  float* dst = slots + (ut__i64)(k + 1) * SL;
+  if (tags[k] == iy) return dst;
+  tags[k] = iy;
+  int nc = (Wq + V - 1) / V * V; /* phase floats written (<= PS: zeros past Wq) */
+  int tn = s * nc + s * V;       /* tmp floats read */
+  int c0 = UT__CPU_MIN(px, tn), c1 = UT__CPU_MIN(px + w, tn);
+  for (int j = 0; j < c0; j++) tmp[j] = 0.0f;
+  if (c1 > c0) memcpy(tmp + c0, xp + (ut__i64)iy * w, (size_t)(c1 - c0) * sizeof(float));
+  for (int j = UT__CPU_MAX(c1, c0); j < tn; j++) tmp[j] = 0.0f;
+  if (s == 2) {
+    for (int c = 0; c < nc; c += V) {
+      ut__vec x0 = ut__v_ld(tmp + 2 * c, V), x1 = ut__v_ld(tmp + 2 * c + V, V);
+      ut__v_st(dst + c, ut__v_even(x0, x1, V), V);
+      ut__v_st(dst + PS + c, ut__v_odd(x0, x1, V), V);
+    }
+  } else {
+    for (int c = 0; c < nc; c += V) {
+      const float* t = tmp + 3 * c;
+      ut__vec x0 = ut__v_ld(t, V), x1 = ut__v_ld(t + V, V), x2 = ut__v_ld(t + 2 * V, V);
+      for (int bb = 0; bb < 3; bb++)
+        ut__v_st(dst + (ut__i64)bb * PS + c, ut__v_third(x0, x1, x2, bb, V), V);
+    }
+  }
+  return dst;
+#else
+  (void)tmp;
+  return ut__dw_row(xp, iy, h, w, s, px, Wq, PS, SL, nslots, slots, tags, V);
+#endif
+}
+
+/* Row engine, one plane, any filter height: KW taps a row (a constant when inlined with a
+   literal) at any stride with the taps C->dil apart (rows too). A step computes two output rows
+   and two vectors of each: four independent sums stay in registers over the filter rows' loop,
+   where ut__dwf_rows_gen adds every tap into memory; a lone last vector splits its sums over
+   even and odd filter rows instead. The ring holds the s + (kh-1)*dil + 1 input rows a step
+   spans. Stores go last vector to first, as in ut__dwf_rows_k. */
+UT__CPU_INL void ut__dwf_rows_kw(const ut__dwctx* C, const float* restrict xp,
+                                 const float* restrict wk, float b, float* restrict yp,
+                                 const float* ylim, float* restrict buf, const int KW,
+                                 const int V) {
+  int h = C->h, w = C->w, kh = C->kh, s = C->s, py = C->py, px = C->px, ho = C->ho, wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL, D = C->dil > 1 ? C->dil : 1;
+  int NI = s + (kh - 1) * D + 1;
+  float* slots = buf;
+  int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
+  float* tmp = buf + (ut__i64)(NI + 1) * SL + 64;
+  for (int k = 0; k < NI; k++) tags[k] = -1;
+  int off[7];
+  UT__DW_UNROLL
+  for (int kx = 0; kx < KW; kx++) off[kx] = (kx * D % s) * PS + kx * D / s;
+  for (int oy = 0; oy < ho; oy += 2) {
+    const float* r0[7];
+    const float* r1[7];
+    for (int ky = 0; ky < kh; ky++)
+      r0[ky] = ut__dw_row_split(xp, oy * s - py + ky * D, h, w, s, px, Wq, PS, SL, NI, slots,
+                                tags, tmp, V);
+    /* the second row's filter rows are mostly the first's, s input rows on (a ring lookup
+       apiece costs more than the FMAs of a narrow filter) */
+    int sh = s % D == 0 ? s / D : kh;
+    for (int ky = 0; ky < kh; ky++)
+      r1[ky] = ky + sh < kh ? r0[ky + sh]
+                            : ut__dw_row_split(xp, oy * s - py + ky * D + s, h, w, s, px, Wq,
+                                               PS, SL, NI, slots, tags, tmp, V);
+    float* yr0 = yp + (ut__i64)oy * wo;
+    float* yr1 = yr0 + wo;
+    bool two = oy + 1 < ho;
+    for (int v = nv - 1; v >= 1; v -= 2) {
+      int u = v - 1;
+      /* eight sums: (row, vector) x (even, odd filter row), enough chains to fill both FMA
+         ports through their latency */
+      ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(b, V), a1 = ut__v_dup(b, V),
+              c1 = ut__v_dup(b, V);
+      ut__vec e0 = ut__v_dup(0.0f, V), f0 = ut__v_dup(0.0f, V), e1 = ut__v_dup(0.0f, V),
+              f1 = ut__v_dup(0.0f, V);
+      int ky = 0;
+      for (; ky + 1 < kh; ky += 2) {
+        const float* p0 = r0[ky];
+        const float* p1 = r1[ky];
+        const float* q0 = r0[ky + 1];
+        const float* q1 = r1[ky + 1];
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          float wv = wr[kx], wn = wr[KW + kx];
+          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off[kx] + v * V, V), V);
+          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off[kx] + u * V, V), V);
+          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off[kx] + v * V, V), V);
+          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off[kx] + u * V, V), V);
+          e0 = ut__v_fma(e0, wn, ut__v_ld(q0 + off[kx] + v * V, V), V);
+          f0 = ut__v_fma(f0, wn, ut__v_ld(q0 + off[kx] + u * V, V), V);
+          e1 = ut__v_fma(e1, wn, ut__v_ld(q1 + off[kx] + v * V, V), V);
+          f1 = ut__v_fma(f1, wn, ut__v_ld(q1 + off[kx] + u * V, V), V);
+        }
+      }
+      if (ky < kh) {
+        const float* p0 = r0[ky];
+        const float* p1 = r1[ky];
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          float wv = wr[kx];
+          a0 = ut__v_fma(a0, wv, ut__v_ld(p0 + off[kx] + v * V, V), V);
+          c0 = ut__v_fma(c0, wv, ut__v_ld(p0 + off[kx] + u * V, V), V);
+          a1 = ut__v_fma(a1, wv, ut__v_ld(p1 + off[kx] + v * V, V), V);
+          c1 = ut__v_fma(c1, wv, ut__v_ld(p1 + off[kx] + u * V, V), V);
+        }
+      }
+      ut__v_st_lim(yr0 + v * V, ut__v_add(a0, e0, V), ylim, V);
+      ut__v_st_lim(yr0 + u * V, ut__v_add(c0, f0, V), ylim, V);
+      if (two) {
+        ut__v_st_lim(yr1 + v * V, ut__v_add(a1, e1, V), ylim, V);
+        ut__v_st_lim(yr1 + u * V, ut__v_add(c1, f1, V), ylim, V);
+      }
+    }
+    if (nv & 1) { /* vector 0 alone: sums over even and odd filter rows */
+      ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(b, V),
+              c1 = ut__v_dup(0.0f, V);
+      int ky = 0;
+      for (; ky + 1 < kh; ky += 2) {
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          a0 = ut__v_fma(a0, wr[kx], ut__v_ld(r0[ky] + off[kx], V), V);
+          a1 = ut__v_fma(a1, wr[kx], ut__v_ld(r1[ky] + off[kx], V), V);
+          c0 = ut__v_fma(c0, wr[KW + kx], ut__v_ld(r0[ky + 1] + off[kx], V), V);
+          c1 = ut__v_fma(c1, wr[KW + kx], ut__v_ld(r1[ky + 1] + off[kx], V), V);
+        }
+      }
+      if (ky < kh) {
+        const float* wr = wk + ky * KW;
+        UT__DW_UNROLL
+        for (int kx = 0; kx < KW; kx++) {
+          a0 = ut__v_fma(a0, wr[kx], ut__v_ld(r0[ky] + off[kx], V), V);
+          a1 = ut__v_fma(a1, wr[kx], ut__v_ld(r1[ky] + off[kx], V), V);
+        }
+      }
+      ut__v_st_lim(yr0, ut__v_add(a0, c0, V), ylim, V);
+      if (two) ut__v_st_lim(yr1, ut__v_add(a1, c1, V), ylim, V);
+    }
+  }
+}
+
+/* The any-height row engines cover filters up to 7x7 at any stride and dilation (their
+   buffers are sized by ut__dw_setup); the width is a constant per call. */
+static inline bool ut__dw_rows_kw_fits(const ut__dwctx* C) {
+  return C->kh >= 1 && C->kh <= 7 && C->kw >= 1 && C->kw <= 7;
+}
+UT__CPU_INL void ut__dwf_rows_any(const ut__dwctx* C, const float* restrict xp,
+                                  const float* restrict wk, float b, float* restrict yp,
+                                  const float* ylim, float* restrict buf, const int V) {
+  switch (C->kw) {
+    case 1: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 1, V); break;
+    case 2: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 2, V); break;
+    case 3: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 3, V); break;
+    case 4: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 4, V); break;
+    case 5: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 5, V); break;
+    case 6: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 6, V); break;
+    default: ut__dwf_rows_kw(C, xp, wk, b, yp, ylim, buf, 7, V); break;
+  }
+}
+
 /* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
 UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
                                 const float* restrict wk, float b, float* restrict yp,
@@ -8095,14 +8395,13 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       continue;
     }
     const float* xp = C->x + q * hw;
-    if (kh == 3 && kw == 3 && s == 1)
+    bool plain = C->dil <= 1;
+    if (plain && kh == 3 && kw == 3 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
-    else if (kh == 3 && kw == 3 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 2, V);
-    else if (kh == 5 && kw == 5 && s == 1)
+    else if (plain && kh == 5 && kw == 5 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
-    else if (kh == 5 && kw == 5 && s == 2)
-      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 2, V);
+    else if (ut__dw_rows_kw_fits(C))
+      ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
     else
       ut__dwf_rows_gen(C, xp, wk, b, yp, buf, V);
   }
@@ -8125,7 +8424,9 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
   float* E = ring + (ut__i64)NS * GP;
   const float** tp = (const float**)(void*)(E + (ut__i64)s * nvq * V);
   float* tw = (float*)(void*)(tp + taps);
-  int* tags = (int*)(void*)(tw + taps);
+  const float** grow = /* [NS] this dx row's go rows (8-byte aligned) */
+      (const float**)(void*)(tw + taps + (taps & 1));
+  int* tags = (int*)(void*)(grow + NS);
   /* tap table: for class a = (iy+p) mod s and phase b, entries (dky, t, e) */
   int* tcnt = tags + NS;           /* [s*s] */
   int* tab = tcnt + (ut__i64)s * s; /* [s*s][taps][3] */
@@ -8153,29 +8454,53 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
     for (int k = 0; k < NS; k++) tags[k] = -1;
     for (int iy = 0; iy < h; iy++) {
       int a = (iy + p) % s, oyb = (iy + p - a) / s;
+      /* the go rows oyb - dky this row reads, looked up once for all its phases and taps */
+      for (int j = 0; j < NS; j++) {
+        int oy = oyb - j;
+        if (oy < 0 || oy >= ho) {
+          grow[j] = NULL;
+          continue;
+        }
+        int k = oy % NS;
+        float* row = ring + (ut__i64)k * GP;
+        if (tags[k] != oy) {
+          tags[k] = oy;
+          for (int jj = 0; jj < L; jj++) row[jj] = 0.0f;
+          memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
+          for (int jj = L + wo; jj < GP; jj++) row[jj] = 0.0f;
+        }
+        grow[j] = row + L;
+      }
       for (int bb = 0; bb < s; bb++) {
         int nt = 0, cnt = tcnt[a * s + bb];
         const int* e3 = tab + (ut__i64)(a * s + bb) * taps * 3;
         for (int i = 0; i < cnt; i++) {
-          int oy = oyb - e3[3 * i];
-          if (oy < 0 || oy >= ho) continue;
-          int k = oy % NS;
-          float* row = ring + (ut__i64)k * GP;
-          if (tags[k] != oy) {
-            tags[k] = oy;
-            for (int j = 0; j < L; j++) row[j] = 0.0f;
-            memcpy(row + L, gp + (ut__i64)oy * wo, (size_t)wo * sizeof(float));
-            for (int j = L + wo; j < GP; j++) row[j] = 0.0f;
-          }
-          tp[nt] = row + L + e3[3 * i + 2];
+          const float* row = grow[e3[3 * i]];
+          if (!row) continue;
+          tp[nt] = row + e3[3 * i + 2];
           tw[nt] = wk[e3[3 * i + 1]];
           nt++;
         }
         float* Eb = E + (ut__i64)bb * nvq * V;
-        for (int v = 0; v < nvq; v++) {
-          ut__vec acc = ut__v_dup(0.0f, V);
-          for (int i = 0; i < nt; i++) acc = ut__v_fma(acc, tw[i], ut__v_ld(tp[i] + v * V, V), V);
-          ut__v_st(Eb + v * V, acc, V);
+        int v = 0;
+        for (; v + 2 <= nvq; v += 2) { /* two vectors: two independent sums */
+          ut__vec a0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(0.0f, V);
+          for (int i = 0; i < nt; i++) {
+            a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+            a1 = ut__v_fma(a1, tw[i], ut__v_ld(tp[i] + v * V + V, V), V);
+          }
+          ut__v_st(Eb + v * V, a0, V);
+          ut__v_st(Eb + v * V + V, a1, V);
+        }
+        for (; v < nvq; v++) { /* a lone vector: two sums over alternate taps */
+          ut__vec a0 = ut__v_dup(0.0f, V), a1 = ut__v_dup(0.0f, V);
+          int i = 0;
+          for (; i + 1 < nt; i += 2) {
+            a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+            a1 = ut__v_fma(a1, tw[i + 1], ut__v_ld(tp[i + 1] + v * V, V), V);
+          }
+          if (i < nt) a0 = ut__v_fma(a0, tw[i], ut__v_ld(tp[i] + v * V, V), V);
+          ut__v_st(Eb + v * V, ut__v_add(a0, a1, V), V);
         }
       }
       float* dr = dxp + (ut__i64)iy * w;
@@ -8198,6 +8523,19 @@ UT__CPU_INL void ut__dwdx_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
           dr[2 * i + 1] = e1[i];
         }
         if (w & 1) dr[w - 1] = e0[w2];
+#endif
+#if defined(__GNUC__)
+      } else if (s == 3) { /* whole vectors, as at stride 2 */
+        const float* e0 = E;
+        const float* e1 = E + (ut__i64)nvq * V;
+        const float* e2 = e1 + (ut__i64)nvq * V;
+        for (int v = 0; v < nvq; v++) {
+          ut__vec x0 = ut__v_ld(e0 + v * V, V), x1 = ut__v_ld(e1 + v * V, V),
+                  x2 = ut__v_ld(e2 + v * V, V);
+          for (int m = 0; m < 3; m++)
+            if (3 * v * V + m * V < w)
+              ut__v_st_lim(dr + 3 * v * V + m * V, ut__v_inter3(x0, x1, x2, m, V), dlim, V);
+        }
 #endif
       } else {
         for (int bb = 0; bb < s; bb++) {
@@ -8318,6 +8656,105 @@ UT__CPU_INL void ut__dwdw_rows_gen(const ut__dwctx* C, int ch, double* restrict 
   }
 }
 
+/* Filter gradient of one channel over the batch, any filter height: KW taps a row (a constant
+   when inlined with a literal), any stride, taps C->dil apart. Blocks of UT__DWDW_RB go rows:
+   the input rows a block reads are split into phase rows once (a ring of NB slots), then each
+   filter row's KW taps are summed in registers over the whole block (2 or 4 sets over go rows
+   when KW <= 3, for independent chains), into float partial sums per tap that are added
+   into the doubles every ~128 vectors, as ut__dwdw_rows_k does. */
+UT__CPU_INL void ut__dwdw_rows_kw(const ut__dwctx* C, int ch, double* restrict dacc,
+                                  float* restrict buf, const int KW, const int V) {
+  int c = C->c, h = C->h, w = C->w, kh = C->kh, s = C->s, py = C->py, px = C->px, ho = C->ho,
+      wo = C->wo;
+  int Wq = C->Wq, nv = C->nv, PS = C->PS, SL = C->SL, D = C->dil > 1 ? C->dil : 1;
+  ut__i64 hw = (ut__i64)h * w, ohw = (ut__i64)ho * wo;
+  const int RB = UT__DWDW_RB;
+  const int NA = KW <= 2 ? 4 : KW == 3 ? 2 : 1; /* NA * KW >= 4 independent sums */
+  int NB = (RB - 1) * s + (kh - 1) * D + 1, GS = nv * V + V;
+  float* slots = buf;
+  float* gt = buf + (ut__i64)(NB + 1) * SL; /* the block's go rows, zero past wo */
+  float* A = gt + (ut__i64)RB * GS;          /* [kh * KW][V] float partial sums */
+  int* tags = (int*)(void*)(A + (ut__i64)kh * KW * V);
+  float* tmp = A + (ut__i64)kh * KW * V + 64;
+  int flush = UT__CPU_MAX(RB, 128 / nv / RB * RB);
+  int off[7];
+  UT__DW_UNROLL
+  for (int kx = 0; kx < KW; kx++) off[kx] = (kx * D % s) * PS + kx * D / s;
+  const float** rows = (const float**)(void*)(tmp + (ut__i64)s * (PS + V) + 16);
+  for (int n = 0; n < C->planes / c; n++) {
+    ut__i64 q = (ut__i64)n * c + ch;
+    const float* xp = C->x + q * hw;
+    const float* gp = C->go + q * ohw;
+    for (int k = 0; k < NB; k++) tags[k] = -1;
+    for (int oy0 = 0; oy0 < ho; oy0 += flush) {
+      int oyf = UT__CPU_MIN(ho, oy0 + flush);
+      for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++) ut__v_st(A + t * V, ut__v_dup(0.0f, V), V);
+      for (int ob = oy0; ob < oyf; ob += RB) {
+        int nb = UT__CPU_MIN(RB, oyf - ob), nr = (nb - 1) * s + (kh - 1) * D + 1;
+        for (int i = 0; i < nr; i++)
+          rows[i] = ut__dw_row_split(xp, ob * s - py + i, h, w, s, px, Wq, PS, SL, NB, slots,
+                                     tags, tmp, V);
+        for (int r = 0; r < nb; r++)
+          memcpy(gt + (ut__i64)r * GS, gp + (ut__i64)(ob + r) * wo, (size_t)wo * sizeof(float));
+        for (int ky = 0; ky < kh; ky++) {
+          float* Ak = A + (ut__i64)ky * KW * V;
+          ut__vec a[4][7]; /* NA sets of KW sums, one per go row of each group of NA */
+          UT__DW_UNROLL
+          for (int j = 0; j < NA; j++)
+            UT__DW_UNROLL
+            for (int kx = 0; kx < KW; kx++)
+              a[j][kx] = j ? ut__v_dup(0.0f, V) : ut__v_ld(Ak + kx * V, V);
+          int r = 0;
+          for (; r + NA <= nb; r += NA) {
+            const float* pj[4];
+            UT__DW_UNROLL
+            for (int j = 0; j < NA; j++) pj[j] = rows[(r + j) * s + ky * D];
+            const float* g0 = gt + (ut__i64)r * GS;
+            for (int v = 0; v < nv; v++)
+              UT__DW_UNROLL
+              for (int j = 0; j < NA; j++) {
+                ut__vec G = ut__v_ld(g0 + (ut__i64)j * GS + v * V, V);
+                UT__DW_UNROLL
+                for (int kx = 0; kx < KW; kx++)
+                  a[j][kx] = ut__v_fmav(a[j][kx], G, ut__v_ld(pj[j] + off[kx] + v * V, V), V);
+              }
+          }
+          for (; r < nb; r++) {
+            const float* p0 = rows[r * s + ky * D];
+            const float* g0 = gt + (ut__i64)r * GS;
+            for (int v = 0; v < nv; v++) {
+              ut__vec G0 = ut__v_ld(g0 + v * V, V);
+              UT__DW_UNROLL
+              for (int kx = 0; kx < KW; kx++)
+                a[0][kx] = ut__v_fmav(a[0][kx], G0, ut__v_ld(p0 + off[kx] + v * V, V), V);
+            }
+          }
+          UT__DW_UNROLL
+          for (int j = 1; j < NA; j++)
+            UT__DW_UNROLL
+            for (int kx = 0; kx < KW; kx++) a[0][kx] = ut__v_add(a[0][kx], a[j][kx], V);
+          UT__DW_UNROLL
+          for (int kx = 0; kx < KW; kx++) ut__v_st(Ak + kx * V, a[0][kx], V);
+        }
+      }
+      for (ut__i64 t = 0; t < (ut__i64)kh * KW; t++)
+        ut__v_acc_d(dacc + t * V, ut__v_ld(A + t * V, V), V);
+    }
+  }
+}
+UT__CPU_INL void ut__dwdw_rows_any(const ut__dwctx* C, int ch, double* restrict dacc,
+                                   float* restrict buf, const int V) {
+  switch (C->kw) {
+    case 1: ut__dwdw_rows_kw(C, ch, dacc, buf, 1, V); break;
+    case 2: ut__dwdw_rows_kw(C, ch, dacc, buf, 2, V); break;
+    case 3: ut__dwdw_rows_kw(C, ch, dacc, buf, 3, V); break;
+    case 4: ut__dwdw_rows_kw(C, ch, dacc, buf, 4, V); break;
+    case 5: ut__dwdw_rows_kw(C, ch, dacc, buf, 5, V); break;
+    case 6: ut__dwdw_rows_kw(C, ch, dacc, buf, 6, V); break;
+    default: ut__dwdw_rows_kw(C, ch, dacc, buf, 7, V); break;
+  }
+}
+
 /* Filter gradient, flat engine, TAPS taps: go lanes past the plane are masked by the
    output-valid mask, x lanes outside the plane by the tap masks. */
 UT__CPU_INL void ut__dwdw_flat_k(const ut__dwctx* C, int ch, double* restrict dacc,
@@ -8365,14 +8802,13 @@ UT__CPU_INL void ut__dwdw_chan_body(const ut__dwctx* C, int ch, double* restrict
       ut__dwdw_rows_gen(C, ch, dacc, buf, V); /* (flat is only chosen for 9 and 25 taps) */
     return;
   }
-  if (kh == 3 && kw == 3 && s == 1)
+  bool plain = C->dil <= 1;
+  if (plain && kh == 3 && kw == 3 && s == 1)
     ut__dwdw_rows_k(C, ch, dacc, buf, 3, 1, V);
-  else if (kh == 3 && kw == 3 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 3, 2, V);
-  else if (kh == 5 && kw == 5 && s == 1)
+  else if (plain && kh == 5 && kw == 5 && s == 1)
     ut__dwdw_rows_k(C, ch, dacc, buf, 5, 1, V);
-  else if (kh == 5 && kw == 5 && s == 2)
-    ut__dwdw_rows_k(C, ch, dacc, buf, 5, 2, V);
+  else if (ut__dw_rows_kw_fits(C))
+    ut__dwdw_rows_any(C, ch, dacc, buf, V);
   else
     ut__dwdw_rows_gen(C, ch, dacc, buf, V);
 }

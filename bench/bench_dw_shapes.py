@@ -1,0 +1,132 @@
+"""CPU depthwise convolution over kernel shapes (square or not), strides and dilations, against
+PyTorch, forward and one training step (forward + backward with dx and dW).
+
+    python bench/bench_dw_shapes.py [--threads 2] [--kernels 3x3,5x5,7x7,3x5,5x3,1x7,7x1]
+                                    [--strides 1,2,3] [--dilations 1,2] [--channels 32,256]
+                                    [--planes 28,56] [--batch 8] [--reps 5] [--modes fwd,step]
+
+fp32, padding dilation * (min(kh, kw) // 2). Each case times utensil and PyTorch in alternating
+rounds and keeps the best of --reps rounds each (the machine may be shared: the best is the
+least disturbed). Prints one row per case and mode with PyTorch's time / utensil's (> 1: utensil
+faster), then the geometric mean and the worst case per mode.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import utensil_ffi as ut  # noqa: E402
+
+
+def _best_pair(a, b, reps):
+    a()
+    b()
+    ta, tb = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a()
+        ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - t0)
+    return min(ta) * 1e3, min(tb) * 1e3
+
+
+def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32,), planes=(28,),
+        batch=8, reps=5, modes=("fwd", "step"), out=print):
+    import torch
+
+    ut.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    for kh, kw in kernels:
+        for s in strides:
+            for d in dilations:
+                for c in channels:
+                    for h in planes:
+                        pad = d * (min(kh, kw) // 2)
+                        if h + 2 * pad < d * (max(kh, kw) - 1) + 1:
+                            continue
+                        x = rng.standard_normal((batch, c, h, h)).astype(np.float32)
+                        with ut.DWConv2d(c, (kh, kw), stride=s, padding=pad, bias=False,
+                                         dilation=d) as layer:
+                            xt = ut.tensor(x)
+                            y = layer(xt)
+                            go = rng.standard_normal(y.shape).astype(np.float32)
+                            y.close()
+                            gt = ut.tensor(go)
+                            conv = torch.nn.Conv2d(c, c, (kh, kw), stride=s, padding=pad,
+                                                   dilation=d, groups=c, bias=False)
+                            tx = torch.from_numpy(x).requires_grad_()
+                            tg = torch.from_numpy(go)
+
+                            def ours_fwd():
+                                layer(xt).close()
+
+                            def ours_step():
+                                o = layer(xt)
+                                layer.backward(gt).close()
+                                o.close()
+
+                            def theirs_fwd():
+                                with torch.no_grad():
+                                    conv(tx)
+
+                            def theirs_step():
+                                conv(tx).backward(tg)
+
+                            for mode in modes:
+                                a, b = _best_pair(*((ours_fwd, theirs_fwd) if mode == "fwd"
+                                                    else (ours_step, theirs_step)), reps)
+                                row = (mode, kh, kw, s, d, c, h, a, b, b / a)
+                                rows.append(row)
+                                out("| %s | %dx%d | %d | %d | %d | %d | %.3f | %.3f | %.2f |" % row)
+                            xt.close()
+                            gt.close()
+    return rows
+
+
+def summary(rows, out=print):
+    for mode in sorted({r[0] for r in rows}):
+        rs = [r for r in rows if r[0] == mode]
+        g = math.exp(sum(math.log(r[-1]) for r in rs) / len(rs))
+        worst = min(rs, key=lambda r: r[-1])
+        below = sum(1 for r in rs if r[-1] < 1.0)
+        out("%s: %d cases, geomean %.2fx, worst %.2fx (%dx%d s%d d%d C%d H%d), %d below 1.0x" % (
+            mode, len(rs), g, worst[-1], worst[1], worst[2], worst[3], worst[4], worst[5],
+            worst[6], below))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python bench/bench_dw_shapes.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", default="3x3,5x5,7x7,3x5,5x3,1x7,7x1")
+    p.add_argument("--strides", default="1,2,3")
+    p.add_argument("--dilations", default="1,2")
+    p.add_argument("--channels", default="32,256")
+    p.add_argument("--planes", default="28,56")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--modes", default="fwd,step")
+    a = p.parse_args(argv)
+    ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
+    kernels = tuple(tuple(int(v) for v in k.split("x")) for k in a.kernels.split(",") if k)
+    print("| mode | k | stride | dilation | C | H | utensil ms | PyTorch ms | PyTorch/utensil |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = run(a.threads, kernels, ints(a.strides), ints(a.dilations), ints(a.channels),
+               ints(a.planes), a.batch, a.reps, tuple(a.modes.split(",")),
+               out=lambda s: print(s, flush=True))
+    summary(rows)
+
+
+if __name__ == "__main__":
+    main()
