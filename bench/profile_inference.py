@@ -3,7 +3,7 @@ folded convolution step (issue 32: every convolution + BatchNorm2d runs as one s
 one), with each kind's GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
 
     python bench/profile_inference.py [--net mobilenet_v2] [--size 224] [--batch 1]
-                                      [--threads 2] [--calls 5]
+                                      [--threads 2] [--calls 5] [--by-shape]
 
 The network and its BatchNorm statistics are bench_inference.py's. Timings are wall-clock
 around each C call, so on a busy machine compare shares, not milliseconds.
@@ -42,7 +42,7 @@ def _flops(conv, y):
     return 2.0 * n * o * ho * wo * per_out
 
 
-def profile(net_name, size, batch, threads, calls):
+def profile(net_name, size, batch, threads, calls, by_shape=False):
     ut.set_num_threads(threads)
     net = build(net_name, "cpu")
     net.eval()
@@ -55,6 +55,8 @@ def profile(net_name, size, batch, threads, calls):
         t0 = time.perf_counter()
         y = real(conv, bn, xin, act)
         k = _kind(conv)
+        if by_shape:  # each layer shape on its own line: which GEMM or plane shape is slow
+            k += " %4d->%-4d %3dx%-3d" % (getattr(conv, "in_channels", y.shape[1]), y.shape[1], y.shape[2], y.shape[3])
         secs[k] += time.perf_counter() - t0
         flops[k] += _flops(conv, y)
         return y
@@ -74,7 +76,7 @@ def profile(net_name, size, batch, threads, calls):
     print("%s %d^2, batch %d, %d threads: %.2f ms per forward (%.1f img/s)"
           % (net_name, size, batch, threads, total * 1e3, batch / total))
     for k, s in sorted(secs.items(), key=lambda kv: -kv[1]):
-        print("  %-12s %8.2f ms  %5.1f%%  %7.1f GFLOP/s"
+        print("  %-12s %8.3f ms  %5.1f%%  %7.1f GFLOP/s"
               % (k, s / calls * 1e3, 100 * s / calls / total, flops[k] / s / 1e9))
     rest = total - sum(secs.values()) / calls
     print("  %-12s %8.2f ms  %5.1f%%" % ("rest", rest * 1e3, 100 * rest / total))
@@ -87,8 +89,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--by-shape", action="store_true",
+                   help="a line per (kind, channels in -> out, output plane) instead of per kind")
     a = p.parse_args(argv)
-    profile(a.net, a.size, a.batch, a.threads, a.calls)
+    profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape)
 
 
 if __name__ == "__main__":

@@ -1091,6 +1091,7 @@ UT__ACT_FN float ut__act_grad(int act, float go, float x) {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ---- errors ------------------------------------------------------------------------------ */
@@ -4474,10 +4475,16 @@ long long ut_field_offset(const char* type_name, const char* field_name) {
    that parked workers return into is never unmapped. */
 typedef void (*ut__pool_fn)(void* ctx, int tid, int nt);
 
-/* Spins of the workers (for the next job) and of the owner (for the last parts) before they
-   sleep: about 50 us at 25 ns a pause (AMD; 3 to 40 ns on Intel), enough for back-to-back ops,
-   short enough that an idle pool does not take a 2-core machine's CPU from its neighbours. */
-#define UT__POOL_SPIN 2000
+/* How long the workers (for the next job) and the owner (for the last parts) spin before they
+   sleep, in nanoseconds of the monotonic clock (a count of pauses was 23 us on one Xeon and
+   ~100 on another: a pause takes 3 to 140 cycles). Between the ops of a Python forward lie
+   tens of microseconds of interpreter: with 23 us the worker slept through most of them, and
+   waking it cost more than the op (MobileNetV2's batch-1 forward on 2 cores: 12.4 ms, 9 ms
+   with the worker kept awake). 200 us covers those gaps; an idle pool still sleeps after it,
+   so it does not keep a 2-core machine's CPU from its neighbours. */
+#define UT__POOL_SPIN_NS 200000
+#define UT__POOL_SPIN_CHECK 32     /* pauses between two reads of the clock */
+#define UT__POOL_SPIN_MAX 1000000   /* pauses at most, whatever the clock says */
 
 static pthread_mutex_t ut__pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t ut__pool_wake = PTHREAD_COND_INITIALIZER; /* workers: a new job */
@@ -4492,6 +4499,18 @@ static int ut__pool_nworkers = 0;        /* changed by the owner, under ut__pool
 static uint32_t ut__pool_gen = 0;        /* the owner's */
 static ut__pool_fn ut__pool_fn_cur;      /* stable while any part of the job is unfinished */
 static void* ut__pool_ctx_cur;
+
+/* (a plain -std=c11 program that includes the implementation has no POSIX clocks: the
+   calendar clock then, which may jump, so the spins are also capped by a count) */
+static inline long long ut__pool_now_ns(void) {
+  struct timespec t;
+#if defined(CLOCK_MONOTONIC)
+  clock_gettime(CLOCK_MONOTONIC, &t);
+#else
+  timespec_get(&t, TIME_UTC);
+#endif
+  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static inline void ut__pool_relax(void) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -4560,9 +4579,12 @@ static void* ut__pool_worker(void* arg) {
   uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation before the job it was made for */
   for (;;) {
     unsigned long long w = atomic_load(&ut__pool_job);
-    for (int i = 0; i < UT__POOL_SPIN && (uint32_t)(w >> 32) == seen; i++) {
+    long long until = ut__pool_now_ns() + UT__POOL_SPIN_NS;
+    for (int i = 1; (uint32_t)(w >> 32) == seen; i++) {
       ut__pool_relax();
       w = atomic_load(&ut__pool_job);
+      if (i % UT__POOL_SPIN_CHECK == 0 && (ut__pool_now_ns() > until || i > UT__POOL_SPIN_MAX))
+        break;
     }
     if ((uint32_t)(w >> 32) == seen) {
       /* sleepers is raised before the job is read again and the owner reads it after
@@ -4620,7 +4642,12 @@ static void ut__parallel_run(int nt, ut__pool_fn fn, void* ctx) {
     pthread_mutex_unlock(&ut__pool_lock);
   }
   ut__pool_work(gen);
-  for (int i = 0; i < UT__POOL_SPIN && atomic_load(&ut__pool_done) != nt; i++) ut__pool_relax();
+  long long until = ut__pool_now_ns() + UT__POOL_SPIN_NS;
+  for (int i = 1; atomic_load(&ut__pool_done) != nt; i++) {
+    ut__pool_relax();
+    if (i % UT__POOL_SPIN_CHECK == 0 && (ut__pool_now_ns() > until || i > UT__POOL_SPIN_MAX))
+      break;
+  }
   if (atomic_load(&ut__pool_done) != nt) {
     pthread_mutex_lock(&ut__pool_lock);
     atomic_store(&ut__pool_waiting, 1);
@@ -5307,7 +5334,8 @@ typedef void (*ut__cpu_tconv_fn)(const float* src, ut__i64 tap_stride, const flo
    where a panel would be used only once or twice (see ut__cpu_gemm_task). */
 typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks,
                                   const float* bp, ut__i64 b_ks, float* c, ut__i64 ldc, int mr,
-                                  int nr, float alpha, float beta);
+                                  int nr, float alpha, float beta, const float* rs,
+                                  const float* rt, int act);
 typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
                                  int kc, float* acc);
 typedef struct ut__cpu_isa_kernels {
@@ -5319,6 +5347,7 @@ typedef struct ut__cpu_isa_kernels {
   ut__cpu_tconv_fn tconv;    /* col2im's gather, one plane */
   ut__cpu_gemm_kern gemm;    /* MR x NR micro-kernel */
   int gemm_mr, gemm_nr;
+  bool gemm_epi;             /* the micro-kernel applies inference's epilogue itself */
   ut__cpu_dot_kern dot;      /* dot-product engine: dot_vl lanes, dot_rm x dot_rn tiles */
   int dot_vl, dot_rm, dot_rn;
 } ut__cpu_isa_kernels;
@@ -6035,8 +6064,8 @@ UT__CPU_OPT static void ut__cpu_pack_b(const float* b, int ldb, bool tb, int k0,
    panels are read in place instead (the same products in the same order, so the same result);
    the edge panels are still packed, their padding rows and columns being zeros. */
 static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, int MR, int NR,
-                              int b0, int b1, float* c0, int ldc, float beta0, int i0, int mc,
-                              int j0, int nc, float* abuf, float* bbuf) {
+                              bool epi_kern, int b0, int b1, float* c0, int ldc, float beta0,
+                              int i0, int mc, int j0, int nc, float* abuf, float* bbuf) {
   float* c = c0 + (ut__i64)i0 * ldc + j0;
   bool first = true;
   int a_full = nc <= 2 * NR ? mc / MR * MR : 0; /* rows of A read in place */
@@ -6054,6 +6083,10 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
       float beta = first ? beta0 : 1.0f;
       first = false;
       bool epi_now = g->row_scale && bb == b1 - 1 && k0 + kc >= g->k;
+      /* ReLU-family epilogues in the micro-kernel's registers (the same operations in the
+         same order as ut__cpu_epi_rows, so the same bits); other activations after it */
+      bool epi_in_kern = epi_now && epi_kern &&
+                         (g->act == UT_ACT_NONE || g->act == UT_ACT_RELU || g->act == UT_ACT_RELU6);
       for (int jp = 0; jp < nc; jp += NR) {
         const float* bp = jp < b_full ? b + (ut__i64)k0 * g->ldb + j0 + jp
                                       : bbuf + (ut__i64)((jp - b_full) / NR) * kc * NR;
@@ -6066,8 +6099,10 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
             ap = abuf + (ut__i64)((ip - a_full) / MR) * kc * MR;
           kern(kc, ap, ip < a_full ? a_rs : 1, ip < a_full ? a_ks : MR, bp, b_ks,
                c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
-               UT__CPU_MIN(NR, nc - jp), g->alpha, beta);
-          if (epi_now) /* the tile is final: inference's epilogue while it is in cache */
+               UT__CPU_MIN(NR, nc - jp), g->alpha, beta,
+               epi_in_kern ? g->row_scale + i0 + ip : NULL,
+               epi_in_kern ? g->row_shift + i0 + ip : NULL, g->act);
+          if (epi_now && !epi_in_kern) /* the tile is final: the epilogue while it is in cache */
             ut__cpu_epi_rows(c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
                              UT__CPU_MIN(NR, nc - jp), g->row_scale + i0 + ip,
                              g->row_shift + i0 + ip, g->act);
@@ -6226,6 +6261,7 @@ static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
 typedef struct {
   const ut__gemm_args* g;
   ut__cpu_gemm_kern kern;
+  bool epi_kern;
   int MR, NR, MC, NC, nck, per;
   ut__i64 ib, jb, tasks;
   float* base;
@@ -6268,8 +6304,8 @@ static void ut__cpu_gemm_part(void* vc, int tid, int nt) {
         b1 = b0 + 1;
         c = (float*)g->c + (ut__i64)bi * g->stride_c;
       }
-      ut__cpu_gemm_task(g, kern, MR, NR, b0, b1, c, ldc, beta, i0, UT__CPU_MIN(MC, m - i0), j0,
-                        UT__CPU_MIN(NC, n - j0), abuf, bbuf);
+      ut__cpu_gemm_task(g, kern, MR, NR, cx->epi_kern, b0, b1, c, ldc, beta, i0,
+                        UT__CPU_MIN(MC, m - i0), j0, UT__CPU_MIN(NC, n - j0), abuf, bbuf);
     }
   }
 }
@@ -6339,7 +6375,7 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   float* base = ut__cpu_align64(raw);
   float* part = base + (asz + bsz) * (size_t)nt;
   size_t pstride = ((size_t)m * n + 15) & ~(size_t)15;
-  ut__cpu_gemm_ctx cx = {g, kern, MR, NR, MC, NC, nck, per, ib, jb, tasks,
+  ut__cpu_gemm_ctx cx = {g, kern, isa->gemm_epi, MR, NR, MC, NC, nck, per, ib, jb, tasks,
                          base, part, asz, bsz, pstride, 0};
   ut__parallel_run(nt, ut__cpu_gemm_part, &cx);
   if (nck > 1) {
@@ -8024,6 +8060,65 @@ static inline void ut__v_acc_d(double* d, ut__vec v, const int V) {
 }
 #endif
 
+/* Inference's epilogue on values still in registers (the GEMM micro-kernel's): y s + t, then
+   ReLU or ReLU6, the operations of ut__cpu_epi_rows in its order and rounding. That loop is
+   built with fp-contract=off, so the product is rounded before the add here too: an empty asm
+   on the product hides it from FMA contraction (x86 only: the kernels that fuse the epilogue,
+   ut__cpu_isa_kernels.gemm_epi, are the x86 ones). ReLU keeps relu_fwd's rules: NaN and -0
+   pass. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define UT__NO_CONTRACT(x) __asm__("" : "+v"(x))
+#else
+#define UT__NO_CONTRACT(x) ((void)0)
+#endif
+UT__CPU_INL float ut__epi_scalar(float y, float s, float t, int act) {
+  float p = y * s;
+  UT__NO_CONTRACT(p);
+  y = p + t;
+  if (act == UT_ACT_RELU || act == UT_ACT_RELU6) y = y < 0.0f ? 0.0f : y;
+  if (act == UT_ACT_RELU6) y = y > 6.0f ? 6.0f : y;
+  return y;
+}
+UT__CPU_INL void ut__epi_scalar_row(float* y, int n, float s, float t, int act) {
+  for (int j = 0; j < n; j++) y[j] = ut__epi_scalar(y[j], s, t, act);
+}
+#if defined(__GNUC__)
+UT__CPU_INL ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
+  if (V == 16) {
+    ut__v16f p = v.z * s, zero = {0}, six = zero + 6.0f;
+    UT__NO_CONTRACT(p);
+    p = p + t;
+    if (act == UT_ACT_RELU || act == UT_ACT_RELU6) p = (ut__v16f)((ut__v16i)p & ~(p < zero));
+    if (act == UT_ACT_RELU6) {
+      ut__v16i m = p > six;
+      p = (ut__v16f)(((ut__v16i)p & ~m) | ((ut__v16i)six & m));
+    }
+    v.z = p;
+  } else if (V == 8) {
+    ut__v8f p = v.y * s, zero = {0}, six = zero + 6.0f;
+    UT__NO_CONTRACT(p);
+    p = p + t;
+    if (act == UT_ACT_RELU || act == UT_ACT_RELU6) p = (ut__v8f)((ut__v8i)p & ~(p < zero));
+    if (act == UT_ACT_RELU6) {
+      ut__v8i m = p > six;
+      p = (ut__v8f)(((ut__v8i)p & ~m) | ((ut__v8i)six & m));
+    }
+    v.y = p;
+  } else {
+    float f[4];
+    ut__v_st(f, v, V);
+    for (int i = 0; i < 4; i++) f[i] = ut__epi_scalar(f[i], s, t, act);
+    v = ut__v_ld(f, V);
+  }
+  return v;
+}
+#else
+static inline ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
+  for (int i = 0; i < V; i++) v.f[i] = ut__epi_scalar(v.f[i], s, t, act);
+  return v;
+}
+#endif
+
 /* Store the V lanes of v at p, cut at lim: whole when they end before lim (see "depthwise
    engines" for why the lanes past a row may be stored), else only those before lim. */
 UT__CPU_INL void ut__v_st_lim(float* p, ut__vec v, const float* lim, const int V) {
@@ -8865,20 +8960,36 @@ UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_strid
 UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a_rs,
                                      ut__i64 a_ks, const float* restrict bp, ut__i64 b_ks,
                                      float* restrict c, ut__i64 ldc, int mr, int nr, float alpha,
-                                     float beta, const int V, const int MR) {
-  ut__vec acc0[8], acc1[8];
+                                     float beta, const float* rs, const float* rt, int act,
+                                     const int V, const int MR) {
+  ut__vec acc0[14], acc1[14];
   UT__DW_UNROLL
   for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = ut__v_dup(0.0f, V);
-  for (int k = 0; k < kc; k++) {
-    ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
-    UT__DW_UNROLL
-    for (int r = 0; r < MR; r++) {
-      float av = ap[r * a_rs];
-      acc0[r] = ut__v_fma(acc0[r], av, b0, V);
-      acc1[r] = ut__v_fma(acc1[r], av, b1, V);
+  if (a_rs == 1 && a_ks == MR) {
+    /* a packed panel: the MR values of a step sit together, one address register for all */
+    for (int k = 0; k < kc; k++) {
+      ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
+      UT__DW_UNROLL
+      for (int r = 0; r < MR; r++) {
+        float av = ap[r];
+        acc0[r] = ut__v_fma(acc0[r], av, b0, V);
+        acc1[r] = ut__v_fma(acc1[r], av, b1, V);
+      }
+      ap += MR;
+      bp += b_ks;
     }
-    ap += a_ks;
-    bp += b_ks;
+  } else {
+    for (int k = 0; k < kc; k++) {
+      ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
+      UT__DW_UNROLL
+      for (int r = 0; r < MR; r++) {
+        float av = ap[r * a_rs];
+        acc0[r] = ut__v_fma(acc0[r], av, b0, V);
+        acc1[r] = ut__v_fma(acc1[r], av, b1, V);
+      }
+      ap += a_ks;
+      bp += b_ks;
+    }
   }
   if (mr == MR && nr == 2 * V) {
     UT__DW_UNROLL
@@ -8889,11 +9000,15 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a
         o0 = ut__v_fma(o0, beta, ut__v_ld(cr, V), V);
         o1 = ut__v_fma(o1, beta, ut__v_ld(cr + V, V), V);
       }
+      if (rs) {
+        o0 = ut__v_epi(o0, rs[r], rt[r], act, V);
+        o1 = ut__v_epi(o1, rs[r], rt[r], act, V);
+      }
       ut__v_st(cr, o0, V);
       ut__v_st(cr + V, o1, V);
     }
   } else {
-    float buf[8 * 2 * 16];
+    float buf[14 * 2 * 16];
     UT__DW_UNROLL
     for (int r = 0; r < MR; r++) {
       ut__v_st(buf + r * 2 * V, acc0[r], V);
@@ -8905,6 +9020,7 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a
         float v = alpha * buf[r * 2 * V + j];
         cr[j] = beta != 0.0f ? v + beta * cr[j] : v;
       }
+      if (rs) ut__epi_scalar_row(cr, nr, rs[r], rt[r], act);
     }
   }
 }
@@ -8999,8 +9115,10 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__tconv_plane_avx512(
 }
 UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(
     int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks, const float* bp, ut__i64 b_ks, float* c,
-    ut__i64 ldc, int mr, int nr, float alpha, float beta) {
-  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 16, 8);
+    ut__i64 ldc, int mr, int nr, float alpha, float beta, const float* rs, const float* rt,
+    int act) {
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, rs, rt, act, 16,
+                      12);
 }
 UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int lda,
                                                           const float* b, int ldb, int mc,
@@ -9009,7 +9127,7 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int l
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_avx512 = {
     "avx512", 16, ut__dw_forward_planes_avx512, ut__dw_dx_planes_avx512,
-    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 8, 32,
+    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 12, 32, true,
     ut__gemm_dot_avx512, 16, 4, 4};
 
 UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_forward_planes_avx2(const ut__dwctx* C, ut__i64 q0,
@@ -9032,8 +9150,10 @@ UT__TGT_AVX2 UT__CPU_OPT static void ut__tconv_plane_avx2(const float* src, ut__
 }
 UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_micro_avx2(
     int kc, const float* ap, ut__i64 a_rs, ut__i64 a_ks, const float* bp, ut__i64 b_ks, float* c,
-    ut__i64 ldc, int mr, int nr, float alpha, float beta) {
-  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 8, 6);
+    ut__i64 ldc, int mr, int nr, float alpha, float beta, const float* rs, const float* rt,
+    int act) {
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, rs, rt, act, 8,
+                      6);
 }
 UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, const float* b,
                                                       int ldb, int mc, int nc, int kc,
@@ -9042,7 +9162,7 @@ UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, 
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_avx2 = {
     "avx2", 8, ut__dw_forward_planes_avx2, ut__dw_dx_planes_avx2, ut__dw_dw_channel_avx2,
-    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, ut__gemm_dot_avx2, 8, 2, 4};
+    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, true, ut__gemm_dot_avx2, 8, 2, 4};
 #endif
 
 UT__CPU_OPT static void ut__dw_forward_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
@@ -9066,8 +9186,11 @@ UT__CPU_OPT static void ut__tconv_plane_base(const float* src, ut__i64 tap_strid
 UT__CPU_OPT static void ut__gemm_micro_base(int kc, const float* ap, ut__i64 a_rs,
                                             ut__i64 a_ks, const float* bp, ut__i64 b_ks,
                                             float* c, ut__i64 ldc, int mr, int nr, float alpha,
-                                            float beta) {
-  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, 4, 6);
+                                            float beta, const float* rs, const float* rt,
+                                            int act) {
+  (void)rs; /* gemm_epi false: the epilogue runs after it (ut__cpu_epi_rows) */
+  ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, NULL, rt, act,
+                      4, 6);
 }
 UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* b, int ldb,
                                           int mc, int nc, int kc, float* acc) {
@@ -9075,8 +9198,8 @@ UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* 
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_base = {
     "base", UT__CPU_BASE_LANES, ut__dw_forward_planes_base, ut__dw_dx_planes_base,
-    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, ut__gemm_dot_base,
-    4, 2, 4};
+    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, false,
+    ut__gemm_dot_base, 4, 2, 4};
 
 static const ut__cpu_isa_kernels* ut__cpu_isa(void) {
 #ifdef UT__CPU_X86
