@@ -145,6 +145,14 @@ long long ut_live_tensors(void);      /* tensors allocated and not yet freed */
    is the highest since the last reset (reset != 0 returns it and starts over from now). */
 long long ut_live_bytes(void);
 long long ut_peak_live_bytes(int reset);
+/* Freed host blocks of 128 KiB or more stay cached for the next tensor of their size (eight
+   sizes per power of two), up to 1 GiB in all (the environment's UTENSIL_HOST_CACHE_MB, read at
+   the first allocation, sets another cap; 0 turns the cache off): fresh pages from the system
+   cost a page fault each on first touch, a third of a batch-8 MobileNetV2 forward. An
+   allocation that fails empties the cache and tries again. ut_host_empty_cache hands the blocks
+   back to the system; ut_host_cached_bytes: how much is cached now. */
+int ut_host_empty_cache(void);        /* status (UT_OK) */
+long long ut_host_cached_bytes(void);
 /* Layout of public structs as the C compiler sees them (for binding checks); -1 if unknown. */
 long long ut_type_size(const char* type_name);
 long long ut_field_offset(const char* type_name, const char* field_name);
@@ -1468,6 +1476,112 @@ static inline float ut__bf16_float(uint16_t b) {
    BACKEND): what every CPU op on a bf16 tensor ends with */
 static void ut__cpu_bf16_round(float* x, ut__i64 n);
 
+/* ---- host memory cache (see ut_host_empty_cache) -------------------------------------------
+   One free list per size class, linked through the blocks' first bytes, under one lock. Off
+   under AddressSanitizer, whose use-after-free checks a reused block would blind. */
+#define UT__HOST_CACHE_MIN ((size_t)128 << 10)
+#define UT__HOST_CACHE_CLASSES 512
+#define UT__HOST_CACHE_DEFAULT_MB 1024
+static pthread_mutex_t ut__host_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t ut__host_once = PTHREAD_ONCE_INIT;
+static void* ut__host_lists[UT__HOST_CACHE_CLASSES]; /* under ut__host_lock */
+static atomic_llong ut__host_cached = 0;            /* changed under ut__host_lock */
+static long long ut__host_limit = 0;                /* bytes; set once (ut__host_once) */
+
+static void ut__host_prepare(void) { pthread_mutex_lock(&ut__host_lock); }
+static void ut__host_parent(void) { pthread_mutex_unlock(&ut__host_lock); }
+static void ut__host_child(void) { pthread_mutex_init(&ut__host_lock, NULL); }
+static void ut__host_setup(void) {
+  long long mb = UT__HOST_CACHE_DEFAULT_MB;
+  const char* env = getenv("UTENSIL_HOST_CACHE_MB");
+  if (env && *env) {
+    char* end;
+    long long v = strtoll(env, &end, 10);
+    if (*end == '\0' && v >= 0 && v <= (1LL << 30)) mb = v; /* else the default */
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  mb = 0;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  mb = 0;
+#endif
+#endif
+  ut__host_limit = mb << 20;
+  pthread_atfork(ut__host_prepare, ut__host_parent, ut__host_child);
+}
+/* The size class of a block of `bytes` (>= UT__HOST_CACHE_MIN) and its rounded size. */
+static int ut__host_class(size_t bytes, size_t* rounded) {
+  int e = 0;
+  while (e < 62 && ((size_t)1 << (e + 1)) <= bytes) e++; /* 2^e <= bytes < 2^(e+1) */
+  size_t step = (size_t)1 << (e - 3);
+  size_t r = (bytes + step - 1) / step * step; /* up to 2^(e+1), one of 8 steps */
+  *rounded = r;
+  int c = (e - 17) * 8 + (int)(r >> (e - 3)) - 8;
+  return c < UT__HOST_CACHE_CLASSES ? c : -1;
+}
+/* Host memory for `bytes` (a multiple of 64), 64-byte aligned; NULL when there is none. */
+static float* ut__host_alloc(size_t bytes) {
+  pthread_once(&ut__host_once, ut__host_setup);
+  size_t r = bytes;
+  int c = bytes >= UT__HOST_CACHE_MIN && ut__host_limit > 0 ? ut__host_class(bytes, &r) : -1;
+  if (c < 0) r = bytes;
+  void* p = NULL;
+  if (c >= 0) {
+    pthread_mutex_lock(&ut__host_lock);
+    p = ut__host_lists[c];
+    if (p) {
+      memcpy(&ut__host_lists[c], p, sizeof(void*));
+      atomic_fetch_sub(&ut__host_cached, (long long)r);
+    }
+    pthread_mutex_unlock(&ut__host_lock);
+    if (p) return (float*)p;
+  }
+  p = aligned_alloc(64, r);
+  if (!p && atomic_load(&ut__host_cached) > 0) {
+    ut_host_empty_cache();
+    p = aligned_alloc(64, r);
+  }
+  return (float*)p;
+}
+/* Gives back what ut__host_alloc(bytes) returned: to the cache while it has room. */
+static void ut__host_release(float* p, size_t bytes) {
+  if (!p) return;
+  size_t r = bytes;
+  int c = bytes >= UT__HOST_CACHE_MIN && ut__host_limit > 0 ? ut__host_class(bytes, &r) : -1;
+  if (c >= 0) {
+    pthread_mutex_lock(&ut__host_lock);
+    if (atomic_load(&ut__host_cached) + (long long)r <= ut__host_limit) {
+      void* next = ut__host_lists[c];
+      memcpy(p, &next, sizeof(void*));
+      ut__host_lists[c] = p;
+      atomic_fetch_add(&ut__host_cached, (long long)r);
+      p = NULL;
+    }
+    pthread_mutex_unlock(&ut__host_lock);
+  }
+  free(p);
+}
+int ut_host_empty_cache(void) {
+  pthread_once(&ut__host_once, ut__host_setup);
+  pthread_mutex_lock(&ut__host_lock);
+  for (int c = 0; c < UT__HOST_CACHE_CLASSES; c++) {
+    void* p = ut__host_lists[c];
+    while (p) {
+      void* next;
+      memcpy(&next, p, sizeof(void*));
+      free(p);
+      p = next;
+    }
+    ut__host_lists[c] = NULL;
+  }
+  atomic_store(&ut__host_cached, 0);
+  pthread_mutex_unlock(&ut__host_lock);
+  return UT_OK;
+}
+long long ut_host_cached_bytes(void) { return atomic_load(&ut__host_cached); }
+/* the host bytes of a tensor of n values (what ut__host_alloc is asked for) */
+static size_t ut__host_bytes(ut__i64 n) { return ((size_t)n * sizeof(float) + 63) & ~(size_t)63; }
+
 /* A tensor with uninitialized contents. Its host copy is allocated but not touched, so large
    GPU-resident intermediates cost no host memory until someone reads them. */
 static ut_tensor* ut__new_typed(int ndim, const int* shape, ut_dev dev, ut_dtype dtype,
@@ -1476,12 +1590,12 @@ static ut_tensor* ut__new_typed(int ndim, const int* shape, ut_dev dev, ut_dtype
   UT__CHECK_NULL(ut__dtype_valid(dtype), UT_ERR_ARG, "%s: invalid dtype %d", who, (int)dtype);
   ut_shape s;
   if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
-  size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
+  size_t bytes = ut__host_bytes(s.nelem);
   ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
-  float* data = (float*)aligned_alloc(64, bytes);
+  float* data = ut__host_alloc(bytes);
   if (!t || !data) {
     free(t);
-    free(data);
+    ut__host_release(data, bytes);
     ut__set_error(UT_ERR_MEMORY, "%s: out of host memory allocating %zu bytes", who, bytes);
     return NULL;
   }
@@ -1493,14 +1607,14 @@ static ut_tensor* ut__new_typed(int ndim, const int* shape, ut_dev dev, ut_dtype
   const ut__backend* be = ut__backend_for(dev);
   ut__recording* r = ut__is_device_backend(be) ? ut__recording_now() : NULL;
   if (r && ut__recording_gate(r, who) < 0) {
-    free(data);
+    ut__host_release(data, bytes);
     free(t);
     return NULL;
   }
   if (ut__is_device_backend(be)) {
     t->gpu_buf = be->mem_alloc(ut__dev_bytes(t));
     if (!t->gpu_buf) {
-      free(data);
+      ut__host_release(data, bytes);
       free(t);
       return NULL; /* the backend set the error */
     }
@@ -1566,10 +1680,7 @@ ut_tensor* ut_wrap(int ndim, const int* shape, ut_dev dev, void* ptr, void (*rel
   if (ut__shape_make(&s, ndim, shape, who) < 0) return NULL;
   ut_tensor* t = (ut_tensor*)calloc(1, sizeof *t);
   float* host = NULL;
-  if (t && dev == UT_CUDA) {
-    size_t bytes = ((size_t)s.nelem * sizeof(float) + 63) & ~(size_t)63;
-    host = (float*)aligned_alloc(64, bytes);
-  }
+  if (t && dev == UT_CUDA) host = ut__host_alloc(ut__host_bytes(s.nelem));
   if (!t || (dev == UT_CUDA && !host)) {
     free(t);
     ut__set_error(UT_ERR_MEMORY, "%s: out of host memory", who);
@@ -1608,7 +1719,7 @@ void ut_free(ut_tensor* t) {
     const ut__backend* gpu = ut__cuda_backend();
     if (gpu) gpu->mem_free(t->gpu_buf);
   }
-  if (own_host) free(t->data);
+  if (own_host) ut__host_release(t->data, ut__host_bytes(t->shape.nelem));
   if (t->release) t->release(t->release_ctx);
   ut__count_bytes(t->shape.nelem, -1);
   free(t);

@@ -109,6 +109,8 @@ from .tensor import (
     live_tensors,
     live_bytes,
     peak_live_bytes,
+    empty_host_cache,
+    host_cached_bytes,
     ones,
     randn,
     seed,
@@ -143,6 +145,7 @@ __all__ = [
     "Tensor", "tensor", "from_numpy", "zeros", "ones", "full", "randn", "seed", "devices",
     "cuda_available", "synchronize", "set_num_threads", "get_num_threads", "live_tensors", "library_path",
     "live_bytes", "peak_live_bytes", "set_retain_forward", "get_retain_forward",
+    "empty_host_cache", "host_cached_bytes",
     # element types, and mixed-precision training
     "dtype", "float32", "bfloat16", "MixedPrecision",
     # the GPU's matrix products, and recorded GPU work (ut.cuda.CUDAGraph, ut.cuda.graph)

@@ -32,6 +32,8 @@ __all__ = [
     "live_tensors",
     "live_bytes",
     "peak_live_bytes",
+    "empty_host_cache",
+    "host_cached_bytes",
     "synchronize",
 ]
 
@@ -622,6 +624,19 @@ def live_bytes():
     """The values of the C tensors allocated and not yet freed, 4 bytes each: what a network
     keeps from its forward for its backward shows here (memory tests, profiling)."""
     return int(lib.ut_live_bytes())
+
+
+def empty_host_cache():
+    """Hand the host memory utensil keeps cached for reuse (freed tensors' blocks of 128 KiB or
+    more, up to ``UTENSIL_HOST_CACHE_MB``, 1024 by default) back to the system. The cache saves
+    a page fault per 4 KiB on every large tensor a forward or a step makes; empty it when the
+    process needs the memory for something else."""
+    check_status(lib.ut_host_empty_cache(), "empty_host_cache")
+
+
+def host_cached_bytes():
+    """Bytes of freed host memory utensil keeps for its next tensors (see empty_host_cache)."""
+    return int(lib.ut_host_cached_bytes())
 
 
 def peak_live_bytes(reset=False):
