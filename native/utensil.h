@@ -6269,6 +6269,7 @@ static void ut__cpu_gemm_sum_part(void* vc, int tid, int nt) {
 #define UT__CPU_DOT_MC 64
 #define UT__CPU_DOT_NC 64
 #define UT__CPU_DOT_KC 512 /* a multiple of every VL */
+#define UT__CPU_DOT_TASKS 16 /* tasks (blocks x batch chunks) a dot-engine GEMM aims for */
 
 typedef struct {
   const ut__gemm_args* g;
@@ -6342,12 +6343,17 @@ static int ut__cpu_gemm_dot(const ut__gemm_args* g) {
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();
   ut__cpu_dot_kern kern = isa->dot;
   int VL = isa->dot_vl, RM = isa->dot_rm, RN = isa->dot_rn;
-  int nck = UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS);
+  int MC = UT__CPU_DOT_MC, NC = UT__CPU_DOT_NC;
+  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC;
+  /* batch chunks only as many as the blocks of C need to make UT__CPU_DOT_TASKS tasks: each
+     chunk's lanes are reduced and its partial C summed, which cost more than the products
+     when a chunk is one image (ConvNeXt's stage-1 weight gradients, k = 256) */
+  ut__i64 want = (UT__CPU_DOT_TASKS + ib * jb - 1) / (ib * jb);
+  int nck = (int)UT__CPU_MIN((ut__i64)UT__CPU_MIN(g->batch, UT__CPU_GEMM_CHUNKS), want);
   while (nck > 1 && (double)nck * m * n > (double)UT__CPU_GEMM_PART_MAX) nck--;
   int per = (g->batch + nck - 1) / nck;
   nck = (g->batch + per - 1) / per;
-  int MC = UT__CPU_DOT_MC, NC = UT__CPU_DOT_NC;
-  ut__i64 ib = (m + MC - 1) / MC, jb = (n + NC - 1) / NC, tasks = (ut__i64)nck * ib * jb;
+  ut__i64 tasks = (ut__i64)nck * ib * jb;
   int nt = ut__cpu_nt((double)m * n * k * g->batch / 2);
   if (tasks < nt) nt = (int)tasks;
   int ntj_max = (NC + RN - 1) / RN;
@@ -9229,7 +9235,7 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_micro_avx512(
     ut__i64 ldc, int mr, int nr, float alpha, float beta, const float* rs, const float* rt,
     int act) {
   ut__gemm_micro_body(kc, ap, a_rs, a_ks, bp, b_ks, c, ldc, mr, nr, alpha, beta, rs, rt, act, 16,
-                      12);
+                      8);
 }
 UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int lda,
                                                           const float* b, int ldb, int mc,
@@ -9238,7 +9244,7 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int l
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_avx512 = {
     "avx512", 16, ut__dw_forward_planes_avx512, ut__dw_dx_planes_avx512,
-    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 12, 32, true,
+    ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 8, 32, true,
     ut__gemm_dot_avx512, 16, 4, 4};
 
 UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_forward_planes_avx2(const ut__dwctx* C, ut__i64 q0,
