@@ -5046,8 +5046,14 @@ typedef struct {
 #endif
 #define UT__CPU_ACT_LOOP(A, EXPR)                             \
   case A:                                                     \
+    UT__ACT_UNROLL                                            \
     for (ut__i64 i = lo; i < hi; i++) y[i] = EXPR;            \
     break
+#if defined(__GNUC__) && !defined(__clang__)
+#define UT__ACT_UNROLL _Pragma("GCC unroll 4")
+#else
+#define UT__ACT_UNROLL
+#endif
 UT__CPU_ACT_OPT static void ut__cpu_act_fwd_part(void* vc, int tid, int nt) {
   const ut__cpu_act_ctx* c = (const ut__cpu_act_ctx*)vc;
   const float* restrict x = c->x;
