@@ -80,6 +80,23 @@ def test_conv2d_keeps_its_input_only(device, rng, kernel, stride, padding, hw):
     conv.close()
 
 
+def test_cnblock_recomputes_gelu_by_default_on_the_gpu_only(device, rng):
+    """recompute_gelu None (the default): GELU's output is freed and recomputed on the GPU,
+    kept on the CPU (12 E against 8 E + the statistics, as counted below)."""
+    n, c, h, w = 2, 8, 5, 6
+    block = CNBlock(c, layer_scale=0.5, device=device)
+    assert block.recompute_gelu is None
+    x = ut.tensor(rng.standard_normal((n, c, h, w)).astype(np.float32), device)
+    base = ut.live_bytes()
+    y = block(x)
+    kept = (12 if device == "cpu" else 8) * n * c * h * w + 2 * n * h * w
+    assert ut.live_bytes() - base == kept * F32
+    y.close()
+    block.eval()
+    x.close()
+    block.close()
+
+
 @pytest.mark.parametrize("recompute", [True, False])
 def test_cnblock_keeps_each_activation_once(device, rng, recompute):
     """Hand count of a CNBlock's forward at [N, C, H, W] (E = N C H W values): the depthwise

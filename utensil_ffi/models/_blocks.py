@@ -173,10 +173,13 @@ class CNBlock(nn.Module):
                                         name="layer_scale")
         self.stochastic_depth = nn.StochasticDepth(stochastic_depth_prob, "row")
 
-    # Training forward frees the second Linear's input (GELU's output, 4 dim channels: a third
-    # of what the block keeps) and backward recomputes it from GELU's kept input: one more
-    # elementwise pass per step for the memory. False keeps it, as PyTorch does.
-    recompute_gelu = True
+    # Training forward may free the second Linear's input (GELU's output, 4 dim channels: a
+    # third of what the block keeps) and have backward recompute it from GELU's kept input: one
+    # more elementwise pass per step for the memory. None (the default) does so on the GPU,
+    # where memory bounds the batch, and not on the CPU, where the pass cost ConvNeXt's step
+    # ~4% (64^2, batch 8) and memory is plenty; True or False decides for every device (False
+    # keeps it, as PyTorch does).
+    recompute_gelu = None
 
     @property
     def device(self):
@@ -199,6 +202,8 @@ class CNBlock(nn.Module):
             raise
         if self.training:
             forgot = self.recompute_gelu
+            if forgot is None:
+                forgot = self.device != "cpu"
             if forgot:
                 # GELU keeps its input h (4 dim channels), the second Linear GELU(h): free the
                 # latter now and recompute it, bitwise the same, just before it is needed
