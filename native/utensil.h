@@ -5455,6 +5455,8 @@ typedef void (*ut__cpu_gemm_kern)(int kc, const float* ap, ut__i64 a_rs, ut__i64
                                   const float* rt, int act);
 typedef void (*ut__cpu_dot_kern)(const float* a, int lda, const float* b, int ldb, int mc, int nc,
                                  int kc, float* acc);
+/* 8 rows of A (row stride lda) over kc steps -> one k-major 8-row micro-panel */
+typedef void (*ut__cpu_pack8_fn)(const float* a, ut__i64 lda, int kc, float* dst);
 typedef struct ut__cpu_isa_kernels {
   const char* name;         /* "avx512", "avx2" or "base" */
   int dw_lanes;             /* the depthwise engines' vector width (plane layouts follow it) */
@@ -5465,6 +5467,7 @@ typedef struct ut__cpu_isa_kernels {
   ut__cpu_gemm_kern gemm;    /* MR x NR micro-kernel */
   int gemm_mr, gemm_nr;
   bool gemm_epi;             /* the micro-kernel applies inference's epilogue itself */
+  ut__cpu_pack8_fn pack_a8;  /* ut__cpu_pack_a of 8-row panels from rows of A, or NULL */
   ut__cpu_dot_kern dot;      /* dot-product engine: dot_vl lanes, dot_rm x dot_rn tiles */
   int dot_vl, dot_rm, dot_rn;
 } ut__cpu_isa_kernels;
@@ -6128,9 +6131,12 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
 /* op(A)[i0 .. i0+mc, k0 .. k0+kc] -> MR-row micro-panels, k-major inside each. */
 UT__CPU_OPT static void ut__cpu_pack_a(const float* a, int lda, bool ta, int i0, int mc, int k0,
                                        int kc, int MR, float* restrict dst) {
+  ut__cpu_pack8_fn pack8 = MR == 8 && !ta ? ut__cpu_isa()->pack_a8 : NULL;
   for (int ip = 0; ip < mc; ip += MR) {
     int rows = UT__CPU_MIN(MR, mc - ip);
-    if (!ta) {
+    if (pack8 && rows == 8) {
+      pack8(a + (ut__i64)(i0 + ip) * lda + k0, lda, kc, dst);
+    } else if (!ta) {
       for (int r = 0; r < rows; r++) {
         const float* src = a + (ut__i64)(i0 + ip + r) * lda + k0;
         for (int k = 0; k < kc; k++) dst[k * MR + r] = src[k];
@@ -9208,6 +9214,54 @@ UT__CPU_INL void ut__gemm_dot_body(const float* a, int lda, const float* b, int 
   }
 }
 
+/* ut__cpu_pack_a's common case (rows of A, 8 of them): 8 x 8 blocks transposed in registers
+   (three rounds of two-vector shuffles) instead of 64 strided scalar stores; the columns past
+   the last whole block one by one. */
+UT__CPU_INL void ut__gemm_pack8_body(const float* a, ut__i64 lda, int kc, float* dst) {
+  int k = 0;
+#if defined(__GNUC__)
+  for (; k + 8 <= kc; k += 8) {
+    ut__v8f r0, r1, r2, r3, r4, r5, r6, r7;
+    r0 = *(const ut__v8fu*)(const void*)(a + k);
+    r1 = *(const ut__v8fu*)(const void*)(a + lda + k);
+    r2 = *(const ut__v8fu*)(const void*)(a + 2 * lda + k);
+    r3 = *(const ut__v8fu*)(const void*)(a + 3 * lda + k);
+    r4 = *(const ut__v8fu*)(const void*)(a + 4 * lda + k);
+    r5 = *(const ut__v8fu*)(const void*)(a + 5 * lda + k);
+    r6 = *(const ut__v8fu*)(const void*)(a + 6 * lda + k);
+    r7 = *(const ut__v8fu*)(const void*)(a + 7 * lda + k);
+    /* pairs of rows interleaved, then pairs of pairs, then the two halves */
+    ut__v8f t0 = UT__V_SHUFFLE(r0, r1, ut__v8i, 0, 8, 1, 9, 4, 12, 5, 13);
+    ut__v8f t1 = UT__V_SHUFFLE(r0, r1, ut__v8i, 2, 10, 3, 11, 6, 14, 7, 15);
+    ut__v8f t2 = UT__V_SHUFFLE(r2, r3, ut__v8i, 0, 8, 1, 9, 4, 12, 5, 13);
+    ut__v8f t3 = UT__V_SHUFFLE(r2, r3, ut__v8i, 2, 10, 3, 11, 6, 14, 7, 15);
+    ut__v8f t4 = UT__V_SHUFFLE(r4, r5, ut__v8i, 0, 8, 1, 9, 4, 12, 5, 13);
+    ut__v8f t5 = UT__V_SHUFFLE(r4, r5, ut__v8i, 2, 10, 3, 11, 6, 14, 7, 15);
+    ut__v8f t6 = UT__V_SHUFFLE(r6, r7, ut__v8i, 0, 8, 1, 9, 4, 12, 5, 13);
+    ut__v8f t7 = UT__V_SHUFFLE(r6, r7, ut__v8i, 2, 10, 3, 11, 6, 14, 7, 15);
+    ut__v8f u0 = UT__V_SHUFFLE(t0, t2, ut__v8i, 0, 1, 8, 9, 4, 5, 12, 13);
+    ut__v8f u1 = UT__V_SHUFFLE(t0, t2, ut__v8i, 2, 3, 10, 11, 6, 7, 14, 15);
+    ut__v8f u2 = UT__V_SHUFFLE(t1, t3, ut__v8i, 0, 1, 8, 9, 4, 5, 12, 13);
+    ut__v8f u3 = UT__V_SHUFFLE(t1, t3, ut__v8i, 2, 3, 10, 11, 6, 7, 14, 15);
+    ut__v8f u4 = UT__V_SHUFFLE(t4, t6, ut__v8i, 0, 1, 8, 9, 4, 5, 12, 13);
+    ut__v8f u5 = UT__V_SHUFFLE(t4, t6, ut__v8i, 2, 3, 10, 11, 6, 7, 14, 15);
+    ut__v8f u6 = UT__V_SHUFFLE(t5, t7, ut__v8i, 0, 1, 8, 9, 4, 5, 12, 13);
+    ut__v8f u7 = UT__V_SHUFFLE(t5, t7, ut__v8i, 2, 3, 10, 11, 6, 7, 14, 15);
+    float* d = dst + (ut__i64)k * 8;
+    *(ut__v8fu*)(void*)(d + 0) = UT__V_SHUFFLE(u0, u4, ut__v8i, 0, 1, 2, 3, 8, 9, 10, 11);
+    *(ut__v8fu*)(void*)(d + 8) = UT__V_SHUFFLE(u1, u5, ut__v8i, 0, 1, 2, 3, 8, 9, 10, 11);
+    *(ut__v8fu*)(void*)(d + 16) = UT__V_SHUFFLE(u2, u6, ut__v8i, 0, 1, 2, 3, 8, 9, 10, 11);
+    *(ut__v8fu*)(void*)(d + 24) = UT__V_SHUFFLE(u3, u7, ut__v8i, 0, 1, 2, 3, 8, 9, 10, 11);
+    *(ut__v8fu*)(void*)(d + 32) = UT__V_SHUFFLE(u0, u4, ut__v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+    *(ut__v8fu*)(void*)(d + 40) = UT__V_SHUFFLE(u1, u5, ut__v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+    *(ut__v8fu*)(void*)(d + 48) = UT__V_SHUFFLE(u2, u6, ut__v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+    *(ut__v8fu*)(void*)(d + 56) = UT__V_SHUFFLE(u3, u7, ut__v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+#endif
+  for (; k < kc; k++)
+    for (int r = 0; r < 8; r++) dst[(ut__i64)k * 8 + r] = a[(ut__i64)r * lda + k];
+}
+
 /* ---- the wrappers, one set per ISA ---------------------------------------------------------- */
 #if defined(__AVX512F__)
 #define UT__CPU_BASE_LANES 16
@@ -9248,10 +9302,14 @@ UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_dot_avx512(const float* a, int l
                                                           int nc, int kc, float* acc) {
   ut__gemm_dot_body(a, lda, b, ldb, mc, nc, kc, acc, 16, 4, 4);
 }
+UT__TGT_AVX512 UT__CPU_OPT static void ut__gemm_pack8_avx512(const float* a, ut__i64 lda, int kc,
+                                                            float* dst) {
+  ut__gemm_pack8_body(a, lda, kc, dst);
+}
 static const ut__cpu_isa_kernels ut__cpu_isa_avx512 = {
     "avx512", 16, ut__dw_forward_planes_avx512, ut__dw_dx_planes_avx512,
     ut__dw_dw_channel_avx512, ut__tconv_plane_avx512, ut__gemm_micro_avx512, 8, 32, true,
-    ut__gemm_dot_avx512, 16, 4, 4};
+    ut__gemm_pack8_avx512, ut__gemm_dot_avx512, 16, 4, 4};
 
 UT__TGT_AVX2 UT__CPU_OPT static void ut__dw_forward_planes_avx2(const ut__dwctx* C, ut__i64 q0,
                                                                ut__i64 q1, float* buf) {
@@ -9285,7 +9343,7 @@ UT__TGT_AVX2 UT__CPU_OPT static void ut__gemm_dot_avx2(const float* a, int lda, 
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_avx2 = {
     "avx2", 8, ut__dw_forward_planes_avx2, ut__dw_dx_planes_avx2, ut__dw_dw_channel_avx2,
-    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, true, ut__gemm_dot_avx2, 8, 2, 4};
+    ut__tconv_plane_avx2, ut__gemm_micro_avx2, 6, 16, true, NULL, ut__gemm_dot_avx2, 8, 2, 4};
 #endif
 
 UT__CPU_OPT static void ut__dw_forward_planes_base(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
@@ -9321,7 +9379,7 @@ UT__CPU_OPT static void ut__gemm_dot_base(const float* a, int lda, const float* 
 }
 static const ut__cpu_isa_kernels ut__cpu_isa_base = {
     "base", UT__CPU_BASE_LANES, ut__dw_forward_planes_base, ut__dw_dx_planes_base,
-    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, false,
+    ut__dw_dw_channel_base, ut__tconv_plane_base, ut__gemm_micro_base, 6, 8, false, NULL,
     ut__gemm_dot_base, 4, 2, 4};
 
 static const ut__cpu_isa_kernels* ut__cpu_isa(void) {

@@ -247,7 +247,10 @@ def test_cross_entropy(device, rng, n, k, scale):
     crit.close()
 
 
-@pytest.mark.parametrize("m,k,n", [(5, 7, 3), (1, 1, 1), (17, 33, 9), (64, 48, 32)])
+# the last two pack A in 8-row panels (n past two micro-panels): whole 8 x 8 blocks, a k tail,
+# a panel of fewer rows, and k past one 256-deep block
+@pytest.mark.parametrize("m,k,n", [(5, 7, 3), (1, 1, 1), (17, 33, 9), (64, 48, 32), (13, 19, 100),
+                                   (40, 300, 130)])
 def test_matmul(device, rng, m, k, n):
     a, b = _randn(rng, m, k), _randn(rng, k, n)
     at, bt = ut.tensor(a, device), ut.tensor(b, device)
