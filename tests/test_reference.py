@@ -121,7 +121,10 @@ def test_conv2d_random_geometry(device, n, c, o, h, w, kh, kw, s, p, seed):
         assert_close("conv2d backward db", layer.bias.grad.numpy(), rdb)
 
 
-@pytest.mark.parametrize("n,i,o,bias", [(5, 7, 3, True), (1, 1, 1, True), (9, 33, 17, False)])
+# the last runs the packed GEMM with a transposed B (W^T), panels with columns and steps left
+# over
+@pytest.mark.parametrize("n,i,o,bias", [(5, 7, 3, True), (1, 1, 1, True), (9, 33, 17, False),
+                                        (40, 101, 139, True)])
 def test_linear(device, rng, n, i, o, bias):
     x, wt, b = _randn(rng, n, i), _randn(rng, o, i), _randn(rng, o)
     with ut.Linear(i, o, bias=bias, device=device) as layer:
