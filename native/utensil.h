@@ -964,7 +964,11 @@ UT__ACT_FN float ut__act_hard(float x) { /* min(max(x + 3, 0), 6), NaN passing *
 }
 #ifdef __CUDACC__
 UT__ACT_FN float ut__expf(float x) { return expf(x); }
-UT__ACT_FN float ut__erfcf(float z) { return erfcf(z); }
+UT__ACT_FN float ut__gelu_cdf(float x) { return 0.5f * erfcf(-x * UT__GELU_SQRT1_2); }
+UT__ACT_FN float ut__gelu_cdf_pdf(float x, float* pdf) {
+  *pdf = expf(-0.5f * (x * x)) * UT__GELU_PDF0;
+  return ut__gelu_cdf(x);
+}
 #else
 /* expf for the CPU's SiLU and Sigmoid: selects and bit operations only, so the loops that call
    it vectorize (glibc's expf is one call per value: BatchNorm2d + SiLU was half of
@@ -973,14 +977,16 @@ UT__ACT_FN float ut__erfcf(float z) { return erfcf(z); }
    within about one ulp of expf (2.2e-7 relative in SiLU measured). 2^n is applied as two
    factors, so results down to the subnormals round once (gradual underflow kept); above 88.72
    it is inf, below -103.97 zero, NaN passes. */
-UT__ACT_FN float ut__expf(float x) {
+UT__ACT_FN float ut__expf_parts(float hi, float lo) {
+  const float x = hi + lo; /* the clamps and the integer part; the reduction keeps lo's bits */
   float xc = x == x ? x : 0.0f; /* no NaN into the integer conversion */
   xc = xc < -104.0f ? -104.0f : xc;
   xc = xc > 89.0f ? 89.0f : xc;
   float nf = xc * 1.44269504088896341f + 12582912.0f; /* + 1.5 2^23: rounds to an integer */
   nf -= 12582912.0f;
-  float r = xc - nf * 0.693359375f;
+  float r = hi - nf * 0.693359375f; /* exact: nf ln2's upper part is near hi */
   r = r - nf * -2.12194440e-4f;
+  r = r + lo;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -995,17 +1001,18 @@ UT__ACT_FN float ut__expf(float x) {
   v = x < -103.972084f ? 0.0f : v;
   return x == x ? v : x;
 }
-/* erfc for the CPU's GELU, vectorizable as ut__expf is (glibc's erfcf made GELU a sixth of
-   ConvNeXt's CPU training step). For a = |z|: erfc(a) = t exp(-a^2 + Q(t)), t = 2 / (2 + a),
-   Q a degree-10 polynomial in t - 0.6 fitted by us (least squares reweighted toward the worst
-   point) to log(erfc(a) / t) + a^2 over a in [0, 10.5], within 6.7e-9 there. a^2 enters exp in
-   two parts, a's upper 12 significand bits squared being exact, so the argument loses nothing
-   for large a. Measured within 4e-7 relative of erfc wherever erfc is a normal float32 (plus
-   ut__expf's ulp); above 10.5 it is 0 (erfc(10.5) < 1e-49), and erfc(-a) = 2 - erfc(a). */
-UT__ACT_FN float ut__erfcf(float z) {
-  float a = fabsf(z);
-  a = a > 10.5f ? 10.5f : a; /* NaN stays NaN */
-  const float t = 2.0f / (2.0f + a), u = t - 0.6f;
+UT__ACT_FN float ut__expf(float x) { return ut__expf_parts(x, 0.0f); }
+/* GELU's Phi(x) = erfc(-x / sqrt 2) / 2 for the CPU, vectorizable as ut__expf is (glibc's
+   erfcf made GELU a sixth of ConvNeXt's CPU training step). For a = |z|: erfc(a) =
+   t exp(-a^2 + Q(t)), t = 2 / (2 + a), Q a degree-10 polynomial in t - 0.6 fitted by us (least
+   squares reweighted toward the worst point) to log(erfc(a) / t) + a^2 over a in [0, 10.5],
+   within 6.7e-9 there. a^2 = hi^2 + (hi - a)(hi + a), hi being a's upper 12 significand bits
+   (hi^2 exact), and exp takes hi^2 apart from the rest, so the argument loses nothing for
+   large a. Measured within 4e-7 relative of erfc wherever erfc is a normal float32 (plus
+   ut__expf's ulp); above 10.5 it is 0 (erfc(10.5) < 1e-49), and erfc(-a) = 2 - erfc(a).
+   exp(-a^2) is the density's factor too: with pdf, the backward has it from the same split. */
+UT__ACT_FN float ut__gelu_q(float t) {
+  const float u = t - 0.6f;
   float q = -0.1337122619152069f;
   q = q * u + 0.12267311662435532f;
   q = q * u + 0.15833555161952972f;
@@ -1017,10 +1024,29 @@ UT__ACT_FN float ut__erfcf(float z) {
   q = q * u + 0.07027825713157654f;
   q = q * u + 1.37142014503479f;
   q = q * u + -0.5357597470283508f;
-  union { float f; unsigned i; } hi = {.f = a};
-  hi.i &= 0xFFFFF000u;
-  const float r = t * ut__expf((hi.f - a) * (hi.f + a) + q) * ut__expf(-(hi.f * hi.f));
-  return z < 0.0f ? 2.0f - r : r;
+  return q;
+}
+/* z = -x / sqrt 2 as a = |z| (clamped), hi (a's upper 12 significand bits) and t */
+UT__ACT_FN float ut__gelu_split(float x, float* hi, float* t) {
+  float a = fabsf(x * UT__GELU_SQRT1_2);
+  a = a > 10.5f ? 10.5f : a; /* NaN stays NaN */
+  union { float f; unsigned i; } h = {.f = a};
+  h.i &= 0xFFFFF000u;
+  *hi = h.f;
+  *t = 2.0f / (2.0f + a);
+  return a;
+}
+UT__ACT_FN float ut__gelu_cdf(float x) {
+  float hi, t, a = ut__gelu_split(x, &hi, &t);
+  const float r = t * ut__expf_parts(-(hi * hi), (hi - a) * (hi + a) + ut__gelu_q(t));
+  return x > 0.0f ? 1.0f - 0.5f * r : 0.5f * r; /* r = erfc(a) */
+}
+UT__ACT_FN float ut__gelu_cdf_pdf(float x, float* pdf) {
+  float hi, t, a = ut__gelu_split(x, &hi, &t);
+  const float e = ut__expf_parts(-(hi * hi), (hi - a) * (hi + a)); /* exp(-x^2 / 2) */
+  *pdf = e * UT__GELU_PDF0;
+  const float r = t * e * ut__expf(ut__gelu_q(t));
+  return x > 0.0f ? 1.0f - 0.5f * r : 0.5f * r;
 }
 #endif
 UT__ACT_FN float ut__act_value(int act, float x) {
@@ -1030,7 +1056,7 @@ UT__ACT_FN float ut__act_value(int act, float x) {
     case UT_ACT_HARDSIGMOID: return ut__act_hard(x) / 6.0f;
     case UT_ACT_SIGMOID: return 1.0f / (1.0f + ut__expf(-x));
     /* erfc(-z), not 1 + erf(z): no cancellation in the left tail (x = -3: 2e-5 relative) */
-    case UT_ACT_GELU: return x * 0.5f * ut__erfcf(-x * UT__GELU_SQRT1_2);
+    case UT_ACT_GELU: return x * ut__gelu_cdf(x);
     case UT_ACT_GELU_TANH: {
       float inner = UT__GELU_TANH_BETA * (x + UT__GELU_TANH_KAPPA * (x * x * x));
       return 0.5f * x * (1.0f + tanhf(inner));
@@ -1060,8 +1086,7 @@ UT__ACT_FN float ut__act_grad(int act, float go, float x) {
       return go * (1.0f - y) * y;
     }
     case UT_ACT_GELU: {
-      float cdf = 0.5f * ut__erfcf(-x * UT__GELU_SQRT1_2);
-      float pdf = ut__expf(-0.5f * (x * x)) * UT__GELU_PDF0;
+      float pdf, cdf = ut__gelu_cdf_pdf(x, &pdf);
       return go * (cdf + x * pdf);
     }
     case UT_ACT_GELU_TANH: {
@@ -5012,7 +5037,7 @@ UT__CPU_OPT static int ut__cpu_relu_bwd_f32(const float* restrict go, const floa
 /* The activations of act_fwd / act_bwd (ut__act_value, ut__act_grad: the formulas both
    backends share). One loop per kind, the kind a constant in it, so the switch is outside the
    loop and the piecewise kinds (hardswish, hardsigmoid) vectorize as selects, SiLU, Sigmoid
-   and GELU through ut__expf and ut__erfcf; GELU's tanh form calls tanhf per value, split over
+   and GELU through ut__expf and ut__gelu_cdf; GELU's tanh form calls tanhf per value, split over
    the threads as a bigger job. */
 typedef struct {
   const float* x;
@@ -5174,7 +5199,7 @@ typedef struct {
   int d0, mid, d1, inner;
   ut__i64 nti, ntj, tasks, in_i, out_j;
 } ut__cpu_transpose_ctx;
-static void ut__cpu_transpose_part(void* vc, int tid, int nt) {
+UT__CPU_OPT static void ut__cpu_transpose_part(void* vc, int tid, int nt) {
   const ut__cpu_transpose_ctx* c = (const ut__cpu_transpose_ctx*)vc;
   const int T = 32;
   const float* in = c->in;
@@ -5195,6 +5220,14 @@ static void ut__cpu_transpose_part(void* vc, int tid, int nt) {
         float* dr = dst + (ut__i64)j * out_j;
         if (inner == 1) {
           for (int i = i0; i < i1; i++) dr[i] = src[(ut__i64)i * in_i + j];
+        } else if (inner <= 64) {
+          /* short rows (a merged pointwise conv's planes: 4, 16, 64 floats): an inlined copy,
+             not a call to memcpy per row */
+          for (int i = i0; i < i1; i++) {
+            float* restrict d = dr + (ut__i64)i * inner;
+            const float* restrict s = src + (ut__i64)i * in_i + (ut__i64)j * inner;
+            for (int q = 0; q < inner; q++) d[q] = s[q];
+          }
         } else {
           for (int i = i0; i < i1; i++)
             memcpy(dr + (ut__i64)i * inner, src + (ut__i64)i * in_i + (ut__i64)j * inner,
@@ -6134,6 +6167,23 @@ static int ut__cpu_dw_bwd_dw_run(const float* go, const float* x, float* dw,
 UT__CPU_OPT static void ut__cpu_pack_a(const float* a, int lda, bool ta, int i0, int mc, int k0,
                                        int kc, int MR, float* restrict dst) {
   ut__cpu_pack8_fn pack8 = MR == 8 && !ta ? ut__cpu_isa()->pack_a8 : NULL;
+  if (ta) {
+    /* op(A) = A^T: row k of A holds column k of every panel. Read each row once, in order
+       (mc contiguous floats), not MR floats per row, panel by panel: the weight of an input
+       gradient (dX = W^T G) is cold in a network's backward, and MR-float reads a row apart
+       defeated the prefetcher (ConvNeXt's 3072 x 768 weight: a new page every read) */
+    int panels = (mc + MR - 1) / MR;
+    for (int k = 0; k < kc; k++) {
+      const float* src = a + (ut__i64)(k0 + k) * lda + i0;
+      for (int pnl = 0; pnl < panels; pnl++) {
+        int rows = UT__CPU_MIN(MR, mc - pnl * MR);
+        float* d = dst + (ut__i64)pnl * kc * MR + (ut__i64)k * MR;
+        for (int r = 0; r < rows; r++) d[r] = src[pnl * MR + r];
+        for (int r = rows; r < MR; r++) d[r] = 0.0f;
+      }
+    }
+    return;
+  }
   for (int ip = 0; ip < mc; ip += MR) {
     int rows = UT__CPU_MIN(MR, mc - ip);
     if (pack8 && rows == 8) {
@@ -6193,7 +6243,7 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
                               int i0, int mc, int j0, int nc, float* abuf, float* bbuf) {
   float* c = c0 + (ut__i64)i0 * ldc + j0;
   bool first = true;
-  int a_full = nc <= 2 * NR ? mc / MR * MR : 0; /* rows of A read in place */
+  int a_full = nc <= 2 * NR && !g->trans_a ? mc / MR * MR : 0; /* rows of A read in place */
   int b_full = mc <= 2 * MR && !g->trans_b ? nc / NR * NR : 0; /* columns of B read in place */
   ut__i64 a_rs = g->trans_a ? 1 : g->lda, a_ks = g->trans_a ? g->lda : 1;
   for (int bb = b0; bb < b1; bb++) {
@@ -9088,6 +9138,11 @@ UT__CPU_INL void ut__cpu_tconv_body(const float* restrict src, ut__i64 tap_strid
 
 /* ---- GEMM micro-kernel and dot-product engine -------------------------------------------------
    C tile (mr x nr valid of MR x 2V) = alpha * A_panel B_panel + beta * C (beta 0: not read). */
+#if defined(__GNUC__)
+#define UT__PREFETCH_W(p) __builtin_prefetch((p), 1, 3)
+#else
+#define UT__PREFETCH_W(p) ((void)(p))
+#endif
 UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a_rs,
                                      ut__i64 a_ks, const float* restrict bp, ut__i64 b_ks,
                                      float* restrict c, ut__i64 ldc, int mr, int nr, float alpha,
@@ -9095,7 +9150,11 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a
                                      const int V, const int MR) {
   ut__vec acc0[8], acc1[8];
   UT__DW_UNROLL
-  for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = ut__v_dup(0.0f, V);
+  for (int r = 0; r < MR; r++) {
+    acc0[r] = acc1[r] = ut__v_dup(0.0f, V);
+    UT__PREFETCH_W(c + (ut__i64)r * ldc);
+    UT__PREFETCH_W(c + (ut__i64)r * ldc + 2 * V - 1);
+  }
   if (a_rs == 1 && a_ks == MR) {
     /* a packed panel: the MR values of a step sit together, one address register for all */
     for (int k = 0; k < kc; k++) {
