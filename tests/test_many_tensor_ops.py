@@ -50,6 +50,24 @@ def test_fill_many_fills_every_tensor(device):
         assert t.ptr.version != v0  # a write: saved inputs of a pending backward see it
 
 
+def test_fill_many_long_tensors_at_odd_offsets(device):
+    """Long tensors are filled with streaming stores on the CPU (from 64k floats): the parts
+    begin at any float (odd sizes cut by the threads, a 16-byte alignment prologue): every
+    element of the filled tensors is written, and nothing of the tensors left out."""
+    rng = np.random.default_rng(4)
+    shapes = [(70_001,), (3,), (131_075,), (65_536,), (200_003,)]
+    ts = _tensors(rng, shapes, device)
+    for value in (0.0, -1.25):
+        F.fill_many(ts, value)
+        for t in ts:
+            got = t.numpy()
+            assert got.shape == t.shape and np.all(got == value)
+    views = [ut.tensor(rng.standard_normal(s).astype(np.float32), device) for s in shapes]
+    F.fill_many(views[1:4], 7.0)  # the first and last tensors are left as they were
+    assert not np.any(views[0].numpy() == 7.0) and not np.any(views[4].numpy() == 7.0)
+    assert all(np.all(v.numpy() == 7.0) for v in views[1:4])
+
+
 def test_a_bad_item_changes_nothing_and_is_named(device):
     rng = np.random.default_rng(3)
     ps = _tensors(rng, [(4,)] * 6, device)
