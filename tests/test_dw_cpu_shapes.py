@@ -44,9 +44,9 @@ def _name(g):
     return "k%dx%d_s%d_d%d_p%d_%dx%d" % g
 
 
-def _check(g, seed):
+def _check(g, seed, c=2):
     kh, kw, s, d, p, h, w = g
-    n, c = 3, 2
+    n = 3
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, c, h, w)).astype(f32)
     wt = (rng.standard_normal((c, kh, kw)) * 0.5).astype(f32)
@@ -66,14 +66,14 @@ def _check(g, seed):
         assert_close("dw shapes dW " + _name(g), layer.weight.grad.numpy(), rdw)
 
 
-def _each(check):
+def _each(check, geoms=GEOMS):
     failed = []
-    for i, g in enumerate(GEOMS):
+    for i, g in enumerate(geoms):
         try:
             check(g, i)
         except (AssertionError, ut.UtensilError) as e:
             failed.append("%s: %s" % (_name(g), "\n".join(str(e).strip().splitlines()[:8])))
-    assert not failed, "%d of %d cases failed:\n%s" % (len(failed), len(GEOMS),
+    assert not failed, "%d of %d cases failed:\n%s" % (len(failed), len(geoms),
                                                        "\n".join(failed))
 
 
@@ -113,3 +113,65 @@ def test_nonfinite_input_dilated():
         assert np.array_equal(np.isinf(y), np.isinf(ref)) and not np.isnan(ref).any()
         fin = np.isfinite(ref)
         assert_close("dw shapes forward inf", np.where(fin, y, 0), np.where(fin, ref, 0))
+
+
+def _small_geoms():
+    """Planes of at most 16 values under filters of 25 taps or more (the small-plane engine:
+    ConvNeXt's 4x4 and 2x2 planes under 7x7 at 64^2), every stride, dilation and padding that
+    leaves an output, and planes of one row or column."""
+    out = []
+    for i, ((kh, kw), (h, w), s, d) in enumerate(itertools.product(
+            ((5, 5), (7, 7), (5, 7), (7, 5), (6, 6)), ((1, 1), (2, 2), (4, 4), (3, 5), (1, 4)),
+            (1, 2, 3), (1, 2))):
+        p = (kh // 2, 0, 1, 3)[i % 4]
+        if h + 2 * p >= d * (kh - 1) + 1 and w + 2 * p >= d * (kw - 1) + 1:
+            out.append((kh, kw, s, d, p, h, w))
+    return out
+
+
+SMALL = _small_geoms()
+
+
+def test_small_planes_match_reference():
+    """Forward, dx and dW over small planes against the float64 reference, with 70 channels
+    (a full block of 64 and a partial one), on one thread and on two."""
+    assert len(SMALL) > 40
+    old = ut.get_num_threads()
+    try:
+        for nt in (1, 2):
+            ut.set_num_threads(nt)
+            _each(lambda g, seed: _check(g, seed, c=70), SMALL)
+    finally:
+        ut.set_num_threads(old)
+
+
+def test_small_planes_nonfinite_stay_where_they_are_read():
+    """An inf in x and a NaN in grad_out on a 4x4 plane under 7x7 (padding 3): only the outputs,
+    input gradients and taps that read them are non-finite, as in the float64 reference (whose
+    padding zeros meet only finite weights); everything else matches it."""
+    rng = np.random.default_rng(11)
+    n, c, h, w = 2, 67, 4, 4
+    x = rng.standard_normal((n, c, h, w)).astype(f32)
+    x[1, 5, 2, 1] = np.inf
+    wt = (rng.standard_normal((c, 7, 7)) * 0.5 + 2.0).astype(f32)  # no zero weight
+    go = rng.standard_normal((n, c, h, w)).astype(f32)
+    go[0, 66, 3, 3] = np.nan
+    with ut.DWConv2d(c, 7, padding=3, bias=False) as layer:
+        layer.weight = wt
+        y = layer(ut.tensor(x)).numpy()
+        dx = layer.backward(ut.tensor(go)).numpy()
+        dw = layer.weight.grad.numpy()
+    x64, w64, go64 = x.astype(np.float64), wt.astype(np.float64), go.astype(np.float64)
+    ref = R.dwconv2d(x64, w64, None, 1, 3)
+    rdx, _, _ = R.dwconv2d_backward(x64, w64, 1, 3, go64)
+    # dW: the reference multiplies the NaN by padding zeros too; PyTorch (and utensil) sum real
+    # input only, so the NaN reaches the taps that read input from output (3, 3): ky, kx < 4
+    _, rdw, _ = R.dwconv2d_backward(x64, w64, 1, 3, np.nan_to_num(go64, nan=0.0))
+    rdw[66, :4, :4] = np.nan
+    for name, got, want in (("forward", y, ref), ("dx", dx, rdx), ("dW", dw, rdw)):
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        assert np.array_equal(np.isinf(got), np.isinf(want)), name
+        assert np.isfinite(want).sum() > 0.9 * want.size, name  # the case keeps most finite
+        fin = np.isfinite(want)
+        assert_close("dw small planes %s non-finite" % name, np.where(fin, got, 0),
+                     np.where(fin, want, 0))
