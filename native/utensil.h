@@ -9356,6 +9356,9 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a
     }
   } else {
     for (int k = 0; k < kc; k++) {
+      /* A read in place, MR rows of a (cold) weight at once: each row a line ahead of use */
+      if ((k & 15) == 0 && a_ks == 1)
+        for (int r = 0; r < mr; r++) UT__PREFETCH_R(ap + r * a_rs + 64);
       ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
       UT__DW_UNROLL
       for (int r = 0; r < MR; r++) {
