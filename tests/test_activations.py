@@ -170,8 +170,10 @@ def test_bf16_is_the_float32_op_rounded_once(device, torch, rng, name):
     for what, got, f32 in (("forward", yb, y32), ("backward", gb, g32)):
         if device == "cpu":  # float32 arithmetic, one rounding to nearest even
             np.testing.assert_array_equal(got, bf16_round(f32), err_msg=name + " " + what)
-        else:  # the device's libm may land a float32 result across a rounding boundary
-            np.testing.assert_allclose(got, bf16_round(f32), rtol=step, atol=1e-30,
+        else:  # the device's libm may land a float32 result across a rounding boundary:
+            # one bf16 step apart at most, which is 2^-7 relative at the bottom of a binade
+            # (GELU's gradient near its zero at x = -0.75: -5.49e-4 against -5.46e-4)
+            np.testing.assert_allclose(got, bf16_round(f32), rtol=2 * step, atol=1e-30,
                                        err_msg=name + " " + what)
     # PyTorch on bf16 tensors computes in float32 and rounds once too, but its vectorized CPU
     # gelu is less exact (1e-5 absolute at the small negative values); its sigmoid backward
