@@ -8436,13 +8436,13 @@ static inline void ut__v_acc_d(double* d, ut__vec v, const int V) {
    ReLU or ReLU6, the operations of ut__cpu_epi_rows in its order and rounding. That loop is
    built with fp-contract=off, so the product is rounded before the add here too: an empty asm
    on the product hides it from FMA contraction (x86 only: the kernels that fuse the epilogue,
-   ut__cpu_isa_kernels.gemm_epi, are the x86 ones). Its operand may sit in a vector register
-   or in memory ("vm"): at -O0 the GPU machines' GCC also emits the 16-lane branch in code
-   without AVX-512, where no register holds it and "v" alone was an impossible constraint;
-   optimized, the kernels keep it in a register (the same code as with "v"). ReLU keeps
-   relu_fwd's rules: NaN and -0 pass. */
+   ut__cpu_isa_kernels.gemm_epi, are the x86 ones). The operand is named in memory ("m"):
+   a store and a load per vector of a finished tile, nothing in the K loop. A register ("v")
+   was refused by the GPU machines' GCC, at -O0 in code without AVX-512 (where the 16-lane
+   branch is emitted too) and at -O1 with the sanitizers (where the vector is addressable),
+   and "vm" together as inconsistent. ReLU keeps relu_fwd's rules: NaN and -0 pass. */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define UT__NO_CONTRACT(x) __asm__("" : "+vm"(x))
+#define UT__NO_CONTRACT(x) __asm__("" : "+m"(x))
 #else
 #define UT__NO_CONTRACT(x) ((void)0)
 #endif
