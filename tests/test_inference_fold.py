@@ -89,6 +89,15 @@ GEOMS = [
     ("dense2x2s2p0", lambda: ut.Conv2d(4, 8, 2, stride=2, bias=False), 4, (8, 8)),
     # K = 32 * 9 = 288 > the GEMM's 256-deep blocks: the epilogue after the last one only
     ("dense3x3-K288", lambda: ut.Conv2d(32, 10, 3, padding=1, bias=False), 32, (7, 9)),
+    # the GEMM's panels packed straight from x (no column matrix): output rows that cross
+    # panels and column blocks (P > 1024), strides 2 and 3, 1x1 strided, padding 0 and beyond
+    # the kernel's half, K > 256 over several k blocks
+    ("dense3x3s2p1-stem", lambda: ut.Conv2d(3, 16, 3, stride=2, padding=1), 3, (66, 70)),
+    ("dense7x7s2p3", lambda: ut.Conv2d(3, 8, 7, stride=2, padding=3, bias=False), 3, (45, 38)),
+    ("dense1x1s2", lambda: ut.Conv2d(5, 7, 1, stride=2, bias=False), 5, (21, 20)),
+    ("dense5x3s3p2-K300", lambda: ut.Conv2d(20, 9, (5, 3), stride=3, padding=2), 20, (40, 31)),
+    ("dense3x3p0", lambda: ut.Conv2d(4, 6, 3, bias=False), 4, (30, 40)),
+    ("dense3x3p2", lambda: ut.Conv2d(3, 5, 3, padding=2, bias=False), 3, (12, 50)),
     ("dw3x3s1p1", lambda: ut.DWConv2d(6, 3, padding=1, bias=False), 6, (13, 12)),
     ("dw3x3s2p1+bias", lambda: ut.DWConv2d(6, 3, stride=2, padding=1), 6, (14, 15)),
     ("dw5x5s2p2", lambda: ut.DWConv2d(5, 5, stride=2, padding=2, bias=False), 5, (16, 16)),
