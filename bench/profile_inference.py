@@ -3,10 +3,13 @@ folded convolution step (issue 32: every convolution + BatchNorm2d runs as one s
 one), with each kind's GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
 
     python bench/profile_inference.py [--net mobilenet_v2] [--size 224] [--batch 1]
-                                      [--threads 2] [--calls 5] [--by-shape]
+                                      [--threads 2] [--calls 5] [--by-shape] [--onnxruntime]
 
 The network and its BatchNorm statistics are bench_inference.py's. Timings are wall-clock
-around each C call, so on a busy machine compare shares, not milliseconds.
+around each C call, so on a busy machine compare shares, not milliseconds. ``--onnxruntime``
+then splits onnxruntime's run of the same network (utensil's own export, as bench_inference.py
+runs it) by the same kinds, from its session profile (each node's kernel time): where the gap
+between the two engines lies.
 """
 
 import argparse
@@ -80,6 +83,83 @@ def profile(net_name, size, batch, threads, calls, by_shape=False):
               % (k, s / calls * 1e3, 100 * s / calls / total, flops[k] / s / 1e9))
     rest = total - sum(secs.values()) / calls
     print("  %-12s %8.2f ms  %5.1f%%" % ("rest", rest * 1e3, 100 * rest / total))
+    return {k: f / calls for k, f in flops.items()}
+
+
+def _ort_kinds(model):
+    """onnxruntime's node name -> the kind _kind gives the same convolution (its fused and
+    blocked forms included), from the optimized model's weights and attributes."""
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    kinds = {}
+    for node in model.graph.node:
+        if "Conv" not in node.op_type or len(node.input) < 2:
+            continue
+        w = dims.get(node.input[1])
+        if not w or len(w) != 4:
+            continue
+        att = {a.name: a for a in node.attribute}
+        group = att["group"].i if "group" in att else 1
+        stride = att["strides"].ints[0] if "strides" in att else 1
+        kinds[node.name] = "%s %dx%d s%d" % ("dw" if group > 1 and group == w[0] else "conv",
+                                            w[2], w[3], stride)
+    return kinds
+
+
+def profile_onnxruntime(net_name, size, batch, threads, calls, flops=None, out=print):
+    """{kind: ms per run} of onnxruntime on utensil's export of the network (node kernel time;
+    the kinds not convolutions by their op type); with ``flops`` ({kind: FLOP per run}, what
+    profile returns) each kind's GFLOP/s too."""
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError as e:
+        raise SystemExit("profile_inference: --onnxruntime needs onnx and onnxruntime (%s)" % e)
+    import json
+    import tempfile
+
+    from utensil_ffi.interop.onnx_export import export_onnx
+
+    ut.seed(0)
+    net = build(net_name, "cpu")
+    try:
+        net.eval()
+        _randomise_bn(net, np.random.default_rng(0))
+        x = np.random.default_rng(1).standard_normal((batch, 3, size, size)).astype(np.float32)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "net.onnx")
+            export_onnx(net, path, (1, 3, size, size))
+            so = ort.SessionOptions()
+            so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+            so.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+            so.enable_profiling = True
+            so.log_severity_level = 3  # not the warning that the optimized file is machine's own
+            so.profile_file_prefix = os.path.join(tmp, "profile")
+            sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            kinds = _ort_kinds(onnx.load(so.optimized_model_filepath))
+            for _ in range(2 + calls):
+                sess.run(None, {"input": x})
+            with open(sess.end_profiling()) as f:
+                events = json.load(f)
+    finally:
+        net.close()
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    skip = len(runs) - calls  # the warm-up runs' nodes come first
+    secs, seen = collections.Counter(), 0
+    for e in events:
+        if e.get("cat") == "Session" and e.get("name") == "model_run":
+            seen += 1
+        elif (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+              and seen >= skip):
+            node = e["name"][:-len("_kernel_time")]
+            secs[kinds.get(node, e.get("args", {}).get("op_name", "?"))] += e["dur"] / 1e3
+    total = sum(secs.values()) / calls
+    out("onnxruntime %s %d^2, batch %d, %d threads: %.2f ms of node time per run"
+        % (net_name, size, batch, threads, total))
+    for k, v in sorted(secs.items(), key=lambda kv: -kv[1]):
+        rate = ("  %7.1f GFLOP/s" % (flops[k] / (v / calls) / 1e6)
+                if flops and k in flops and v > 0 else "")
+        out("  %-12s %8.3f ms  %5.1f%%%s" % (k, v / calls, 100 * v / calls / total, rate))
+    return {k: v / calls for k, v in secs.items()}
 
 
 def main(argv=None):
@@ -91,8 +171,13 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--by-shape", action="store_true",
                    help="a line per (kind, channels in -> out, output plane) instead of per kind")
+    p.add_argument("--onnxruntime", action="store_true",
+                   help="then onnxruntime's run of utensil's export, by the same kinds")
     a = p.parse_args(argv)
-    profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape)
+    flops = profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape)
+    if a.onnxruntime:
+        profile_onnxruntime(a.net, a.size, a.batch, a.threads, a.calls,
+                            None if a.by_shape else flops)
 
 
 if __name__ == "__main__":

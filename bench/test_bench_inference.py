@@ -46,3 +46,23 @@ def test_batchnorm_statistics_are_moved_off_their_start():
         assert all(np.abs(m.running_mean.numpy()).max() > 0.01 for m in bns)
     finally:
         net.close()
+
+
+def test_profile_inference_splits_both_engines_by_the_same_kinds(capsys):
+    """profile_inference.py: utensil's eval forward and onnxruntime's run of its export, each
+    split by convolution kind (1x1, depthwise 3x3 at strides 1 and 2, the 3x3 stem); the
+    kinds, their FLOP counts and both engines' times come out of the same network."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    import profile_inference as pi
+
+    flops = pi.profile("v1", 32, 1, 1, 2)
+    # v1 at 32^2: the stem, 13 depthwise 3x3 (4 of them stride 2) and 13 pointwise convs
+    assert set(flops) == {"conv 3x3 s2", "dw 3x3 s1", "dw 3x3 s2", "conv 1x1 s1"}
+    # the stem's FLOPs by hand: 32 outputs of 3*3*3 taps over the 16x16 plane
+    assert flops["conv 3x3 s2"] == 2.0 * 32 * 16 * 16 * 27
+    ort = pi.profile_onnxruntime("v1", 32, 1, 1, 2, flops, out=lambda s: None)
+    for kind in flops:
+        assert ort.get(kind, 0.0) > 0.0, (kind, ort)
+    out = capsys.readouterr().out
+    assert "conv 1x1 s1" in out and "rest" in out
