@@ -2754,7 +2754,7 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
   if (merged) { /* backward reuses the regrouped columns */
     col = ut__conv_batch_columns(be, xp, &g, x, who);
   } else if (ut__conv_is_pointwise(&g) || implicit) {
-    col = ut_retain(x); /* a 1x1 window's columns are the input itself */
+    col = ut_retain(x); /* a 1x1 window's columns are the input itself; implicit: read from x */
   } else {
     col = ut__new_typed(3, (int[]){g.n, K, P}, x->dev, x->dtype, who);
     if (col) col = ut__finish(col, be, be->im2col(dt, xp, ut__out(col, be), &g));
@@ -8728,9 +8728,9 @@ UT__CPU_INL void ut__dwf_rows_gen(const ut__dwctx* C, const float* restrict xp,
 /* Input row iy as s phase rows like ut__dw_row, for strides 2 and 3 through tmp (a zero padded
    copy of the row: tmp[j] = x[iy][j - px]) split into its phases by vector shuffles, where
    ut__dw_row moves one float at a time (on 28-pixel rows that moving cost more than the FMAs).
-   The vectors whose s V floats lie inside the row are read from x itself: read back from tmp
-   just after memcpy wrote it, each load waited for the copy's stores (a load spanning several
-   stores is not forwarded), a quarter of a 3x3 stride-2 forward over 112^2 planes.
+   The vectors whose s V floats lie inside the row are read from x itself, not from tmp just
+   after memcpy wrote it (a load spanning several stores is not forwarded): ~2% of a 3x3
+   stride-2 forward over 112^2 planes.
    tmp: s * (PS + V) + 16 floats. */
 UT__CPU_INL const float* ut__dw_row_split(const float* restrict xp, int iy, int h, int w, int s,
                                           int px, int Wq, int PS, int SL, int nslots,
@@ -8752,14 +8752,16 @@ UT__CPU_INL const float* ut__dw_row_split(const float* restrict xp, int iy, int 
   const float* xr = xp + (ut__i64)iy * w; /* xr[j - px] = tmp[j] for j in [px, px + w) */
   if (s == 2) {
     for (int c = 0; c < nc; c += V) {
-      const float* t = 2 * c >= px && 2 * c + 2 * V <= px + w ? xr + (2 * c - px) : tmp + 2 * c;
+      bool in = 2 * c >= px && 2 * c + 2 * V <= px + w;
+      const float* t = in ? xr + (2 * c - px) : tmp + 2 * c;
       ut__vec x0 = ut__v_ld(t, V), x1 = ut__v_ld(t + V, V);
       ut__v_st(dst + c, ut__v_even(x0, x1, V), V);
       ut__v_st(dst + PS + c, ut__v_odd(x0, x1, V), V);
     }
   } else {
     for (int c = 0; c < nc; c += V) {
-      const float* t = 3 * c >= px && 3 * c + 3 * V <= px + w ? xr + (3 * c - px) : tmp + 3 * c;
+      bool in = 3 * c >= px && 3 * c + 3 * V <= px + w;
+      const float* t = in ? xr + (3 * c - px) : tmp + 3 * c;
       ut__vec x0 = ut__v_ld(t, V), x1 = ut__v_ld(t + V, V), x2 = ut__v_ld(t + 2 * V, V);
       for (int bb = 0; bb < 3; bb++)
         ut__v_st(dst + (ut__i64)bb * PS + c, ut__v_third(x0, x1, x2, bb, V), V);
