@@ -1,14 +1,18 @@
-"""CPU depthwise convolution over kernel shapes (square or not), strides and dilations, against
+"""Depthwise convolution over kernel shapes (square or not), strides and dilations, against
 PyTorch, forward and one training step (forward + backward with dx and dW).
 
-    python bench/bench_dw_shapes.py [--threads 2] [--kernels 3x3,5x5,7x7,3x5,5x3,1x7,7x1]
+    python bench/bench_dw_shapes.py [--device cpu] [--dtype fp32] [--threads 2]
+                                    [--kernels 3x3,5x5,7x7,3x5,5x3,1x7,7x1]
                                     [--strides 1,2,3] [--dilations 1,2] [--channels 32,256]
                                     [--planes 28,56] [--batch 8] [--reps 5] [--modes fwd,step]
 
-fp32, padding dilation * (min(kh, kw) // 2). Each case times utensil and PyTorch in alternating
+Padding dilation * (min(kh, kw) // 2). Each case times utensil and PyTorch in alternating
 rounds and keeps the best of --reps rounds each (the machine may be shared: the best is the
 least disturbed). Prints one row per case and mode with PyTorch's time / utensil's (> 1: utensil
-faster), then the geometric mean and the worst case per mode.
+faster), then the geometric mean and the worst case per mode. On --device cuda a round is 20
+calls, synchronized at its end (the kernels, not the host, are timed), PyTorch runs with
+cudnn.benchmark and TF32 off, and --dtype bf16 gives both sides bf16 activations (utensil's
+weights stay float32, PyTorch's are bf16).
 """
 
 import argparse
@@ -25,26 +29,46 @@ if __name__ == "__main__" and __package__ in (None, ""):
 import utensil_ffi as ut  # noqa: E402
 
 
-def _best_pair(a, b, reps):
-    a()
-    b()
+def _best_pair(a, b, reps, sync=None, calls=1):
+    """Best ms per call of a and of b over reps alternating rounds of `calls` calls each."""
+    def round_ms(fn):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync:
+            sync()
+        return (time.perf_counter() - t0) * 1e3 / calls
+
+    round_ms(a)
+    round_ms(b)
     ta, tb = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        a()
-        ta.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        b()
-        tb.append(time.perf_counter() - t0)
-    return min(ta) * 1e3, min(tb) * 1e3
+        ta.append(round_ms(a))
+        tb.append(round_ms(b))
+    return min(ta), min(tb)
 
 
 def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32,), planes=(28,),
-        batch=8, reps=5, modes=("fwd", "step"), out=print):
+        batch=8, reps=5, modes=("fwd", "step"), out=print, device="cpu", dtype="fp32"):
     import torch
 
-    ut.set_num_threads(threads)
-    torch.set_num_threads(threads)
+    if device == "cpu":
+        ut.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        sync, calls = None, 1
+    else:
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.allow_tf32 = False
+
+        def sync():
+            ut.synchronize()
+            torch.cuda.synchronize()
+        calls = 20
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError("dtype must be fp32 or bf16, not %r" % (dtype,))
+    bf16 = dtype == "bf16"
+    ut_dt = ut.bfloat16 if bf16 else ut.float32
+    t_dt = torch.bfloat16 if bf16 else torch.float32
     rng = np.random.default_rng(0)
     rows = []
     for kh, kw in kernels:
@@ -57,16 +81,18 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
                             continue
                         x = rng.standard_normal((batch, c, h, h)).astype(np.float32)
                         with ut.DWConv2d(c, (kh, kw), stride=s, padding=pad, bias=False,
-                                         dilation=d) as layer:
-                            xt = ut.tensor(x)
+                                         dilation=d).to(device) as layer:
+                            xt = ut.tensor(x, device, ut_dt)
                             y = layer(xt)
                             go = rng.standard_normal(y.shape).astype(np.float32)
                             y.close()
-                            gt = ut.tensor(go)
+                            gt = ut.tensor(go, device, ut_dt)
                             conv = torch.nn.Conv2d(c, c, (kh, kw), stride=s, padding=pad,
                                                    dilation=d, groups=c, bias=False)
-                            tx = torch.from_numpy(x).requires_grad_()
-                            tg = torch.from_numpy(go)
+                            conv = conv.to(device=device, dtype=t_dt)
+                            tx = torch.from_numpy(x).to(device=device, dtype=t_dt)
+                            tx.requires_grad_()
+                            tg = torch.from_numpy(go).to(device=device, dtype=t_dt)
 
                             def ours_fwd():
                                 layer(xt).close()
@@ -82,10 +108,13 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
 
                             def theirs_step():
                                 conv(tx).backward(tg)
+                                tx.grad = None
+                                conv.weight.grad = None
 
                             for mode in modes:
                                 a, b = _best_pair(*((ours_fwd, theirs_fwd) if mode == "fwd"
-                                                    else (ours_step, theirs_step)), reps)
+                                                    else (ours_step, theirs_step)), reps, sync,
+                                                  calls)
                                 row = (mode, kh, kw, s, d, c, h, a, b, b / a)
                                 rows.append(row)
                                 out("| %s | %dx%d | %d | %d | %d | %d | %.3f | %.3f | %.2f |" % row)
@@ -108,6 +137,8 @@ def summary(rows, out=print):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python bench/bench_dw_shapes.py",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernels", default="3x3,5x5,7x7,3x5,5x3,1x7,7x1")
     p.add_argument("--strides", default="1,2,3")
@@ -124,7 +155,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|")
     rows = run(a.threads, kernels, ints(a.strides), ints(a.dilations), ints(a.channels),
                ints(a.planes), a.batch, a.reps, tuple(a.modes.split(",")),
-               out=lambda s: print(s, flush=True))
+               out=lambda s: print(s, flush=True), device=a.device, dtype=a.dtype)
     summary(rows)
 
 

@@ -1,7 +1,9 @@
 /* depthwise.cu — dwconv2d: forward, dx and dW. The entry points (float32 and bf16), and the
-   choice of kernel by filter shape, stride, plane size and alignment: the strip kernels
-   (dw_strip.cu, dw_grad.cu), the tiled kernel (dw_tiled.cu) or the plain kernels
-   (dw_exact.cu, dw_grad.cu), each fast kernel followed by its non-finite rerun. The kernels,
+   choice of kernel by filter shape, stride, dilation, plane size and alignment: the strip
+   kernels (dw_strip.cu, dw_grad.cu) and the tiled kernel (dw_tiled.cu) for the measured
+   undilated shapes, each followed by its non-finite rerun; the general strip kernels
+   (dw_general.cu) for every other filter up to 7x7 at stride 1 to 3; the plain kernels
+   (dw_exact.cu, dw_grad.cu) for what remains. The kernels,
    the files and the shared helpers: depthwise.cuh; measurements and history: CUDA_NOTES.md;
    the backend's naming: common.cuh. */
 #include "depthwise.cuh"
@@ -283,14 +285,11 @@ static int ut__cuda_dwconv2d_forward_fast(const T* x, const float* w, const floa
   ut__i64 total = (ut__i64)g->n * g->c * g->ho * g->wo;
   *exact = false;
   if (total <= 0) return UT_OK;
-  *exact = true;
-  if (g->dil > 1) return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g);
-  *exact = false;
-  if (ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
+  if (g->dil == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
     return ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho, g->wo,
                                                g->kh, g->stride, g->pad, false);
   ut__cuda_dwconv2d_tile_plan pl;
-  if (ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
+  if (g->dil == 1 && ut__cuda_dwconv2d_tile_shape(g->kh, g->kw, g->stride) &&
       ut__cuda_dwconv2d_tile_plan_for(UT__CUDA_DWCONV2D_FWD, g->n, g->c, g->h, g->w, g->ho, g->wo,
                                       g->kh, g->stride, g->kh * g->kw, &pl)) {
     ut__cuda_dwconv2d_tile_params<T> p;
@@ -298,8 +297,20 @@ static int ut__cuda_dwconv2d_forward_fast(const T* x, const float* w, const floa
                                          g->ho, g->wo, g->pad, g->pad);
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_FWD>(p, pl, g->kh, g->stride);
   }
-  *exact = true;
+  *exact = true; /* the general and the plain kernels sum real input only */
+  if (ut__cuda_dwconv2d_gen_fits(g))
+    return ut__cuda_dwconv2d_gen_forward_run(x, w, bias, y, g, false);
   return ut__cuda_dwconv2d_direct_forward_run(x, w, bias, y, g);
+}
+
+/* dx by the general strip kernels where they fit, else the plain kernel; both sum real
+   input only */
+template <typename T>
+static int ut__cuda_dwconv2d_backward_dx_general(const T* go, const float* w, T* dx,
+                                                 const ut__conv_geom* g) {
+  if (!ut__cuda_dwconv2d_gen_fits(g)) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g);
+  if (g->stride == 1) return ut__cuda_dwconv2d_gen_forward_run(go, w, NULL, dx, g, true);
+  return ut__cuda_dwconv2d_gen_tdx_run(go, w, dx, g);
 }
 
 template <typename T>
@@ -309,7 +320,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const T* go, const float* w, T* dx
   *exact = true; /* nothing multiplied, or the plain kernel */
   if (total <= 0) return UT_OK;
   if (g->ho <= 0 || g->wo <= 0) return ut__cuda_dwconv2d_zero(dx, total);
-  if (g->dil > 1) return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g);
+  if (g->dil > 1) return ut__cuda_dwconv2d_backward_dx_general(go, w, dx, g);
   *exact = false;
   /* stride 1: go correlated with the rotated filter */
   if (g->stride == 1 && ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FLIP, g))
@@ -338,7 +349,7 @@ static int ut__cuda_dwconv2d_backward_dx_fast(const T* go, const float* w, T* dx
     return ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_TDX>(p, pl, g->kh, g->stride);
   }
   *exact = true;
-  return ut__cuda_dwconv2d_direct_dx_run(go, w, dx, g);
+  return ut__cuda_dwconv2d_backward_dx_general(go, w, dx, g);
 }
 
 template <typename T>
@@ -371,6 +382,13 @@ static int ut__cuda_dwconv2d_backward_dw_run(const T* go, const T* x, float* dw,
     ut__cuda_dwconv2d_tile_params_set<T>(&p, x, NULL, NULL, go, NULL, ws, g->n, g->c, g->h, g->w,
                                          g->ho, g->wo, g->pad, g->pad);
     st = ut__cuda_dwconv2d_tile_dispatch<UT__CUDA_DWCONV2D_DW>(p, pl, g->kh, g->stride);
+    if (st) return st;
+  } else if (ut__cuda_dwconv2d_gen_fits(g)) {
+    unsigned items, chunk;
+    parts = ut__cuda_dwconv2d_gen_dw_parts(g, &items, &chunk);
+    st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
+    if (st) return st;
+    st = ut__cuda_dwconv2d_gen_dw_run(go, x, ws, g);
     if (st) return st;
   } else {
     ut__i64 m = (ut__i64)g->n * g->ho * g->wo;

@@ -12,6 +12,8 @@
      dw_grad.cu        dW: the strip, pair and wide partial kernels, the plain per-tap
                        reduction, and the final kernel that adds the partials in order (and
                        re-sums a non-finite tap over real input only)
+     dw_general.cu     the general strip kernels: every filter up to 7x7 (square or not),
+                       stride 1 to 3, any dilation; forward, dx and dW
      dw_exact.cu       the plain kernels (any geometry, dilation) for forward and dx, and
                        the exact reruns after a fast kernel for channels with non-finite weights
 
@@ -42,9 +44,12 @@
                              to ws[unit]; a second kernel (ut__cuda_dwconv2d_dw_final_kernel)
                              adds each channel's partials in a fixed order into dw.
 
-   Everything else (other filter shapes, planes too wide for shared memory) takes plain
-   kernels: one thread per output (gather form for dx), and for dW a per-channel, per-chunk
-   block reduction tap by tap, with the same deterministic second stage.
+   Every other filter up to 7x7 (square or not, stride 1 to 3, any dilation, and those planes
+   too wide for the tiled kernel) takes the general strip kernels (dw_general.cu: the strip walk
+   with the filter height and the dilation at run time). What remains (larger filters or
+   strides, 32-bit item numbers exceeded) takes plain kernels: one thread per output (gather
+   form for dx), and for dW a per-channel, per-chunk block reduction tap by tap, with the same
+   deterministic second stage.
 
    bf16 activations (the entry points ut__cuda_dw_fwd, _dw_bwd_dx and _dw_bwd_dw switch on the
    type): every kernel is a template over the activation type T (float or ut__cuda_bf16) that
@@ -430,6 +435,20 @@ int ut__cuda_dwconv2d_direct_dw_start(const T* go, const T* x, const ut__conv_ge
 template <typename T>
 int ut__cuda_dwconv2d_dw_final_start(const float* ws, float* dw, int C, int NT, int parts,
                                      const T* go, const T* x, const ut__conv_geom* g);
+
+/* dw_general.cu: the general strip kernels (filters up to 7x7, square or not, stride 1 to 3,
+   any dilation): whether they fit the geometry (32-bit item numbers); forward (flip: dx at
+   stride 1, from go), dx at stride > 1, and dW partials into ws ([C, parts, KH * KW], parts
+   from ut__cuda_dwconv2d_gen_dw_parts) */
+bool ut__cuda_dwconv2d_gen_fits(const ut__conv_geom* g);
+template <typename T>
+int ut__cuda_dwconv2d_gen_forward_run(const T* in, const float* w, const float* bias, T* out,
+                                      const ut__conv_geom* g, bool flip);
+template <typename T>
+int ut__cuda_dwconv2d_gen_tdx_run(const T* go, const float* w, T* dx, const ut__conv_geom* g);
+int ut__cuda_dwconv2d_gen_dw_parts(const ut__conv_geom* g, unsigned* items, unsigned* chunk);
+template <typename T>
+int ut__cuda_dwconv2d_gen_dw_run(const T* go, const T* x, float* ws, const ut__conv_geom* g);
 
 /* dw_exact.cu: the plain kernels over the whole output (forward) or input (dx), and the
    exact rerun (DX: of dx) for channels whose weights are not all finite */
