@@ -8,13 +8,14 @@
    The filter width KW (1..7) and the stride S (1..3) are template arguments; the height
    (up to UT__CUDA_DWCONV2D_GEN_KH) and the dilation are not: the row loop is unrolled to the
    tallest filter and each row is skipped at run time past the real one, so the taps stay in
-   registers without an instantiation per height.
+   registers without an instantiation per height. A dilated filter is d^2 undilated ones over
+   the phases of the plane (rows and columns d apart), so an item takes the outputs of one
+   phase and walks its input d rows and d columns apart.
 
      ut__cuda_dwconv2d_gen_forward_kernel<FLIP=false>
-                   y = conv(x, w) + bias: an item is a vertical strip of R outputs at one column,
-                   the strip's rows `dil` apart (the rows of one phase of a dilated filter), so
-                   the item walks input rows `dil` apart and each loaded row feeds every output
-                   of the strip that uses it, as the square strip kernels do
+                   y = conv(x, w) + bias: an item is R rows x Q columns of outputs; it walks
+                   the input rows it touches once, and each loaded row (a window of
+                   (Q - 1) S + KW columns) feeds every output of the item that uses it
      ut__cuda_dwconv2d_gen_forward_kernel<FLIP=true>
                    dx at stride 1: go correlated with the rotated filter
      ut__cuda_dwconv2d_gen_tdx_kernel
@@ -35,9 +36,11 @@
    non-finite tap. */
 #include "depthwise.cuh"
 
-/* the tallest filter the row loop is unrolled for, and the rows of an item */
+/* the tallest filter the row loop is unrolled for, and the rows and (forward, dx at stride 1,
+   dW) columns of an item */
 #define UT__CUDA_DWCONV2D_GEN_KH 7
 #define UT__CUDA_DWCONV2D_GEN_R 4
+#define UT__CUDA_DWCONV2D_GEN_Q 2
 
 template <typename T>
 struct ut__cuda_dwconv2d_gen_params {
@@ -48,21 +51,24 @@ struct ut__cuda_dwconv2d_gen_params {
   T* out;            /* [planes, OH, OW] (forward, dx) */
   float* part;       /* partials [C, parts, KH * KW] (dW) */
   int C, IH, IW, OH, OW, KH, pad_h, pad_w, dil;
-  int NX, NS;        /* items per row band (columns) and per plane (strips) */
-  int NX1, NS1;      /* forward, dW: -, strips per row phase; tdx: columns, strips per phase */
+  int NX, NS;        /* column groups and strips of a plane */
+  int NX1, NS1;      /* column groups and strips of one phase */
   unsigned items;    /* all items (forward, dx) or one channel's (dW) */
   unsigned chunk;    /* items per block (dW) */
   ut__cuda_fastdiv fd_nx, fd_ns, fd_nx1, fd_ns1, fd_c;
 };
 
-/* the item `it` of the forward and dW kernels: *ox its column, *t its plane (forward) or
-   image (dW), *oy0 its first row (its rows are oy0 + r * dil); strips are numbered by row
-   phase first, then strip */
-template <int R, typename T>
+/* the item `it` of the forward and dW kernels (R rows x Q columns, both `dil` apart: one
+   phase of a dilated filter): *ox its first column, *t its plane (forward) or image (dW),
+   *oy0 its first row. Columns are numbered by column phase, then column group; strips by
+   row phase, then strip. */
+template <int R, int Q, typename T>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_gen_item(
     const ut__cuda_dwconv2d_gen_params<T>& p, unsigned it, int* ox, unsigned* t, int* oy0) {
   const unsigned t1 = ut__cuda_fdiv(it, p.fd_nx);
-  *ox = (int)(it - t1 * (unsigned)p.NX);
+  const unsigned xi = it - t1 * (unsigned)p.NX;
+  const unsigned px = ut__cuda_fdiv(xi, p.fd_nx1);
+  *ox = (int)px + p.dil * Q * (int)(xi - px * (unsigned)p.NX1);
   *t = ut__cuda_fdiv(t1, p.fd_ns);
   const unsigned si = t1 - *t * (unsigned)p.NS;
   const unsigned ph = ut__cuda_fdiv(si, p.fd_ns1);
@@ -80,53 +86,88 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_gen_load_w(
     wr[i] = i < nt ? __ldg(w + (size_t)c * nt + (FLIP ? nt - 1 - i : i)) : 0.f;
 }
 
+/* whether window column i (of an item of Q columns) meets a tap: at strides above the
+   filter width some columns lie between the taps of neighbouring outputs and are not loaded */
+template <int KW, int S, int Q>
+static __device__ constexpr bool ut__cuda_dwconv2d_gen_col_used(int i) {
+  for (int q = 0; q < Q; ++q)
+    if (i - q * S >= 0 && i - q * S < KW) return true;
+  return false;
+}
+
+/* whether input row j of an item (R rows, stride S) meets a filter row: likewise for rows
+   when the filter is shorter than the stride */
+template <int R, int S>
+static __device__ __forceinline__ bool ut__cuda_dwconv2d_gen_row_used(int j, int kh) {
+  bool used = false;
+#pragma unroll
+  for (int r = 0; r < R; ++r) used |= j - r * S >= 0 && j - r * S < kh;
+  return used;
+}
+
 template <int KW, int S, bool FLIP, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_gen_forward_kernel(ut__cuda_dwconv2d_gen_params<T> p) {
-  constexpr int R = UT__CUDA_DWCONV2D_GEN_R, KM = UT__CUDA_DWCONV2D_GEN_KH;
-  constexpr int JM = (R - 1) * S + KM;
+  constexpr int R = UT__CUDA_DWCONV2D_GEN_R, Q = UT__CUDA_DWCONV2D_GEN_Q;
+  constexpr int KM = UT__CUDA_DWCONV2D_GEN_KH;
+  constexpr int JM = (R - 1) * S + KM, NV = (Q - 1) * S + KW;
   const unsigned it = blockIdx.x * blockDim.x + threadIdx.x;
   if (it >= p.items) return;
-  int ox, oy0;
+  int ox0, oy0;
   unsigned plane;
-  ut__cuda_dwconv2d_gen_item<R>(p, it, &ox, &plane, &oy0);
+  ut__cuda_dwconv2d_gen_item<R, Q>(p, it, &ox0, &plane, &oy0);
   const int c = (int)(plane - ut__cuda_fdiv(plane, p.fd_c) * (unsigned)p.C);
   const int kh = p.KH, d = p.dil;
   float wr[KM * KW];
   ut__cuda_dwconv2d_gen_load_w<KW, FLIP>(p.w, c, kh, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
-  const int ixb = ox * S - p.pad_w, iyb = oy0 * S - p.pad_h;
-  bool cv[KW];
+  /* output column ox0 + q d meets window column q S + kx: x column ixb + (q S + kx) d */
+  const int ixb = ox0 * S - p.pad_w, iyb = oy0 * S - p.pad_h;
+  bool cv[NV];
 #pragma unroll
-  for (int kx = 0; kx < KW; ++kx) cv[kx] = (unsigned)(ixb + kx * d) < (unsigned)p.IW;
-  float acc[R];
+  for (int i = 0; i < NV; ++i) cv[i] = (unsigned)(ixb + i * d) < (unsigned)p.IW;
+  float acc[R][Q];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = bv;
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < Q; ++q) acc[r][q] = bv;
   const T* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   const int rows = (R - 1) * S + kh;
 #pragma unroll
   for (int j = 0; j < JM; ++j) {
     const int iy = iyb + j * d;
-    if (j < rows && (unsigned)iy < (unsigned)p.IH) { /* a row outside the plane adds nothing */
+    /* a row outside the plane adds nothing */
+    if (j < rows && (unsigned)iy < (unsigned)p.IH &&
+        ut__cuda_dwconv2d_gen_row_used<R, S>(j, kh)) {
       const T* rp = xp + ((ptrdiff_t)iy * p.IW + ixb);
-      float v[KW];
+      float v[NV];
 #pragma unroll
-      for (int kx = 0; kx < KW; ++kx) v[kx] = cv[kx] ? ut__cuda_dwconv2d_ldg(rp + kx * d) : 0.f;
+      for (int i = 0; i < NV; ++i)
+        v[i] = (ut__cuda_dwconv2d_gen_col_used<KW, S, Q>(i) && cv[i])
+                   ? ut__cuda_dwconv2d_ldg(rp + i * d)
+                   : 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int kr = j - r * S;
         if (kr >= 0 && kr < KM && kr < kh) {
 #pragma unroll
-          for (int kx = 0; kx < KW; ++kx)
-            if (cv[kx]) acc[r] = fmaf(wr[kr * KW + kx], v[kx], acc[r]);
+          for (int q = 0; q < Q; ++q)
+#pragma unroll
+            for (int kx = 0; kx < KW; ++kx)
+              if (cv[q * S + kx])
+                acc[r][q] = fmaf(wr[kr * KW + kx], v[q * S + kx], acc[r][q]);
         }
       }
     }
   }
-  T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + ((size_t)oy0 * p.OW + ox);
+  T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + ((size_t)oy0 * p.OW + ox0);
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (oy0 + r * d < p.OH) ut__cuda_st(yp + (size_t)r * d * p.OW, acc[r]);
+    if (oy0 + r * d < p.OH) {
+#pragma unroll
+      for (int q = 0; q < Q; ++q)
+        if (ox0 + q * d < p.OW) ut__cuda_st(yp + (size_t)r * d * p.OW + q * d, acc[r][q]);
+    }
 }
 
 /* dx at stride S > 1 from go (p.in, [planes, IH, IW] = go's rows) into dx (p.out, [planes,
@@ -189,13 +230,14 @@ static __global__ void __launch_bounds__(256)
     if (y0 + r * S < p.OH) ut__cuda_st(yp + (size_t)r * S * p.OW, acc[r]);
 }
 
-/* dW partials: grid (parts, C); channel c's items numbered as the forward's with the image in
-   place of the plane; part[(c * parts + part) * KH * KW + t] */
+/* dW partials: grid (parts, C); channel c's items (R rows x Q columns) numbered as the
+   forward's with the image in place of the plane; part[(c * parts + part) * KH * KW + t] */
 template <int KW, int S, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_gen_dw_kernel(ut__cuda_dwconv2d_gen_params<T> p) {
-  constexpr int R = UT__CUDA_DWCONV2D_GEN_R, KM = UT__CUDA_DWCONV2D_GEN_KH;
-  constexpr int JM = (R - 1) * S + KM, NTM = KM * KW;
+  constexpr int R = UT__CUDA_DWCONV2D_GEN_R, Q = UT__CUDA_DWCONV2D_GEN_Q;
+  constexpr int KM = UT__CUDA_DWCONV2D_GEN_KH;
+  constexpr int JM = (R - 1) * S + KM, NTM = KM * KW, NV = (Q - 1) * S + KW;
   __shared__ float red[8 * NTM];
   const int c = blockIdx.y, kh = p.KH, d = p.dil;
   float accw[NTM];
@@ -208,34 +250,44 @@ static __global__ void __launch_bounds__(256)
   for (unsigned it = e0 + threadIdx.x; it < e1; it += blockDim.x) {
     int ox, oy0;
     unsigned n;
-    ut__cuda_dwconv2d_gen_item<R>(p, it, &ox, &n, &oy0);
+    ut__cuda_dwconv2d_gen_item<R, Q>(p, it, &ox, &n, &oy0);
+    if (ox >= p.OW) continue; /* the last group of a column phase may start past the row */
     const size_t plane = (size_t)n * p.C + c;
     const T* __restrict__ xp = p.in + plane * in_plane;
     const T* __restrict__ gp = p.go + plane * out_plane + ((size_t)oy0 * p.OW + ox);
-    float g[R];
+    float g[R][Q];
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      g[r] = oy0 + r * d < p.OH ? ut__cuda_dwconv2d_ldg(gp + (size_t)r * d * p.OW) : 0.f;
-    const int ixb = ox * S - p.pad_w, iyb = oy0 * S - p.pad_h;
-    bool cv[KW];
 #pragma unroll
-    for (int kx = 0; kx < KW; ++kx) cv[kx] = (unsigned)(ixb + kx * d) < (unsigned)p.IW;
+      for (int q = 0; q < Q; ++q)
+        g[r][q] = (oy0 + r * d < p.OH && ox + q * d < p.OW)
+                      ? ut__cuda_dwconv2d_ldg(gp + (size_t)r * d * p.OW + q * d)
+                      : 0.f;
+    const int ixb = ox * S - p.pad_w, iyb = oy0 * S - p.pad_h;
+    bool cv[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) cv[i] = (unsigned)(ixb + i * d) < (unsigned)p.IW;
 #pragma unroll
     for (int j = 0; j < JM; ++j) {
       const int iy = iyb + j * d;
-      if (j < rows && (unsigned)iy < (unsigned)p.IH) {
+      if (j < rows && (unsigned)iy < (unsigned)p.IH &&
+          ut__cuda_dwconv2d_gen_row_used<R, S>(j, kh)) {
         const T* rp = xp + ((ptrdiff_t)iy * p.IW + ixb);
-        float v[KW];
+        float v[NV];
 #pragma unroll
-        for (int kx = 0; kx < KW; ++kx)
-          v[kx] = cv[kx] ? ut__cuda_dwconv2d_ldg(rp + kx * d) : 0.f;
+        for (int i = 0; i < NV; ++i)
+          v[i] = (ut__cuda_dwconv2d_gen_col_used<KW, S, Q>(i) && cv[i])
+                     ? ut__cuda_dwconv2d_ldg(rp + i * d)
+                     : 0.f;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const int kr = j - r * S;
           if (kr >= 0 && kr < KM && kr < kh) {
 #pragma unroll
-            for (int kx = 0; kx < KW; ++kx)
-              accw[kr * KW + kx] = fmaf(g[r], v[kx], accw[kr * KW + kx]);
+            for (int q = 0; q < Q; ++q)
+#pragma unroll
+              for (int kx = 0; kx < KW; ++kx)
+                accw[kr * KW + kx] = fmaf(g[r][q], v[q * S + kx], accw[kr * KW + kx]);
           }
         }
       }
@@ -271,11 +323,12 @@ static void ut__cuda_dwconv2d_gen_divisors(ut__cuda_dwconv2d_gen_params<T>* p) {
   p->fd_c = ut__cuda_fastdiv_make((unsigned)p->C);
 }
 
-/* the forward's and dW's strips over oh output rows: *ns1 per row phase, the return value
-   per plane (one set per phase that has rows: min(dil, oh) of them) */
-static int ut__cuda_dwconv2d_gen_strips(int oh, int dil, int* ns1) {
-  *ns1 = (int)ut__cuda_cdiv(ut__cuda_cdiv(oh, dil), UT__CUDA_DWCONV2D_GEN_R);
-  return (dil < oh ? dil : oh) * *ns1;
+/* the forward's and dW's groups of n outputs (rows: strips of R; columns: groups of Q) over
+   `len` outputs `dil` apart: *per_phase per phase, the return value in all (one set per phase
+   that has outputs: min(dil, len) of them) */
+static int ut__cuda_dwconv2d_gen_groups(int len, int dil, int n, int* per_phase) {
+  *per_phase = (int)ut__cuda_cdiv(ut__cuda_cdiv(len, dil), n);
+  return (dil < len ? dil : len) * *per_phase;
 }
 
 template <int S, bool FLIP, typename T>
@@ -283,13 +336,27 @@ static int ut__cuda_dwconv2d_gen_forward_launch(const ut__cuda_dwconv2d_gen_para
   const int th = UT__CUDA_DWCONV2D_GEN_THREADS;
   const unsigned blocks = (unsigned)ut__cuda_cdiv(p.items, th);
   switch (kw) {
-    case 1: ut__cuda_dwconv2d_gen_forward_kernel<1, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 2: ut__cuda_dwconv2d_gen_forward_kernel<2, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 3: ut__cuda_dwconv2d_gen_forward_kernel<3, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 4: ut__cuda_dwconv2d_gen_forward_kernel<4, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 5: ut__cuda_dwconv2d_gen_forward_kernel<5, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 6: ut__cuda_dwconv2d_gen_forward_kernel<6, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 7: ut__cuda_dwconv2d_gen_forward_kernel<7, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
+    case 1:
+      ut__cuda_dwconv2d_gen_forward_kernel<1, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 2:
+      ut__cuda_dwconv2d_gen_forward_kernel<2, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 3:
+      ut__cuda_dwconv2d_gen_forward_kernel<3, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 4:
+      ut__cuda_dwconv2d_gen_forward_kernel<4, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 5:
+      ut__cuda_dwconv2d_gen_forward_kernel<5, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 6:
+      ut__cuda_dwconv2d_gen_forward_kernel<6, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
+    case 7:
+      ut__cuda_dwconv2d_gen_forward_kernel<7, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
+      break;
     default: return ut__set_error(UT_ERR_ARG, "dw: no general kernel for width %d", kw);
   }
   UT__CUDA_LAUNCHED("depthwise conv (general strips)");
@@ -340,7 +407,7 @@ bool ut__cuda_dwconv2d_gen_fits(const ut__conv_geom* g) {
   if (g->stride < 1 || g->stride > 3 || g->dil < 1) return false;
   const ut__i64 lim = 0x7fffffffLL, planes = (ut__i64)g->n * g->c;
   const ut__i64 rows = (g->ho > g->h ? g->ho : g->h) + (ut__i64)g->dil * UT__CUDA_DWCONV2D_GEN_R;
-  const ut__i64 cols = (g->wo > g->w ? g->wo : g->w) + g->stride;
+  const ut__i64 cols = (g->wo > g->w ? g->wo : g->w) + g->stride + g->dil;
   return planes * rows * cols < lim && g->dil <= 0xffff;
 }
 
@@ -358,8 +425,8 @@ int ut__cuda_dwconv2d_gen_forward_run(const T* in, const float* w, const float* 
     p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo;
     p.pad_h = p.pad_w = g->pad;
   }
-  p.NX = p.OW;
-  p.NS = ut__cuda_dwconv2d_gen_strips(p.OH, p.dil, &p.NS1);
+  p.NX = ut__cuda_dwconv2d_gen_groups(p.OW, p.dil, UT__CUDA_DWCONV2D_GEN_Q, &p.NX1);
+  p.NS = ut__cuda_dwconv2d_gen_groups(p.OH, p.dil, UT__CUDA_DWCONV2D_GEN_R, &p.NS1);
   p.items = (unsigned)((ut__i64)g->n * g->c * p.NS * p.NX);
   ut__cuda_dwconv2d_gen_divisors(&p);
   if (flip) return ut__cuda_dwconv2d_gen_forward_launch<1, true>(p, g->kw);
@@ -401,11 +468,15 @@ template int ut__cuda_dwconv2d_gen_tdx_run<float>(const float*, const float*, fl
 template int ut__cuda_dwconv2d_gen_tdx_run<ut__cuda_bf16>(const ut__cuda_bf16*, const float*,
                                                           ut__cuda_bf16*, const ut__conv_geom*);
 
-/* the parts of one channel's items (one block each, 4 items per thread) */
+/* the parts of one channel's items (one block each) */
 int ut__cuda_dwconv2d_gen_dw_parts(const ut__conv_geom* g, unsigned* items, unsigned* chunk) {
-  int ns1;
-  const ut__i64 per_ch = (ut__i64)g->n * ut__cuda_dwconv2d_gen_strips(g->ho, g->dil, &ns1) * g->wo;
-  const ut__i64 ch = (ut__i64)UT__CUDA_DWCONV2D_GEN_THREADS * 4;
+  int ns1, nx1;
+  const int strips = ut__cuda_dwconv2d_gen_groups(g->ho, g->dil, UT__CUDA_DWCONV2D_GEN_R, &ns1);
+  const ut__i64 per_ch =
+      (ut__i64)g->n * strips *
+      ut__cuda_dwconv2d_gen_groups(g->wo, g->dil, UT__CUDA_DWCONV2D_GEN_Q, &nx1);
+  /* an item is Q columns: 4 / Q items per thread keeps the blocks of one-column items */
+  const ut__i64 ch = (ut__i64)UT__CUDA_DWCONV2D_GEN_THREADS * (4 / UT__CUDA_DWCONV2D_GEN_Q);
   *items = (unsigned)per_ch;
   *chunk = (unsigned)ch;
   return (int)ut__cuda_cdiv(per_ch, ch);
@@ -418,8 +489,8 @@ int ut__cuda_dwconv2d_gen_dw_run(const T* go, const T* x, float* ws, const ut__c
   p.C = g->c; p.KH = g->kh; p.dil = g->dil;
   p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo;
   p.pad_h = p.pad_w = g->pad;
-  p.NX = p.OW;
-  p.NS = ut__cuda_dwconv2d_gen_strips(p.OH, p.dil, &p.NS1);
+  p.NX = ut__cuda_dwconv2d_gen_groups(p.OW, p.dil, UT__CUDA_DWCONV2D_GEN_Q, &p.NX1);
+  p.NS = ut__cuda_dwconv2d_gen_groups(p.OH, p.dil, UT__CUDA_DWCONV2D_GEN_R, &p.NS1);
   const int parts = ut__cuda_dwconv2d_gen_dw_parts(g, &p.items, &p.chunk);
   ut__cuda_dwconv2d_gen_divisors(&p);
   switch (g->stride) {
