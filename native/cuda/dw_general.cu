@@ -105,6 +105,32 @@ static __device__ __forceinline__ bool ut__cuda_dwconv2d_gen_row_used(int j, int
   return used;
 }
 
+/* input row j of an item (R rows x Q columns, stride S, rows `d` apart from iyb) into v:
+   the window columns that meet a tap, zero elsewhere and outside the plane; true when the
+   row lies inside the plane and meets a filter row. A row that meets no filter row (the
+   same for every lane) is skipped; the others' loads are predicated, and a kernel issues
+   the next row's loads before this row's arithmetic (measured on an H100: dW 2-18% faster;
+   predicating the skipped rows too made 1x7 at stride 3 23% slower). */
+template <int KW, int S, int R, int Q, typename T>
+static __device__ __forceinline__ bool ut__cuda_dwconv2d_gen_row(
+    const T* __restrict__ xp, int j, int iyb, int ixb, int d, int ih, int iw, int rows, int kh,
+    const bool (&cv)[(Q - 1) * S + KW], float (&v)[(Q - 1) * S + KW]) {
+  if (!(j < rows && ut__cuda_dwconv2d_gen_row_used<R, S>(j, kh))) { /* the same in every lane */
+#pragma unroll
+    for (int i = 0; i < (Q - 1) * S + KW; ++i) v[i] = 0.f;
+    return false;
+  }
+  const int iy = iyb + j * d;
+  const bool ok = (unsigned)iy < (unsigned)ih;
+  const T* rp = xp + ((ptrdiff_t)iy * iw + ixb);
+#pragma unroll
+  for (int i = 0; i < (Q - 1) * S + KW; ++i)
+    v[i] = (ok && ut__cuda_dwconv2d_gen_col_used<KW, S, Q>(i) && cv[i])
+               ? ut__cuda_dwconv2d_ldg(rp + i * d)
+               : 0.f;
+  return ok;
+}
+
 template <int KW, int S, bool FLIP, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_gen_forward_kernel(ut__cuda_dwconv2d_gen_params<T> p) {
@@ -133,19 +159,17 @@ static __global__ void __launch_bounds__(256)
     for (int q = 0; q < Q; ++q) acc[r][q] = bv;
   const T* __restrict__ xp = p.in + (size_t)plane * ((size_t)p.IH * p.IW);
   const int rows = (R - 1) * S + kh;
+  /* a row outside the plane adds nothing; row j + 1 is loaded before row j is summed */
+  float v[NV];
+  bool ok = ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, 0, iyb, ixb, d, p.IH, p.IW, rows, kh, cv, v);
 #pragma unroll
   for (int j = 0; j < JM; ++j) {
-    const int iy = iyb + j * d;
-    /* a row outside the plane adds nothing */
-    if (j < rows && (unsigned)iy < (unsigned)p.IH &&
-        ut__cuda_dwconv2d_gen_row_used<R, S>(j, kh)) {
-      const T* rp = xp + ((ptrdiff_t)iy * p.IW + ixb);
-      float v[NV];
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-        v[i] = (ut__cuda_dwconv2d_gen_col_used<KW, S, Q>(i) && cv[i])
-                   ? ut__cuda_dwconv2d_ldg(rp + i * d)
-                   : 0.f;
+    float vn[NV];
+    bool okn = false;
+    if (j + 1 < JM)
+      okn = ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, j + 1, iyb, ixb, d, p.IH, p.IW, rows, kh,
+                                                   cv, vn);
+    if (ok) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int kr = j - r * S;
@@ -158,6 +182,11 @@ static __global__ void __launch_bounds__(256)
                 acc[r][q] = fmaf(wr[kr * KW + kx], v[q * S + kx], acc[r][q]);
         }
       }
+    }
+    if (j + 1 < JM) {
+      ok = okn;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) v[i] = vn[i];
     }
   }
   T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + ((size_t)oy0 * p.OW + ox0);
@@ -267,18 +296,17 @@ static __global__ void __launch_bounds__(256)
     bool cv[NV];
 #pragma unroll
     for (int i = 0; i < NV; ++i) cv[i] = (unsigned)(ixb + i * d) < (unsigned)p.IW;
+    float v[NV];
+    bool ok =
+        ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, 0, iyb, ixb, d, p.IH, p.IW, rows, kh, cv, v);
 #pragma unroll
     for (int j = 0; j < JM; ++j) {
-      const int iy = iyb + j * d;
-      if (j < rows && (unsigned)iy < (unsigned)p.IH &&
-          ut__cuda_dwconv2d_gen_row_used<R, S>(j, kh)) {
-        const T* rp = xp + ((ptrdiff_t)iy * p.IW + ixb);
-        float v[NV];
-#pragma unroll
-        for (int i = 0; i < NV; ++i)
-          v[i] = (ut__cuda_dwconv2d_gen_col_used<KW, S, Q>(i) && cv[i])
-                     ? ut__cuda_dwconv2d_ldg(rp + i * d)
-                     : 0.f;
+      float vn[NV];
+      bool okn = false;
+      if (j + 1 < JM)
+        okn = ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, j + 1, iyb, ixb, d, p.IH, p.IW, rows,
+                                                     kh, cv, vn);
+      if (ok) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const int kr = j - r * S;
@@ -290,6 +318,11 @@ static __global__ void __launch_bounds__(256)
                 accw[kr * KW + kx] = fmaf(g[r][q], v[q * S + kx], accw[kr * KW + kx]);
           }
         }
+      }
+      if (j + 1 < JM) {
+        ok = okn;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) v[i] = vn[i];
       }
     }
   }
