@@ -444,6 +444,50 @@ def test_side_stream_ordering():
 
 
 @NEEDS_CUDA
+def test_side_stream_waits_for_the_contiguous_copies(monkeypatch):
+    """A non-contiguous argument (the expanded grad of y.sum()) is copied on PyTorch's current
+    stream after the op's first wait; utensil's stream must wait again after that copy and
+    before its own kernels. Checked on the calls themselves: a race shows only under load (it
+    once gave a wrong dW in test_side_stream_ordering with 8 processes on one GPU)."""
+    import utensil_ffi.interop.torch as interop
+
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            real = getattr(interop.lib, name)
+            if name == "ut_cuda_stream_wait":
+                def wait(dst, src):
+                    calls.append(("wait", dst == interop.ffi.NULL))
+                    return real(dst, src)
+                return wait
+            if name == "ut_dwconv2d_backward":
+                def backward(*a):
+                    calls.append(("backward", None))
+                    return real(*a)
+                return backward
+            return real
+
+    monkeypatch.setattr(interop, "lib", Spy())
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 9, 9, device="cuda")
+    w = torch.randn(4, 1, 3, 3, device="cuda")
+    go = torch.ones(1, 1, 1, 1, device="cuda").expand(2, 4, 9, 9)  # non-contiguous
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dx, dw, _ = utt.depthwise_conv2d_backward(go, x, w, False, 1, 1, 1)
+    torch.cuda.synchronize()
+    first = calls.index(("backward", None))
+    # utensil's stream (dst NULL) waits on entry and again after the copy of go, before the call
+    assert calls[:first].count(("wait", True)) >= 2, calls
+    assert calls[first + 1:] == [("wait", False)], calls  # then PyTorch's stream waits
+    y, x64, w64, _ = _reference(x, w, None, 1, 1, 1)
+    y.backward(go.double().cpu())
+    _assert_close(dx, x64.grad, "dx from a non-contiguous grad_out on a side stream")
+    _assert_close(dw, w64.grad, "dW from a non-contiguous grad_out on a side stream")
+
+
+@NEEDS_CUDA
 def test_converted_model_on_the_gpu_matches_the_cpu():
     torch.manual_seed(0)
     cpu = utt.convert(_small_mobilenet())

@@ -165,7 +165,13 @@ class _Call:
         if t is None:
             return ffi.NULL
         if not t.is_contiguous():
+            # the copy is queued on PyTorch's current stream after __enter__'s wait (autograd's
+            # grad of a sum is an expanded, non-contiguous tensor): wait for it too, or
+            # utensil may read the copy's buffer before it is written
             t = t.contiguous()
+            if self.stream:
+                check_status(lib.ut_cuda_stream_wait(ffi.NULL, ffi.cast("void*", self.stream)),
+                             _OP)
         if t.numel() > _INT_MAX:
             raise ValueError("%s: utensil's tensors hold at most 2^31 - 1 elements, got %s"
                              % (_OP, tuple(t.shape)))
