@@ -1,0 +1,33 @@
+"""bench_dw_shapes.py in quick mode: one tiny case per device and dtype; checks that both sides
+ran and what the rows and the summary say, not speed."""
+
+import pytest
+
+import bench_dw_shapes as bd
+import utensil_ffi as ut
+
+pytest.importorskip("torch")
+
+DEVICES = [d for d in ("cpu", "cuda") if d in ut.devices()]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_and_summary(device, dtype):
+    rows = bd.run(threads=1, kernels=((3, 5), (2, 2)), strides=(2,), dilations=(1, 2),
+                  channels=(3,), planes=(9,), batch=2, reps=1, modes=("fwd", "step"),
+                  out=lambda s: None, device=device, dtype=dtype)
+    # 2x2 at dilation 2 pads 2 * (2 // 2); every case fits a 9x9 plane: 2 kernels x 2 dilations
+    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [
+        (m, kh, kw, d) for kh, kw in ((3, 5), (2, 2)) for d in (1, 2) for m in ("fwd", "step")]
+    for mode, kh, kw, s, d, c, h, ours, theirs, ratio in rows:
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours)
+    lines = []
+    bd.summary(rows, out=lines.append)
+    assert len(lines) == 2 and lines[0].startswith("fwd: 4 cases") and lines[1].startswith(
+        "step: 4 cases")
+
+
+def test_bad_dtype_is_refused():
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        bd.run(kernels=((3, 3),), out=lambda s: None, dtype="fp16")
