@@ -36,6 +36,8 @@
    non-finite tap. */
 #include "depthwise.cuh"
 
+#include <type_traits>
+
 /* the tallest filter the row loop is unrolled for, and the rows and (forward, dx at stride 1,
    dW) columns of an item */
 #define UT__CUDA_DWCONV2D_GEN_KH 7
@@ -364,73 +366,56 @@ static int ut__cuda_dwconv2d_gen_groups(int len, int dil, int n, int* per_phase)
   return (dil < len ? dil : len) * *per_phase;
 }
 
+/* f(std::integral_constant<int, KW>()) for the run-time filter width kw (1 to 7): the one
+   place the widths are instantiated */
+template <typename F>
+static int ut__cuda_dwconv2d_gen_by_width(int kw, const F& f) {
+  switch (kw) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+  }
+  return ut__set_error(UT_ERR_ARG, "dw: no general kernel for filter width %d", kw);
+}
+
 template <int S, bool FLIP, typename T>
 static int ut__cuda_dwconv2d_gen_forward_launch(const ut__cuda_dwconv2d_gen_params<T>& p, int kw) {
   const int th = UT__CUDA_DWCONV2D_GEN_THREADS;
   const unsigned blocks = (unsigned)ut__cuda_cdiv(p.items, th);
-  switch (kw) {
-    case 1:
-      ut__cuda_dwconv2d_gen_forward_kernel<1, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 2:
-      ut__cuda_dwconv2d_gen_forward_kernel<2, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 3:
-      ut__cuda_dwconv2d_gen_forward_kernel<3, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 4:
-      ut__cuda_dwconv2d_gen_forward_kernel<4, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 5:
-      ut__cuda_dwconv2d_gen_forward_kernel<5, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 6:
-      ut__cuda_dwconv2d_gen_forward_kernel<6, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    case 7:
-      ut__cuda_dwconv2d_gen_forward_kernel<7, S, FLIP, T><<<blocks, th, 0, ut__cuda_stream>>>(p);
-      break;
-    default: return ut__set_error(UT_ERR_ARG, "dw: no general kernel for width %d", kw);
-  }
-  UT__CUDA_LAUNCHED("depthwise conv (general strips)");
-  return UT_OK;
+  return ut__cuda_dwconv2d_gen_by_width(kw, [&](auto w) -> int {
+    ut__cuda_dwconv2d_gen_forward_kernel<decltype(w)::value, S, FLIP, T>
+        <<<blocks, th, 0, ut__cuda_stream>>>(p);
+    UT__CUDA_LAUNCHED("depthwise conv (general strips)");
+    return UT_OK;
+  });
 }
 
 template <int S, typename T>
 static int ut__cuda_dwconv2d_gen_tdx_launch(const ut__cuda_dwconv2d_gen_params<T>& p, int kw) {
   const int th = UT__CUDA_DWCONV2D_GEN_THREADS;
   const unsigned blocks = (unsigned)ut__cuda_cdiv(p.items, th);
-  switch (kw) {
-    case 1: ut__cuda_dwconv2d_gen_tdx_kernel<1, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 2: ut__cuda_dwconv2d_gen_tdx_kernel<2, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 3: ut__cuda_dwconv2d_gen_tdx_kernel<3, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 4: ut__cuda_dwconv2d_gen_tdx_kernel<4, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 5: ut__cuda_dwconv2d_gen_tdx_kernel<5, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 6: ut__cuda_dwconv2d_gen_tdx_kernel<6, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    case 7: ut__cuda_dwconv2d_gen_tdx_kernel<7, S, T><<<blocks, th, 0, ut__cuda_stream>>>(p); break;
-    default: return ut__set_error(UT_ERR_ARG, "dw: no general dx kernel for width %d", kw);
-  }
-  UT__CUDA_LAUNCHED("depthwise dx (general strips)");
-  return UT_OK;
+  return ut__cuda_dwconv2d_gen_by_width(kw, [&](auto w) -> int {
+    ut__cuda_dwconv2d_gen_tdx_kernel<decltype(w)::value, S, T>
+        <<<blocks, th, 0, ut__cuda_stream>>>(p);
+    UT__CUDA_LAUNCHED("depthwise dx (general strips)");
+    return UT_OK;
+  });
 }
 
 template <int S, typename T>
 static int ut__cuda_dwconv2d_gen_dw_launch(const ut__cuda_dwconv2d_gen_params<T>& p, int kw,
                                            int parts) {
-  const int th = UT__CUDA_DWCONV2D_GEN_THREADS;
   const dim3 grid((unsigned)parts, (unsigned)p.C);
-  switch (kw) {
-    case 1: ut__cuda_dwconv2d_gen_dw_kernel<1, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 2: ut__cuda_dwconv2d_gen_dw_kernel<2, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 3: ut__cuda_dwconv2d_gen_dw_kernel<3, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 4: ut__cuda_dwconv2d_gen_dw_kernel<4, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 5: ut__cuda_dwconv2d_gen_dw_kernel<5, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 6: ut__cuda_dwconv2d_gen_dw_kernel<6, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    case 7: ut__cuda_dwconv2d_gen_dw_kernel<7, S, T><<<grid, th, 0, ut__cuda_stream>>>(p); break;
-    default: return ut__set_error(UT_ERR_ARG, "dw: no general dW kernel for width %d", kw);
-  }
-  UT__CUDA_LAUNCHED("depthwise dW (general strips)");
-  return UT_OK;
+  return ut__cuda_dwconv2d_gen_by_width(kw, [&](auto w) -> int {
+    ut__cuda_dwconv2d_gen_dw_kernel<decltype(w)::value, S, T>
+        <<<grid, UT__CUDA_DWCONV2D_GEN_THREADS, 0, ut__cuda_stream>>>(p);
+    UT__CUDA_LAUNCHED("depthwise dW (general strips)");
+    return UT_OK;
+  });
 }
 
 /* ---- what depthwise.cu calls ---- */
