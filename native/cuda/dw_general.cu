@@ -133,6 +133,33 @@ static __device__ __forceinline__ bool ut__cuda_dwconv2d_gen_row(
   return ok;
 }
 
+/* the arithmetic of input row j (window v, columns inside the row cv) for each output row r
+   of the item whose filter row kr = j - r S lies inside the filter (kh rows), in the order
+   rows, columns, taps:
+     forward (DW false): a[r][q] += f[kr KW + kx] * v[q S + kx], over the columns inside
+     dW      (DW true):  a[kr KW + kx] += f[r][q] * v[q S + kx]  (v is zero outside)
+   One walk for both kernels, as ut__cuda_dwconv2d_row_taps is for the square strips. */
+template <bool DW, int KW, int S, int R, int Q, typename F, typename A>
+static __device__ __forceinline__ void ut__cuda_dwconv2d_gen_taps(
+    int j, int kh, const float (&v)[(Q - 1) * S + KW], const bool (&cv)[(Q - 1) * S + KW],
+    const F& f, A& a) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int kr = j - r * S;
+    if (kr >= 0 && kr < UT__CUDA_DWCONV2D_GEN_KH && kr < kh) {
+#pragma unroll
+      for (int q = 0; q < Q; ++q)
+#pragma unroll
+        for (int kx = 0; kx < KW; ++kx) {
+          if constexpr (DW)
+            a[kr * KW + kx] = fmaf(f[r][q], v[q * S + kx], a[kr * KW + kx]);
+          else if (cv[q * S + kx])
+            a[r][q] = fmaf(f[kr * KW + kx], v[q * S + kx], a[r][q]);
+        }
+    }
+  }
+}
+
 template <int KW, int S, bool FLIP, typename T>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_gen_forward_kernel(ut__cuda_dwconv2d_gen_params<T> p) {
@@ -171,20 +198,7 @@ static __global__ void __launch_bounds__(256)
     if (j + 1 < JM)
       okn = ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, j + 1, iyb, ixb, d, p.IH, p.IW, rows, kh,
                                                    cv, vn);
-    if (ok) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int kr = j - r * S;
-        if (kr >= 0 && kr < KM && kr < kh) {
-#pragma unroll
-          for (int q = 0; q < Q; ++q)
-#pragma unroll
-            for (int kx = 0; kx < KW; ++kx)
-              if (cv[q * S + kx])
-                acc[r][q] = fmaf(wr[kr * KW + kx], v[q * S + kx], acc[r][q]);
-        }
-      }
-    }
+    if (ok) ut__cuda_dwconv2d_gen_taps<false, KW, S, R, Q>(j, kh, v, cv, wr, acc);
     if (j + 1 < JM) {
       ok = okn;
 #pragma unroll
@@ -308,19 +322,7 @@ static __global__ void __launch_bounds__(256)
       if (j + 1 < JM)
         okn = ut__cuda_dwconv2d_gen_row<KW, S, R, Q>(xp, j + 1, iyb, ixb, d, p.IH, p.IW, rows,
                                                      kh, cv, vn);
-      if (ok) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int kr = j - r * S;
-          if (kr >= 0 && kr < KM && kr < kh) {
-#pragma unroll
-            for (int q = 0; q < Q; ++q)
-#pragma unroll
-              for (int kx = 0; kx < KW; ++kx)
-                accw[kr * KW + kx] = fmaf(g[r][q], v[q * S + kx], accw[kr * KW + kx]);
-          }
-        }
-      }
+      if (ok) ut__cuda_dwconv2d_gen_taps<true, KW, S, R, Q>(j, kh, v, cv, g, accw);
       if (j + 1 < JM) {
         ok = okn;
 #pragma unroll
