@@ -452,10 +452,11 @@ def test_side_stream_waits_for_the_contiguous_copies(monkeypatch):
     import utensil_ffi.interop.torch as interop
 
     calls = []
+    real_lib = interop.lib  # the Spy replaces interop.lib: look names up on the library itself
 
     class Spy:
         def __getattr__(self, name):
-            real = getattr(interop.lib, name)
+            real = getattr(real_lib, name)
             if name == "ut_cuda_stream_wait":
                 def wait(dst, src):
                     calls.append(("wait", dst == interop.ffi.NULL))
