@@ -54,7 +54,7 @@ def _kernels(prof):
 
 
 def profile(net_name="v1", size=224, batch=256, steps=4, sides=("utensil bf16", "torch bf16"),
-            top=25):
+            top=25, roofline=False):
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -85,6 +85,24 @@ def profile(net_name="v1", size=224, batch=256, steps=4, sides=("utensil bf16", 
         for kname, t in sorted(k.items(), key=lambda kv: -kv[1])[:top]:
             print("  %9.0f µs %5.1f%% %4d×  %s" % (t / steps, 100 * t / steps / gpu,
                                                    count[kname] // steps, kname[:110]))
+        if roofline and name.startswith("utensil"):
+            _print_roofline(k, steps, net, net_name, batch, in_c, size, name.endswith("bf16"),
+                            torch)
+
+
+def _print_roofline(kernel_us, steps, net, net_name, batch, in_c, size, bf16, torch):
+    """The family table of bench/roofline.py for the side just profiled."""
+    from bench import roofline
+
+    cpu_net = build(net_name, "cpu")
+    shapes = roofline.layer_shapes(cpu_net, (1, in_c, size, size))
+    cpu_net.close()
+    params = sum(p.numel() for p in net.parameters())
+    bw, flops = roofline.measure_peaks(torch)
+    print("\n  roofline (bench/roofline.py), %s activations:" % ("bf16" if bf16 else "fp32"))
+    for row in roofline.table(kernel_us, steps, batch, shapes, 2 if bf16 else 4, params, bw,
+                              flops):
+        print("  " + row)
 
 
 def main():
@@ -95,8 +113,12 @@ def main():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--sides", default="utensil bf16,torch bf16")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--roofline", action="store_true",
+                   help="after each utensil side, the kernel families against the bytes and "
+                        "FLOPs they must move (bench/roofline.py)")
     a = p.parse_args()
-    profile(a.net, a.size, a.batch, a.steps, [s.strip() for s in a.sides.split(",")], a.top)
+    profile(a.net, a.size, a.batch, a.steps, [s.strip() for s in a.sides.split(",")], a.top,
+            a.roofline)
 
 
 if __name__ == "__main__":
