@@ -137,19 +137,31 @@ static __device__ __forceinline__ float ut__cuda_ldg(const ut__cuda_bf16* p) {
    rows are a multiple of 4 but not of 8 (14x14 = 196), W = 4 (8 bytes); else W = 1. 16 bytes
    per access keeps a bf16 pass as wide in bytes as a float32 one, so it moves half the bytes
    in about half the time. Indexed with I = 32-bit integers when the tensor allows: the channel
-   of a group costs one division, which 64-bit integers make the kernels' largest cost. */
+   of a group costs one division, which 64-bit integers make the kernels' largest cost.
+   fetch/unpack split load in two: a loop that issues the next groups' loads before it works on
+   the current ones holds them as raw (the loaded bits, half the registers of the floats for
+   bf16) until their turn; load(p, e) is unpack(fetch(p), e). */
 template <int W, typename T>
 struct ut__cuda_vec {
   static_assert(W == 1, "no vector load of this width for this type");
-  static __device__ __forceinline__ void load(const T* p, float* e) { e[0] = ut__cuda_ldg(p); }
+  typedef T raw;
+  static __device__ __forceinline__ raw fetch(const T* p) { return __ldg(p); }
+  static __device__ __forceinline__ void unpack(const raw& r, float* e) {
+    e[0] = ut__cuda_ld(&r);
+  }
+  static __device__ __forceinline__ void load(const T* p, float* e) { unpack(fetch(p), e); }
   static __device__ __forceinline__ void store(T* p, const float* e) { ut__cuda_st(p, e[0]); }
 };
 template <>
 struct ut__cuda_vec<4, float> {
-  static __device__ __forceinline__ void load(const float* p, float* e) {
-    float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  typedef float4 raw;
+  static __device__ __forceinline__ raw fetch(const float* p) {
+    return __ldg(reinterpret_cast<const float4*>(p));
+  }
+  static __device__ __forceinline__ void unpack(const raw& v, float* e) {
     e[0] = v.x; e[1] = v.y; e[2] = v.z; e[3] = v.w;
   }
+  static __device__ __forceinline__ void load(const float* p, float* e) { unpack(fetch(p), e); }
   static __device__ __forceinline__ void store(float* p, const float* e) {
     *reinterpret_cast<float4*>(p) = make_float4(e[0], e[1], e[2], e[3]);
   }
@@ -158,10 +170,17 @@ struct ut__cuda_vec<4, float> {
    (ut__cuda_reduce_width) */
 template <>
 struct ut__cuda_vec<8, float> {
-  static __device__ __forceinline__ void load(const float* p, float* e) {
-    ut__cuda_vec<4, float>::load(p, e);
-    ut__cuda_vec<4, float>::load(p + 4, e + 4);
+  struct raw {
+    float4 lo, hi;
+  };
+  static __device__ __forceinline__ raw fetch(const float* p) {
+    return raw{ut__cuda_vec<4, float>::fetch(p), ut__cuda_vec<4, float>::fetch(p + 4)};
   }
+  static __device__ __forceinline__ void unpack(const raw& v, float* e) {
+    ut__cuda_vec<4, float>::unpack(v.lo, e);
+    ut__cuda_vec<4, float>::unpack(v.hi, e + 4);
+  }
+  static __device__ __forceinline__ void load(const float* p, float* e) { unpack(fetch(p), e); }
   static __device__ __forceinline__ void store(float* p, const float* e) {
     ut__cuda_vec<4, float>::store(p, e);
     ut__cuda_vec<4, float>::store(p + 4, e + 4);
@@ -181,10 +200,16 @@ static __device__ __forceinline__ unsigned ut__cuda_bf16x2_pack(const float* e) 
 }
 template <>
 struct ut__cuda_vec<4, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  typedef uint2 raw;
+  static __device__ __forceinline__ raw fetch(const ut__cuda_bf16* p) {
+    return __ldg(reinterpret_cast<const uint2*>(p));
+  }
+  static __device__ __forceinline__ void unpack(const raw& v, float* e) {
     ut__cuda_bf16x2_unpack(v.x, e);
     ut__cuda_bf16x2_unpack(v.y, e + 2);
+  }
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    unpack(fetch(p), e);
   }
   static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
     *reinterpret_cast<uint2*>(p) = make_uint2(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2));
@@ -192,12 +217,18 @@ struct ut__cuda_vec<4, ut__cuda_bf16> {
 };
 template <>
 struct ut__cuda_vec<8, ut__cuda_bf16> {
-  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
-    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  typedef uint4 raw;
+  static __device__ __forceinline__ raw fetch(const ut__cuda_bf16* p) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  static __device__ __forceinline__ void unpack(const raw& v, float* e) {
     ut__cuda_bf16x2_unpack(v.x, e);
     ut__cuda_bf16x2_unpack(v.y, e + 2);
     ut__cuda_bf16x2_unpack(v.z, e + 4);
     ut__cuda_bf16x2_unpack(v.w, e + 6);
+  }
+  static __device__ __forceinline__ void load(const ut__cuda_bf16* p, float* e) {
+    unpack(fetch(p), e);
   }
   static __device__ __forceinline__ void store(ut__cuda_bf16* p, const float* e) {
     *reinterpret_cast<uint4*>(p) = make_uint4(ut__cuda_bf16x2_pack(e), ut__cuda_bf16x2_pack(e + 2),

@@ -109,9 +109,14 @@ static inline int ut__cuda_reduce_width(ut__i64 inner, const void* a, const void
   if (inner % 4 == 0 && any % (4 * sizeof(T)) == 0) return 4;
   return 1;
 }
-/* groups per trip of a thread, their loads issued together: wide groups need few to keep
-   the memory busy, single elements many */
-#define UT__CUDA_TRIP(W) ((W) == 1 ? 8 : 2)
+/* Groups per trip of a thread: 32 bytes of each tensor (at least one group), loaded during
+   the trip before, so that much stays in flight while the thread adds. A trip only batches
+   the thread's groups, which it visits in the same order whatever the trip, so float32 and
+   bf16 (different trips) still add the same values in the same order. */
+template <int W, typename T>
+static __host__ __device__ constexpr int ut__cuda_trip() {
+  return W * (int)sizeof(T) >= 32 ? 1 : 32 / (W * (int)sizeof(T));
+}
 
 /* The chunks of a reduction over [n, c, inner] walked W elements at a time: as
    ut__cuda_channel_chunks, with every chunk a whole number of groups */
@@ -186,7 +191,7 @@ static __global__ void __launch_bounds__(256)
                                     ut__i64 inner, ut__i64 m, ut__i64 chunk, int chunks,
                                     float* __restrict__ ws, ut__cuda_channel_out o) {
   constexpr int NV = KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD ? 2 : 1;
-  constexpr int R = UT__CUDA_TRIP(W);
+  constexpr int R = ut__cuda_trip<W, T>();
   __shared__ float sh[32 * NV];
   const int j = blockIdx.x / chunks;
   const ut__i64 g0 = (ut__i64)(blockIdx.x % chunks) * (chunk / W);
@@ -204,38 +209,51 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int v = 0; v < NV; ++v) acc[v] = 0.f;
 
+  /* a trip's groups are loaded during the trip before (ut__cuda_vec's fetch/unpack): the
+     loads stay in flight while the thread adds, with the same groups in the same order. A slot
+     past the thread's last group is unpacked but never added. */
+  typedef ut__cuda_vec<W, T> V;
+  typename V::raw xr[R], gr[R];
   ut__i64 q = g0 + threadIdx.x;
   ut__cuda_walk walk(q, bd, inner / W);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (q + r * bd < g1) {
+      const ut__i64 at = walk.at(c, j, inner, W);
+      xr[r] = V::fetch(x + at);
+      if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) gr[r] = V::fetch(go + at);
+    }
+    walk.next();
+  }
   for (; q < g1; q += R * bd) {
-    float xv[R][W], gv[R][W];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (q + r * bd < g1) {
+      float xv[W], gv[W];
+      V::unpack(xr[r], xv);
+      if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) V::unpack(gr[r], gv);
+      if (q + (R + r) * bd < g1) { /* the next trip's group r */
         const ut__i64 at = walk.at(c, j, inner, W);
-        ut__cuda_vec<W, T>::load(x + at, xv[r]);
-        if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) ut__cuda_vec<W, T>::load(go + at, gv[r]);
+        xr[r] = V::fetch(x + at);
+        if (KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) gr[r] = V::fetch(go + at);
       }
       walk.next();
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
       if (q + r * bd >= g1) continue;
       if (GEN && KIND == UT__CUDA_CHANNEL_BATCHNORM2D_BWD) {
         float z[W];
 #pragma unroll
-        for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[r][u], mu, sc, bt);
-        ut__cuda_bn_gen_grads<W>(gv[r], z, act.kind);
+        for (int u = 0; u < W; ++u) z[u] = ut__cuda_bn_z(xv[u], mu, sc, bt);
+        ut__cuda_bn_gen_grads<W>(gv, z, act.kind);
       }
 #pragma unroll
       for (int u = 0; u < W; ++u) {
         if (KIND == UT__CUDA_CHANNEL_SUM) {
-          acc[0] += xv[r][u];
+          acc[0] += xv[u];
         } else {
-          float g = masked ? ut__cuda_bn_relu_grad(gv[r][u],
-                                                   ut__cuda_bn_z(xv[r][u], mu, sc, bt), act.cap)
-                           : gv[r][u];
+          float g = masked ? ut__cuda_bn_relu_grad(gv[u], ut__cuda_bn_z(xv[u], mu, sc, bt),
+                                                   act.cap)
+                           : gv[u];
           acc[0] += g;
-          acc[NV - 1] += g * ((xv[r][u] - mu) * rs);
+          acc[NV - 1] += g * ((xv[u] - mu) * rs);
         }
       }
     }
@@ -529,34 +547,40 @@ static __global__ void __launch_bounds__(256)
                                         ut__i64 m, ut__i64 chunk, int chunks,
                                         float* __restrict__ ws, unsigned* __restrict__ counters,
                                         float* __restrict__ mean, float* __restrict__ var) {
-  constexpr int R = UT__CUDA_TRIP(W);
+  constexpr int R = ut__cuda_trip<W, T>();
   __shared__ ut__cuda_moments sh[32];
   const int j = blockIdx.x / chunks;
   const ut__i64 g0 = (ut__i64)(blockIdx.x % chunks) * (chunk / W);
   const ut__i64 g1 = g0 + chunk / W < m / W ? g0 + chunk / W : m / W;
   const ut__i64 bd = blockDim.x;
   ut__cuda_moments acc = {0.f, 0.f, 0.f};
+  /* loads a trip ahead, as ut__cuda_channel_partial_kernel's */
+  typedef ut__cuda_vec<W, T> V;
+  typename V::raw xr[R];
   ut__i64 q = g0 + threadIdx.x;
   ut__cuda_walk walk(q, bd, inner / W);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (q + r * bd < g1) xr[r] = V::fetch(x + walk.at(c, j, inner, W));
+    walk.next();
+  }
   for (; q < g1; q += R * bd) {
-    float xv[R][W];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (q + r * bd < g1) ut__cuda_vec<W, T>::load(x + walk.at(c, j, inner, W), xv[r]);
+      float xv[W];
+      V::unpack(xr[r], xv);
+      if (q + (R + r) * bd < g1) xr[r] = V::fetch(x + walk.at(c, j, inner, W));
       walk.next();
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
       if (q + r * bd >= g1) continue;
       /* the group's own mean and squared deviations, then one merge (one division per group,
          where a per-element Welford step divides per element) */
       float s = 0.f; /* scaled first (exactly: W is a power of 2), so no sum overflows */
 #pragma unroll
-      for (int u = 0; u < W; ++u) s += xv[r][u] * (1.f / W);
+      for (int u = 0; u < W; ++u) s += xv[u] * (1.f / W);
       ut__cuda_moments grp = {(float)W, s, 0.f};
 #pragma unroll
       for (int u = 0; u < W; ++u) {
-        float d = xv[r][u] - grp.mean;
+        float d = xv[u] - grp.mean;
         grp.m2 += d * d;
       }
       acc = ut__cuda_moments_merge(acc, grp);
