@@ -9,6 +9,7 @@ layer's forward and backward read their operands once and write their results on
 activation's element size (2 bytes in bf16, 4 in fp32; parameters and their gradients float32):
 
     Conv2d, Linear (GEMMs)  forward x, W -> y; dx: g, W -> dx; dW: x, g -> dW; 2 MACs each
+                            (W read twice and dW written once: 12 bytes per weight)
     DWConv2d                the same three, depthwise
     BatchNorm2d             forward: statistics (read x), apply (x -> y): 3 touches;
                             backward: sums (x, g), dx (x, g -> dx): 5 touches (activation fused)
@@ -33,18 +34,19 @@ import numpy as np
 import utensil_ffi as ut
 from utensil_ffi import nn
 
-__all__ = ["FAMILIES", "Layer", "family_of", "layer_shapes", "traffic", "fused_bytes", "measure_peaks",
-           "table"]
+__all__ = ["FAMILIES", "Layer", "family_of", "layer_shapes", "traffic", "fused_bytes",
+           "measure_peaks", "table"]
 
+DEPTHWISE, BATCHNORM, GEMM, OPTIMIZER = ("depthwise", "BatchNorm", "GEMM (1x1, stem, Linear)",
+                                         "optimizer")
+OTHER = "other (activations, pooling, SE, loss, casts)"
 # kernel name -> family, first match wins; names are utensil's kernels and cuBLAS's
 FAMILIES = (
-    ("depthwise", re.compile(r"dwconv2d")),
-    ("BatchNorm", re.compile(r"batchnorm|channel_partial|channel_sum|bn_")),
-    ("GEMM (1x1, stem, Linear)", re.compile(r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|im2col|col2im|"
-                                            r"transpose")),
-    ("optimizer", re.compile(r"sgd|adam|lerp")),
+    (DEPTHWISE, re.compile(r"dwconv2d")),
+    (BATCHNORM, re.compile(r"batchnorm|channel_partial|channel_sum|bn_")),
+    (GEMM, re.compile(r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|im2col|col2im|transpose")),
+    (OPTIMIZER, re.compile(r"sgd|adam|lerp")),
 )
-OTHER = "other (activations, pooling, SE, loss, casts)"
 
 
 def family_of(kernel_name):
@@ -113,18 +115,17 @@ def traffic(shapes, act_bytes=2, params=0, batch=1):
         b, f = out.get(fam, (0, 0))
         out[fam] = (b + batch * act * act_bytes + 4 * weights, f + batch * flops)
 
-    gemm, dw, bn = FAMILIES[2][0], FAMILIES[0][0], FAMILIES[1][0]
     for m in shapes:
         nx, ny = _numel(m.x), _numel(m.y)
         if issubclass(m.cls, nn.DWConv2d):
             kh, kw = m.kernel
-            add(dw, 3 * (nx + ny), 2 * _numel(m.weight), 3 * 2 * ny * kh * kw)
+            add(DEPTHWISE, 3 * (nx + ny), 3 * _numel(m.weight), 3 * 2 * ny * kh * kw)
         elif issubclass(m.cls, (nn.Conv2d, nn.Linear)):
             w = _numel(m.weight)
             macs = ny * (w // m.y[1])  # each output: one weight row (out_c rows)
-            add(gemm, 3 * (nx + ny), 4 * w, 3 * 2 * macs)
+            add(GEMM, 3 * (nx + ny), 3 * w, 3 * 2 * macs)
         elif issubclass(m.cls, nn.BatchNorm2d):
-            add(bn, 8 * nx)
+            add(BATCHNORM, 8 * nx)
         elif issubclass(m.cls, nn.GlobalAvgPool2d):
             add(OTHER, 2 * (nx + ny))
         elif issubclass(m.cls, nn.SqueezeExcitation):
@@ -134,7 +135,7 @@ def traffic(shapes, act_bytes=2, params=0, batch=1):
         else:  # activations, dropout, layer norms: elementwise
             add(OTHER, 5 * nx)
     if params:
-        add(FAMILIES[3][0], 0, 5 * params)
+        add(OPTIMIZER, 0, 5 * params)
     return out
 
 
