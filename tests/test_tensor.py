@@ -143,6 +143,32 @@ def test_a_call_over_many_tensors_defers_the_free_of_one_closed_meanwhile():
     assert ut.live_tensors() == before
 
 
+def test_a_close_landing_between_holds_two_reads_is_freed_by_the_hold_that_fails():
+    # _hold lists the pointer, then re-reads it: a close() in between sees the listing and
+    # defers the free, and the hold that finds the tensor closed is the last user, so it frees
+    # (it once unlisted without freeing: a tensor leaked per such race)
+    T = importlib.import_module("utensil_ffi._lifetime")
+    before = ut.live_tensors()
+    real = ut.ones(3)
+
+    class ClosedBetweenReads:
+        reads = 0
+
+        @property
+        def _ptr(self):
+            self.reads += 1
+            if self.reads == 1:
+                return real._ptr
+            real.close()  # another thread's close, after the listing
+            assert T._DEFERRED and ut.live_tensors() == before + 1
+            return None
+
+    with pytest.raises(ut.ClosedError):
+        T._hold(ClosedBetweenReads())
+    assert not T._DEFERRED and not T._IN_USE
+    assert ut.live_tensors() == before
+
+
 CLOSED_CALLS = [
     ("numpy", lambda t: t.numpy()),
     ("shape", lambda t: t.shape),

@@ -62,7 +62,9 @@ def _hold(t, _list=_IN_USE.append, _unlist=_IN_USE.remove):
         _list(p)
         if t._ptr is p:
             return p
-        _unlist(p)
+        # closed between the two reads: that close() saw the listing and deferred the free,
+        # so this unlisting may be the last one, which frees
+        _let_go(p)
     raise ClosedError("operation on a closed Tensor")
 
 
