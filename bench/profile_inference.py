@@ -1,9 +1,14 @@
 """Where utensil's CPU inference spends its time: an eval forward of a network split by the kind of
 folded convolution step (issue 32: every convolution + BatchNorm2d runs as one step, timed as
-one), with each kind's GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
+one; a separable chain, [1x1] -> depthwise -> 1x1, as one "block" step), with each kind's
+GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
 
     python bench/profile_inference.py [--net mobilenet_v2] [--size 224] [--batch 1]
                                       [--threads 2] [--calls 5] [--by-shape] [--onnxruntime]
+                                      [--no-separable]
+
+``--no-separable`` runs each chain as its folded pairs (fold.set_separable_fold(False)), so
+every convolution is timed by its own kind (what the onnxruntime split is comparable with).
 
 The network and its BatchNorm statistics are bench_inference.py's. Timings are wall-clock
 around each C call, so on a busy machine compare shares, not milliseconds. ``--onnxruntime``
@@ -45,7 +50,23 @@ def _flops(conv, y):
     return 2.0 * n * o * ho * wo * per_out
 
 
-def profile(net_name, size, batch, threads, calls, by_shape=False):
+def _block_kind(plan):
+    expand, dw, _ = plan
+    return "block %s%s" % ("1x1+" if expand is not None else "", _kind(dw[0]))
+
+
+def _block_flops(plan, x, y):
+    """2 x the multiply-adds of the chain's three convolutions, x -> y [N, O, Ho, Wo]."""
+    expand, dw, project = plan
+    n, cin, h, w = x.shape
+    _, o, ho, wo = y.shape
+    e = dw[0].channels
+    kh, kw = dw[0].kernel_size
+    return 2.0 * n * ((e * h * w * cin if expand is not None else 0) + e * ho * wo * kh * kw
+                      + o * ho * wo * e)
+
+
+def profile(net_name, size, batch, threads, calls, by_shape=False, separable=True):
     ut.set_num_threads(threads)
     net = build(net_name, "cpu")
     net.eval()
@@ -64,7 +85,21 @@ def profile(net_name, size, batch, threads, calls, by_shape=False):
         flops[k] += _flops(conv, y)
         return y
 
-    fold.conv_bn_forward = timed  # fold_steps' steps look it up at each call
+    real_block = fold.separable_forward
+
+    def timed_block(plan, xin, residual=False):
+        t0 = time.perf_counter()
+        y = real_block(plan, xin, residual)
+        k = _block_kind(plan)
+        if by_shape:
+            k += " %4d->%-4d %3dx%-3d" % (xin.shape[1], y.shape[1], y.shape[2], y.shape[3])
+        secs[k] += time.perf_counter() - t0
+        flops[k] += _block_flops(plan, xin, y)
+        return y
+
+    fold.conv_bn_forward = timed  # fold_steps' steps and the blocks look them up at each call
+    fold.separable_forward = timed_block
+    prev_sep = fold.set_separable_fold(separable)
     try:
         for _ in range(2):
             net(x).close()
@@ -76,6 +111,8 @@ def profile(net_name, size, batch, threads, calls, by_shape=False):
         total = (time.perf_counter() - t0) / calls
     finally:
         fold.conv_bn_forward = real
+        fold.separable_forward = real_block
+        fold.set_separable_fold(prev_sep)
     print("%s %d^2, batch %d, %d threads: %.2f ms per forward (%.1f img/s)"
           % (net_name, size, batch, threads, total * 1e3, batch / total))
     for k, s in sorted(secs.items(), key=lambda kv: -kv[1]):
@@ -173,8 +210,11 @@ def main(argv=None):
                    help="a line per (kind, channels in -> out, output plane) instead of per kind")
     p.add_argument("--onnxruntime", action="store_true",
                    help="then onnxruntime's run of utensil's export, by the same kinds")
+    p.add_argument("--no-separable", action="store_true",
+                   help="each separable chain as its folded pairs: every convolution by kind")
     a = p.parse_args(argv)
-    flops = profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape)
+    flops = profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape,
+                    separable=not a.no_separable)
     if a.onnxruntime:
         profile_onnxruntime(a.net, a.size, a.batch, a.threads, a.calls,
                             None if a.by_shape else flops)

@@ -1698,6 +1698,77 @@ static void test_conv_bn_fold(ut_dev dev) {
   ut_batchnorm2d_free(&b8);
 }
 
+/* issue 32: a depthwise-separable block in one call against its three folded layers called
+   one by one (and ut_add_into for the residual). 150x150 planes of 24 expanded channels: the
+   CPU cuts them in bands of rows; the stride-2 block and the one without an expand run an
+   image at a time. */
+static void eval_bn(ut_batchnorm2d* b, int c, ut_activation act, ut_dev dev) {
+  *b = ut_batchnorm2d_alloc(c, 1e-5f, 0.1f, dev);
+  require(b->weight);
+  ut_free(b->running_mean);
+  b->running_mean = ut_randn(1, S(c), 0.f, 0.3f, dev);
+  require(b->running_mean);
+  ut_fill(b->running_var, 1.7f);
+  ut_fill(b->weight, 0.8f);
+  ut_fill(b->bias, 0.1f);
+  b->training = false;
+  b->activation = act;
+}
+static void test_separable_block(ut_dev dev) {
+  ut_conv2d ex = ut_conv2d_alloc(4, 24, 1, 1, 1, 0, false, dev);
+  ut_conv2d pj = ut_conv2d_alloc(24, 4, 1, 1, 1, 0, true, dev);
+  ut_batchnorm2d be, bd, bp;
+  eval_bn(&be, 24, UT_ACT_RELU6, dev);
+  eval_bn(&bd, 24, UT_ACT_NONE, dev);
+  eval_bn(&bp, 4, UT_ACT_NONE, dev);
+  ut_tensor* x = ut_randn(4, S(1, 4, 150, 150), 0.f, 1.f, dev);
+  require(ex.weight && pj.weight && x);
+  for (int k = 0; k < 3; k++) {
+    int stride = k == 1 ? 2 : 1;
+    ut_dwconv2d dw = ut_dwconv2d_alloc(24, 3, 3, stride, 1, false, dev);
+    require(dw.weight);
+    ut_separable_block b = {k == 2 ? NULL : &ex, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_HARDSWISH,
+                            &pj, &bp, UT_ACT_NONE, stride == 1 && k != 2};
+    ut_tensor* in = x;
+    if (k == 2) in = ut_conv2d_bn_forward(&ex, &be, x, UT_ACT_NONE); /* 24 channels */
+    require(in);
+    ut_tensor* got = ut_separable_block_forward(&b, in);
+    ut_tensor* e = b.expand ? ut_conv2d_bn_forward(&ex, &be, in, UT_ACT_NONE) : ut_retain(in);
+    ut_tensor* d = e ? ut_dwconv2d_bn_forward(&dw, &bd, e, UT_ACT_HARDSWISH) : NULL;
+    ut_tensor* want = d ? ut_conv2d_bn_forward(&pj, &bp, d, UT_ACT_NONE) : NULL;
+    require(got && want);
+    if (b.residual) require(ut_add_into(want, in) == UT_OK);
+    ut_sync_cpu(got);
+    ut_sync_cpu(want);
+    assert_tensors_close(got, want, 1e-5f);
+    ut_free_all(got, e, d, want);
+    if (in != x) ut_free(in);
+    ut_dwconv2d_free(&dw);
+  }
+  /* refusals: the residual of a block that changes the shape, no depthwise, a dense 3x3 */
+  ut_dwconv2d dw = ut_dwconv2d_alloc(24, 3, 3, 2, 1, false, dev);
+  ut_conv2d c3 = ut_conv2d_alloc(24, 4, 3, 3, 1, 1, false, dev);
+  require(dw.weight && c3.weight);
+  ut_separable_block b = {&ex, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_NONE,
+                          &pj, &bp, UT_ACT_NONE, true};
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_SHAPE);
+  b.residual = false;
+  b.dw = NULL;
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_ARG);
+  b.dw = &dw;
+  b.project = &c3;
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_ARG);
+  assert(!ut_separable_block_forward(NULL, x) && ut_last_status() == UT_ERR_ARG);
+  ut_free(x);
+  ut_conv2d_free(&c3);
+  ut_dwconv2d_free(&dw);
+  ut_conv2d_free(&ex);
+  ut_conv2d_free(&pj);
+  ut_batchnorm2d_free(&be);
+  ut_batchnorm2d_free(&bd);
+  ut_batchnorm2d_free(&bp);
+}
+
 static void test_batchnorm2d_activation(ut_dev dev) {
   // BatchNorm2d with a fused activation is BatchNorm2d then ut_activation_forward (and, in
   // backward, ut_activation_backward at BatchNorm's output, then BatchNorm's backward), for
@@ -3328,6 +3399,7 @@ int main(void) {
   RUN_BOTH(test_batchnorm2d_eval);
   RUN_BOTH(test_batchnorm2d_activation);
   RUN_BOTH(test_conv_bn_fold);
+  RUN_BOTH(test_separable_block); /* issue 32 */
   RUN_BOTH(test_global_avgpool);
   RUN_BOTH(test_mse);
   RUN_BOTH(test_cross_entropy);

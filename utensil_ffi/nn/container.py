@@ -25,6 +25,8 @@ class Sequential(Module):
     (any dict: its keys name the children; indexing stays positional, as torch's).
     """
 
+    _folds_through = True  # fold.py looks through a plain Sequential for a separable chain
+
     def __init__(self, *layers):
         names = None
         if len(layers) == 1 and isinstance(layers[0], dict):

@@ -31,6 +31,7 @@ class Conv2d(_CLayer):
     _c_cache_free = lib.ut_conv2d_cache_free
     _c_free = lib.ut_conv2d_free
     _c_bn_forward = lib.ut_conv2d_bn_forward  # eval mode, with the BatchNorm2d after it (fold.py)
+    _separable_role = "dense"  # a separable chain's expand or project when 1x1 (fold.py)
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  device="cpu"):
@@ -97,6 +98,7 @@ class DWConv2d(_CLayer):
     _c_cache_free = lib.ut_dwconv2d_cache_free
     _c_free = lib.ut_dwconv2d_free
     _c_bn_forward = lib.ut_dwconv2d_bn_forward  # eval mode, with the BatchNorm2d after it (fold.py)
+    _separable_role = "depthwise"  # a separable chain's middle (fold.py)
 
     def __init__(self, channels, kernel_size, stride=1, padding=0, bias=True, device="cpu", *,
                  dilation=1, out_channels=None):

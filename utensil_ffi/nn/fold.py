@@ -12,7 +12,13 @@ copy_from and writes through numpy views are all seen by the next forward. The r
 two layers' own forwards within float32 rounding; training mode (either layer) runs them as
 they are, and so do the GPU and bfloat16 (in C).
 
-``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare.
+A depthwise-separable chain goes further (``ut_separable_block_forward``): folded units
+[1x1 Conv2d] -> DWConv2d -> 1x1 Conv2d (nested Sequentials looked through) run as one C call,
+which on the CPU takes bands of output rows through all three layers while they are in cache;
+InvertedResidual adds its residual in the same call when its whole body is such a chain.
+
+``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare;
+``set_separable_fold(False)`` only the separable chains (each pair still folded).
 """
 
 from .. import _args
@@ -22,14 +28,18 @@ from .._lifetime import _hold, _let_go
 from ..functional import _Args, fail
 from ..tensor import Tensor
 
-__all__ = ["set_inference_fold", "get_inference_fold", "fold_steps", "conv_bn_forward"]
+__all__ = ["set_inference_fold", "get_inference_fold", "set_separable_fold",
+           "get_separable_fold", "fold_steps", "conv_bn_forward", "separable_plan",
+           "separable_forward"]
 
 _FOLD = [True]
 
 # The layers name their part themselves (this module sits below them: nn.container imports it):
 # a convolution class its C entry point in ``_c_bn_forward`` (Conv2d: ut_conv2d_bn_forward,
-# DWConv2d: ut_dwconv2d_bn_forward; subclasses such as PointwiseLinear inherit it), and
-# BatchNorm2d ``_folds_into_conv = True``.
+# DWConv2d: ut_dwconv2d_bn_forward; subclasses such as PointwiseLinear inherit it) and its part
+# in a separable chain in ``_separable_role`` ("dense": a pointwise one when 1x1, stride 1,
+# unpadded; "depthwise"), BatchNorm2d ``_folds_into_conv = True``, a plain Sequential
+# ``_folds_through = True`` (its layers are looked through for a chain).
 
 
 def set_inference_fold(enabled):
@@ -46,6 +56,23 @@ def get_inference_fold():
     return _FOLD[0]
 
 
+_SEPARABLE = [True]
+
+
+def set_separable_fold(enabled):
+    """Run each eval-mode separable chain as one call (True, the default) or as its folded
+    pairs (False; profilers split the time by convolution kind so); returns the previous
+    setting. Results agree within float32 rounding either way."""
+    prev = _SEPARABLE[0]
+    _SEPARABLE[0] = _args.to_bool(enabled, "enabled")
+    return prev
+
+
+def get_separable_fold():
+    """Whether eval-mode separable chains run as one call (when the fold is on)."""
+    return _SEPARABLE[0]
+
+
 def _foldable(conv, bn):
     # both in eval mode: the convolution then keeps no cache and the BatchNorm's (kept in eval
     # mode for a backward through frozen statistics) has no convolution backward to feed
@@ -53,13 +80,10 @@ def _foldable(conv, bn):
             and getattr(conv, "_c_bn_forward", None) is not None)
 
 
-def fold_steps(layers):
-    """The forwards a Sequential runs for ``layers``: each eval-mode (convolution, BatchNorm2d)
-    pair as one conv_bn_forward step when the fold is on, with the activation layer after it
-    too when the BatchNorm applies none itself; every other layer its own forward."""
-    if not _FOLD[0]:
-        return [l.forward for l in layers]
-    steps, i, n = [], 0, len(layers)
+def _units(layers):
+    """``layers`` cut into folded units [(conv, bn, act, count)] and other layers
+    [(layer, None, None, 1)], as fold_steps folds them."""
+    units, i, n = [], 0, len(layers)
     while i < n:
         l = layers[i]
         if i + 1 < n and _foldable(l, layers[i + 1]):
@@ -69,12 +93,121 @@ def fold_steps(layers):
             if (code is not None and not nxt.training
                     and bn._struct.activation == lib.UT_ACT_NONE):
                 act, used = code, 3
-            steps.append(lambda x, c=l, b=bn, a=act: conv_bn_forward(c, b, x, a))
+            units.append((l, bn, act, used))
             i += used
         else:
-            steps.append(l.forward)
+            units.append((l, None, None, 1))
             i += 1
+    return units
+
+
+def _role(unit):
+    conv, bn = unit[0], unit[1]
+    if bn is None:
+        return None
+    role = getattr(conv, "_separable_role", None)
+    if role == "dense":
+        ok = (tuple(conv.kernel_size) == (1, 1) and conv.stride == 1 and conv.padding == 0)
+        return "pointwise" if ok else None
+    return role
+
+
+def _chain_at(units, j):
+    """The separable chain starting at units[j]: (expand unit or None, dw unit, project unit,
+    units used), or None."""
+    roles = [_role(u) for u in units[j:j + 3]]
+    if roles[:3] == ["pointwise", "depthwise", "pointwise"]:
+        return units[j], units[j + 1], units[j + 2], 3
+    if roles[:2] == ["depthwise", "pointwise"]:
+        return None, units[j], units[j + 1], 2
+    return None
+
+
+def fold_steps(layers):
+    """The forwards a Sequential runs for ``layers``: each eval-mode (convolution, BatchNorm2d)
+    pair as one conv_bn_forward step when the fold is on, with the activation layer after it
+    too when the BatchNorm applies none itself, and each separable chain of such units as one
+    separable_forward step; every other layer its own forward."""
+    if not _FOLD[0]:
+        return [l.forward for l in layers]
+    steps, units, j = [], _units(layers), 0
+    while j < len(units):
+        chain = _chain_at(units, j) if _SEPARABLE[0] else None
+        if chain is not None:
+            plan = chain[:3]
+            steps.append(lambda x, p=plan: separable_forward(p, x))  # looked up at each call
+            j += chain[3]
+            continue
+        l, bn, act, _ = units[j]
+        if bn is None:
+            steps.append(l.forward)
+        else:
+            steps.append(lambda x, c=l, b=bn, a=act: conv_bn_forward(c, b, x, a))
+        j += 1
     return steps
+
+
+def _flat(layers):
+    out = []
+    for l in layers:
+        if type(l).__dict__.get("_folds_through", False):
+            out += _flat(l.layers)
+        else:
+            out.append(l)
+    return out
+
+
+def separable_plan(body):
+    """(expand unit or None, dw unit, project unit) when ``body`` (a Sequential; nested plain
+    Sequentials looked through) is, in eval mode with the fold on, exactly one separable chain;
+    else None. A unit is (conv, bn, act, count)."""
+    if not (_FOLD[0] and _SEPARABLE[0]) or not type(body).__dict__.get("_folds_through", False):
+        return None
+    units = _units(_flat(body.layers))
+    chain = _chain_at(units, 0) if units else None
+    if chain is None or chain[3] != len(units):
+        return None
+    return chain[:3]
+
+
+def separable_forward(plan, x, residual=False):
+    """The chain ``plan`` (separable_plan's) on x in one C call, ``x +`` it when residual."""
+    expand, dw, project = plan
+    units = ((expand, "expand"), (dw, "dw"), (project, "project"))
+    blk = ffi.new("ut_separable_block *")
+    entered = []
+    try:
+        for u, name in units:
+            if u is None:
+                continue
+            for layer, field in ((u[0], name), (u[1], "bn_" + name)):
+                h = layer._h
+                s = h.enter() if h is not None else None
+                if s is None:
+                    raise ClosedError("operation on a closed %s" % type(layer).__name__)
+                entered.append(h)
+                setattr(blk, field, s)
+            setattr(blk, "act_" + name, u[2])
+        blk.residual = bool(residual)
+        what = "separable block forward"
+        if isinstance(x, Tensor):
+            xp = _hold(x)
+            try:
+                return Tensor._wrap(_block_call(blk, xp, what))
+            finally:
+                _let_go(xp)
+        with _Args(what, blk.dw.weight.dev) as a:
+            return Tensor._wrap(_block_call(blk, a.array(x, "x"), what))
+    finally:
+        for h in entered:
+            h.state.leave()
+
+
+def _block_call(blk, xp, what):
+    p = lib.ut_separable_block_forward(blk, xp)
+    if p == ffi.NULL:
+        fail(what, blk.dw.weight, xp)
+    return p
 
 
 def conv_bn_forward(conv, bn, x, act=lib.UT_ACT_NONE):
