@@ -1700,8 +1700,7 @@ static void test_conv_bn_fold(ut_dev dev) {
 
 /* issue 32: a depthwise-separable block in one call against its three folded layers called
    one by one (and ut_add_into for the residual). 150x150 planes of 24 expanded channels: the
-   CPU cuts them in bands of rows; the stride-2 block and the one without an expand run an
-   image at a time. */
+   CPU cuts them in bands of rows; the block without an expand runs as its layers. */
 static void eval_bn(ut_batchnorm2d* b, int c, ut_activation act, ut_dev dev) {
   *b = ut_batchnorm2d_alloc(c, 1e-5f, 0.1f, dev);
   require(b->weight);

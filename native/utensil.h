@@ -437,13 +437,14 @@ ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor*
        y = act_project(bn_project(project(d)))    project: a 1x1 Conv2d, stride 1, no padding
        y = y + x                                  when residual (x and y of one shape)
    each convolution and its BatchNorm folded as ut_conv2d_bn_forward folds them (the same
-   checks; every act_* as its act). On the CPU in float32, with a depthwise of multiplier and
-   dilation 1 and stride 1 or 2, each thread takes bands of output rows and runs them through
-   all three layers a few rows at a time: the expanded rows and the depthwise's output rows live
-   in a per-thread scratch block that stays in cache (the rows a depthwise window shares with
-   the step before are kept, not recomputed), and no intermediate tensor is written to memory.
-   Otherwise (a GPU, bfloat16, other depthwise geometries) the three folded forwards run one
-   after the other. Either way the result is the layers' own forwards within float32 rounding.
+   checks; every act_* as its act). On the CPU in float32, for a block with an expand over
+   large planes and a depthwise of multiplier and dilation 1, stride 1 or 2, each thread takes
+   bands of output rows and runs them through all three layers a few rows at a time: the
+   expanded rows and the depthwise's output rows live in a per-thread scratch block that stays
+   in cache (the rows a depthwise window shares with the step before are kept, not
+   recomputed), and no intermediate tensor is written to memory. Otherwise (smaller planes, no
+   expand, a GPU, bfloat16, other depthwise geometries) the three folded forwards run one after
+   the other. Either way the result is the layers' own forwards within float32 rounding.
    x: [N, C, H, W] -> [N, project out_c, Ho, Wo] */
 typedef struct ut_separable_block {
   ut_conv2d* expand; /* or NULL */
@@ -739,6 +740,7 @@ typedef struct ut__gemm_args {
    folded: the expand GEMM and the project GEMM with per-row epilogues (scale, shift, act, as
    ut__gemm_args' row_scale), the depthwise with its filters already scaled and `dshift` as its
    bias. Host memory: the CPU backend's slot only. */
+#define UT__SEP_DECLINED 1
 typedef struct ut__sep_args {
   const float* x; /* [n, c, h, w] */
   float* y;       /* [n, oc, ho, wo] */
@@ -849,8 +851,9 @@ typedef struct ut__backend {
      issue 32); NULL where a backend has none (the core then runs the layers one by one) */
   int (*dw_fwd_act)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
                     const ut__conv_geom* g, int act);
-  /* inference's depthwise-separable block (see ut__sep_args); NULL where a backend has none
-     (the core then runs the three folded forwards) */
+  /* inference's depthwise-separable block (see ut__sep_args); returns UT__SEP_DECLINED,
+     having written nothing, where the three folded forwards one after the other serve the
+     geometry as well, and NULL where a backend has none (the core then runs those) */
   int (*sep_fwd)(const ut__sep_args* a);
   /* go: [n, c, ho, wo], w -> dx: [n, c, h, w] (overwrites) */
   int (*dw_bwd_dx)(ut_dtype dt, const void* go, const float* w, void* dx, const ut__conv_geom* g);
@@ -3988,7 +3991,12 @@ ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x)
     ut__sep_args a = {xp, out->data, x->shape.shape[1], oc, we, es, eh, eact,
                       wd, dh, ut__fold_act(b->bn_dw, b->act_dw), gd, wp, ps, ph,
                       ut__fold_act(b->bn_project, b->act_project), b->residual};
-    out = ut__finish(out, be, be->sep_fwd(&a));
+    int rc = be->sep_fwd(&a);
+    if (rc == UT__SEP_DECLINED) {
+      ut_free_all(out, fold);
+      return ut__sep_unfused(b, x);
+    }
+    out = ut__finish(out, be, rc);
   }
   ut_free(fold);
   return out;
@@ -8214,20 +8222,17 @@ static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const floa
   return dt == UT_F32 ? ut__cpu_dw_fwd_f32(x, w, bias, y, g) : ut__cpu_no_dtype("dw_fwd", dt);
 }
 /* ---- inference's depthwise-separable block (issue 32) ---------------------------------------
-   Two ways, by the size of what the block would otherwise write to memory:
-   - large planes with an expand (MobileNetV2's first stages): bands. Each task is one band of
-     output rows of one image, run by one thread in steps of T rows: the expand GEMM writes the
-     input rows the step's depthwise windows need into a tile [e][rows][w] (rows outside the
-     image zeroed: the depthwise then runs with no vertical padding), the depthwise row engine
-     writes [e][T][wo], and the project GEMM writes the output rows in place, the residual
-     added while they are in cache. Consecutive steps share (extent - stride) input rows,
-     copied from the previous tile (two tiles alternate). The tiles are sized to stay in L2
-     (UT__SEP_TILE_FLOATS per thread).
-   - otherwise (an image's expanded and depthwise planes within UT__SEP_WHOLE_FLOATS, or no
-     expand): an image a step, the three kernels each on every thread, into one scratch block
-     reused from image to image (ut__cpu_sep_image). */
+   Bands, for large planes with an expand (an image's expanded and depthwise planes above
+   UT__SEP_BANDS_ABOVE floats: MobileNetV2's first stages). Each task is one band of output
+   rows of one image, run by one thread in steps of T rows: the expand GEMM writes the input
+   rows the step's depthwise windows need into a tile [e][rows][w] (rows outside the image
+   zeroed: the depthwise then runs with no vertical padding), the depthwise row engine writes
+   [e][T][wo], and the project GEMM writes the output rows in place, the residual added while
+   they are in cache. Consecutive steps share (extent - stride) input rows, copied from the
+   previous tile (two tiles alternate). The tiles are sized to stay in L2
+   (UT__SEP_TILE_FLOATS per thread). Other blocks are declined (see ut__cpu_sep_fwd). */
 #define UT__SEP_TILE_FLOATS (384 * 1024)
-#define UT__SEP_WHOLE_FLOATS (512 * 1024)
+#define UT__SEP_BANDS_ABOVE (512 * 1024)
 
 typedef struct {
   const ut__sep_args* a;
@@ -8262,8 +8267,7 @@ static int ut__cpu_sep_gemm(const float* A, int m, int k, const float* B, int ld
   return ut__cpu_gemm_f32(&g);
 }
 
-/* Output rows [oy_a, oy_b) of image img, in steps (a block with an expand: without one, the
-   whole image is the step, ut__cpu_sep_image). */
+/* Output rows [oy_a, oy_b) of image img, in steps. */
 static int ut__cpu_sep_band(const ut__cpu_sep_ctx* cx, int img, int oy_a, int oy_b, float* buf) {
   const ut__sep_args* a = cx->a;
   const ut__conv_geom* g = &a->gd;
@@ -8338,31 +8342,6 @@ static int ut__cpu_sep_band(const ut__cpu_sep_ctx* cx, int img, int oy_a, int oy
   return UT_OK;
 }
 
-/* One image in one step (small planes): the expand GEMM over the whole image, the depthwise
-   with its own padding (so the engine the layer's own forward would pick for the plane), the
-   project GEMM; each kernel on every thread. */
-static int ut__cpu_sep_image(const ut__sep_args* a, int img, float* buf) {
-  ut__conv_geom g1 = a->gd;
-  g1.n = 1;
-  ut__i64 hw = (ut__i64)g1.h * g1.w, ohw = (ut__i64)g1.ho * g1.wo;
-  const float* x = a->x + (ut__i64)img * a->c * hw;
-  float* y = a->y + (ut__i64)img * a->oc * ohw;
-  float* dwo = a->we ? buf + g1.c * hw : buf;
-  const float* src = x;
-  if (a->we) {
-    int st = ut__cpu_sep_gemm(a->we, g1.c, a->c, x, (int)hw, (int)hw, buf, (int)hw, a->escale,
-                              a->eshift, a->eact);
-    if (st < 0) return st;
-    src = buf;
-  }
-  int st = ut__cpu_dw_fwd_act_f32(src, a->wd, a->dshift, dwo, &g1, a->dact);
-  if (st < 0) return st;
-  st = ut__cpu_sep_gemm(a->wp, a->oc, g1.c, dwo, (int)ohw, (int)ohw, y, (int)ohw, a->pscale,
-                        a->pshift, a->pact);
-  if (st >= 0 && a->residual) ut__cpu_axpy_f32(y, x, (ut__i64)a->oc * ohw, 1.0f);
-  return st;
-}
-
 static void ut__cpu_sep_part(void* vc, int tid, int nt) {
   ut__cpu_sep_ctx* cx = (ut__cpu_sep_ctx*)vc;
   (void)nt;
@@ -8389,31 +8368,29 @@ static int ut__cpu_sep_fwd(const ut__sep_args* a) {
   int e = g->c, s = g->stride, ext = g->kh;
   if (g->n <= 0 || g->ho <= 0 || g->wo <= 0) return UT_OK;
   double macs = (double)g->n * g->ho * g->wo * e * (a->oc + g->kh * g->kw) +
-                (a->we ? (double)g->n * g->h * g->w * e * a->c : 0.0);
+                (double)g->n * g->h * g->w * e * a->c;
   int nt = ut__cpu_nt(macs / 4);
-  /* small planes: an image a step (bands would cut the GEMMs' columns short and pack every
-     weight once per band; measured slower at 14^2 and 7^2 by 5-10%) */
+  /* Bands pay where the block expands large planes: the expanded tensor, six times the
+     input, then never goes to memory (MobileNetV2 224^2, 2 cores, the 112^2 and 56^2 blocks
+     15-25% faster). Elsewhere they cost: over small planes they cut the GEMMs' columns short
+     and pack every weight once per band (14^2 and 7^2 blocks 5-10% slower), and without an
+     expand the depthwise's output is all they keep from memory (MobileNet v1 224^2 4-6%
+     slower whole). Those blocks take the layers' own folded forwards. */
   ut__i64 per_row = (ut__i64)e * (2LL * s * g->w + g->wo);
-  ut__i64 whole_floats =
-      (ut__i64)e * ((a->we ? (ut__i64)g->h * g->w : 0) + (ut__i64)g->ho * g->wo);
-  /* without an expand the bands paid nothing (MobileNet v1's blocks: 2 cores, within 2%
-     either way at 224^2), the depthwise's output being the only tensor they keep in cache */
-  bool whole = !a->we || whole_floats <= UT__SEP_WHOLE_FLOATS;
+  if (!a->we || (ut__i64)e * ((ut__i64)g->h * g->w + (ut__i64)g->ho * g->wo) <=
+                    UT__SEP_BANDS_ABOVE)
+    return UT__SEP_DECLINED;
   /* bands: one per image, or an image cut in enough bands for every thread */
-  int bands = whole || g->n >= nt ? 1 : UT__CPU_MIN(g->ho, (nt + g->n - 1) / g->n);
+  int bands = g->n >= nt ? 1 : UT__CPU_MIN(g->ho, (nt + g->n - 1) / g->n);
   int band_rows = (g->ho + bands - 1) / bands;
   /* output rows a step: the two input tiles and the depthwise's rows within the budget */
-  int T = whole ? g->ho
-                : (int)UT__CPU_MAX(1, UT__CPU_MIN((ut__i64)band_rows,
-                                                  UT__SEP_TILE_FLOATS / per_row));
+  int T = (int)UT__CPU_MAX(1, UT__CPU_MIN((ut__i64)band_rows, UT__SEP_TILE_FLOATS / per_row));
   int rows_cap = (T - 1) * s + ext;
-  if (whole) nt = 1; /* the kernels take the threads */
-  ut__i64 per = UT__DW_R16(whole ? whole_floats
-                                 : 2LL * e * rows_cap * g->w + (ut__i64)e * T * g->wo);
+  ut__i64 per = UT__DW_R16(2LL * e * rows_cap * g->w + (ut__i64)e * T * g->wo);
   ut__i64 tasks = (ut__i64)g->n * bands;
   if (nt > tasks) nt = (int)tasks;
   /* from the host cache, as tensors are: a fresh block of megabytes would be page faults on
-     every call (MobileNet v1's first block 0.45 -> 0.51 ms) */
+     every call */
   size_t bytes = sizeof(float) * (size_t)(per * nt);
   float* scratch = ut__host_alloc(bytes);
   ut__cpu_sep_ctx* cx = scratch ? (ut__cpu_sep_ctx*)calloc(1, sizeof *cx) : NULL;
@@ -8428,17 +8405,11 @@ static int ut__cpu_sep_fwd(const ut__sep_args* a) {
   cx->tasks = tasks;
   cx->per = per;
   cx->scratch = scratch;
-  int st = UT_OK;
   atomic_init(&cx->next, 0);
   atomic_init(&cx->status, UT_OK);
-  if (whole) {
-    for (int img = 0; img < g->n && st >= 0; img++)
-      st = ut__cpu_sep_image(a, img, cx->scratch);
-  } else {
-    ut__parallel_run(nt, ut__cpu_sep_part, cx);
-    st = atomic_load(&cx->status);
-    if (st < 0) ut__set_error(st, "%s", cx->msg);
-  }
+  ut__parallel_run(nt, ut__cpu_sep_part, cx);
+  int st = atomic_load(&cx->status);
+  if (st < 0) ut__set_error(st, "%s", cx->msg);
   free(cx);
   ut__host_release(scratch, bytes);
   return st < 0 ? st : UT_OK;

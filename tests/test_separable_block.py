@@ -3,8 +3,8 @@ folded, in one C call (ut_separable_block_forward; Sequential, Residual and Inve
 through nn/fold.py).
 
 The CPU runs large planes with an expand in bands of rows (tiles kept in cache, the rows two
-steps share copied over, rows past the image zeroed) and everything else an image at a time;
-both are checked against a float64 numpy reference and against the layers' own forwards
+steps share copied over, rows past the image zeroed) and everything else as the three folded
+layers one after the other; both are checked against a float64 numpy reference and against the layers' own forwards
 (set_inference_fold(False)), over geometries that put band and step edges everywhere: strides 1
 and 2, padding 0 to beyond the filter's half, kh != kw, heights that leave a short last step,
 batch 1 (an image cut in bands) and 3, one thread and two."""
@@ -95,7 +95,7 @@ def _run(seq, x, residual):
 
 
 # (name, cin, e, cout, kernel, stride, pad, (h, w), expand): large planes with an expand run in
-# bands (e * (h w + ho wo) above 512 Ki floats), the rest an image at a time
+# bands (e * (h w + ho wo) above 512 Ki floats), the rest as the folded layers in turn
 GEOMS = [
     ("bands-3x3s1", 8, 64, 8, 3, 1, 1, (67, 70), True),
     ("bands-3x3s2-odd", 6, 64, 10, 3, 2, 1, (121, 97), True),
@@ -103,16 +103,19 @@ GEOMS = [
     ("bands-3x5-p0", 4, 56, 6, (3, 5), 1, 0, (90, 71), True),
     ("bands-7x7-p4", 4, 40, 5, 7, 1, 4, (85, 90), True),  # padding past the filter's half
     ("bands-tall-narrow", 3, 96, 4, 3, 2, 1, (700, 9), True),
-    ("image-small", 8, 48, 8, 3, 1, 1, (14, 14), True),
-    ("image-s2-7x7", 16, 96, 24, 3, 2, 1, (7, 7), True),
-    ("image-5x5s2", 6, 36, 12, 5, 2, 2, (17, 15), True),
-    ("no-expand-large", 32, 32, 48, 3, 1, 1, (90, 90), False),
-    ("no-expand-s2", 24, 24, 16, 3, 2, 1, (31, 33), False),
+    # 1-row filters over narrow planes: tiles the depthwise's small-plane engine may take
+    ("bands-1x3-narrow", 3, 96, 4, (1, 3), 1, 1, (900, 7), True),
+    ("bands-3x1-narrow", 3, 96, 4, (3, 1), 1, 1, (900, 5), True),
+    ("layers-small", 8, 48, 8, 3, 1, 1, (14, 14), True),
+    ("layers-s2-7x7", 16, 96, 24, 3, 2, 1, (7, 7), True),
+    ("layers-5x5s2", 6, 36, 12, 5, 2, 2, (17, 15), True),
+    ("layers-no-expand-large", 32, 32, 48, 3, 1, 1, (90, 90), False),
+    ("layers-no-expand-s2", 24, 24, 16, 3, 2, 1, (31, 33), False),
 ]
 
 
 def _in_bands(e, k, s, p, h, w, expand):
-    """Whether the CPU runs the block in bands (UT__SEP_WHOLE_FLOATS in utensil.h)."""
+    """Whether the CPU runs the block in bands (UT__SEP_BANDS_ABOVE in utensil.h)."""
     kh, kw = (k, k) if isinstance(k, int) else k
     ho, wo = (h + 2 * p - kh) // s + 1, (w + 2 * p - kw) // s + 1
     return expand and e * (h * w + ho * wo) > 512 * 1024
@@ -135,8 +138,14 @@ def test_block_matches_layers_and_float64(geom, batch, threads):
     prev = ut.get_num_threads()
     ut.set_num_threads(threads)
     try:
-        assert len(fold.fold_steps(layers)) == 1  # one separable step
-        got, unfused = _run(layers, x, residual=False)
+        if expand:
+            assert len(fold.fold_steps(layers)) == 1  # one separable step
+            got, unfused = _run(layers, x, residual=False)
+        else:  # Python leaves these to the pairs: the C call itself, expand NULL
+            units = fold._units(layers)
+            with fold.separable_forward((None, units[0], units[1]), x) as y:
+                got = y.numpy().copy()
+            unfused = _run(layers, x, residual=False)[1]
     finally:
         ut.set_num_threads(prev)
     ref = _reference(layers, x, residual=False)
@@ -171,8 +180,10 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_the_networks_blocks_take_the_separable_call(monkeypatch):
-    """MobileNetV2 (zoo: InvertedResidual; flat: Residual and Sequential) and MobileNet v1 in
-    eval mode: every block one separable call, the output that of the unfused layers."""
+    """MobileNetV2 (zoo: InvertedResidual; flat: Residual and Sequential) in eval mode: every
+    block with an expand one separable call (16 of 17), the output that of the unfused layers;
+    MobileNet v1's flat Sequential: a block's pointwise conv with the next block's depthwise
+    and pointwise (6 chains of its 13 blocks)."""
     calls = []
     real = fold.separable_forward
 
@@ -185,9 +196,9 @@ def test_the_networks_blocks_take_the_separable_call(monkeypatch):
     x = rng.standard_normal((2, 3, 64, 64)).astype(np.float32)
     import utensil_ffi.nn.models as flat
     for name, net, blocks, residuals in [
-            ("zoo v2", models.mobilenet_v2(num_classes=7), 17, 10),
-            ("flat v2", flat.mobilenet_v2(num_classes=7), 17, 10),
-            ("v1", flat.mobilenet_v1(num_classes=7), 13, 0)]:
+            ("zoo v2", models.mobilenet_v2(num_classes=7), 16, 10),
+            ("flat v2", flat.mobilenet_v2(num_classes=7), 16, 10),
+            ("v1", flat.mobilenet_v1(num_classes=7), 6, 0)]:
         for m in net.modules():
             if isinstance(m, ut.BatchNorm2d):
                 c = m.num_features
@@ -213,18 +224,24 @@ def test_the_networks_blocks_take_the_separable_call(monkeypatch):
 
 def test_what_does_not_make_a_chain_runs_as_before():
     rng = np.random.default_rng(2)
-    dw = _block(4, 4, 6, 3, 1, 1, ("relu6", "relu6", None), rng, expand=False)
-    assert len(fold.fold_steps(dw)) == 1
-    dense = [ut.Conv2d(4, 4, 3, padding=1).eval(), _bn(4, None, rng)] + dw[2:]
-    assert len(fold.fold_steps(dense)) == 2  # a 3x3 dense conv is no depthwise
-    strided = dw[:2] + [ut.Conv2d(4, 6, 1, stride=2).eval(), _bn(6, None, rng)]
-    assert len(fold.fold_steps(strided)) == 2  # a strided 1x1 is no project
-    dw[1].train()
-    assert len(fold.fold_steps(dw)) == 3  # a training BatchNorm2d: no fold there
-    dw[1].eval()
+    blk = _block(3, 4, 6, 3, 1, 1, ("relu6", "relu6", None), rng)
+    assert len(fold.fold_steps(blk)) == 1
+    assert len(fold.fold_steps(blk[2:])) == 2  # no expand: two folded steps
+    dense = blk[:2] + [ut.Conv2d(4, 4, 3, padding=1).eval(), _bn(4, None, rng)] + blk[4:]
+    assert len(fold.fold_steps(dense)) == 3  # a 3x3 dense conv is no depthwise
+    strided = blk[:4] + [ut.Conv2d(4, 6, 1, stride=2).eval(), _bn(6, None, rng)]
+    assert len(fold.fold_steps(strided)) == 3  # a strided 1x1 is no project
+    blk[3].train()
+    assert len(fold.fold_steps(blk)) == 4  # a training BatchNorm2d: no fold there
+    blk[3].eval()
+    prev = fold.set_separable_fold(False)
+    assert len(fold.fold_steps(blk)) == 3  # the pairs
+    assert fold.separable_plan(ut.Sequential(*blk)) is None
+    fold.set_separable_fold(prev)
+    assert fold.separable_plan(ut.Sequential(*blk)) is not None
     fold.set_inference_fold(False)
-    assert len(fold.fold_steps(dw)) == 4
-    assert fold.separable_plan(ut.Sequential(*dw)) is None
+    assert len(fold.fold_steps(blk)) == 6
+    assert fold.separable_plan(ut.Sequential(*blk)) is None
 
 
 def test_a_non_finite_depthwise_filter_takes_the_layers_exact_path():
