@@ -8222,8 +8222,8 @@ static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const floa
   return dt == UT_F32 ? ut__cpu_dw_fwd_f32(x, w, bias, y, g) : ut__cpu_no_dtype("dw_fwd", dt);
 }
 /* ---- inference's depthwise-separable block (issue 32) ---------------------------------------
-   Bands, for large planes with an expand (an image's expanded and depthwise planes above
-   UT__SEP_BANDS_ABOVE floats: MobileNetV2's first stages). Each task is one band of output
+   Bands, for large planes with an expand of 4x or more (an image's expanded and depthwise
+   planes above UT__SEP_BANDS_ABOVE floats: MobileNetV2's first stages). Each task is one band of output
    rows of one image, run by one thread in steps of T rows: the expand GEMM writes the input
    rows the step's depthwise windows need into a tile [e][rows][w] (rows outside the image
    zeroed: the depthwise then runs with no vertical padding), the depthwise row engine writes
@@ -8375,10 +8375,11 @@ static int ut__cpu_sep_fwd(const ut__sep_args* a) {
      15-25% faster). Elsewhere they cost: over small planes they cut the GEMMs' columns short
      and pack every weight once per band (14^2 and 7^2 blocks 5-10% slower), and without an
      expand the depthwise's output is all they keep from memory (MobileNet v1 224^2 4-6%
-     slower whole). Those blocks take the layers' own folded forwards. */
+     slower whole), nor with an expansion below 4 (MNASNet's 3x blocks at 112^2: its network
+     5% slower at batch 1). Those blocks take the layers' own folded forwards. */
   ut__i64 per_row = (ut__i64)e * (2LL * s * g->w + g->wo);
-  if (!a->we || (ut__i64)e * ((ut__i64)g->h * g->w + (ut__i64)g->ho * g->wo) <=
-                    UT__SEP_BANDS_ABOVE)
+  if (!a->we || e < 4 * a->c ||
+      (ut__i64)e * ((ut__i64)g->h * g->w + (ut__i64)g->ho * g->wo) <= UT__SEP_BANDS_ABOVE)
     return UT__SEP_DECLINED;
   /* bands: one per image, or an image cut in enough bands for every thread */
   int bands = g->n >= nt ? 1 : UT__CPU_MIN(g->ho, (nt + g->n - 1) / g->n);

@@ -111,19 +111,21 @@ GEOMS = [
     ("layers-5x5s2", 6, 36, 12, 5, 2, 2, (17, 15), True),
     ("layers-no-expand-large", 32, 32, 48, 3, 1, 1, (90, 90), False),
     ("layers-no-expand-s2", 24, 24, 16, 3, 2, 1, (31, 33), False),
+    ("layers-expand-3x-large", 24, 72, 24, 3, 1, 1, (100, 100), True),  # below 4x: no bands
 ]
 
 
-def _in_bands(e, k, s, p, h, w, expand):
-    """Whether the CPU runs the block in bands (UT__SEP_BANDS_ABOVE in utensil.h)."""
+def _in_bands(geom):
+    """Whether the CPU runs the block in bands (ut__cpu_sep_fwd in utensil.h: an expand of 4x
+    or more, planes above UT__SEP_BANDS_ABOVE floats)."""
+    _, cin, e, _, k, s, p, (h, w), expand = geom
     kh, kw = (k, k) if isinstance(k, int) else k
     ho, wo = (h + 2 * p - kh) // s + 1, (w + 2 * p - kw) // s + 1
-    return expand and e * (h * w + ho * wo) > 512 * 1024
+    return expand and e >= 4 * cin and e * (h * w + ho * wo) > 512 * 1024
 
 
 def test_the_geometries_cover_both_ways():
-    assert [_in_bands(*g[2:3], *g[4:7], *g[7], g[8]) for g in GEOMS] == [
-        g[0].startswith("bands") for g in GEOMS]
+    assert [_in_bands(g) for g in GEOMS] == [g[0].startswith("bands") for g in GEOMS]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
