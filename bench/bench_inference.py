@@ -3,6 +3,7 @@ export of the same network (what utensil-export writes) and PyTorch eager on its
 
     python bench/bench_inference.py [--net mobilenet_v2] [--size 224] [--batch 1 8]
                                     [--threads 2] [--rounds 5] [--seconds 1.0] [--no-torch]
+                                    [--pairs]
 
 The network has random weights and BatchNorm running statistics drawn away from (0, 1), so a
 folded or fused path cannot pass by accident. Before timing, the three outputs are compared
@@ -11,7 +12,8 @@ utensil-export's check); a disagreement stops the benchmark. Rounds alternate be
 engines and each engine's best round counts (the machine's other load then hurts all alike).
 Prints img/s per engine and utensil / onnxruntime, utensil / PyTorch; all float32, all on
 ``--threads`` threads (onnxruntime: intra-op threads, one inter-op; PyTorch:
-torch.set_num_threads).
+torch.set_num_threads). ``--pairs`` adds utensil with its separable chains run as folded pairs
+(fold.set_separable_fold(False)) as one more engine: what the one-call blocks gain, same run.
 """
 
 import argparse
@@ -51,7 +53,7 @@ def _best_rate(fn, batch, seconds):
     return n * batch / (time.perf_counter() - t0)
 
 
-def _engines(net, name, batch, size, threads, tmp, use_torch):
+def _engines(net, name, batch, size, threads, tmp, use_torch, pairs=False):
     """name -> (callable on the staged input, its output as numpy) for each engine present."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((batch, 3, size, size)).astype(np.float32)
@@ -64,6 +66,16 @@ def _engines(net, name, batch, size, threads, tmp, use_torch):
         return out
 
     engines = {"utensil": ours}
+    if pairs:
+        from utensil_ffi.nn import fold
+
+        def ours_pairs():
+            prev = fold.set_separable_fold(False)
+            try:
+                return ours()
+            finally:
+                fold.set_separable_fold(prev)
+        engines["utensil pairs"] = ours_pairs
     try:
         import onnxruntime as ort
 
@@ -97,7 +109,7 @@ def _engines(net, name, batch, size, threads, tmp, use_torch):
 
 
 def run(name="mobilenet_v2", size=224, batches=(1, 8), threads=2, rounds=5, seconds=1.0,
-        use_torch=True):
+        use_torch=True, pairs=False):
     """{batch: {engine: img/s}} (with "max diff": utensil against each engine, relative to the
     logits' largest magnitude); raises AssertionError when an engine computes something else."""
     ut.set_num_threads(threads)
@@ -109,7 +121,7 @@ def run(name="mobilenet_v2", size=224, batches=(1, 8), threads=2, rounds=5, seco
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for b in batches:
-                engines, xt = _engines(net, name, b, size, threads, tmp, use_torch)
+                engines, xt = _engines(net, name, b, size, threads, tmp, use_torch, pairs)
                 try:
                     want = engines["utensil"]()
                     scale = float(np.abs(want).max()) or 1.0
@@ -142,8 +154,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--no-torch", action="store_true", help="leave PyTorch eager out")
+    p.add_argument("--pairs", action="store_true",
+                   help="also utensil with separable chains as folded pairs (same run)")
     a = p.parse_args(argv)
-    res = run(a.net, a.size, a.batch, a.threads, a.rounds, a.seconds, not a.no_torch)
+    res = run(a.net, a.size, a.batch, a.threads, a.rounds, a.seconds, not a.no_torch, a.pairs)
     print("%s %d^2, CPU, %d threads, float32, eval forward (img/s, best of %d rounds)"
           % (a.net, a.size, a.threads, a.rounds))
     for b, rates in res.items():

@@ -18,6 +18,19 @@ def test_engines_agree_and_rates_are_measured():
     assert 0.0 <= rates["max diff"]["onnxruntime"] <= 1e-4
 
 
+def test_the_pairs_engine_is_utensil_without_its_blocks():
+    """--pairs: the same network with its separable chains as folded pairs, checked against
+    the blocks like any engine (float32 rounding apart)."""
+    from utensil_ffi.nn import fold
+
+    res = bi.run("mobilenet_v2", size=32, batches=(1,), threads=1, rounds=1, seconds=0.05,
+                 use_torch=False, pairs=True)
+    rates = res[1]
+    assert rates["utensil pairs"] > 0 and rates["utensil"] > 0
+    assert 0.0 <= rates["max diff"]["utensil pairs"] <= 1e-5
+    assert fold.get_separable_fold()  # the engine puts the setting back
+
+
 def test_the_check_catches_an_engine_that_differs(monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
