@@ -6277,6 +6277,28 @@ static int ut__cpu_dw_act_after(int st, float* y, const ut__conv_geom* g, int ac
     ut__cpu_epi_pass(y, (ut__i64)g->n * g->c * g->ho * g->wo, act);
   return st;
 }
+/* The planes engines' context for a forward over g (the separable block's bands then
+   narrow it to a tile). */
+static void ut__cpu_dw_forward_ctx(ut__dwctx* C, const float* x, const float* wt,
+                                   const float* bias, float* y, const ut__conv_geom* g, int act) {
+  memset(C, 0, sizeof *C);
+  C->x = x;
+  C->wt = wt;
+  C->bias = bias;
+  C->y = y;
+  C->c = g->c;
+  C->h = g->h;
+  C->w = g->w;
+  C->kh = g->kh;
+  C->kw = g->kw;
+  C->s = g->stride;
+  C->py = C->px = g->pad;
+  C->dil = g->dil;
+  C->ho = g->ho;
+  C->wo = g->wo;
+  C->planes = (ut__i64)g->n * g->c;
+  C->act = act;
+}
 static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* bias, float* y,
                                   const ut__conv_geom* g, int act) {
   if (ut__cpu_dw_small(g))
@@ -6304,23 +6326,7 @@ static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* 
     return ut__cpu_dw_act_after(UT_OK, y, g, act);
   }
   ut__dwctx C;
-  memset(&C, 0, sizeof C);
-  C.x = x;
-  C.wt = wt;
-  C.bias = bias;
-  C.y = y;
-  C.c = g->c;
-  C.h = g->h;
-  C.w = g->w;
-  C.kh = g->kh;
-  C.kw = g->kw;
-  C.s = g->stride;
-  C.py = C.px = g->pad;
-  C.dil = g->dil;
-  C.ho = g->ho;
-  C.wo = g->wo;
-  C.planes = (ut__i64)g->n * g->c;
-  C.act = act;
+  ut__cpu_dw_forward_ctx(&C, x, wt, bias, y, g, act);
   if (C.planes <= 0 || C.ho <= 0 || C.wo <= 0) return UT_OK;
   return ut__cpu_dw_planes(&C, false, (double)C.planes * C.ho * C.wo * g->kh * g->kw / 4,
                            "dw_fwd");
@@ -8304,25 +8310,13 @@ static int ut__cpu_sep_band(const ut__cpu_sep_ctx* cx, int img, int oy_a, int oy
                                 a->eact);
       if (st < 0) return st;
     }
+    /* the depthwise over the tile: rows input rows, t output rows, no vertical padding */
     ut__dwctx C;
-    memset(&C, 0, sizeof C);
-    C.x = cur;
-    C.wt = a->wd;
-    C.bias = a->dshift;
-    C.y = dwo;
-    C.c = e;
+    ut__cpu_dw_forward_ctx(&C, cur, a->wd, a->dshift, dwo, g, a->dact);
     C.h = rows;
-    C.w = w;
-    C.kh = g->kh;
-    C.kw = g->kw;
-    C.s = s;
     C.py = 0;
-    C.px = g->pad;
-    C.dil = 1;
     C.ho = t;
-    C.wo = wo;
     C.planes = e;
-    C.act = a->dact;
     int st = ut__cpu_dw_planes(&C, false, (double)e * t * wo * g->kh * g->kw / 4,
                                "ut_separable_block_forward");
     if (st < 0) return st;

@@ -80,9 +80,8 @@ def _block(cin, e, cout, k, stride, pad, acts, rng, expand=True, bias=False):
     return layers
 
 
-def _run(seq, x, residual):
-    body = ut.Sequential(*seq).eval()
-    net = ut.Residual(body).eval() if residual else body
+def _folded_and_not(net, x):
+    """net(x) with the fold on, then with it off (each layer's own forward)."""
     with net(x) as y:
         got = y.numpy().copy()
     prev = fold.set_inference_fold(False)
@@ -92,6 +91,11 @@ def _run(seq, x, residual):
     finally:
         fold.set_inference_fold(prev)
     return got, unfused
+
+
+def _run(seq, x, residual):
+    body = ut.Sequential(*seq).eval()
+    return _folded_and_not(ut.Residual(body).eval() if residual else body, x)
 
 
 # (name, cin, e, cout, kernel, stride, pad, (h, w), expand): large planes with an expand run in
@@ -208,15 +212,8 @@ def test_the_networks_blocks_take_the_separable_call(monkeypatch):
                 m.running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
         net.eval()
         calls.clear()
-        with net(x) as y:
-            got = y.numpy().copy()
+        got, want = _folded_and_not(net, x)  # (the unfused forward makes no call)
         assert len(calls) == blocks and sum(calls) == residuals, (name, calls)
-        prev = fold.set_inference_fold(False)
-        try:
-            with net(x) as y:
-                want = y.numpy().copy()
-        finally:
-            fold.set_inference_fold(prev)
         assert_close(name, got, want, rtol=1e-4, atol=1e-5)
         net.train()
         calls.clear()
