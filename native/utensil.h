@@ -740,7 +740,6 @@ typedef struct ut__gemm_args {
    folded: the expand GEMM and the project GEMM with per-row epilogues (scale, shift, act, as
    ut__gemm_args' row_scale), the depthwise with its filters already scaled and `dshift` as its
    bias. Host memory: the CPU backend's slot only. */
-#define UT__SEP_DECLINED 1
 typedef struct ut__sep_args {
   const float* x; /* [n, c, h, w] */
   float* y;       /* [n, oc, ho, wo] */
@@ -851,9 +850,11 @@ typedef struct ut__backend {
      issue 32); NULL where a backend has none (the core then runs the layers one by one) */
   int (*dw_fwd_act)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
                     const ut__conv_geom* g, int act);
-  /* inference's depthwise-separable block (see ut__sep_args); returns UT__SEP_DECLINED,
-     having written nothing, where the three folded forwards one after the other serve the
-     geometry as well, and NULL where a backend has none (the core then runs those) */
+  /* inference's depthwise-separable block (see ut__sep_args); NULL where a backend has none.
+     sep_takes says, from the geometry alone (gd: the depthwise's, c: the block's input
+     channels), whether sep_fwd runs a block; where it does not, the core runs the three
+     folded forwards one after the other, before folding anything for sep_fwd */
+  bool (*sep_takes)(const ut__conv_geom* gd, int c, bool expand);
   int (*sep_fwd)(const ut__sep_args* a);
   /* go: [n, c, ho, wo], w -> dx: [n, c, h, w] (overwrites) */
   int (*dw_bwd_dx)(ut_dtype dt, const void* go, const float* w, void* dx, const ut__conv_geom* g);
@@ -3902,12 +3903,14 @@ static int ut__check_pointwise(const ut_conv2d* l, const ut_tensor* x, const cha
 }
 
 /* The block's fused path: the CPU in float32, a depthwise the row engines take on a band of
-   rows (pad_h 0 over rows the block zeroes itself) without a pass of its own. */
+   rows (pad_h 0 over rows the block zeroes itself) without a pass of its own, a geometry the
+   backend takes. */
 static bool ut__sep_fused_here(const ut_separable_block* b, const ut_tensor* x,
-                               const ut__backend* be) {
+                               const ut__conv_geom* gd, const ut__backend* be) {
   const ut_dwconv2d* d = b->dw;
-  return be->sep_fwd && ut__fold_runs_here(x, be) && ut__dw_mult(d) == 1 &&
-         ut__dw_dil(d) == 1 && d->stride <= 2 && d->kh <= 7 && d->kw <= 7;
+  return be->sep_fwd && be->sep_takes && ut__fold_runs_here(x, be) && ut__dw_mult(d) == 1 &&
+         ut__dw_dil(d) == 1 && d->stride <= 2 && d->kh <= 7 && d->kw <= 7 &&
+         be->sep_takes(gd, x->shape.shape[1], b->expand != NULL);
 }
 
 /* The three folded forwards in turn (and the residual): every path but the fused one. */
@@ -3961,7 +3964,7 @@ ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x)
       ut__check_fold_bn(b->bn_project, oc, b->project->weight, (int)b->act_project, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
-  if (!ut__sep_fused_here(b, x, be)) return ut__sep_unfused(b, x);
+  if (!ut__sep_fused_here(b, x, &gd, be)) return ut__sep_unfused(b, x);
   /* the folds: expand's and project's scale and shift, the depthwise's filters scaled */
   ut__i64 taps = (ut__i64)dl->kh * dl->kw;
   ut__i64 nf = 2LL * e + 2LL * e + e * taps + 2LL * oc;
@@ -3991,12 +3994,7 @@ ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x)
     ut__sep_args a = {xp, out->data, x->shape.shape[1], oc, we, es, eh, eact,
                       wd, dh, ut__fold_act(b->bn_dw, b->act_dw), gd, wp, ps, ph,
                       ut__fold_act(b->bn_project, b->act_project), b->residual};
-    int rc = be->sep_fwd(&a);
-    if (rc == UT__SEP_DECLINED) {
-      ut_free_all(out, fold);
-      return ut__sep_unfused(b, x);
-    }
-    out = ut__finish(out, be, rc);
+    out = ut__finish(out, be, be->sep_fwd(&a));
   }
   ut_free(fold);
   return out;
@@ -8236,7 +8234,7 @@ static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const floa
    [e][T][wo], and the project GEMM writes the output rows in place, the residual added while
    they are in cache. Consecutive steps share (extent - stride) input rows, copied from the
    previous tile (two tiles alternate). The tiles are sized to stay in L2
-   (UT__SEP_TILE_FLOATS per thread). Other blocks are declined (see ut__cpu_sep_fwd). */
+   (UT__SEP_TILE_FLOATS per thread). Other blocks are left to the core (ut__cpu_sep_takes). */
 #define UT__SEP_TILE_FLOATS (384 * 1024)
 #define UT__SEP_BANDS_ABOVE (512 * 1024)
 
@@ -8357,6 +8355,19 @@ static void ut__cpu_sep_part(void* vc, int tid, int nt) {
   ut__cpu_one_thread = was;
 }
 
+/* Bands pay where the block expands large planes: the expanded tensor, six times the input,
+   then never goes to memory (MobileNetV2 224^2, 2 cores, the 112^2 and 56^2 blocks 15-25%
+   faster). Elsewhere they cost: over small planes they cut the GEMMs' columns short and pack
+   every weight once per band (14^2 and 7^2 blocks 5-10% slower), and without an expand the
+   depthwise's output is all they keep from memory (MobileNet v1 224^2 4-6% slower whole), nor
+   with an expansion below 4 (MNASNet's 3x blocks at 112^2: its network 5% slower at batch 1).
+   Those blocks take the layers' own folded forwards. */
+static bool ut__cpu_sep_takes(const ut__conv_geom* g, int c, bool expand) {
+  ut__i64 e = g->c;
+  return expand && e >= 4LL * c &&
+         e * ((ut__i64)g->h * g->w + (ut__i64)g->ho * g->wo) > UT__SEP_BANDS_ABOVE;
+}
+
 static int ut__cpu_sep_fwd(const ut__sep_args* a) {
   const ut__conv_geom* g = &a->gd;
   int e = g->c, s = g->stride, ext = g->kh;
@@ -8364,17 +8375,7 @@ static int ut__cpu_sep_fwd(const ut__sep_args* a) {
   double macs = (double)g->n * g->ho * g->wo * e * (a->oc + g->kh * g->kw) +
                 (double)g->n * g->h * g->w * e * a->c;
   int nt = ut__cpu_nt(macs / 4);
-  /* Bands pay where the block expands large planes: the expanded tensor, six times the
-     input, then never goes to memory (MobileNetV2 224^2, 2 cores, the 112^2 and 56^2 blocks
-     15-25% faster). Elsewhere they cost: over small planes they cut the GEMMs' columns short
-     and pack every weight once per band (14^2 and 7^2 blocks 5-10% slower), and without an
-     expand the depthwise's output is all they keep from memory (MobileNet v1 224^2 4-6%
-     slower whole), nor with an expansion below 4 (MNASNet's 3x blocks at 112^2: its network
-     5% slower at batch 1). Those blocks take the layers' own folded forwards. */
   ut__i64 per_row = (ut__i64)e * (2LL * s * g->w + g->wo);
-  if (!a->we || e < 4 * a->c ||
-      (ut__i64)e * ((ut__i64)g->h * g->w + (ut__i64)g->ho * g->wo) <= UT__SEP_BANDS_ABOVE)
-    return UT__SEP_DECLINED;
   /* bands: one per image, or an image cut in enough bands for every thread */
   int bands = g->n >= nt ? 1 : UT__CPU_MIN(g->ho, (nt + g->n - 1) / g->n);
   int band_rows = (g->ho + bands - 1) / bands;
@@ -8527,6 +8528,7 @@ static const ut__backend ut__cpu_backend = {
     .conv_exact = ut__cpu_conv_exact,
     .dw_fwd = ut__cpu_dw_fwd,
     .dw_fwd_act = ut__cpu_dw_fwd_act,
+    .sep_takes = ut__cpu_sep_takes,
     .sep_fwd = ut__cpu_sep_fwd,
     .dw_bwd_dx = ut__cpu_dw_bwd_dx,
     .dw_bwd_dw = ut__cpu_dw_bwd_dw,
