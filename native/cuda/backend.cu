@@ -378,6 +378,7 @@ static void ut__cuda_init(void) {
   t->stream_wait = ut__cuda_stream_wait;
   t->fill = ut__cuda_fill; /* the overload with the slot's signature */
   t->copy = ut__cuda_copy;
+  t->copy2d = ut__cuda_copy2d;
   t->cast = ut__cuda_cast;
   t->axpy = ut__cuda_axpy;
   t->scale = ut__cuda_scale;

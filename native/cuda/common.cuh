@@ -393,6 +393,8 @@ static inline int ut__cuda_no_dtype(const char* op, ut_dtype dt) {
 __global__ void ut__cuda_fill_kernel(float* __restrict__ x, ut__i64 n, float v);
 int ut__cuda_fill(ut_dtype dt, void* x, ut__i64 n, float v);
 int ut__cuda_copy(float* dst, const float* src, ut__i64 n);
+int ut__cuda_copy2d(ut_dtype dt, const void* src, ut__i64 src_ld, void* dst, ut__i64 dst_ld,
+                    int rows, ut__i64 cols);
 int ut__cuda_cast(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst, ut__i64 n);
 int ut__cuda_axpy(ut_dtype dt, void* y, const void* x, ut__i64 n, float alpha);
 int ut__cuda_scale(ut_dtype dt, void* x, ut__i64 n, float alpha);

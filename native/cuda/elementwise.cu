@@ -204,6 +204,18 @@ int ut__cuda_copy(float* dst, const float* src, ut__i64 n) {
   return UT_OK;
 }
 
+int ut__cuda_copy2d(ut_dtype dt, const void* src, ut__i64 src_ld, void* dst, ut__i64 dst_ld,
+                    int rows, ut__i64 cols) {
+  if (dt != UT_F32 && dt != UT_BF16) return ut__cuda_no_dtype("copy2d", dt);
+  if (rows <= 0 || cols <= 0) return UT_OK;
+  const size_t es = dt == UT_F32 ? sizeof(float) : sizeof(ut__cuda_bf16);
+  UT__CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)dst_ld * es, src, (size_t)src_ld * es,
+                                   (size_t)cols * es, (size_t)rows, cudaMemcpyDeviceToDevice,
+                                   ut__cuda_stream),
+                 "copy2d");
+  return UT_OK;
+}
+
 int ut__cuda_cast(ut_dtype src_dt, ut_dtype dst_dt, const void* src, void* dst, ut__i64 n) {
   if ((src_dt != UT_F32 && src_dt != UT_BF16) || (dst_dt != UT_F32 && dst_dt != UT_BF16))
     return ut__set_error(UT_ERR_ARG, "cast: invalid dtype (%d -> %d)", (int)src_dt, (int)dst_dt);

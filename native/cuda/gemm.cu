@@ -338,20 +338,26 @@ static __global__ void ut__cuda_conv2d_im2col_kernel(const T* __restrict__ x,
                                                      I groups) {
   typedef typename ut__cuda_units<W, T>::type unit;
   const I hw = (I)g.ho * g.wo;
-  const int rows = g.c * g.kh * g.kw;
+  const int K = g.c * g.kh * g.kw, rows = g.kp ? g.kp : K;
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
     const I i = v * W;
     const I t = i / hw;
     const int pos = (int)(i - t * hw);
     const int row = (int)(t % rows);
     const I ni = t / rows;
-    const int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
-    const T* xp = x + (ni * g.c + ci) * (I)g.h * g.w;
-    int oy = pos / g.wo, ox = pos % g.wo;
     union {
       unit u;
       T e[W];
     } out;
+    if (row >= K) { /* the rows that round K up for the GEMM (ut__conv_col_rows) */
+#pragma unroll
+      for (int u = 0; u < W; ++u) out.e[u] = T(0.f);
+      *reinterpret_cast<unit*>(col + i) = out.u;
+      continue;
+    }
+    const int kx = row % g.kw, ky = (row / g.kw) % g.kh, ci = row / (g.kw * g.kh);
+    const T* xp = x + (ni * g.c + ci) * (I)g.h * g.w;
+    int oy = pos / g.wo, ox = pos % g.wo;
 #pragma unroll
     for (int u = 0; u < W; ++u) {
       const int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
@@ -376,7 +382,7 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
                                                      T* __restrict__ dx, ut__conv_geom g,
                                                      I total) {
   const I hw = (I)g.ho * (I)g.wo;
-  const I rows = (I)g.c * g.kh * g.kw;
+  const I rows = g.kp ? (I)g.kp : (I)g.c * g.kh * g.kw;
   for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
     int ix = (int)(i % (I)g.w);
     I t = i / (I)g.w;
@@ -405,7 +411,8 @@ static __global__ void ut__cuda_conv2d_col2im_kernel(const T* __restrict__ col,
 
 template <typename T>
 static int ut__cuda_im2col_t(const T* x, T* col, const ut__conv_geom* g, const char* what) {
-  ut__i64 total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
+  const ut__i64 rows = g->kp ? g->kp : (ut__i64)g->c * g->kh * g->kw;
+  ut__i64 total = (ut__i64)g->n * rows * g->ho * g->wo;
   if (total <= 0) return UT_OK;
   const ut__i64 hw = (ut__i64)g->ho * g->wo;
   const int w = hw % 8 == 0 && (uintptr_t)col % 16 == 0 ? 16 / (int)sizeof(T)
@@ -445,7 +452,8 @@ template <typename T>
 static int ut__cuda_col2im_t(const T* col, T* dx, const ut__conv_geom* g, const char* what) {
   ut__i64 total = (ut__i64)g->n * g->c * g->h * g->w;
   if (total <= 0) return UT_OK;
-  const ut__i64 col_total = (ut__i64)g->n * g->c * g->kh * g->kw * g->ho * g->wo;
+  const ut__i64 col_total =
+      (ut__i64)g->n * (g->kp ? g->kp : (ut__i64)g->c * g->kh * g->kw) * g->ho * g->wo;
   const unsigned blocks = ut__cuda_grid_for(total, 256);
   if (total <= (ut__i64)UINT_MAX && col_total <= (ut__i64)UINT_MAX)
     ut__cuda_conv2d_col2im_kernel<T, unsigned><<<blocks, 256, 0, ut__cuda_stream>>>(

@@ -454,6 +454,11 @@ _BF16_GEMM_CONV = [
     (3, 5, 9, 11, 7, (1, 1), 1, 0),
     (8, 64, 4, 4, 96, (1, 1), 1, 0),
     (4, 8, 20, 20, 16, (1, 1), 1, 0),
+    # k = c*kh*kw off a multiple of 8, columns rounded up with zero rows (ut__conv_col_rows):
+    # a stem over planes of 8-aligned rows (vector im2col) with and without padding, a 1x3
+    (2, 3, 16, 16, 16, (3, 3), 2, 1),
+    (2, 3, 17, 17, 8, (3, 3), 2, 0),
+    (2, 5, 10, 10, 4, (1, 3), 1, 0),
 ]
 
 
