@@ -6672,9 +6672,11 @@ UT__CPU_INL void ut__cpu_pack_b_put(float* restrict dst, int kc, int NR, int k, 
    made straight from x: the same panels, so the same products and the same result, without
    writing the matrix out and reading it back (a stem's 27 x 112^2 columns are 1.35 MB per
    image; its panels stay in L1). Row k of the matrix, columns j0.., is read row by row of
-   output: zeros where the window leaves the input. */
-UT__CPU_OPT static void ut__cpu_pack_b_conv(const float* x, const ut__conv_geom* cg, int k0,
-                                            int kc, int j0, int nc, int NR, float* restrict dst) {
+   output: zeros where the window leaves the input. This one gathers every value on its own:
+   ut__cpu_pack_b_conv's fallback for geometries its phase rows do not fit. */
+UT__CPU_OPT static void ut__cpu_pack_b_conv_gather(const float* x, const ut__conv_geom* cg,
+                                                   int k0, int kc, int j0, int nc, int NR,
+                                                   float* restrict dst) {
   int h = cg->h, w = cg->w, kh = cg->kh, kw = cg->kw, s = cg->stride, p = cg->pad, wo = cg->wo;
   float tmp[64];
   for (int k = 0; k < kc; k++) {
@@ -6709,6 +6711,66 @@ UT__CPU_OPT static void ut__cpu_pack_b_conv(const float* x, const ut__conv_geom*
     if (nc % NR) /* the last panel's padding columns */
       ut__cpu_pack_b_put(dst, kc, NR, k, nc, NULL, NR - nc % NR);
   }
+}
+
+/* The same panels from phase rows: the taps kx of a filter row (ci, ky) read one input row,
+   tap kx at columns ox*s + kx - p, that is phase kx % s of the row at ox + kx / s, where phase b
+   holds the row's columns b - p, s + b - p, ... (zero outside the input). Each input row is
+   split into its phases once for all kw taps, and every tap is then a contiguous copy. The
+   gather (a stride-2 load per value) was half of a 3 -> 32 stride-2 stem's time at 224^2, as
+   long as its GEMM. */
+#define UT__PACK_PHASE_COLS 256  /* output columns per phase fill */
+#define UT__PACK_PHASE_FLOATS 4096
+UT__CPU_OPT static void ut__cpu_pack_b_conv(const float* x, const ut__conv_geom* cg, int k0,
+                                            int kc, int j0, int nc, int NR, float* restrict dst) {
+  int h = cg->h, w = cg->w, kh = cg->kh, kw = cg->kw, s = cg->stride, p = cg->pad, wo = cg->wo;
+  int np = UT__CPU_MIN(s, kw), ext = (kw - 1) / s + 1; /* phases read; columns past a chunk */
+  int len = UT__PACK_PHASE_COLS + ext;                 /* one phase row */
+  if ((long long)np * len > UT__PACK_PHASE_FLOATS || cg->dil > 1) {
+    ut__cpu_pack_b_conv_gather(x, cg, k0, kc, j0, nc, NR, dst);
+    return;
+  }
+  float ph[UT__PACK_PHASE_FLOATS];
+  for (int fr = k0 / kw; fr * kw < k0 + kc; fr++) { /* filter rows (ci, ky) */
+    int ci = fr / kh, ky = fr % kh;
+    int xa = UT__CPU_MAX(k0 - fr * kw, 0), xb = UT__CPU_MIN(k0 + kc - fr * kw, kw);
+    const float* xp = x + (ut__i64)ci * h * w;
+    int oy = j0 / wo, ox = j0 % wo;
+    for (int jj = 0; jj < nc; oy++, ox = 0) {
+      int run = UT__CPU_MIN(wo - ox, nc - jj), iy = oy * s - p + ky;
+      for (int c0 = 0; c0 < run; c0 += UT__PACK_PHASE_COLS) {
+        int cols = UT__CPU_MIN(UT__PACK_PHASE_COLS, run - c0), q0 = ox + c0;
+        if (iy < 0 || iy >= h) {
+          for (int kx = xa; kx < xb; kx++)
+            ut__cpu_pack_b_put(dst, kc, NR, fr * kw + kx - k0, jj + c0, NULL, cols);
+          continue;
+        }
+        const float* xr = xp + (ut__i64)iy * w;
+        /* ph[b * len + i] = xr[(q0 + i) * s + b - p] for i < cols + ext - 1 */
+        int fill = cols + ext - 1;
+        for (int b = 0; b < np; b++) {
+          float* d = ph + (ut__i64)b * len;
+          int lo = ut__cpu_lo(b, s, p - q0 * s, fill);
+          int hi = UT__CPU_MAX(ut__cpu_hi(b, s, p - q0 * s, w, fill), lo);
+          const float* src = xr + (ut__i64)q0 * s + b - p;
+          for (int i = 0; i < lo; i++) d[i] = 0.0f;
+          if (s == 1)
+            memcpy(d + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
+          else if (s == 2)
+            for (int i = lo; i < hi; i++) d[i] = src[2 * i];
+          else
+            for (int i = lo; i < hi; i++) d[i] = src[(ut__i64)i * s];
+          for (int i = hi; i < fill; i++) d[i] = 0.0f;
+        }
+        for (int kx = xa; kx < xb; kx++)
+          ut__cpu_pack_b_put(dst, kc, NR, fr * kw + kx - k0, jj + c0,
+                             ph + (ut__i64)(kx % s) * len + kx / s, cols);
+      }
+      jj += run;
+    }
+  }
+  if (nc % NR) /* the last panel's padding columns */
+    for (int k = 0; k < kc; k++) ut__cpu_pack_b_put(dst, kc, NR, k, nc, NULL, NR - nc % NR);
 }
 
 /* One block of C (rows i0.., columns j0..) summed over batch items [b0, b1), into c0 (row

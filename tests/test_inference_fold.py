@@ -98,6 +98,14 @@ GEOMS = [
     ("dense5x3s3p2-K300", lambda: ut.Conv2d(20, 9, (5, 3), stride=3, padding=2), 20, (40, 31)),
     ("dense3x3p0", lambda: ut.Conv2d(4, 6, 3, bias=False), 4, (30, 40)),
     ("dense3x3p2", lambda: ut.Conv2d(3, 5, 3, padding=2, bias=False), 3, (12, 50)),
+    # the panels' phase rows: output rows longer than one fill (256 columns), ConvNeXt's 4x4
+    # stride-4 patchify, a 1x7 row at stride 2, and a 17x17 stride 17 whose 17 phase rows do
+    # not fit (the gather instead)
+    ("dense3x3s2p1-long-rows", lambda: ut.Conv2d(3, 8, 3, stride=2, padding=1), 3, (7, 600)),
+    ("dense4x4s4", lambda: ut.Conv2d(3, 8, 4, stride=4, bias=False), 3, (16, 20)),
+    ("dense1x7s2p3", lambda: ut.Conv2d(3, 6, (1, 7), stride=2, padding=3, bias=False), 3,
+     (8, 29)),
+    ("dense17x17s17", lambda: ut.Conv2d(2, 4, 17, stride=17, bias=False), 2, (34, 36)),
     ("dw3x3s1p1", lambda: ut.DWConv2d(6, 3, padding=1, bias=False), 6, (13, 12)),
     ("dw3x3s2p1+bias", lambda: ut.DWConv2d(6, 3, stride=2, padding=1), 6, (14, 15)),
     ("dw5x5s2p2", lambda: ut.DWConv2d(5, 5, stride=2, padding=2, bias=False), 5, (16, 16)),
