@@ -8367,15 +8367,15 @@ static int ut__cpu_dw_fwd(ut_dtype dt, const void* x, const float* w, const floa
   return dt == UT_F32 ? ut__cpu_dw_fwd_f32(x, w, bias, y, g) : ut__cpu_no_dtype("dw_fwd", dt);
 }
 /* ---- inference's depthwise-separable block (issue 32) ---------------------------------------
-   Bands, for large planes with an expand of 4x or more (an image's expanded and depthwise
-   planes above UT__SEP_BANDS_ABOVE floats: MobileNetV2's first stages). Each task is one band of output
-   rows of one image, run by one thread in steps of T rows: the expand GEMM writes the input
-   rows the step's depthwise windows need into a tile [e][rows][w] (rows outside the image
-   zeroed: the depthwise then runs with no vertical padding), the depthwise row engine writes
-   [e][T][wo], and the project GEMM writes the output rows in place, the residual added while
-   they are in cache. Consecutive steps share (extent - stride) input rows, copied from the
-   previous tile (two tiles alternate). The tiles are sized to stay in L2
-   (UT__SEP_TILE_FLOATS per thread). Other blocks are left to the core (ut__cpu_sep_takes). */
+   Bands, for large planes with an expand of 4x or more (an image's expanded and depthwise planes
+   above UT__SEP_BANDS_ABOVE floats: MobileNetV2's first stages). Each task is one band of output
+   rows of one image, run by one thread in steps of T rows: the expand GEMM writes the input rows
+   the step's depthwise windows need into a tile [e][rows][w] (rows outside the image zeroed: the
+   depthwise then runs with no vertical padding), the depthwise row engine writes [e][T][wo], and
+   the project GEMM writes the output rows in place, the residual added while they are in cache.
+   Consecutive steps share (extent - stride) input rows, copied from the previous tile (two tiles
+   alternate). The tiles are sized to stay in L2 (UT__SEP_TILE_FLOATS per thread). Other blocks are
+   left to the core (ut__cpu_sep_takes). */
 #define UT__SEP_TILE_FLOATS (384 * 1024)
 #define UT__SEP_BANDS_ABOVE (512 * 1024)
 
