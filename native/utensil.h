@@ -5724,6 +5724,8 @@ typedef struct ut__dwctx {
   int flat, nvec, taps, dmin, dmax, marg;
   const int* d;      /* [taps] */
   const int32_t* M;  /* [nvec][taps][16] lane masks; then [nvec][16] output-valid masks */
+  /* stride-2 phase-plane engine (ut__dwf_s2_k): s2 is the filter size (3, 5 or 7), or 0 */
+  int s2, s2pw, s2rows, s2g; /* a phase plane's row length and rows; planes at a time */
   int act; /* forward: a ut_activation applied to each few planes once written (issue 32) */
 } ut__dwctx;
 
@@ -5871,6 +5873,13 @@ static int ut__cpu_col2im_f32(const float* col, float* dx, const ut__conv_geom* 
 
 /* ---- depthwise convolution ----------------------------------------------------------------- */
 
+/* At stride 2, filter tap t under padding p reads input row (column) 2 o + t - p: phase
+   (t - p) & 1, index o + ut__dw_s2_lo(t, p) of that phase. */
+static inline int ut__dw_s2_lo(int t, int p) {
+  int d = t - p;
+  return (d - (d & 1)) / 2;
+}
+
 /* Row engine sizes and, for stride-1 "same" small planes with 3x3 or 5x5 filters, the flat
    engine's tables. Returns the floats each thread needs (0 on overflow). *tab: malloc'd tables
    (free it), NULL when unused. */
@@ -5908,6 +5917,23 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
     ut__i64 need = GP * (NS + 1) + (ut__i64)s * nvq * V + 4 * taps + 3 * NS + 64 +
                    (ut__i64)s * s * (3 * taps + 1);
     per = UT__CPU_MAX(per, need);
+  }
+  /* stride 2, square 3x3 to 7x7 filters: the phase-plane engine's four planes and its flat
+     output run (ut__dwf_s2_k) */
+  C->s2 = 0;
+  if (s == 2 && dl == 1 && C->kh == C->kw && (C->kh == 3 || C->kh == 5 || C->kh == 7) &&
+      C->py >= 0 && C->px >= 0 && C->py < C->kh && C->px < C->kw) {
+    int k = C->kh;
+    ut__i64 pw = (ut__i64)C->wo + ut__dw_s2_lo(k - 1, C->px) - ut__dw_s2_lo(0, C->px);
+    ut__i64 rows = (ut__i64)C->ho + ut__dw_s2_lo(k - 1, C->py) - ut__dw_s2_lo(0, C->py);
+    ut__i64 one = 4 * UT__DW_R16(rows * pw + 2 * V) + UT__DW_R16(C->ho * pw + V);
+    if (rows * pw <= (1 << 20)) { /* planes beyond 4 MB: the row engine's ring of rows */
+      C->s2 = k;
+      C->s2pw = (int)pw;
+      C->s2rows = (int)rows;
+      C->s2g = (int)UT__CPU_MAX(1, UT__CPU_MIN(8, 4096 / one)); /* 16 KB of small planes */
+      per = UT__CPU_MAX(per, C->s2g * one);
+    }
   }
   C->flat = 0;
   ut__i64 hw = (ut__i64)C->h * C->w;
@@ -6363,7 +6389,8 @@ static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* 
     return ut__cpu_dw_act_after(ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g), y, g,
                                 act);
   ut__conv_geom g1;
-  if (ut__cpu_dw_via_stride1(g, &g1)) {
+  /* (stride 2 has the planes' phase-plane engine: 576 channels at 14^2 -> 7^2 ... than this) */
+  if (g->stride != 2 && ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
     float* full = (float*)malloc((size_t)(planes * hw) * sizeof(float) + 1);
     if (!full) return ut__set_error(UT_ERR_MEMORY, "dw_fwd: out of memory");
@@ -9418,6 +9445,116 @@ UT__CPU_INL void ut__dwf_rows_any(const ut__dwctx* C, const float* restrict xp,
   }
 }
 
+/* One phase-plane row of ut__dwf_s2_k: phase row r (input row 2 r + a, zeros when outside x)
+   split into its even columns (e) and odd ones (o), `lead` zeros first, then the columns
+   c = 0 .. cols-1 of each phase (zeros past the input). Vectors may read past the row, up
+   to xend, and store up to V - 1 floats past the phase row: into the next row (built after
+   it) or the plane's slack. */
+UT__CPU_INL void ut__dwf_s2_row(const float* restrict xr, const float* xend, int w, int lead,
+                                int cols, float* restrict e, float* restrict o, const int V) {
+  static const int32_t first[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                    -1, -1}; /* &first[16 - n]: n lanes on */
+  for (int c = 0; c < lead; c++) e[c] = o[c] = 0.0f;
+  e += lead;
+  o += lead;
+  if (!xr) {
+    for (int c = 0; c < cols; c += V) {
+      ut__v_st(e + c, ut__v_dup(0.0f, V), V);
+      ut__v_st(o + c, ut__v_dup(0.0f, V), V);
+    }
+    return;
+  }
+  int ne = UT__CPU_MIN(cols, (w + 1) / 2), no = UT__CPU_MIN(cols, w / 2); /* inside x */
+  int c = 0;
+  for (; c < cols && xr + 2 * c + 2 * V <= xend; c += V) {
+    ut__vec x0 = ut__v_ld(xr + 2 * c, V), x1 = ut__v_ld(xr + 2 * c + V, V);
+    ut__vec ve = ut__v_even(x0, x1, V), vo = ut__v_odd(x0, x1, V);
+    if (c + V > ne) ve = ut__v_and(ve, first + 16 - UT__CPU_MAX(0, ne - c), V);
+    if (c + V > no) vo = ut__v_and(vo, first + 16 - UT__CPU_MAX(0, no - c), V);
+    ut__v_st(e + c, ve, V);
+    ut__v_st(o + c, vo, V);
+  }
+  /* the tensor's last values one at a time (a zeroed copy for the vector loads missed store
+     forwarding: a third of the engine's time) */
+  for (int i = c; i < ne; i++) e[i] = xr[2 * i];
+  for (int i = UT__CPU_MAX(c, ne); i < cols; i++) e[i] = 0.0f;
+  for (int i = c; i < no; i++) o[i] = xr[2 * i + 1];
+  for (int i = UT__CPU_MAX(c, no); i < cols; i++) o[i] = 0.0f;
+}
+
+/* Stride-2 engine over planes [q0, q1), K x K filter (K 3, 5 or 7: a constant when inlined).
+   Each plane is split once into its four phase planes (row parity x column parity, zero
+   padded, rows of C->s2pw floats), where every tap is a stride-1 read; its outputs are then
+   computed as one flat run of rows s2pw long (the columns past wo junk) and copied out row by
+   row. The row engine deinterleaved each input row into a ring and spent more on that
+   bookkeeping than on the FMAs (3x3, 144 channels at 56^2 -> 28^2: 8-10 GFLOP/s on 2 cores).
+   Small planes go C->s2g at a time through each stage: a vector load that spans two recent
+   stores waits for them to retire, and one small plane's stages read what the last wrote. */
+UT__CPU_INL void ut__dwf_s2_planes(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
+                                   float* restrict buf, const int K, const int V) {
+  int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo, c = C->c;
+  int pw = C->s2pw, rows = C->s2rows, G = C->s2g;
+  int ry0 = ut__dw_s2_lo(0, py), cx0 = ut__dw_s2_lo(0, px);
+  ut__i64 psz = UT__DW_R16((ut__i64)rows * pw + 2 * V), hw = (ut__i64)h * w;
+  ut__i64 osz = UT__DW_R16((ut__i64)ho * pw + V), per = 4 * psz + osz, ohw = (ut__i64)ho * wo;
+  ut__i64 nflat = (ut__i64)ho * pw;
+  const float* xend = C->x + C->planes * hw;
+  const float* ylim = C->y + q1 * ohw;
+  ut__i64 off[49]; /* tap t reads phase plane (a, b) at off[t] + j: (a, b) = parities */
+  UT__DW_UNROLL
+  for (int ky = 0; ky < K; ky++)
+    UT__DW_UNROLL
+    for (int kx = 0; kx < K; kx++)
+      off[ky * K + kx] = (ut__i64)(2 * ((ky - py) & 1) + ((kx - px) & 1)) * psz +
+                         (ut__i64)(ut__dw_s2_lo(ky, py) - ry0) * pw + ut__dw_s2_lo(kx, px) - cx0;
+  for (ut__i64 g0 = q0; g0 < q1; g0 += G) {
+    int gn = (int)UT__CPU_MIN((ut__i64)G, q1 - g0);
+    for (int i = 0; i < gn; i++) { /* phase planes at buf + i * per + (2 a + b) * psz */
+      const float* xp = C->x + (g0 + i) * hw;
+      for (int a = 0; a < 2; a++)
+        for (int r = 0; r < rows; r++) {
+          int iy = 2 * (r + ry0) + a;
+          float* e = buf + i * per + (ut__i64)(2 * a) * psz + (ut__i64)r * pw;
+          ut__dwf_s2_row(iy >= 0 && iy < h ? xp + (ut__i64)iy * w : NULL, xend, w, -cx0,
+                         pw + cx0, e, e + psz, V);
+        }
+    }
+    for (int i = 0; i < gn; i++) {
+      int ch = (int)((g0 + i) % c);
+      const float* wk = C->wt + (ut__i64)ch * K * K;
+      float b = C->bias ? C->bias[ch] : 0.0f;
+      const float* ph = buf + i * per;
+      float* out = buf + i * per + 4 * psz;
+      float wr[49];
+      UT__DW_UNROLL
+      for (int t = 0; t < K * K; t++) wr[t] = wk[t];
+      for (ut__i64 j = 0; j < nflat; j += V) {
+        ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(0.0f, V);
+        UT__DW_UNROLL
+        for (int ky = 0; ky < K; ky++)
+          UT__DW_UNROLL
+          for (int kx = 0; kx < K; kx++) {
+            ut__vec xv = ut__v_ld(ph + off[ky * K + kx] + j, V);
+            if (ky & 1)
+              c0 = ut__v_fma(c0, wr[ky * K + kx], xv, V);
+            else
+              a0 = ut__v_fma(a0, wr[ky * K + kx], xv, V);
+          }
+        ut__v_st(out + j, ut__v_add(a0, c0, V), V);
+      }
+    }
+    /* rows in order, whole vectors: a row's spill is overwritten by the next row's start */
+    for (int i = 0; i < gn; i++) {
+      const float* out = buf + i * per + 4 * psz;
+      float* yp = C->y + (g0 + i) * ohw;
+      for (int oy = 0; oy < ho; oy++)
+        for (int cc = 0; cc < wo; cc += V)
+          ut__v_st_lim(yp + (ut__i64)oy * wo + cc, ut__v_ld(out + (ut__i64)oy * pw + cc, V),
+                       ylim, V);
+    }
+  }
+}
+
 /* Flat engine, one plane (src may be a copy with a margin), TAPS taps. */
 UT__CPU_INL void ut__dwf_flat_k(const ut__dwctx* C, const float* restrict src,
                                 const float* restrict wk, float b, float* restrict yp,
@@ -9453,6 +9590,16 @@ UT__CPU_INL void ut__dwf_range_body(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
   int c = C->c, kh = C->kh, kw = C->kw, s = C->s;
   ut__i64 hw = (ut__i64)C->h * C->w, ohw = (ut__i64)C->ho * C->wo, taps = (ut__i64)kh * kw;
   const float* ylim = C->y + q1 * ohw;
+  if (C->s2 == 3) {
+    ut__dwf_s2_planes(C, q0, q1, buf, 3, V);
+    return;
+  } else if (C->s2 == 5) {
+    ut__dwf_s2_planes(C, q0, q1, buf, 5, V);
+    return;
+  } else if (C->s2 == 7) {
+    ut__dwf_s2_planes(C, q0, q1, buf, 7, V);
+    return;
+  }
   for (ut__i64 q = q0; q < q1; q++) {
     int ch = (int)(q % c);
     const float* wk = C->wt + ch * taps;

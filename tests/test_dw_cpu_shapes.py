@@ -106,6 +106,23 @@ def test_square_stride1_row_engines_every_padding():
     _each(_check, geoms)
 
 
+def test_stride2_phase_planes_every_padding():
+    """Stride 2 with square 3x3, 5x5 and 7x7 filters (the phase-plane engine: the plane split
+    into its four row and column parities, every tap a stride-1 read, the outputs computed
+    as one flat run with junk columns dropped): every padding 0..k-1, planes from one value
+    to wider than two vectors, odd and even, with the filter hanging past every edge."""
+    hs, ws = (1, 2, 5, 8, 17, 34), (3, 1, 16, 31, 33, 50)
+    geoms = []
+    for k in (3, 5, 7):
+        for p in range(k):
+            for i, h in enumerate(hs):
+                w = ws[(i + p + k) % len(ws)]
+                if h + 2 * p >= k and w + 2 * p >= k:
+                    geoms.append((k, k, 2, 1, p, h, w))
+    assert len(geoms) >= 60
+    _each(_check, geoms)
+
+
 def test_nonfinite_input_dilated():
     """An inf in x reaches only the outputs whose taps read it (dilation 2 runs the engines,
     which multiply padding zeros by the weights, never a zero tap by x)."""
