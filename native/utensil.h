@@ -6105,7 +6105,7 @@ static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const floa
 /* Strided depthwise convolutions of small planes run as stride 1 on the full grid: the flat
    engine (stride 1, "same", planes up to 256 pixels) is 4-8x faster per plane than the row
    engine's phase rows at stride 2 and 3, more than the s*s times the taps it computes.
-   Forward keeps every s-th output; dx and dW see grad_out spread onto the full grid (zeros
+   Forward keeps every s-th output (the forward at stride 2 has its own engine); dx and dW see grad_out spread onto the full grid (zeros
    between), which is exactly the strided transposed convolution. Returns the stride-1
    geometry in g1, or false when the shape is not such a case. */
 static bool ut__cpu_dw_via_stride1(const ut__conv_geom* g, ut__conv_geom* g1) {
@@ -6389,7 +6389,7 @@ static int ut__cpu_dw_fwd_act_f32(const float* x, const float* wt, const float* 
     return ut__cpu_dw_act_after(ut__cpu_dw_dilated(UT__CONV_Y, x, NULL, wt, bias, y, g), y, g,
                                 act);
   ut__conv_geom g1;
-  /* (stride 2 has the planes' phase-plane engine: 576 channels at 14^2 -> 7^2 ... than this) */
+  /* (not at stride 2: the phase-plane engine is as fast over 14^2 planes, faster over larger) */
   if (g->stride != 2 && ut__cpu_dw_via_stride1(g, &g1)) {
     ut__i64 planes = (ut__i64)g->n * g->c, hw = (ut__i64)g->h * g->w;
     float* full = (float*)malloc((size_t)(planes * hw) * sizeof(float) + 1);
