@@ -5926,7 +5926,7 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
     int k = C->kh;
     ut__i64 pw = (ut__i64)C->wo + ut__dw_s2_lo(k - 1, C->px) - ut__dw_s2_lo(0, C->px);
     ut__i64 rows = (ut__i64)C->ho + ut__dw_s2_lo(k - 1, C->py) - ut__dw_s2_lo(0, C->py);
-    ut__i64 one = 4 * UT__DW_R16(rows * pw + 2 * V) + UT__DW_R16(C->ho * pw + V);
+    ut__i64 one = 4 * UT__DW_R16(rows * pw + 3 * V) + UT__DW_R16(C->ho * pw + 2 * V);
     if (rows * pw <= (1 << 20)) { /* planes beyond 4 MB: the row engine's ring of rows */
       C->s2 = k;
       C->s2pw = (int)pw;
@@ -9495,8 +9495,8 @@ UT__CPU_INL void ut__dwf_s2_planes(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
   int h = C->h, w = C->w, py = C->py, px = C->px, ho = C->ho, wo = C->wo, c = C->c;
   int pw = C->s2pw, rows = C->s2rows, G = C->s2g;
   int ry0 = ut__dw_s2_lo(0, py), cx0 = ut__dw_s2_lo(0, px);
-  ut__i64 psz = UT__DW_R16((ut__i64)rows * pw + 2 * V), hw = (ut__i64)h * w;
-  ut__i64 osz = UT__DW_R16((ut__i64)ho * pw + V), per = 4 * psz + osz, ohw = (ut__i64)ho * wo;
+  ut__i64 psz = UT__DW_R16((ut__i64)rows * pw + 3 * V), hw = (ut__i64)h * w;
+  ut__i64 osz = UT__DW_R16((ut__i64)ho * pw + 2 * V), per = 4 * psz + osz, ohw = (ut__i64)ho * wo;
   ut__i64 nflat = (ut__i64)ho * pw;
   const float* xend = C->x + C->planes * hw;
   const float* ylim = C->y + q1 * ohw;
@@ -9528,19 +9528,26 @@ UT__CPU_INL void ut__dwf_s2_planes(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       float wr[49];
       UT__DW_UNROLL
       for (int t = 0; t < K * K; t++) wr[t] = wk[t];
-      for (ut__i64 j = 0; j < nflat; j += V) {
+      /* two vectors a step, four sums: enough chains to cover the FMA's latency */
+      for (ut__i64 j = 0; j < nflat; j += 2 * V) {
         ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(0.0f, V);
+        ut__vec a1 = ut__v_dup(b, V), c1 = ut__v_dup(0.0f, V);
         UT__DW_UNROLL
         for (int ky = 0; ky < K; ky++)
           UT__DW_UNROLL
           for (int kx = 0; kx < K; kx++) {
-            ut__vec xv = ut__v_ld(ph + off[ky * K + kx] + j, V);
-            if (ky & 1)
-              c0 = ut__v_fma(c0, wr[ky * K + kx], xv, V);
-            else
-              a0 = ut__v_fma(a0, wr[ky * K + kx], xv, V);
+            const float* src = ph + off[ky * K + kx] + j;
+            ut__vec x0 = ut__v_ld(src, V), x1 = ut__v_ld(src + V, V);
+            if (ky & 1) {
+              c0 = ut__v_fma(c0, wr[ky * K + kx], x0, V);
+              c1 = ut__v_fma(c1, wr[ky * K + kx], x1, V);
+            } else {
+              a0 = ut__v_fma(a0, wr[ky * K + kx], x0, V);
+              a1 = ut__v_fma(a1, wr[ky * K + kx], x1, V);
+            }
           }
         ut__v_st(out + j, ut__v_add(a0, c0, V), V);
+        ut__v_st(out + j + V, ut__v_add(a1, c1, V), V);
       }
     }
     /* rows in order, whole vectors: a row's spill is overwritten by the next row's start */
