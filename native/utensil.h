@@ -10104,7 +10104,17 @@ UT__CPU_INL void ut__gemm_micro_body(int kc, const float* restrict ap, ut__i64 a
     UT__PREFETCH_W(c + (ut__i64)r * ldc);
     UT__PREFETCH_W(c + (ut__i64)r * ldc + 2 * V - 1);
   }
-  if (a_rs == 1 && a_ks == MR) {
+  if (nr <= V && a_rs == 1 && a_ks == MR) {
+    /* a last panel of at most V columns (196 = 6 * 32 + 4 over 14^2 planes): one vector of
+       B, half the FMAs; the sums of its columns are the same operations in the same order */
+    for (int k = 0; k < kc; k++) {
+      ut__vec b0 = ut__v_ld(bp, V);
+      UT__DW_UNROLL
+      for (int r = 0; r < MR; r++) acc0[r] = ut__v_fma(acc0[r], ap[r], b0, V);
+      ap += MR;
+      bp += b_ks;
+    }
+  } else if (a_rs == 1 && a_ks == MR) {
     /* a packed panel: the MR values of a step sit together, one address register for all */
     for (int k = 0; k < kc; k++) {
       ut__vec b0 = ut__v_ld(bp, V), b1 = ut__v_ld(bp + V, V);
