@@ -7542,9 +7542,15 @@ static inline float ut__cpu_bn_relu(float z, float act) {
   float v = z < 0.0f ? 0.0f : z;
   return act > 0.0f && v > act ? act : v;
 }
-static inline float ut__cpu_bn_relu_grad(float g, float z, float act) {
-  int stop = (z <= 0.0f) | (act > 0.0f && z >= act); /* false for NaN: it passes g on */
-  return stop ? 0.0f : g;
+UT__CPU_INL float ut__cpu_bn_relu_grad(float g, float z, float act) {
+  /* g's bits cleared through a mask (the tests are false for a NaN z: it passes g on): GCC
+     vectorizes that, where a select of 0 or g left bn_bwd's sums scalar and branching on
+     the data's signs (64 channels at 32^2, batch 8: 2 ms) */
+  uint32_t gb, stop = (uint32_t)((z <= 0.0f) | ((act > 0.0f) & (z >= act)));
+  memcpy(&gb, &g, sizeof gb);
+  gb &= stop - 1u;
+  memcpy(&g, &gb, sizeof g);
+  return g;
 }
 /* batchnorm backward's gradient at one element for NONE, RELU and RELU6: go, masked at the
    pre-activation recomputed from x; computed where it is used, in both passes, rather than
