@@ -5678,7 +5678,7 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
 }
 
 /* ---- depthwise engines ----------------------------------------------------------------------
-   Two engines, both without a padded copy of the plane, written over vectors of V floats
+   Three engines, written over vectors of V floats
    (ut__vec) and built once per width in ISA VARIANTS (the last section): 16 for AVX-512, 8 for
    AVX2, 4 for the baseline. Plane sizes in the call's context (vectors per row, lane masks)
    are laid out for the width that runs (ut__cpu_isa()->dw_lanes).
@@ -5698,6 +5698,12 @@ static inline int ut__cpu_hi(int kx, int s, int p, int w, int wo) {
    lane mask per (output vector, tap) zeroes the lanes whose tap falls outside the plane. The
    loads may run into the neighbouring planes of the same tensor (masked away); planes at the
    ends of the tensor are copied into a buffer with a margin first.
+
+   Phase-plane engine (stride 2, square 3x3 to 7x7 filters, planes up to 4 MB). The plane is
+   split once into its four phase planes (row parity x column parity), zero padded, rows C->s2pw
+   long; every tap is then a stride-1 read of one of them, the outputs one flat run over rows
+   s2pw long whose columns past wo are junk, copied out row by row (ut__dwf_s2_planes). Small
+   planes go several at a time through each stage.
 
    Stores: vectors of 16 outputs are stored whole when they end before `ylim` (the end of the
    calling thread's range of planes): the lanes past a row land in rows this thread computes
@@ -5724,7 +5730,7 @@ typedef struct ut__dwctx {
   int flat, nvec, taps, dmin, dmax, marg;
   const int* d;      /* [taps] */
   const int32_t* M;  /* [nvec][taps][16] lane masks; then [nvec][16] output-valid masks */
-  /* stride-2 phase-plane engine (ut__dwf_s2_k): s2 is the filter size (3, 5 or 7), or 0 */
+  /* stride-2 phase-plane engine (ut__dwf_s2_planes): s2 is the filter size (3, 5 or 7), or 0 */
   int s2, s2pw, s2rows, s2g; /* a phase plane's row length and rows; planes at a time */
   int act; /* forward: a ut_activation applied to each few planes once written (issue 32) */
 } ut__dwctx;
@@ -5919,7 +5925,7 @@ static ut__i64 ut__dw_setup(ut__dwctx* C, void** tab) {
     per = UT__CPU_MAX(per, need);
   }
   /* stride 2, square 3x3 to 7x7 filters: the phase-plane engine's four planes and its flat
-     output run (ut__dwf_s2_k) */
+     output run (ut__dwf_s2_planes) */
   C->s2 = 0;
   if (s == 2 && dl == 1 && C->kh == C->kw && (C->kh == 3 || C->kh == 5 || C->kh == 7) &&
       C->py >= 0 && C->px >= 0 && C->py < C->kh && C->px < C->kw) {
@@ -6105,9 +6111,10 @@ static void ut__cpu_conv_real_input(ut__conv_dir dir, const float* x, const floa
 /* Strided depthwise convolutions of small planes run as stride 1 on the full grid: the flat
    engine (stride 1, "same", planes up to 256 pixels) is 4-8x faster per plane than the row
    engine's phase rows at stride 2 and 3, more than the s*s times the taps it computes.
-   Forward keeps every s-th output (the forward at stride 2 has its own engine); dx and dW see grad_out spread onto the full grid (zeros
-   between), which is exactly the strided transposed convolution. Returns the stride-1
-   geometry in g1, or false when the shape is not such a case. */
+   Forward keeps every s-th output (the forward at stride 2 has its own engine); dx and dW see
+   grad_out spread onto the full grid (zeros between), which is exactly the strided transposed
+   convolution. Returns the stride-1 geometry in g1, or false when the shape is not such a
+   case. */
 static bool ut__cpu_dw_via_stride1(const ut__conv_geom* g, ut__conv_geom* g1) {
   if (g->stride < 2 || g->dil > 1 || g->kh != g->kw || (g->kh != 3 && g->kh != 5) ||
       g->pad != (g->kh - 1) / 2 ||
@@ -9451,7 +9458,7 @@ UT__CPU_INL void ut__dwf_rows_any(const ut__dwctx* C, const float* restrict xp,
   }
 }
 
-/* One phase-plane row of ut__dwf_s2_k: phase row r (input row 2 r + a, zeros when outside x)
+/* One phase-plane row of ut__dwf_s2_planes: phase row r (input row 2 r + a, zeros when outside x)
    split into its even columns (e) and odd ones (o), `lead` zeros first, then the columns
    c = 0 .. cols-1 of each phase (zeros past the input). Vectors may read past the row, up
    to xend, and store up to V - 1 floats past the phase row: into the next row (built after
