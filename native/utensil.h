@@ -9568,8 +9568,8 @@ UT__CPU_INL void ut__dwf_s2_planes(const ut__dwctx* C, ut__i64 q0, ut__i64 q1,
       float wr[49];
       UT__DW_UNROLL
       for (int t = 0; t < K * K; t++) wr[t] = wk[t];
-      /* two vectors a step, four sums: enough chains to cover the FMA's latency (a last lone
-         vector alone: 7x7 over 14^2 planes computes 5 vectors, not 6) */
+      /* two vectors a step, four sums: enough chains to cover the FMA's latency; a lone last
+         vector alone */
       ut__i64 j = 0;
       for (; j + V < nflat; j += 2 * V) {
         ut__vec a0 = ut__v_dup(b, V), c0 = ut__v_dup(0.0f, V);
