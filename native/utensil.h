@@ -7545,7 +7545,7 @@ typedef struct {
    activations' loops (UT__CPU_ACT_OPT: other options, across which GCC inlines only when told) */
 UT__CPU_INL float ut__cpu_bn_z(float x, float m, float sc, float bt) { return (x - m) * sc + bt; }
 /* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
-static inline float ut__cpu_bn_relu(float z, float act) {
+UT__CPU_INL float ut__cpu_bn_relu(float z, float act) {
   float v = z < 0.0f ? 0.0f : z;
   return act > 0.0f && v > act ? act : v;
 }
@@ -7589,7 +7589,7 @@ UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const 
   }
 }
 #undef UT__CPU_BN_GRAD_LOOP
-UT__CPU_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
+UT__CPU_ACT_OPT static void ut__cpu_bn_stats_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
   float* mean = cx->mean_out;
@@ -7680,7 +7680,7 @@ UT__CPU_ACT_OPT static void ut__cpu_bn_apply_act_row(const float* restrict xr, f
 }
 #undef UT__CPU_BN_ACT_LOOP
 
-UT__CPU_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
+UT__CPU_ACT_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   const float* x = cx->x;
   float* y = cx->y;
@@ -7834,7 +7834,7 @@ UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, c
     }
   }
 }
-UT__CPU_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
+UT__CPU_ACT_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
   switch (cx->act) {
     case UT_ACT_RELU: ut__cpu_bn_bwd_run(cx, tid, nt, UT_ACT_RELU); break;
