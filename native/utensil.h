@@ -78,7 +78,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 8
+#define UT_VERSION 9
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -242,6 +242,13 @@ typedef struct ut_dwconv2d {
 
 typedef struct ut_dwconv2d_cache {
   ut_tensor* input; /* [N, C, H, W] */
+  /* Set by ut_batchnorm2d_dwconv2d_forward, else NULL: the layer's input was act(bn(input)),
+     never written; bn holds [4, C]: the BatchNorm's mean, var, gamma and beta of that forward,
+     with its eps and activation (bn_act, a ut_activation), so backward normalizes input again
+     as it loads it */
+  ut_tensor* bn;
+  float bn_eps;
+  int bn_act;
 } ut_dwconv2d_cache;
 
 typedef struct ut_linear {
@@ -427,6 +434,22 @@ ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
 /* x: [N, C, H, W] -> [N, C*mult, Ho, Wo] (ut_dwconv2d_forward's shapes) */
 ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
                                   ut_activation act);
+
+/* ---- training: a BatchNorm2d folded into the depthwise convolution after it (issue 31) ------
+   y = l(act(bn(x))), act = bn->activation: the values, gradients, running statistics and caches
+   of ut_batchnorm2d_forward(bn, x, bn_cache) followed by ut_dwconv2d_forward(l, that, cache), to
+   the bit, without writing act(bn(x)) to memory: the GPU's depthwise kernels normalize x as they
+   load it, in forward and again in backward's weight gradient (two trips through memory fewer
+   per step, and no tensor held from forward to backward for it). bn_cache is filled as
+   ut_batchnorm2d_forward fills it; cache->input is x and cache->bn the normalization, so
+   ut_dwconv2d_backward(l, cache, go, ...) gives the gradient at act(bn(x)), and
+   ut_batchnorm2d_backward(bn, bn_cache, that, ...) the rest. Both caches are required. Where the
+   kernels have no such load (the CPU, an activation past RELU6, a channel multiplier, filters
+   outside the strip kernels), act(bn(x)) is made in scratch memory and freed after the call.
+   x: [N, C, H, W] -> [N, C*mult, Ho, Wo] (ut_dwconv2d_forward's shapes) */
+ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, ut_tensor* x,
+                                           ut_batchnorm2d_cache* bn_cache,
+                                           ut_dwconv2d_cache* cache);
 
 /* A depthwise-separable block in one call (inference, eval mode; issue 32): MobileNet v1's
    depthwise + pointwise pair, and the inverted residual of MobileNetV2, MNASNet, MobileNetV3
@@ -697,6 +720,14 @@ typedef long long ut__i64;
 typedef struct ut__conv_geom {
   int n, c, h, w, kh, kw, stride, pad, ho, wo, dil, kp;
 } ut__conv_geom;
+/* A BatchNorm folded into a depthwise convolution's loads (dw_fwd_bn, dw_bwd_dw_bn): each
+   input value v of channel j is read as act(z), z = (v - mean[j]) gamma[j] / sqrt(var[j] + eps)
+   + beta[j], computed as the backend's bn_apply computes it (a ut_activation) */
+typedef struct ut__dw_bn {
+  const float *mean, *var, *gamma, *beta; /* [c] each */
+  float eps;
+  int act;
+} ut__dw_bn;
 /* A convolution's three directions: y = conv(x, w) + b, dx = conv^T(go, w), dW += go (x) x. */
 typedef enum { UT__CONV_Y, UT__CONV_DX, UT__CONV_DW } ut__conv_dir;
 
@@ -868,6 +899,14 @@ typedef struct ut__backend {
   int (*dw_bwd_dx)(ut_dtype dt, const void* go, const float* w, void* dx, const ut__conv_geom* g);
   /* go, x -> dw: [c, kh, kw]  += */
   int (*dw_bwd_dw)(ut_dtype dt, const void* go, const void* x, float* dw, const ut__conv_geom* g);
+  /* dw_fwd and dw_bwd_dw on act(bn(x)) (ut_batchnorm2d_dwconv2d_forward), x normalized as it is
+     loaded, to the bit as bn_apply writes it (rounded to dt); NULL where a backend has none, 1
+     (nothing done) where it does not serve the geometry or activation: the core then writes
+     act(bn(x)) with bn_apply and calls dw_fwd or dw_bwd_dw */
+  int (*dw_fwd_bn)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                   const ut__conv_geom* g, const ut__dw_bn* bn);
+  int (*dw_bwd_dw_bn)(ut_dtype dt, const void* go, const void* x, float* dw,
+                      const ut__conv_geom* g, const ut__dw_bn* bn);
   /* x: [n, c, inner] -> y: [n, c*m, inner], y[i, j*m + r, :] = x[i, j, :] */
   int (*chan_repeat)(ut_dtype dt, const void* x, void* y, int n, int c, int m, ut__i64 inner);
   /* x: [n, c*m, inner] -> y: [n, c, inner], y[i, j, :] = sum over r = 0..m-1 in order of
@@ -3143,6 +3182,53 @@ static ut_tensor* ut__dw_repeat(ut_tensor* x, const float* xp, int m, const ut__
                                            m, inner));
 }
 
+/* act(bn(x)) written out, for the kernels that cannot normalize as they load: scratch the
+   caller frees (ut_batchnorm2d_dwconv2d_forward) */
+static ut_tensor* ut__dw_bn_input(const ut__backend* be, const ut_tensor* x, const float* xp,
+                                  const ut__dw_bn* bn, const char* who) {
+  ut_tensor* y = ut__new_like(x, who);
+  if (!y) return NULL;
+  const int* s = x->shape.shape;
+  return ut__finish(y, be,
+                    be->bn_apply(ut__buf_dtype(x, be), xp, ut__out(y, be), bn->mean, bn->var,
+                                 bn->gamma, bn->beta, NULL, s[0], s[1], (ut__i64)s[2] * s[3],
+                                 bn->eps, bn->act));
+}
+
+/* ut_dwconv2d_forward past its checks, on act(bn(x)) when bn is not NULL */
+static ut_tensor* ut__dw_forward(ut_dwconv2d* l, ut_tensor* x, ut__conv_geom g,
+                                 const ut__dw_bn* bn, const char* who) {
+  const ut__backend* be = ut__backend_for(x->dev);
+  const int m = ut__dw_mult(l);
+  const float* xp = ut__in(x, be);
+  const float* wp = xp ? ut__in(l->weight, be) : NULL;
+  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
+  if (!wp || (l->bias && !bp)) return NULL;
+  const ut_dtype dt = ut__buf_dtype(x, be);
+  ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c * m, g.ho, g.wo}, x->dev, x->dtype, who);
+  if (!out) return NULL;
+  if (bn && m == 1 && be->dw_fwd_bn) {
+    int rc = be->dw_fwd_bn(dt, xp, wp, bp, ut__out(out, be), &g, bn);
+    if (rc != 1) return ut__finish(out, be, rc);
+  }
+  ut_tensor *xb = NULL, *xr = NULL;
+  if (bn) {
+    if (!(xb = ut__dw_bn_input(be, x, xp, bn, who))) return ut__drop(out);
+    xp = ut__in(xb, be);
+  }
+  if (m > 1) {
+    if (!(xr = ut__dw_repeat(xb ? xb : x, xp, m, be, who))) {
+      ut_free(xb);
+      return ut__drop(out);
+    }
+    xp = ut__out(xr, be);
+    g.c *= m;
+  }
+  out = ut__finish(out, be, be->dw_fwd(dt, xp, wp, bp, ut__out(out, be), &g));
+  ut_free_all(xr, xb);
+  return out;
+}
+
 ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* cache) {
   const char* who = "ut_dwconv2d_forward";
   ut__conv_geom g;
@@ -3150,24 +3236,56 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
       ut__conv_geometry(&g, x, l->c, l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
                         ut__dw_dil(l), who) < 0)
     return NULL;
-  const ut__backend* be = ut__backend_for(x->dev);
-  const int m = ut__dw_mult(l);
-  const float* xp = ut__in(x, be);
-  const float* wp = xp ? ut__in(l->weight, be) : NULL;
-  const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
-  if (!wp || (l->bias && !bp)) return NULL;
-  ut_tensor* xr = NULL;
-  if (m > 1) {
-    if (!(xr = ut__dw_repeat(x, xp, m, be, who))) return NULL;
-    xp = ut__out(xr, be);
-    g.c *= m;
+  ut_tensor* out = ut__dw_forward(l, x, g, NULL, who);
+  if (out && cache) {
+    cache->input = ut_retain(x);
+    cache->bn = NULL;
   }
-  ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
-  if (out)
-    out = ut__finish(out, be, be->dw_fwd(ut__buf_dtype(x, be), xp, wp, bp, ut__out(out, be), &g));
-  ut_free(xr);
-  if (out && cache) cache->input = ut_retain(x);
   return out;
+}
+
+/* the weight gradient from go and the forward's input (act(bn(input)) when cache->bn is set),
+   that input repeated over the multiplier's copies (*xr, *xb: scratch the caller frees, the
+   input's pointer in *xp on return for dx's chan_group_sum shapes) */
+static int ut__dw_backward_dw(const ut__backend* be, ut_dtype dt, const ut_dwconv2d_cache* cache,
+                              const float* gop, const float** xp, float* dWp,
+                              const ut__conv_geom* g, int m, ut_tensor** xb, ut_tensor** xr,
+                              const char* who) {
+  const ut_tensor* x = cache->input;
+  ut__dw_bn d;
+  if (cache->bn) {
+    const float* sp = ut__in(cache->bn, be);
+    if (!sp) return ut__err_status;
+    const int C = x->shape.shape[1];
+    d = (ut__dw_bn){sp, sp + C, sp + 2 * C, sp + 3 * C, cache->bn_eps, cache->bn_act};
+    if (m == 1 && be->dw_bwd_dw_bn) {
+      int rc = be->dw_bwd_dw_bn(dt, gop, *xp, dWp, g, &d);
+      if (rc != 1) return rc;
+    }
+    if (!(*xb = ut__dw_bn_input(be, x, *xp, &d, who))) return ut__err_status;
+    *xp = ut__in(*xb, be);
+  }
+  if (m > 1) {
+    if (!(*xr = ut__dw_repeat(*xb ? *xb : (ut_tensor*)x, *xp, m, be, who))) return ut__err_status;
+    *xp = ut__out(*xr, be);
+  }
+  ut__conv_geom gm = *g;
+  gm.c *= m;
+  return be->dw_bwd_dw(dt, gop, *xp, dWp, &gm);
+}
+
+/* cache->bn as ut_batchnorm2d_dwconv2d_forward leaves it: [4, C] float32 beside the input */
+static int ut__check_dw_cache_bn(const ut_dwconv2d_cache* cache, const char* who) {
+  if (!cache || !cache->bn || !cache->input) return UT_OK;
+  const int C = cache->input->shape.ndim == 4 ? cache->input->shape.shape[1] : 0;
+  UT__TRY(ut__check_arg(cache->bn, cache->input, (ut__i64)4 * C, who, "cache->bn"));
+  UT__TRY(ut__check_f32(cache->bn, who, "cache->bn"));
+  UT__CHECK(ut__act_valid(cache->bn_act), UT_ERR_ARG,
+            "%s: cache->bn_act must be a ut_activation (%d to %d), got %d", who, UT_ACT_NONE,
+            UT_ACT_GELU_TANH, cache->bn_act);
+  UT__CHECK(cache->bn_eps >= 0.f, UT_ERR_ARG, "%s: cache->bn_eps must be >= 0, got %g", who,
+            (double)cache->bn_eps);
+  return UT_OK;
 }
 
 ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_tensor* grad_out,
@@ -3177,7 +3295,8 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   if (ut__check_dwconv2d(l, who) < 0 ||
       ut__check_conv_backward(&g, l->weight, l->bias != NULL, cache ? cache->input : NULL, l->c,
                               l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
-                              ut__dw_dil(l), grad_out, dW, db, who) < 0)
+                              ut__dw_dil(l), grad_out, dW, db, who) < 0 ||
+      ut__check_dw_cache_bn(cache, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(grad_out->dev);
   const int m = ut__dw_mult(l);
@@ -3190,32 +3309,29 @@ ut_tensor* ut_dwconv2d_backward(ut_dwconv2d* l, ut_dwconv2d_cache* cache, ut_ten
   ut_dtype dt = ut__buf_dtype(grad_out, be);
   ut_tensor* dx = ut__new_like(cache->input, who);
   if (!dx) return NULL;
-  ut_tensor *xr = NULL, *dxr = NULL;
-  int rc = UT_OK;
+  ut_tensor *xb = NULL, *xr = NULL, *dxr = NULL;
+  int rc = ut__dw_backward_dw(be, dt, cache, gop, &xp, dWp, &g, m, &xb, &xr, who);
   float* dxp = ut__out(dx, be);
-  if (m > 1) { /* the forward's repeated input, again, and dx over its c*m channels */
-    xr = ut__dw_repeat(cache->input, xp, m, be, who);
-    dxr = xr ? ut__new_like(xr, who) : NULL;
+  if (rc >= 0 && m > 1) { /* dx over the c*m channels, summed back over each channel's copies */
+    dxr = ut__new_typed(4, (int[]){g.n, g.c * m, g.h, g.w}, dx->dev, dx->dtype, who);
     if (!dxr) rc = ut__err_status;
     else {
-      xp = ut__out(xr, be);
       dxp = ut__out(dxr, be);
       g.c *= m;
     }
   }
   ut__i64 P = (ut__i64)g.ho * g.wo, HW = (ut__i64)g.h * g.w;
-  if (rc >= 0) rc = be->dw_bwd_dw(dt, gop, xp, dWp, &g);
   if (rc >= 0 && dbp) rc = be->channel_sum(dt, gop, dbp, g.n, g.c, P, 1.f);
   if (rc >= 0) rc = be->dw_bwd_dx(dt, gop, wp, dxp, &g);
   if (rc >= 0 && dxr) rc = be->chan_group_sum(dt, dxp, ut__out(dx, be), g.n, l->c, m, HW);
-  ut_free_all(xr, dxr);
+  ut_free_all(xr, xb, dxr);
   return ut__backward_done(rc, be, dx, dW, dWp, db, dbp);
 }
 
 void ut_dwconv2d_cache_free(ut_dwconv2d_cache* c) {
   if (!c) return;
-  ut_free(c->input);
-  c->input = NULL;
+  ut_free_all(c->input, c->bn);
+  c->input = c->bn = NULL;
 }
 void ut_dwconv2d_free(ut_dwconv2d* l) {
   if (!l) return;
@@ -3569,8 +3685,8 @@ typedef struct ut__bn_forward_args {
   ut_tensor *y, *mean, *var, *rstd; /* y like x; mean, var, rstd [C] */
   ut__i64 count;                    /* values per channel: N H W */
 } ut__bn_forward_args;
-static int ut__bn_forward_prepare(ut_batchnorm2d* l, ut_tensor* x, bool sync, const char* who,
-                                  ut__bn_forward_args* fw) {
+static int ut__bn_forward_prepare(ut_batchnorm2d* l, ut_tensor* x, bool sync, bool make_y,
+                                  const char* who, ut__bn_forward_args* fw) {
   UT__TRY(ut__check_batchnorm2d(l, x, who));
   int C = l->c;
   ut__i64 inner = (ut__i64)x->shape.shape[2] * x->shape.shape[3];
@@ -3586,8 +3702,8 @@ static int ut__bn_forward_prepare(ut_batchnorm2d* l, ut_tensor* x, bool sync, co
   fw->wp = fw->xp ? ut__in(l->weight, be) : NULL;
   fw->bp = fw->wp ? ut__in(l->bias, be) : NULL;
   if (!fw->bp) return ut__err_status;
-  fw->y = ut__new_like(x, who);
-  fw->mean = fw->y ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
+  fw->y = make_y ? ut__new_like(x, who) : NULL;
+  fw->mean = (fw->y || !make_y) ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
   fw->var = fw->mean ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
   fw->rstd = fw->var ? ut__new(1, (int[]){C}, x->dev, who) : NULL;
   if (fw->rstd) return UT_OK;
@@ -3602,11 +3718,11 @@ static ut_tensor* ut__bn_forward_done(int rc, const ut_batchnorm2d* l, ut_tensor
                                       bool synced) {
   if (rc < 0 || !cache) {
     ut_free_all(fw->mean, fw->rstd);
-    if (rc < 0) return ut__drop(fw->y);
+    if (rc < 0) return fw->y ? ut__drop(fw->y) : NULL;
     ut__wrote(fw->y, fw->be);
     return fw->y;
   }
-  ut__wrote(fw->y, fw->be);
+  if (fw->y) ut__wrote(fw->y, fw->be);
   ut__wrote(fw->mean, fw->be);
   ut__wrote(fw->rstd, fw->be);
   cache->input = ut_retain(x);
@@ -3618,21 +3734,20 @@ static ut_tensor* ut__bn_forward_done(int rc, const ut_batchnorm2d* l, ut_tensor
   return fw->y;
 }
 
-ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
-  const char* who = "ut_batchnorm2d_forward";
-  ut__bn_forward_args fw;
-  if (ut__bn_forward_prepare(l, x, false, who, &fw) < 0) return NULL;
-  const ut__backend* be = fw.be;
+/* The statistics a plain forward normalizes with: the batch's (running statistics updated) in
+   training mode, else the running ones, into fw->mean and fw->var */
+static int ut__bn_forward_stats(ut_batchnorm2d* l, ut_tensor* x, const ut__bn_forward_args* fw) {
+  const ut__backend* be = fw->be;
   int C = l->c, rc;
   if (l->training) {
     float* rm = ut__inout(l->running_mean, be);
     float* rv = rm ? ut__inout(l->running_var, be) : NULL;
-    rc = rv ? ut__bn_stats(be, x, fw.xp, ut__out(fw.mean, be), ut__out(fw.var, be))
+    rc = rv ? ut__bn_stats(be, x, fw->xp, ut__out(fw->mean, be), ut__out(fw->var, be))
             : ut__err_status;
     if (rc >= 0)
-      rc = be->bn_update_running(rm, rv, ut__out(fw.mean, be), ut__out(fw.var, be), C,
+      rc = be->bn_update_running(rm, rv, ut__out(fw->mean, be), ut__out(fw->var, be), C,
                                  l->momentum,
-                                 (float)((double)fw.count / (double)(fw.count - 1)));
+                                 (float)((double)fw->count / (double)(fw->count - 1)));
     if (rc >= 0) {
       ut__wrote(l->running_mean, be);
       ut__wrote(l->running_var, be);
@@ -3640,14 +3755,74 @@ ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2
   } else {
     const float* rm = ut__in(l->running_mean, be);
     const float* rv = rm ? ut__in(l->running_var, be) : NULL;
-    rc = rv ? be->copy(ut__out(fw.mean, be), rm, C) : ut__err_status;
-    if (rc >= 0) rc = be->copy(ut__out(fw.var, be), rv, C);
+    rc = rv ? be->copy(ut__out(fw->mean, be), rm, C) : ut__err_status;
+    if (rc >= 0) rc = be->copy(ut__out(fw->var, be), rv, C);
   }
+  return rc;
+}
+
+ut_tensor* ut_batchnorm2d_forward(ut_batchnorm2d* l, ut_tensor* x, ut_batchnorm2d_cache* cache) {
+  const char* who = "ut_batchnorm2d_forward";
+  ut__bn_forward_args fw;
+  if (ut__bn_forward_prepare(l, x, false, true, who, &fw) < 0) return NULL;
+  const ut__backend* be = fw.be;
+  int rc = ut__bn_forward_stats(l, x, &fw);
   if (rc >= 0)
     rc = ut__bn_apply(be, x, fw.xp, fw.y, ut__out(fw.mean, be), ut__out(fw.var, be), fw.wp,
                       fw.bp, ut__out(fw.rstd, be), l->eps, l->activation);
   ut_free(fw.var);
   return ut__bn_forward_done(rc, l, x, cache, &fw, false);
+}
+
+/* ut_batchnorm2d_forward without its output: the statistics and caches, then the depthwise
+   forward on act(bn(x)) (see the declaration) */
+ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, ut_tensor* x,
+                                           ut_batchnorm2d_cache* bn_cache,
+                                           ut_dwconv2d_cache* cache) {
+  const char* who = "ut_batchnorm2d_dwconv2d_forward";
+  ut__conv_geom g;
+  UT__CHECK_NULL(bn_cache && cache, UT_ERR_ARG,
+                 "%s: both caches are required (backward reads them), got bn_cache %s and "
+                 "cache %s", who, bn_cache ? "set" : "NULL", cache ? "set" : "NULL");
+  if (ut__check_dwconv2d(l, who) < 0 || ut__check_arg(x, l->weight, -1, who, "x") < 0 ||
+      ut__conv_geometry(&g, x, l->c, l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
+                        ut__dw_dil(l), who) < 0)
+    return NULL;
+  ut__bn_forward_args fw;
+  if (ut__bn_forward_prepare(bn, x, false, false, who, &fw) < 0) return NULL;
+  const ut__backend* be = fw.be;
+  const int C = bn->c;
+  /* the normalization the dw cache keeps: mean, var, gamma, beta */
+  ut_tensor* st = ut__new(2, (int[]){4, C}, x->dev, who);
+  int rc = st ? ut__bn_forward_stats(bn, x, &fw) : ut__err_status;
+  float* sp = rc >= 0 ? ut__out(st, be) : NULL;
+  float *mp = ut__out(fw.mean, be), *vp = ut__out(fw.var, be);
+  /* rstd alone for the BatchNorm's cache: bn_apply over no values */
+  if (rc >= 0)
+    rc = be->bn_apply(ut__buf_dtype(x, be), fw.xp, NULL, mp, vp, fw.wp, fw.bp,
+                      ut__out(fw.rstd, be), 0, C, 1, bn->eps, bn->activation);
+  if (rc >= 0) rc = be->copy(sp, mp, C);
+  if (rc >= 0) rc = be->copy(sp + C, vp, C);
+  if (rc >= 0) rc = be->copy(sp + 2 * C, fw.wp, C);
+  if (rc >= 0) rc = be->copy(sp + 3 * C, fw.bp, C);
+  ut_free(fw.var);
+  ut_tensor* out = NULL;
+  if (rc >= 0) {
+    ut__wrote(st, be);
+    ut__dw_bn d = {sp, sp + C, sp + 2 * C, sp + 3 * C, bn->eps, bn->activation};
+    out = ut__dw_forward(l, x, g, &d, who);
+    if (!out) rc = ut__err_status;
+  }
+  ut__bn_forward_done(rc, bn, x, bn_cache, &fw, false);
+  if (rc < 0) {
+    ut_free(st);
+    return NULL;
+  }
+  cache->input = ut_retain(x);
+  cache->bn = st;
+  cache->bn_eps = bn->eps;
+  cache->bn_act = bn->activation;
+  return out;
 }
 
 /* Both backwards take the same arguments past the cache's own checks (which differ: each
@@ -3735,7 +3910,7 @@ ut_tensor* ut_batchnorm2d_forward_sync(ut_batchnorm2d* l, ut_tensor* x,
   const char* who = "ut_batchnorm2d_forward_sync";
   if (!reduce || (l && !l->training)) return ut_batchnorm2d_forward(l, x, cache);
   ut__bn_forward_args fw;
-  if (ut__bn_forward_prepare(l, x, true, who, &fw) < 0) return NULL;
+  if (ut__bn_forward_prepare(l, x, true, true, who, &fw) < 0) return NULL;
   const ut__backend* be = fw.be;
   int C = l->c;
   float count = (float)fw.count;
@@ -4780,6 +4955,8 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_dwconv2d, stride), UT__FIELD(ut_dwconv2d, pad), UT__FIELD(ut_dwconv2d, dilation),
     UT__FIELD(ut_dwconv2d, mult),
     UT__SIZE(ut_dwconv2d_cache), UT__FIELD(ut_dwconv2d_cache, input),
+    UT__FIELD(ut_dwconv2d_cache, bn), UT__FIELD(ut_dwconv2d_cache, bn_eps),
+    UT__FIELD(ut_dwconv2d_cache, bn_act),
     UT__SIZE(ut_linear), UT__FIELD(ut_linear, weight), UT__FIELD(ut_linear, bias),
     UT__FIELD(ut_linear, in_f), UT__FIELD(ut_linear, out_f),
     UT__SIZE(ut_linear_cache), UT__FIELD(ut_linear_cache, input),

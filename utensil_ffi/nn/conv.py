@@ -98,6 +98,8 @@ class DWConv2d(_CLayer):
     _c_cache_free = lib.ut_dwconv2d_cache_free
     _c_free = lib.ut_dwconv2d_free
     _c_bn_forward = lib.ut_dwconv2d_bn_forward  # eval mode, with the BatchNorm2d after it (fold.py)
+    # training, with the BatchNorm2d before it (fold.py)
+    _c_bn_train_forward = lib.ut_batchnorm2d_dwconv2d_forward
     _separable_role = "depthwise"  # a separable chain's middle (fold.py)
 
     def __init__(self, channels, kernel_size, stride=1, padding=0, bias=True, device="cpu", *,

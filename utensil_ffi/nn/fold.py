@@ -20,18 +20,26 @@ whole body is such a chain.
 
 ``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare;
 ``set_separable_fold(False)`` only the separable chains (each pair still folded).
+
+Training (issue 31): each training-mode BatchNorm2d directly followed by a DWConv2d (nested
+plain Sequentials looked through: the expand and depthwise units of an inverted residual) runs
+its forward as one C call, ``ut_batchnorm2d_dwconv2d_forward``: the GPU's depthwise kernels
+normalize the BatchNorm's input as they load it, so its output is never written to memory or
+held for backward. Both layers' caches are filled as their own forwards fill them, so backward
+is each layer's own, unchanged; values, gradients and running statistics are the same bits.
+``set_training_fold(False)`` runs the two forwards one after the other.
 """
 
 from .. import _args
 from .._errors import ClosedError
 from .._lib import ffi, lib
-from .._lifetime import _hold, _let_go
+from .._lifetime import _PASS, _hold, _let_go
 from ..functional import _Args, fail
 from ..tensor import Tensor
 
 __all__ = ["set_inference_fold", "get_inference_fold", "set_separable_fold",
-           "get_separable_fold", "fold_steps", "conv_bn_forward", "separable_plan",
-           "separable_forward"]
+           "get_separable_fold", "set_training_fold", "get_training_fold", "fold_steps",
+           "conv_bn_forward", "separable_plan", "separable_forward", "bn_dw_forward"]
 
 _FOLD = [True]
 
@@ -72,6 +80,49 @@ def set_separable_fold(enabled):
 def get_separable_fold():
     """Whether eval-mode separable chains run as one call (when the fold is on)."""
     return _SEPARABLE[0]
+
+
+_TRAINING = [True]
+
+
+def set_training_fold(enabled):
+    """Run each training-mode BatchNorm2d and the DWConv2d after it as one forward (True, the
+    default) or as two (False); returns the previous setting. Results are the same bits either
+    way."""
+    prev = _TRAINING[0]
+    _TRAINING[0] = _args.to_bool(enabled, "enabled")
+    return prev
+
+
+def get_training_fold():
+    """Whether training-mode BatchNorm2d + DWConv2d pairs run as one forward."""
+    return _TRAINING[0]
+
+
+def _train_foldable(bn, dw):
+    # the exact BatchNorm2d class (SyncBatchNorm's statistics need its own forward), both
+    # layers training (an eval-mode DWConv2d keeps no cache for the fold to fill)
+    return (type(bn).__dict__.get("_folds_into_dw", False) and bn.training
+            and getattr(dw, "_c_bn_train_forward", None) is not None and dw.training)
+
+
+def _train_steps(layers):
+    """The forwards for training-mode ``layers`` (nested plain Sequentials looked through)
+    with each BatchNorm2d -> DWConv2d pair as one bn_dw_forward step; None when there is no
+    such pair (the Sequential then runs its layers as they are)."""
+    flat = _flat(layers)
+    if not any(_train_foldable(a, b) for a, b in zip(flat, flat[1:])):
+        return None
+    steps, i = [], 0
+    while i < len(flat):
+        l = flat[i]
+        if i + 1 < len(flat) and _train_foldable(l, flat[i + 1]):
+            steps.append(lambda x, b=l, d=flat[i + 1]: bn_dw_forward(b, d, x))
+            i += 2
+        else:
+            steps.append(l.forward)
+            i += 1
+    return steps
 
 
 def _foldable(conv, bn):
@@ -128,9 +179,13 @@ def fold_steps(layers):
     """The forwards a Sequential runs for ``layers``: each eval-mode (convolution, BatchNorm2d)
     pair as one conv_bn_forward step when the fold is on, with the activation layer after it
     too when the BatchNorm applies none itself, and each separable chain of such units as one
-    separable_forward step; every other layer its own forward."""
+    separable_forward step; each training-mode BatchNorm2d -> DWConv2d pair as one
+    bn_dw_forward step (_train_steps); every other layer its own forward."""
     if not _FOLD[0]:
         return [l.forward for l in layers]
+    train = _train_steps(layers) if _TRAINING[0] else None
+    if train is not None:
+        return train
     steps, units, j = [], _units(layers), 0
     while j < len(units):
         chain = _chain_at(units, j) if _SEPARABLE[0] else None
@@ -243,4 +298,50 @@ def _call(fn, cs, bs, xp, act, what):
     p = fn(cs, bs, xp, act)
     if p == ffi.NULL:
         fail(what, cs.weight, xp)
+    return p
+
+
+def bn_dw_forward(bn, dw, x):
+    """dw(bn(x)) in one C call (training: see the module's doc); both layers' caches pushed as
+    their own forwards push them, so each one's backward follows unchanged."""
+    bh, dh = bn._h, dw._h
+    bs = bh.enter() if bh is not None else None
+    if bs is None:
+        raise ClosedError("operation on a closed %s" % type(bn).__name__)
+    try:
+        ds = dh.enter() if dh is not None else None
+        if ds is None:
+            raise ClosedError("operation on a closed %s" % type(dw).__name__)
+        try:
+            what = "%s+%s.forward" % (type(bn).__name__, type(dw).__name__)
+            if isinstance(x, Tensor):
+                xp = _hold(x)  # x stays allocated even if another thread closes it meanwhile
+                try:
+                    p = _bn_dw_call(bn, bh, bs, dw, dh, ds, xp, what)
+                finally:
+                    _let_go(xp)
+            else:
+                with _Args(type(bn).__name__, bs.weight.dev) as a:
+                    p = _bn_dw_call(bn, bh, bs, dw, dh, ds, a.array(x, "x"), what)
+            return Tensor._wrap(p)
+        finally:
+            dh.state.leave()
+    finally:
+        bh.state.leave()
+
+
+def _bn_dw_call(bn, bh, bs, dw, dh, ds, xp, what):
+    bc, dc = bh.new_cache(), dh.new_cache()
+    with bh.state.wlock:  # the running statistics
+        p = dw._c_bn_train_forward(bs, ds, xp, bc, dc)
+    if p == ffi.NULL:
+        try:
+            fail(what, bs.weight, xp)
+        finally:
+            bh._cache_free(bc)  # whatever a failed forward may have stored
+            dh._cache_free(dc)
+    pid = getattr(_PASS, "id", None)
+    bh.state.push((pid, bc, bc.input.version, bs.weight.version))
+    dh.state.push((pid, dc, dc.input.version, ds.weight.version))
+    bn.num_batches_tracked += 1
     return p

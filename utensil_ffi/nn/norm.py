@@ -71,8 +71,10 @@ class BatchNorm2d(_CLayer):
 
     running_mean = _TensorField()
     running_var = _TensorField()
-    # in eval mode a Sequential runs a convolution and this layer after it as one step (fold.py)
+    # in eval mode a Sequential runs a convolution and this layer after it as one step, in
+    # training this layer and a DWConv2d after it (fold.py; this class only, not SyncBatchNorm)
     _folds_into_conv = True
+    _folds_into_dw = True
 
     # the names are ut_activation_name's (the C enum's); GELU's "gelu_tanh" is
     # GELU(approximate="tanh")
