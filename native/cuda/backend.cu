@@ -400,6 +400,8 @@ static void ut__cuda_init(void) {
   t->dw_fwd = ut__cuda_dw_fwd;
   t->dw_bwd_dx = ut__cuda_dw_bwd_dx;
   t->dw_bwd_dw = ut__cuda_dw_bwd_dw;
+  t->dw_fwd_bn = ut__cuda_dw_fwd_bn;
+  t->dw_bwd_dw_bn = ut__cuda_dw_bwd_dw_bn;
   t->layernorm_fwd = ut__cuda_layernorm_fwd;
   t->layernorm_bwd = ut__cuda_layernorm_bwd;
   t->chan_scale = ut__cuda_chan_scale; /* issue 30: scale.cu */

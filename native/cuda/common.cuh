@@ -124,6 +124,23 @@ static __device__ __forceinline__ void ut__cuda_st(ut__cuda_bf16* p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
+/* ---- BatchNorm's apply, one expression for every kernel that computes it: the apply kernel
+   (norm.cu), backward's recomputed mask, and the depthwise kernels that normalize their input as
+   they load it (ut_batchnorm2d_dwconv2d_forward); the same numbers everywhere, to the bit ---- */
+static __device__ __forceinline__ float ut__cuda_bn_rstd(float var, float eps) {
+  return 1.0f / sqrtf(var + eps);
+}
+/* the output before its activation (an explicit fma, so the compiler cannot contract the
+   places differently) */
+static __device__ __forceinline__ float ut__cuda_bn_z(float x, float m, float sc, float bt) {
+  return __fmaf_rn(x - m, sc, bt);
+}
+/* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
+static __device__ __forceinline__ float ut__cuda_bn_relu(float z, float act) {
+  float v = z < 0.f ? 0.f : z;
+  return act > 0.f && v > act ? act : v;
+}
+
 /* ut__cuda_ld through the read-only data cache: these kernels only read x and go, and the
    float32 kernels have always loaded them with __ldg */
 static __device__ __forceinline__ float ut__cuda_ldg(const float* p) { return __ldg(p); }
@@ -435,6 +452,10 @@ int ut__cuda_dw_bwd_dx(ut_dtype dt, const void* go, const float* w, void* dx,
                        const ut__conv_geom* g);
 int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
                        const ut__conv_geom* g);
+int ut__cuda_dw_fwd_bn(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                       const ut__conv_geom* g, const ut__dw_bn* bn);
+int ut__cuda_dw_bwd_dw_bn(ut_dtype dt, const void* go, const void* x, float* dw,
+                          const ut__conv_geom* g, const ut__dw_bn* bn);
 
 /* norm.cu */
 int ut__cuda_channel_sum(ut_dtype dt, const void* x, float* out, int n, int c, ut__i64 inner,

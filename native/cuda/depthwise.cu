@@ -152,13 +152,15 @@ static void ut__cuda_dwconv2d_strip_divisors(ut__cuda_dwconv2d_strip_params<T>* 
 template <typename T>
 static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, const float* bias,
                                                T* out, int n, int c, int ih, int iw, int oh,
-                                               int ow, int k, int s, int pad, bool flip) {
+                                               int ow, int k, int s, int pad, bool flip,
+                                               const ut__cuda_dw_bnp* bn = nullptr) {
   const int R =
       ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = in; p.w = w; p.bias = bias; p.out = out;
   p.C = c; p.IH = ih; p.IW = iw; p.OH = oh; p.OW = ow; p.pad = pad;
+  if (bn) p.bn = *bn;
   if constexpr (sizeof(T) == 2) {
     if (ut__cuda_dwconv2d_stripw_in_fits(in, iw) &&
         ut__cuda_dwconv2d_stripw_po_ok(k, s, ut__cuda_dwconv2d_stripw_po(pad))) {
@@ -235,13 +237,15 @@ static int ut__cuda_dwconv2d_strip_dw_parts(const ut__conv_geom* g, int cols, un
 
 template <typename T>
 static int ut__cuda_dwconv2d_strip_dw_run(const T* go, const T* x, float* ws,
-                                          const ut__conv_geom* g) {
+                                          const ut__conv_geom* g,
+                                          const ut__cuda_dw_bnp* bn = nullptr) {
   const int cols = ut__cuda_dwconv2d_strip2_dw_cols(go, x, g);
   const int R = cols > 2 ? ut__cuda_dwconv2d_stripw_rows(UT__CUDA_DWCONV2D_DW, g->stride)
                          : ut__cuda_dwconv2d_strip_rows(UT__CUDA_DWCONV2D_DW, g->stride, g->ho);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = x; p.go = go; p.part = ws;
+  if (bn) p.bn = *bn;
   p.C = g->c; p.IH = g->h; p.IW = g->w; p.OH = g->ho; p.OW = g->wo; p.pad = g->pad;
   p.NX = (int)ut__cuda_cdiv(g->wo, cols); p.NS = (int)ut__cuda_cdiv(g->ho, R);
   const int parts = ut__cuda_dwconv2d_strip_dw_parts(g, cols, &p.items, &p.chunk);
@@ -465,4 +469,78 @@ int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
           static_cast<const ut__cuda_bf16*>(go), static_cast<const ut__cuda_bf16*>(x), dw, g);
   }
   return ut__cuda_no_dtype("dw_bwd_dw", dt);
+}
+
+/* ---- a BatchNorm folded into the loads (ut_batchnorm2d_dwconv2d_forward) ----
+   The strip kernels' shapes take it (the forward and dW kernels with BN; the forward's rerun for
+   non-finite weights and dW's re-sum of a non-finite tap normalize as they load too); every
+   other geometry, and the activations past RELU6, return 1 and the core writes act(bn(x)). */
+static bool ut__cuda_dw_bnp_of(const ut__dw_bn* bn, ut__cuda_dw_bnp* p) {
+  if (bn->act != UT_ACT_NONE && bn->act != UT_ACT_RELU && bn->act != UT_ACT_RELU6) return false;
+  p->mean = bn->mean; p->var = bn->var; p->gamma = bn->gamma; p->beta = bn->beta;
+  p->eps = bn->eps;
+  p->cap = bn->act == UT_ACT_RELU6 ? 6.f : bn->act == UT_ACT_RELU ? 0.f : -1.f;
+  return true;
+}
+
+template <typename T>
+static int ut__cuda_dwconv2d_forward_bn_run(const T* x, const float* w, const float* bias, T* y,
+                                            const ut__conv_geom* g, const ut__dw_bn* bn) {
+  ut__cuda_dw_bnp p = {};
+  if (!ut__cuda_dw_bnp_of(bn, &p) || g->dil != 1 ||
+      !ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_FWD, g))
+    return 1;
+  if ((ut__i64)g->n * g->c * g->ho * g->wo <= 0) return UT_OK;
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  int st = ut__cuda_dwconv2d_strip_forward_run(x, w, bias, y, g->n, g->c, g->h, g->w, g->ho,
+                                               g->wo, g->kh, g->stride, g->pad, false, &p);
+  if (st) return st;
+  return ut__cuda_dwconv2d_exact_run<T, false>(x, w, bias, y, g, p);
+}
+
+template <typename T>
+static int ut__cuda_dwconv2d_backward_dw_bn_run(const T* go, const T* x, float* dw,
+                                                const ut__conv_geom* g, const ut__dw_bn* bn) {
+  ut__cuda_dw_bnp p = {};
+  if (!ut__cuda_dw_bnp_of(bn, &p) || g->dil != 1 ||
+      !ut__cuda_dwconv2d_strip_pick(UT__CUDA_DWCONV2D_DW, g))
+    return 1;
+  const int NT = g->kh * g->kw;
+  if ((ut__i64)g->c * NT <= 0 || (ut__i64)g->n * g->ho * g->wo <= 0) return UT_OK;
+  std::lock_guard<std::mutex> lk(ut__cuda_workspace_lock);
+  unsigned items, chunk;
+  const int parts = ut__cuda_dwconv2d_strip_dw_parts(
+      g, ut__cuda_dwconv2d_strip2_dw_cols(go, x, g), &items, &chunk);
+  float* ws;
+  int st = ut__cuda_workspace_acquire((size_t)g->c * parts * NT * sizeof(float), &ws);
+  if (st) return st;
+  st = ut__cuda_dwconv2d_strip_dw_run(go, x, ws, g, &p);
+  if (st) return st;
+  return ut__cuda_dwconv2d_dw_final_start<T>(ws, dw, g->c, NT, parts, go, x, g, p);
+}
+
+int ut__cuda_dw_fwd_bn(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
+                       const ut__conv_geom* g, const ut__dw_bn* bn) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_dwconv2d_forward_bn_run<float>(static_cast<const float*>(x), w, bias,
+                                                     static_cast<float*>(y), g, bn);
+    case UT_BF16:
+      return ut__cuda_dwconv2d_forward_bn_run<ut__cuda_bf16>(
+          static_cast<const ut__cuda_bf16*>(x), w, bias, static_cast<ut__cuda_bf16*>(y), g, bn);
+  }
+  return ut__cuda_no_dtype("dw_fwd_bn", dt);
+}
+
+int ut__cuda_dw_bwd_dw_bn(ut_dtype dt, const void* go, const void* x, float* dw,
+                          const ut__conv_geom* g, const ut__dw_bn* bn) {
+  switch (dt) {
+    case UT_F32:
+      return ut__cuda_dwconv2d_backward_dw_bn_run<float>(static_cast<const float*>(go),
+                                                         static_cast<const float*>(x), dw, g, bn);
+    case UT_BF16:
+      return ut__cuda_dwconv2d_backward_dw_bn_run<ut__cuda_bf16>(
+          static_cast<const ut__cuda_bf16*>(go), static_cast<const ut__cuda_bf16*>(x), dw, g, bn);
+  }
+  return ut__cuda_no_dtype("dw_bwd_dw_bn", dt);
 }

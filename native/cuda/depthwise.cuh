@@ -89,6 +89,39 @@ static __device__ __forceinline__ float ut__cuda_dwconv2d_ldg(const ut__cuda_bf1
   return __bfloat162float(__ldg(p));
 }
 
+/* ---- a BatchNorm folded into the loads (ut_batchnorm2d_dwconv2d_forward; dw_fwd_bn and
+   dw_bwd_dw_bn) ----
+   Each input value of channel c is read as act(z), z = (v - mean) gamma rstd + beta, computed
+   as norm.cu's apply kernel computes it (common.cuh's helpers) and, for bf16, rounded as the
+   apply kernel stores it: the kernels see act(bn(x)) to the bit, never written. Padding stays
+   zero (the fold applies to values inside the plane only). The kernels take it as a template
+   flag BN; mean == NULL: none (the plain kernels and reruns test it at run time). */
+struct ut__cuda_dw_bnp {
+  const float *mean, *var, *gamma, *beta; /* [C] */
+  float eps, cap;                         /* cap: -1 no activation, 0 relu, 6 relu6 */
+};
+/* channel c's numbers */
+struct ut__cuda_dw_bnq {
+  float m, sc, bt, cap;
+};
+static __device__ __forceinline__ ut__cuda_dw_bnq ut__cuda_dw_bn_at(const ut__cuda_dw_bnp& p,
+                                                                  int c) {
+  ut__cuda_dw_bnq q;
+  q.m = __ldg(p.mean + c);
+  q.sc = ut__cuda_bn_rstd(__ldg(p.var + c), p.eps) * __ldg(p.gamma + c);
+  q.bt = __ldg(p.beta + c);
+  q.cap = p.cap;
+  return q;
+}
+template <typename T>
+static __device__ __forceinline__ float ut__cuda_dw_bn_value(float v,
+                                                            const ut__cuda_dw_bnq& q) {
+  float z = ut__cuda_bn_z(v, q.m, q.sc, q.bt);
+  if (q.cap >= 0.f) z = ut__cuda_bn_relu(z, q.cap);
+  if constexpr (sizeof(T) == 2) z = __bfloat162float(__float2bfloat16_rn(z));
+  return z;
+}
+
 enum {
   UT__CUDA_DWCONV2D_FWD = 0,
   UT__CUDA_DWCONV2D_FLIP = 1,
@@ -154,6 +187,7 @@ struct ut__cuda_dwconv2d_strip_params {
                         ut__cuda_dwconv2d_strip_tdx_kernel) or one channel's items
                         (ut__cuda_dwconv2d_strip_dw_kernel) */
   unsigned chunk;    /* items per block (ut__cuda_dwconv2d_strip_dw_kernel) */
+  ut__cuda_dw_bnp bn; /* the forward and dW kernels with BN: in's normalization */
   int vec2;          /* ut__cuda_dwconv2d_strip_tdx_kernel with S == 2: rows of out are aligned
                         to two elements (8 bytes float, 4 bytes bf16) and W is even */
   ut__cuda_fastdiv fd_nx, fd_ns, fd_c;
@@ -249,15 +283,20 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_cols_in(int x0, int iw,
 
 /* one input row of a one-column strip item: v[kx] = x[iy][ixb + kx], zero outside the plane
    (cv: ut__cuda_dwconv2d_cols_in) */
-template <int K, typename T>
+template <int K, typename T, bool BN = false>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_strip_row(const T* __restrict__ xp,
                                                                    int iy, int ixb, int ih,
                                                                    int iw, const bool (&cv)[K],
-                                                                   float (&v)[K]) {
+                                                                   float (&v)[K],
+                                                                   const ut__cuda_dw_bnq& q = {}) {
   const bool rv = (unsigned)iy < (unsigned)ih;
   const T* rp = xp + (iy * iw + ixb);
 #pragma unroll
-  for (int kx = 0; kx < K; ++kx) v[kx] = (rv && cv[kx]) ? ut__cuda_dwconv2d_ldg(rp + kx) : 0.f;
+  for (int kx = 0; kx < K; ++kx) {
+    float e = (rv && cv[kx]) ? ut__cuda_dwconv2d_ldg(rp + kx) : 0.f;
+    if constexpr (BN) e = (rv && cv[kx]) ? ut__cuda_dw_bn_value<T>(e, q) : 0.f;
+    v[kx] = e;
+  }
 }
 
 /* the end of a dW block: its NT sums, warp by warp, then the warps' in order into
@@ -298,15 +337,23 @@ struct ut__cuda_dwconv2d_strip2_window {
 };
 
 /* one input row of a pair item: v[0 .. 2 NW) = columns a0 .. a0 + 2 NW, zero outside */
-template <int NW>
+template <int NW, bool BN = false>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_strip2_row(const ut__cuda_bf16* rowp,
                                                                     int a0, int iw, bool rv,
-                                                                    float (&v)[2 * NW]) {
+                                                                    float (&v)[2 * NW],
+                                                                    const ut__cuda_dw_bnq& q = {}) {
   const __nv_bfloat162* rp = reinterpret_cast<const __nv_bfloat162*>(rowp + a0);
 #pragma unroll
   for (int i = 0; i < NW; ++i) {
     float2 f = make_float2(0.f, 0.f);
-    if (rv && (unsigned)(a0 + 2 * i) < (unsigned)iw) f = __bfloat1622float2(__ldg(rp + i));
+    const bool in = rv && (unsigned)(a0 + 2 * i) < (unsigned)iw;
+    if (in) f = __bfloat1622float2(__ldg(rp + i));
+    if constexpr (BN) {
+      if (in) {
+        f.x = ut__cuda_dw_bn_value<ut__cuda_bf16>(f.x, q);
+        f.y = ut__cuda_dw_bn_value<ut__cuda_bf16>(f.y, q);
+      }
+    }
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
@@ -369,10 +416,11 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_load(
 
 /* row j of an item as floats, v[0 .. G NW): with PF from the chunks loaded before (raw[j]),
    else loaded now */
-template <int G, int NW, bool PF, int RAW>
+template <int G, int NW, bool PF, int RAW, bool BN = false>
 static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_row(
     const typename ut__cuda_dwconv2d_chunk<G>::type (&raw)[RAW][NW], int j,
-    const ut__cuda_bf16* rowp, int a0, int iw, bool rv, float (&v)[G * NW]) {
+    const ut__cuda_bf16* rowp, int a0, int iw, bool rv, float (&v)[G * NW],
+    const ut__cuda_dw_bnq& q = {}) {
   typename ut__cuda_dwconv2d_chunk<G>::type u[NW];
   if constexpr (PF) {
 #pragma unroll
@@ -382,6 +430,15 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_row(
   }
 #pragma unroll
   for (int i = 0; i < NW; ++i) ut__cuda_dwconv2d_unpack(u[i], v + G * i);
+  if constexpr (BN) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      const bool in = rv && (unsigned)(a0 + G * i) < (unsigned)iw;
+#pragma unroll
+      for (int e = 0; e < G; ++e)
+        v[G * i + e] = in ? ut__cuda_dw_bn_value<ut__cuda_bf16>(v[G * i + e], q) : 0.f;
+    }
+  }
 }
 
 /* the wide kernels' window offset in its first 8-column chunk, for a padding */
@@ -434,7 +491,8 @@ int ut__cuda_dwconv2d_direct_dw_start(const T* go, const T* x, const ut__conv_ge
                                       ut__i64 chunk, int parts, float* ws);
 template <typename T>
 int ut__cuda_dwconv2d_dw_final_start(const float* ws, float* dw, int C, int NT, int parts,
-                                     const T* go, const T* x, const ut__conv_geom* g);
+                                     const T* go, const T* x, const ut__conv_geom* g,
+                                     const ut__cuda_dw_bnp& bn = {});
 
 /* dw_general.cu: the general strip kernels (filters up to 7x7, square or not, stride 1 to 3,
    any dilation): whether they fit the geometry (32-bit item numbers); forward (flip: dx at
@@ -459,6 +517,6 @@ template <typename T>
 int ut__cuda_dwconv2d_direct_dx_run(const T* go, const float* w, T* dx, const ut__conv_geom* g);
 template <typename T, bool DX>
 int ut__cuda_dwconv2d_exact_run(const T* in, const float* w, const float* bias, T* out,
-                                const ut__conv_geom* g);
+                                const ut__conv_geom* g, const ut__cuda_dw_bnp& bn = {});
 
 #endif /* UT__CUDA_DEPTHWISE_CUH */

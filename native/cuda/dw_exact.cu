@@ -19,8 +19,11 @@ static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_y(const T* __res
                                                                  const float* __restrict__ w,
                                                                  const float* __restrict__ bias,
                                                                  const ut__conv_geom& g,
-                                                                 ut__i64 pl, int c, int oy, int ox) {
+                                                                 ut__i64 pl, int c, int oy, int ox,
+                                                                 const ut__cuda_dw_bnp& bn = {}) {
   const T* xp = x + pl * g.h * (ut__i64)g.w;
+  ut__cuda_dw_bnq q = {};
+  if (bn.mean) q = ut__cuda_dw_bn_at(bn, c);
   const float* wp = w + (ut__i64)c * g.kh * g.kw;
   float s = bias ? bias[c] : 0.f;
   for (int ky = 0; ky < g.kh; ++ky) {
@@ -29,7 +32,9 @@ static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_y(const T* __res
     for (int kx = 0; kx < g.kw; ++kx) {
       int ix = ox * g.stride - g.pad + kx * g.dil;
       if (ix < 0 || ix >= g.w) continue;
-      s = fmaf(wp[ky * g.kw + kx], ut__cuda_dwconv2d_ldg(xp + (ut__i64)iy * g.w + ix), s);
+      float xv = ut__cuda_dwconv2d_ldg(xp + (ut__i64)iy * g.w + ix);
+      if (bn.mean) xv = ut__cuda_dw_bn_value<T>(xv, q);
+      s = fmaf(wp[ky * g.kw + kx], xv, s);
     }
   }
   return s;
@@ -106,7 +111,8 @@ template <typename T, bool DX>
 static __global__ void ut__cuda_dwconv2d_exact_kernel(const T* __restrict__ in,
                                                       const float* __restrict__ w,
                                                       const float* __restrict__ bias,
-                                                      T* __restrict__ out, ut__conv_geom g) {
+                                                      T* __restrict__ out, ut__conv_geom g,
+                                                      ut__cuda_dw_bnp bn) {
   const int oh = DX ? g.h : g.ho, ow = DX ? g.w : g.wo;
   const ut__i64 hw = (ut__i64)oh * ow, m = (ut__i64)g.n * hw;
   for (int c = blockIdx.y; c < g.c; c += gridDim.y) {
@@ -117,7 +123,7 @@ static __global__ void ut__cuda_dwconv2d_exact_kernel(const T* __restrict__ in,
       int pos = (int)(j - ni * hw);
       ut__i64 pl = ni * g.c + c;
       float v = DX ? ut__cuda_dwconv2d_plain_dx(in, w, g, pl, c, pos / ow, pos % ow)
-                   : ut__cuda_dwconv2d_plain_y(in, w, bias, g, pl, c, pos / ow, pos % ow);
+                   : ut__cuda_dwconv2d_plain_y(in, w, bias, g, pl, c, pos / ow, pos % ow, bn);
       ut__cuda_st(out + pl * hw + pos, v);
     }
   }
@@ -148,7 +154,7 @@ int ut__cuda_dwconv2d_direct_dx_run(const T* go, const float* w, T* dx, const ut
    weight is finite, as many per channel as fill the device when one is not */
 template <typename T, bool DX>
 int ut__cuda_dwconv2d_exact_run(const T* in, const float* w, const float* bias, T* out,
-                                const ut__conv_geom* g) {
+                                const ut__conv_geom* g, const ut__cuda_dw_bnp& bn) {
   const ut__i64 m = (ut__i64)g->n * (DX ? (ut__i64)g->h * g->w : (ut__i64)g->ho * g->wo);
   const int cy = g->c < 65535 ? g->c : 65535;
   ut__i64 qx = ut__cuda_cdiv((ut__i64)ut__cuda_sms * 16, cy);
@@ -156,7 +162,7 @@ int ut__cuda_dwconv2d_exact_run(const T* in, const float* w, const float* bias, 
   if (qx > need) qx = need;
   if (qx < 1) qx = 1;
   ut__cuda_dwconv2d_exact_kernel<T, DX>
-      <<<dim3((unsigned)qx, (unsigned)cy), 256, 0, ut__cuda_stream>>>(in, w, bias, out, *g);
+      <<<dim3((unsigned)qx, (unsigned)cy), 256, 0, ut__cuda_stream>>>(in, w, bias, out, *g, bn);
   UT__CUDA_LAUNCHED(DX ? "dw_bwd_dx exact" : "dw_fwd exact");
   return UT_OK;
 }
@@ -176,15 +182,19 @@ template int ut__cuda_dwconv2d_direct_dx_run<ut__cuda_bf16>(const ut__cuda_bf16*
                                                             const ut__conv_geom* g);
 template int ut__cuda_dwconv2d_exact_run<float, false>(const float* in, const float* w,
                                                        const float* bias, float* out,
-                                                       const ut__conv_geom* g);
+                                                       const ut__conv_geom* g,
+    const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<float, true>(const float* in, const float* w,
                                                       const float* bias, float* out,
-                                                      const ut__conv_geom* g);
+                                                      const ut__conv_geom* g,
+    const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<ut__cuda_bf16, false>(const ut__cuda_bf16* in,
                                                                const float* w, const float* bias,
                                                                ut__cuda_bf16* out,
-                                                               const ut__conv_geom* g);
+                                                               const ut__conv_geom* g,
+    const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<ut__cuda_bf16, true>(const ut__cuda_bf16* in,
                                                               const float* w, const float* bias,
                                                               ut__cuda_bf16* out,
-                                                              const ut__conv_geom* g);
+                                                              const ut__conv_geom* g,
+    const ut__cuda_dw_bnp& bn);

@@ -11,13 +11,15 @@
 
 /* in = x [planes, IH, IW], go [planes, OH, OW]; grid (parts, C); items of channel c are
    numbered column fastest, then strip, then image */
-template <int K, int S, int R, typename T>
+template <int K, int S, int R, typename T, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_strip_dw_kernel(ut__cuda_dwconv2d_strip_params<T> p) {
   constexpr int NT = K * K;
   constexpr int ROWS = (R - 1) * S + K;
   __shared__ float red[8 * NT];
   const int c = blockIdx.y;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   float accw[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) accw[i] = 0.f;
@@ -41,7 +43,7 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
       float v[K];
-      ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
+      ut__cuda_dwconv2d_strip_row<K, T, BN>(xp, iyb + j, ixb, p.IH, p.IW, cv, v, q);
       ut__cuda_dwconv2d_row_taps<true, K, K, S, R, 1, 0>(j, v, g, accw);
     }
   }
@@ -50,7 +52,7 @@ static __global__ void __launch_bounds__(256)
 
 /* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x 2 columns; go is
    read in pairs too (OW even, go 4-byte aligned) */
-template <int K, int S, int R, int PO>
+template <int K, int S, int R, int PO, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_strip2_dw_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
   constexpr int NT = K * K;
@@ -58,6 +60,8 @@ static __global__ void __launch_bounds__(256)
   constexpr int NW = ut__cuda_dwconv2d_strip2_window<K, S, PO>::NW;
   __shared__ float red[8 * NT];
   const int c = blockIdx.y;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   float accw[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) accw[i] = 0.f;
@@ -86,8 +90,8 @@ static __global__ void __launch_bounds__(256)
     for (int j = 0; j < ROWS; ++j) {
       const int iy = iyb + j;
       float v[2 * NW];
-      ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH,
-                                       v);
+      ut__cuda_dwconv2d_strip2_row<NW, BN>(xp + iy * p.IW, a0, p.IW,
+                                           (unsigned)iy < (unsigned)p.IH, v, q);
       ut__cuda_dwconv2d_row_taps<true, K, K, S, R, 2, PO>(j, v, g, accw);
     }
   }
@@ -96,7 +100,7 @@ static __global__ void __launch_bounds__(256)
 
 /* dw partials as ut__cuda_dwconv2d_strip_dw_kernel, an item being R rows x CW columns (OW a
    multiple of CW); go is read as CW bf16 at once */
-template <int K, int S, int R, int CW, int PO, bool PF>
+template <int K, int S, int R, int CW, int PO, bool PF, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_stripw_dw_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
   constexpr int G = 8;
@@ -106,6 +110,8 @@ static __global__ void __launch_bounds__(256)
   typedef typename ut__cuda_dwconv2d_chunk<CW>::type VG;
   __shared__ float red[8 * NT];
   const int c = blockIdx.y;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   float accw[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) accw[i] = 0.f;
@@ -139,8 +145,8 @@ static __global__ void __launch_bounds__(256)
     for (int j = 0; j < ROWS; ++j) {
       const int iy = iyb + j;
       float v[G * NW];
-      ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
-                                            (unsigned)iy < (unsigned)p.IH, v);
+      ut__cuda_dwconv2d_wide_row<G, NW, PF, PF ? ROWS : 1, BN>(
+          raw, j, xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH, v, q);
       ut__cuda_dwconv2d_row_taps<true, K, K, S, R, CW, PO>(j, v, g, accw);
     }
   }
@@ -156,7 +162,10 @@ static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_dw(const T* __re
                                                                   const T* __restrict__ x,
                                                                   const ut__conv_geom& g, int c,
                                                                   int ky, int kx, ut__i64 e,
-                                                                  ut__i64 e1, int step) {
+                                                                  ut__i64 e1, int step,
+                                                                  const ut__cuda_dw_bnp& bn = {}) {
+  ut__cuda_dw_bnq q = {};
+  if (bn.mean) q = ut__cuda_dw_bn_at(bn, c);
   const ut__i64 hw = (ut__i64)g.ho * g.wo;
   float s = 0.f;
   for (; e < e1; e += step) {
@@ -166,8 +175,9 @@ static __device__ __forceinline__ float ut__cuda_dwconv2d_plain_dw(const T* __re
     int iy = oy * g.stride - g.pad + ky * g.dil, ix = ox * g.stride - g.pad + kx * g.dil;
     if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
     ut__i64 pl = ni * g.c + c;
-    s += ut__cuda_dwconv2d_ldg(go + pl * hw + pos) *
-         ut__cuda_dwconv2d_ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
+    float xv = ut__cuda_dwconv2d_ldg(x + (pl * g.h + iy) * (ut__i64)g.w + ix);
+    if (bn.mean) xv = ut__cuda_dw_bn_value<T>(xv, q);
+    s += ut__cuda_dwconv2d_ldg(go + pl * hw + pos) * xv;
   }
   return s;
 }
@@ -205,7 +215,7 @@ static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict
                                                          float* __restrict__ dw, int C, int NT,
                                                          int parts, const T* __restrict__ go,
                                                          const T* __restrict__ x,
-                                                         ut__conv_geom g) {
+                                                         ut__conv_geom g, ut__cuda_dw_bnp bn) {
   const ut__i64 gw = ((ut__i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= (ut__i64)C * NT) return;
@@ -215,89 +225,89 @@ static __global__ void ut__cuda_dwconv2d_dw_final_kernel(const float* __restrict
   s = ut__cuda_warp_sum(s);
   if (go && !isfinite(s)) /* the whole warp: s is the same in every lane */
     s = ut__cuda_warp_sum(ut__cuda_dwconv2d_plain_dw(go, x, g, c, t / g.kw, t % g.kw, lane,
-                                                     (ut__i64)g.n * g.ho * g.wo, 32));
+                                                     (ut__i64)g.n * g.ho * g.wo, 32, bn));
   if (lane == 0) dw[gw] += s;
 }
 
 /* ---- launches ---- */
 
-template <int K, int S, int R, typename T>
+template <int K, int S, int R, bool BN, typename T>
 static int ut__cuda_dwconv2d_strip_dw_launch(ut__cuda_dwconv2d_strip_params<T> p, int parts,
                                              int threads) {
-  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R, T>
+  ut__cuda_dwconv2d_strip_dw_kernel<K, S, R, T, BN>
       <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(
       p);
   UT__CUDA_LAUNCHED("depthwise dW (strips)");
   return UT_OK;
 }
 
-template <int R, typename T>
+template <int R, bool BN, typename T>
 static int ut__cuda_dwconv2d_strip_dw_dispatch(const ut__cuda_dwconv2d_strip_params<T>& p, int k,
                                                int s, int parts, int threads) {
   switch (k * 10 + s) {
-    case 31: return ut__cuda_dwconv2d_strip_dw_launch<3, 1, R>(p, parts, threads);
-    case 51: return ut__cuda_dwconv2d_strip_dw_launch<5, 1, R>(p, parts, threads);
-    case 32: return ut__cuda_dwconv2d_strip_dw_launch<3, 2, R>(p, parts, threads);
+    case 31: return ut__cuda_dwconv2d_strip_dw_launch<3, 1, R, BN>(p, parts, threads);
+    case 51: return ut__cuda_dwconv2d_strip_dw_launch<5, 1, R, BN>(p, parts, threads);
+    case 32: return ut__cuda_dwconv2d_strip_dw_launch<3, 2, R, BN>(p, parts, threads);
     default:
       return ut__set_error(UT_ERR_ARG, "dw: no strip dW kernel for %dx%d stride %d", k, k, s);
   }
 }
 
-template <int K, int S, int R, int PO>
+template <int K, int S, int R, int PO, bool BN>
 static int ut__cuda_dwconv2d_strip2_dw_launch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                               int parts, int threads) {
-  ut__cuda_dwconv2d_strip2_dw_kernel<K, S, R, PO>
+  ut__cuda_dwconv2d_strip2_dw_kernel<K, S, R, PO, BN>
       <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise dW (bf16 strips)");
   return UT_OK;
 }
 
-template <int R>
+template <int R, bool BN>
 static int ut__cuda_dwconv2d_strip2_dw_dispatch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                                 int k, int s, int parts, int threads) {
   switch ((k * 10 + s) * 2 + (p.pad & 1)) {
-    case 62: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 0>(p, parts, threads);
-    case 63: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 1>(p, parts, threads);
-    case 102: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 0>(p, parts, threads);
-    case 103: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 1>(p, parts, threads);
-    case 64: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 0>(p, parts, threads);
-    case 65: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 1>(p, parts, threads);
+    case 62: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 0, BN>(p, parts, threads);
+    case 63: return ut__cuda_dwconv2d_strip2_dw_launch<3, 1, R, 1, BN>(p, parts, threads);
+    case 102: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 0, BN>(p, parts, threads);
+    case 103: return ut__cuda_dwconv2d_strip2_dw_launch<5, 1, R, 1, BN>(p, parts, threads);
+    case 64: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 0, BN>(p, parts, threads);
+    case 65: return ut__cuda_dwconv2d_strip2_dw_launch<3, 2, R, 1, BN>(p, parts, threads);
     default:
       return ut__set_error(UT_ERR_ARG, "dw: no bf16 strip dW kernel for %dx%d stride %d", k, k, s);
   }
 }
 
-template <int K, int S, int R, int CW, int PO>
+template <int K, int S, int R, int CW, int PO, bool BN>
 static int ut__cuda_dwconv2d_stripw_dw_launch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                               int parts, int threads) {
-  ut__cuda_dwconv2d_stripw_dw_kernel<K, S, R, CW, PO, S == 1>
+  ut__cuda_dwconv2d_stripw_dw_kernel<K, S, R, CW, PO, S == 1, BN>
       <<<dim3((unsigned)parts, (unsigned)p.C), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise dW (bf16 wide strips)");
   return UT_OK;
 }
 
-template <int K, int S, int R>
+template <int K, int S, int R, bool BN>
 static int ut__cuda_dwconv2d_stripw_dw_po(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                           int po, int parts, int threads) {
   constexpr int CW = S == 1 ? 8 : 4;
   switch (po) {
-    case 0: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 0>(p, parts, threads);
-    case 7: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 7>(p, parts, threads);
+    case 0: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 0, BN>(p, parts, threads);
+    case 7: return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 7, BN>(p, parts, threads);
     default: break;
   }
   if constexpr (S == 1)
-    if (po == 6) return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 6>(p, parts, threads);
+    if (po == 6) return ut__cuda_dwconv2d_stripw_dw_launch<K, S, R, CW, 6, BN>(p, parts, threads);
   return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip dW kernel for offset %d", po);
 }
 
-template <int R>
+template <int R, bool BN>
 static int ut__cuda_dwconv2d_stripw_dw_dispatch(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                                 int k, int s, int parts, int threads) {
   const int po = ut__cuda_dwconv2d_stripw_po(p.pad);
   switch (k * 10 + s) {
-    case 31: return ut__cuda_dwconv2d_stripw_dw_po<3, 1, R>(p, po, parts, threads);
-    case 51: return ut__cuda_dwconv2d_stripw_dw_po<5, 1, R>(p, po, parts, threads);
-    case 32: return ut__cuda_dwconv2d_stripw_dw_po<3, 2, R>(p, po, parts, threads);
+    case 31: return ut__cuda_dwconv2d_stripw_dw_po<3, 1, R, BN>(p, po, parts, threads);
+    case 51: return ut__cuda_dwconv2d_stripw_dw_po<5, 1, R, BN>(p, po, parts, threads);
+    case 32: return ut__cuda_dwconv2d_stripw_dw_po<3, 2, R, BN>(p, po, parts, threads);
     default:
       return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip dW kernel for %dx%d stride %d", k,
                            k, s);
@@ -309,8 +319,11 @@ static int ut__cuda_dwconv2d_stripw_dw_dispatch(const ut__cuda_dwconv2d_strip_pa
 template <typename T>
 int ut__cuda_dwconv2d_strip_dw_start(const ut__cuda_dwconv2d_strip_params<T>& p, int R, int k,
                                      int s, int parts, int threads) {
-  if (R == 4) return ut__cuda_dwconv2d_strip_dw_dispatch<4>(p, k, s, parts, threads);
-  return ut__cuda_dwconv2d_strip_dw_dispatch<8>(p, k, s, parts, threads);
+  if (p.bn.mean) /* on act(bn(x)) */
+    return R == 4 ? ut__cuda_dwconv2d_strip_dw_dispatch<4, true>(p, k, s, parts, threads)
+                  : ut__cuda_dwconv2d_strip_dw_dispatch<8, true>(p, k, s, parts, threads);
+  if (R == 4) return ut__cuda_dwconv2d_strip_dw_dispatch<4, false>(p, k, s, parts, threads);
+  return ut__cuda_dwconv2d_strip_dw_dispatch<8, false>(p, k, s, parts, threads);
 }
 template int ut__cuda_dwconv2d_strip_dw_start<float>(const ut__cuda_dwconv2d_strip_params<float>& p,
                                                      int R, int k, int s, int parts, int threads);
@@ -320,14 +333,20 @@ template int ut__cuda_dwconv2d_strip_dw_start<ut__cuda_bf16>(
 
 int ut__cuda_dwconv2d_strip2_dw_start(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                       int R, int k, int s, int parts, int threads) {
-  if (R == 4) return ut__cuda_dwconv2d_strip2_dw_dispatch<4>(p, k, s, parts, threads);
-  return ut__cuda_dwconv2d_strip2_dw_dispatch<8>(p, k, s, parts, threads);
+  if (p.bn.mean) /* on act(bn(x)) */
+    return R == 4 ? ut__cuda_dwconv2d_strip2_dw_dispatch<4, true>(p, k, s, parts, threads)
+                  : ut__cuda_dwconv2d_strip2_dw_dispatch<8, true>(p, k, s, parts, threads);
+  if (R == 4) return ut__cuda_dwconv2d_strip2_dw_dispatch<4, false>(p, k, s, parts, threads);
+  return ut__cuda_dwconv2d_strip2_dw_dispatch<8, false>(p, k, s, parts, threads);
 }
 
 int ut__cuda_dwconv2d_stripw_dw_start(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                       int R, int k, int s, int parts, int threads) {
-  if (R == 4) return ut__cuda_dwconv2d_stripw_dw_dispatch<4>(p, k, s, parts, threads);
-  return ut__cuda_dwconv2d_stripw_dw_dispatch<8>(p, k, s, parts, threads);
+  if (p.bn.mean) /* on act(bn(x)) */
+    return R == 4 ? ut__cuda_dwconv2d_stripw_dw_dispatch<4, true>(p, k, s, parts, threads)
+                  : ut__cuda_dwconv2d_stripw_dw_dispatch<8, true>(p, k, s, parts, threads);
+  if (R == 4) return ut__cuda_dwconv2d_stripw_dw_dispatch<4, false>(p, k, s, parts, threads);
+  return ut__cuda_dwconv2d_stripw_dw_dispatch<8, false>(p, k, s, parts, threads);
 }
 
 /* C * parts blocks of 256 threads, each reducing `chunk` outputs of its channel */
@@ -351,19 +370,22 @@ template int ut__cuda_dwconv2d_direct_dw_start<ut__cuda_bf16>(const ut__cuda_bf1
 /* one warp per (channel, tap), 256 threads per block */
 template <typename T>
 int ut__cuda_dwconv2d_dw_final_start(const float* ws, float* dw, int C, int NT, int parts,
-                                     const T* go, const T* x, const ut__conv_geom* g) {
+                                     const T* go, const T* x, const ut__conv_geom* g,
+                                     const ut__cuda_dw_bnp& bn) {
   ut__i64 warps = (ut__i64)C * NT;
   ut__cuda_dwconv2d_dw_final_kernel<T>
       <<<(unsigned)ut__cuda_cdiv(warps * 32, 256), 256, 0, ut__cuda_stream>>>(
-      ws, dw, C, NT, parts, go, x, *g);
+      ws, dw, C, NT, parts, go, x, *g, bn);
   UT__CUDA_LAUNCHED("dw_bwd_dw final");
   return UT_OK;
 }
 template int ut__cuda_dwconv2d_dw_final_start<float>(const float* ws, float* dw, int C, int NT,
                                                      int parts, const float* go, const float* x,
-                                                     const ut__conv_geom* g);
+                                                     const ut__conv_geom* g,
+                                                     const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_dw_final_start<ut__cuda_bf16>(const float* ws, float* dw, int C,
                                                              int NT, int parts,
                                                              const ut__cuda_bf16* go,
                                                              const ut__cuda_bf16* x,
-                                                             const ut__conv_geom* g);
+                                                             const ut__conv_geom* g,
+                                                             const ut__cuda_dw_bnp& bn);

@@ -38,7 +38,7 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_st2(ut__cuda_bf16* p, f
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
-template <int K, int S, int R, bool FLIP, typename T>
+template <int K, int S, int R, bool FLIP, typename T, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_strip_forward_kernel(ut__cuda_dwconv2d_strip_params<T> p) {
   constexpr int NT = K * K;
@@ -54,6 +54,8 @@ static __global__ void __launch_bounds__(256)
   ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int ixb = ox * S - p.pad, iyb = oy0 * S - p.pad;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   bool cv[K];
   ut__cuda_dwconv2d_cols_in<K>(ixb, p.IW, cv);
   float acc[R];
@@ -62,7 +64,7 @@ static __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) {
     float v[K];
-    ut__cuda_dwconv2d_strip_row<K>(xp, iyb + j, ixb, p.IH, p.IW, cv, v);
+    ut__cuda_dwconv2d_strip_row<K, T, BN>(xp, iyb + j, ixb, p.IH, p.IW, cv, v, q);
     ut__cuda_dwconv2d_row_taps<false, K, K, S, R, 1, 0>(j, v, wr, acc);
   }
   T* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
@@ -154,7 +156,7 @@ static __global__ void __launch_bounds__(256)
 
 /* y = conv(x, w) + bias (FLIP: dx at stride 1, go correlated with the rotated filter); the
    items are numbered as in ut__cuda_dwconv2d_strip_forward_kernel with NX = ceil(OW / 2) */
-template <int K, int S, int R, bool FLIP, int PO>
+template <int K, int S, int R, bool FLIP, int PO, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_strip2_forward_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
   constexpr int NT = K * K;
@@ -171,6 +173,8 @@ static __global__ void __launch_bounds__(256)
   ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   float acc[R][2];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = bv;
@@ -178,7 +182,8 @@ static __global__ void __launch_bounds__(256)
   for (int j = 0; j < ROWS; ++j) {
     const int iy = iyb + j;
     float v[2 * NW];
-    ut__cuda_dwconv2d_strip2_row<NW>(xp + iy * p.IW, a0, p.IW, (unsigned)iy < (unsigned)p.IH, v);
+    ut__cuda_dwconv2d_strip2_row<NW, BN>(xp + iy * p.IW, a0, p.IW,
+                                         (unsigned)iy < (unsigned)p.IH, v, q);
     ut__cuda_dwconv2d_row_taps<false, K, K, S, R, 2, PO>(j, v, wr, acc);
   }
   ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
@@ -232,7 +237,7 @@ static __device__ __forceinline__ void ut__cuda_dwconv2d_wide_store(ut__cuda_bf1
 
 /* y = conv(x, w) + bias (FLIP: dx at stride 1); items numbered as in
    ut__cuda_dwconv2d_strip_forward_kernel with NX = ceil(OW / CW) */
-template <int K, int S, int R, int CW, int PO, bool FLIP, bool PF>
+template <int K, int S, int R, int CW, int PO, bool FLIP, bool PF, bool BN>
 static __global__ void __launch_bounds__(256)
     ut__cuda_dwconv2d_stripw_forward_kernel(ut__cuda_dwconv2d_strip_params<ut__cuda_bf16> p) {
   constexpr int G = 8;
@@ -250,6 +255,8 @@ static __global__ void __launch_bounds__(256)
   ut__cuda_dwconv2d_load_w<NT, FLIP>(p.w, c, wr);
   const float bv = (!FLIP && p.bias) ? __ldg(p.bias + c) : 0.f;
   const int a0 = ox * S - p.pad - PO, iyb = oy0 * S - p.pad;
+  ut__cuda_dw_bnq q = {};
+  if constexpr (BN) q = ut__cuda_dw_bn_at(p.bn, c);
   float acc[R][CW];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -266,8 +273,8 @@ static __global__ void __launch_bounds__(256)
   for (int j = 0; j < ROWS; ++j) {
     const int iy = iyb + j;
     float v[G * NW];
-    ut__cuda_dwconv2d_wide_row<G, NW, PF>(raw, j, xp + iy * p.IW, a0, p.IW,
-                                          (unsigned)iy < (unsigned)p.IH, v);
+    ut__cuda_dwconv2d_wide_row<G, NW, PF, PF ? ROWS : 1, BN>(raw, j, xp + iy * p.IW, a0, p.IW,
+                                                             (unsigned)iy < (unsigned)p.IH, v, q);
     ut__cuda_dwconv2d_row_taps<false, K, K, S, R, CW, PO>(j, v, wr, acc);
   }
   ut__cuda_bf16* yp = p.out + (size_t)plane * ((size_t)p.OH * p.OW) + (oy0 * p.OW + ox);
@@ -328,70 +335,70 @@ static __global__ void __launch_bounds__(256)
 
 /* ---- launches ---- */
 
-template <int K, int S, int R, bool FLIP, int PO>
+template <int K, int S, int R, bool FLIP, int PO, bool BN>
 static int ut__cuda_dwconv2d_strip2_forward_launch(
     const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int threads) {
-  ut__cuda_dwconv2d_strip2_forward_kernel<K, S, R, FLIP, PO>
+  ut__cuda_dwconv2d_strip2_forward_kernel<K, S, R, FLIP, PO, BN>
       <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv (bf16 strips)");
   return UT_OK;
 }
 
-template <int R, bool FLIP>
+template <int R, bool FLIP, bool BN>
 static int ut__cuda_dwconv2d_strip2_forward_dispatch(
     const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int k, int s, int threads) {
   const int po = p.pad & 1;
   switch ((k * 10 + s) * 2 + po) {
-    case 62: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 0>(p, threads);
-    case 63: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 1>(p, threads);
-    case 102: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 0>(p, threads);
-    case 103: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 1>(p, threads);
+    case 62: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 0, BN>(p, threads);
+    case 63: return ut__cuda_dwconv2d_strip2_forward_launch<3, 1, R, FLIP, 1, BN>(p, threads);
+    case 102: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 0, BN>(p, threads);
+    case 103: return ut__cuda_dwconv2d_strip2_forward_launch<5, 1, R, FLIP, 1, BN>(p, threads);
     default: break;
   }
   if constexpr (!FLIP) { /* FLIP serves dx at stride 1 only */
     switch ((k * 10 + s) * 2 + po) {
-      case 64: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 0>(p, threads);
-      case 65: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 1>(p, threads);
+      case 64: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 0, BN>(p, threads);
+      case 65: return ut__cuda_dwconv2d_strip2_forward_launch<3, 2, R, FLIP, 1, BN>(p, threads);
       default: break;
     }
   }
   return ut__set_error(UT_ERR_ARG, "dw: no bf16 strip kernel for %dx%d stride %d", k, k, s);
 }
 
-template <int K, int S, int R, int CW, int PO, bool FLIP>
+template <int K, int S, int R, int CW, int PO, bool FLIP, bool BN>
 static int ut__cuda_dwconv2d_stripw_forward_launch(
     const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int threads) {
-  ut__cuda_dwconv2d_stripw_forward_kernel<K, S, R, CW, PO, FLIP, S == 1>
+  ut__cuda_dwconv2d_stripw_forward_kernel<K, S, R, CW, PO, FLIP, S == 1, BN>
       <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv (bf16 wide strips)");
   return UT_OK;
 }
 
-template <int K, int S, int R, bool FLIP>
+template <int K, int S, int R, bool FLIP, bool BN>
 static int ut__cuda_dwconv2d_stripw_forward_po(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                                int po, int threads) {
   constexpr int CW = S == 1 ? 8 : 4;
   switch (po) {
-    case 0: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 0, FLIP>(p, threads);
-    case 7: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 7, FLIP>(p, threads);
+    case 0: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 0, FLIP, BN>(p, threads);
+    case 7: return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 7, FLIP, BN>(p, threads);
     default: break;
   }
   if constexpr (S == 1)
-    if (po == 6) return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 6, FLIP>(p, threads);
+    if (po == 6) return ut__cuda_dwconv2d_stripw_forward_launch<K, S, R, CW, 6, FLIP, BN>(p, threads);
   return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip kernel for offset %d", po);
 }
 
-template <int R, bool FLIP>
+template <int R, bool FLIP, bool BN>
 static int ut__cuda_dwconv2d_stripw_forward_dispatch(
     const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p, int k, int s, int threads) {
   const int po = ut__cuda_dwconv2d_stripw_po(p.pad);
   switch (k * 10 + s) {
-    case 31: return ut__cuda_dwconv2d_stripw_forward_po<3, 1, R, FLIP>(p, po, threads);
-    case 51: return ut__cuda_dwconv2d_stripw_forward_po<5, 1, R, FLIP>(p, po, threads);
+    case 31: return ut__cuda_dwconv2d_stripw_forward_po<3, 1, R, FLIP, BN>(p, po, threads);
+    case 51: return ut__cuda_dwconv2d_stripw_forward_po<5, 1, R, FLIP, BN>(p, po, threads);
     default: break;
   }
   if constexpr (!FLIP) /* FLIP serves dx at stride 1 only */
-    if (k * 10 + s == 32) return ut__cuda_dwconv2d_stripw_forward_po<3, 2, R, FLIP>(p, po, threads);
+    if (k * 10 + s == 32) return ut__cuda_dwconv2d_stripw_forward_po<3, 2, R, FLIP, BN>(p, po, threads);
   return ut__set_error(UT_ERR_ARG, "dw: no bf16 wide strip kernel for %dx%d stride %d", k, k, s);
 }
 
@@ -420,25 +427,25 @@ static int ut__cuda_dwconv2d_stripw_tdx_dispatch(
   }
 }
 
-template <int K, int S, int R, bool FLIP, typename T>
+template <int K, int S, int R, bool FLIP, bool BN, typename T>
 static int ut__cuda_dwconv2d_strip_forward_launch(ut__cuda_dwconv2d_strip_params<T> p,
                                                   int threads) {
-  ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP, T>
+  ut__cuda_dwconv2d_strip_forward_kernel<K, S, R, FLIP, T, BN>
       <<<(unsigned)ut__cuda_cdiv(p.items, threads), threads, 0, ut__cuda_stream>>>(p);
   UT__CUDA_LAUNCHED("depthwise conv (strips)");
   return UT_OK;
 }
 
-template <int R, bool FLIP, typename T>
+template <int R, bool FLIP, bool BN, typename T>
 static int ut__cuda_dwconv2d_strip_forward_dispatch(const ut__cuda_dwconv2d_strip_params<T>& p,
                                                     int k, int s, int threads) {
   switch (k * 10 + s) {
-    case 31: return ut__cuda_dwconv2d_strip_forward_launch<3, 1, R, FLIP>(p, threads);
-    case 51: return ut__cuda_dwconv2d_strip_forward_launch<5, 1, R, FLIP>(p, threads);
+    case 31: return ut__cuda_dwconv2d_strip_forward_launch<3, 1, R, FLIP, BN>(p, threads);
+    case 51: return ut__cuda_dwconv2d_strip_forward_launch<5, 1, R, FLIP, BN>(p, threads);
     default: break;
   }
   if constexpr (!FLIP) { /* FLIP serves dx at stride 1 only */
-    if (k * 10 + s == 32) return ut__cuda_dwconv2d_strip_forward_launch<3, 2, R, FLIP>(p, threads);
+    if (k * 10 + s == 32) return ut__cuda_dwconv2d_strip_forward_launch<3, 2, R, FLIP, BN>(p, threads);
   }
   return ut__set_error(UT_ERR_ARG, "dw: no strip kernel for %dx%d stride %d", k, k, s);
 }
@@ -466,11 +473,14 @@ static int ut__cuda_dwconv2d_strip_tdx_dispatch(const ut__cuda_dwconv2d_strip_pa
 template <typename T>
 int ut__cuda_dwconv2d_strip_forward_start(const ut__cuda_dwconv2d_strip_params<T>& p, int R,
                                           bool flip, int k, int s, int threads) {
+  if (p.bn.mean) /* the forward on act(bn(in)) (never with flip) */
+    return R == 4 ? ut__cuda_dwconv2d_strip_forward_dispatch<4, false, true>(p, k, s, threads)
+                  : ut__cuda_dwconv2d_strip_forward_dispatch<8, false, true>(p, k, s, threads);
   if (R == 4)
-    return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<4, true>(p, k, s, threads)
-                : ut__cuda_dwconv2d_strip_forward_dispatch<4, false>(p, k, s, threads);
-  return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<8, true>(p, k, s, threads)
-              : ut__cuda_dwconv2d_strip_forward_dispatch<8, false>(p, k, s, threads);
+    return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<4, true, false>(p, k, s, threads)
+                : ut__cuda_dwconv2d_strip_forward_dispatch<4, false, false>(p, k, s, threads);
+  return flip ? ut__cuda_dwconv2d_strip_forward_dispatch<8, true, false>(p, k, s, threads)
+              : ut__cuda_dwconv2d_strip_forward_dispatch<8, false, false>(p, k, s, threads);
 }
 template int ut__cuda_dwconv2d_strip_forward_start<float>(
     const ut__cuda_dwconv2d_strip_params<float>& p, int R, bool flip, int k, int s, int threads);
@@ -491,20 +501,26 @@ template int ut__cuda_dwconv2d_strip_tdx_start<ut__cuda_bf16>(
 
 int ut__cuda_dwconv2d_strip2_forward_start(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                            int R, bool flip, int k, int s, int threads) {
+  if (p.bn.mean) /* the forward on act(bn(in)) (never with flip) */
+    return R == 4 ? ut__cuda_dwconv2d_strip2_forward_dispatch<4, false, true>(p, k, s, threads)
+                  : ut__cuda_dwconv2d_strip2_forward_dispatch<8, false, true>(p, k, s, threads);
   if (R == 4)
-    return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<4, true>(p, k, s, threads)
-                : ut__cuda_dwconv2d_strip2_forward_dispatch<4, false>(p, k, s, threads);
-  return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<8, true>(p, k, s, threads)
-              : ut__cuda_dwconv2d_strip2_forward_dispatch<8, false>(p, k, s, threads);
+    return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<4, true, false>(p, k, s, threads)
+                : ut__cuda_dwconv2d_strip2_forward_dispatch<4, false, false>(p, k, s, threads);
+  return flip ? ut__cuda_dwconv2d_strip2_forward_dispatch<8, true, false>(p, k, s, threads)
+              : ut__cuda_dwconv2d_strip2_forward_dispatch<8, false, false>(p, k, s, threads);
 }
 
 int ut__cuda_dwconv2d_stripw_forward_start(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,
                                            int R, bool flip, int k, int s, int threads) {
+  if (p.bn.mean) /* the forward on act(bn(in)) (never with flip) */
+    return R == 4 ? ut__cuda_dwconv2d_stripw_forward_dispatch<4, false, true>(p, k, s, threads)
+                  : ut__cuda_dwconv2d_stripw_forward_dispatch<8, false, true>(p, k, s, threads);
   if (R == 4)
-    return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<4, true>(p, k, s, threads)
-                : ut__cuda_dwconv2d_stripw_forward_dispatch<4, false>(p, k, s, threads);
-  return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<8, true>(p, k, s, threads)
-              : ut__cuda_dwconv2d_stripw_forward_dispatch<8, false>(p, k, s, threads);
+    return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<4, true, false>(p, k, s, threads)
+                : ut__cuda_dwconv2d_stripw_forward_dispatch<4, false, false>(p, k, s, threads);
+  return flip ? ut__cuda_dwconv2d_stripw_forward_dispatch<8, true, false>(p, k, s, threads)
+              : ut__cuda_dwconv2d_stripw_forward_dispatch<8, false, false>(p, k, s, threads);
 }
 
 int ut__cuda_dwconv2d_stripw_tdx_start(const ut__cuda_dwconv2d_strip_params<ut__cuda_bf16>& p,

@@ -23,16 +23,8 @@
    ws[(j * chunks + chunk) * NV + v]. Stage 2 sums the chunks of each channel in order. */
 enum { UT__CUDA_CHANNEL_SUM = 0, UT__CUDA_CHANNEL_BATCHNORM2D_BWD = 1 };
 
-/* batchnorm's output before its activation: one expression for apply and for backward's mask
-   (an explicit fma, so the compiler cannot contract the two differently) */
-static __device__ __forceinline__ float ut__cuda_bn_z(float x, float m, float sc, float bt) {
-  return __fmaf_rn(x - m, sc, bt);
-}
-/* relu_fwd's and relu_bwd's rules at z (act >= 0; act > 0 caps) */
-static __device__ __forceinline__ float ut__cuda_bn_relu(float z, float act) {
-  float v = z < 0.f ? 0.f : z;
-  return act > 0.f && v > act ? act : v;
-}
+/* ut__cuda_bn_z and ut__cuda_bn_relu, the apply's values: common.cuh (the depthwise kernels
+   normalize their loads with them too) */
 static __device__ __forceinline__ float ut__cuda_bn_relu_grad(float g, float z, float act) {
   bool stop = z <= 0.f || (act > 0.f && z >= act); /* false for NaN: passes g, like PyTorch */
   return stop ? 0.f : g;
@@ -673,7 +665,7 @@ static __global__ void ut__cuda_batchnorm2d_rstd_kernel(const float* __restrict_
                                                         float* __restrict__ rstd, int c,
                                                         float eps) {
   int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j < c) rstd[j] = 1.0f / sqrtf(var[j] + eps);
+  if (j < c) rstd[j] = ut__cuda_bn_rstd(var[j], eps);
 }
 
 
@@ -686,7 +678,7 @@ static __global__ void ut__cuda_batchnorm2d_apply_kernel(
   for (I v = (I)blockIdx.x * blockDim.x + threadIdx.x; v < groups; v += (I)gridDim.x * blockDim.x) {
     const I row = v / row_groups;
     const int j = (int)(row % (I)c);
-    const float rs = 1.0f / sqrtf(var[j] + eps);
+    const float rs = ut__cuda_bn_rstd(var[j], eps);
     /* rstd for backward, once per channel: by the first group of the first image's row */
     if (rstd && row < (I)c && v == row * row_groups) rstd[j] = rs;
     const float sc = rs * (gamma ? gamma[j] : 1.f), m = mean[j], bt = beta ? beta[j] : 0.f;
