@@ -149,6 +149,18 @@ def utensil_graph_side(net, opt, staged):
     return steps, close
 
 
+def _unfolded(steps):
+    """``steps`` with training's BatchNorm -> depthwise fold off (nn.fold.set_training_fold);
+    a recorded side records so on its first call."""
+    def run(batches):
+        prev = ut.nn.fold.set_training_fold(False)
+        try:
+            return steps(batches)
+        finally:
+            ut.nn.fold.set_training_fold(prev)
+    return run
+
+
 def stage(batches, device):
     """The numpy batches as utensil Tensors on device (made once: the steps time training, not
     the copies from host memory)."""
@@ -255,7 +267,7 @@ def run(*args, **kwargs):
 
 def _run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rounds=3,
         precision="highest", blas="cublas", torch_modes=("fp32",), seed=0, fused=True,
-        graph=False, bf16=False, check=True):
+        graph=False, bf16=False, check=True, fold_ab=False):
     import torch
 
     if threads:
@@ -291,6 +303,8 @@ def _run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rou
         if graph and device == "cuda":
             ours["utensil bf16 graph"], c = utensil_graph_side(mp, opt, ut_staged)
             closers.append(c)
+    if fold_ab:  # each of utensil's sides again with training's BatchNorm fold off
+        ours.update({k + " unfolded": _unfolded(fn) for k, fn in list(ours.items())})
     sides = dict(ours, **sides)
     parity = check_parity(torch, net, opt, batches, device,
                           rtol=(1e-4 if precision == "highest" else 2e-3, 2e-2),
@@ -352,6 +366,9 @@ def main(argv=None):
                    help="also time utensil in mixed precision (ut.MixedPrecision, bf16)")
     p.add_argument("--torch", default="fp32",
                    help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
+    p.add_argument("--fold-ab", action="store_true",
+                   help="also time each utensil side with training's BatchNorm -> depthwise "
+                        "fold off (\"<side> unfolded\"), in the same rounds")
     p.add_argument("--no-check", action="store_true",
                    help="skip the fp32 loss check against PyTorch before the timed steps")
     a = p.parse_args(argv)
@@ -363,7 +380,8 @@ def main(argv=None):
         if m not in TORCH_MODES:
             p.error("unknown PyTorch mode %r" % m)
     r = run(a.net, a.size, a.batch, a.threads, a.device, a.steps, a.rounds, a.precision, a.blas,
-            modes, fused=not a.unfused, graph=a.graph, bf16=a.bf16, check=not a.no_check)
+            modes, fused=not a.unfused, graph=a.graph, bf16=a.bf16, check=not a.no_check,
+            fold_ab=a.fold_ab)
     parity = r.pop("parity", None)
     size = 8 if a.net == "digits" else a.size
     where = "%s threads" % a.threads if a.device == "cpu" else ut.backends()["cuda"]["gemm"]

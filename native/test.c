@@ -1611,6 +1611,94 @@ static bool bn_run(ut_batchnorm2d* l, ut_tensor* x, ut_tensor* go, ut_tensor* ou
   return out[0] && out[1] && out[2] && out[3];
 }
 
+/* issue 31: training's BatchNorm2d folded into the depthwise convolution after it. The fold
+   must give the two layers' own forward and backward to the bit: output, the depthwise's dx
+   (the gradient at act(bn(x))), dW and db of both layers, the BatchNorm's dx and its running
+   statistics; for filters the GPU's strip kernels normalize as they load (3x3 stride 1 and
+   2, 5x5 stride 1) and for one they do not (5x5 stride 2: act(bn(x)) in scratch). */
+static void bn_dw_fold_case(ut_dev dev, int k, int s, int act) {
+  const int C = 4, N = 2, H = 12, W = 16;
+  ut_batchnorm2d bn[2];
+  ut_dwconv2d dw[2];
+  ut_tensor *y[2], *g[2], *dx[2], *dwW[2], *dwb[2], *bnW[2], *bnb[2];
+  ut_seed(31);
+  ut_tensor* x = ut_randn(4, S(N, C, H, W), 0.5f, 2.f, dev);
+  ut_seed(32);
+  ut_tensor* fw = ut_randn(3, S(C, k, k), 0.f, 0.5f, dev);
+  require(x && fw);
+  for (int i = 0; i < 2; i++) {
+    bn[i] = ut_batchnorm2d_alloc(C, 1e-5f, 0.1f, dev);
+    dw[i] = ut_dwconv2d_alloc(C, k, k, s, k / 2, true, dev);
+    require(bn[i].weight && dw[i].weight);
+    bn[i].activation = act;
+    set_weight(&bn[i].weight, 1, S(C), F(0.5f, 1.f, 1.5f, -0.7f), dev);
+    set_weight(&bn[i].bias, 1, S(C), F(-0.4f, 0.f, 0.6f, 0.2f), dev);
+    set_weight(&dw[i].bias, 1, S(C), F(0.1f, -0.2f, 0.3f, 0.f), dev);
+    require(ut_copy_into(dw[i].weight, fw) == UT_OK);
+    ut_batchnorm2d_cache bc = {0};
+    ut_dwconv2d_cache dc = {0};
+    ut_tensor* a = NULL;
+    if (i == 0) {
+      y[i] = ut_batchnorm2d_dwconv2d_forward(&bn[i], &dw[i], x, &bc, &dc);
+    } else {
+      a = ut_batchnorm2d_forward(&bn[i], x, &bc);
+      y[i] = a ? ut_dwconv2d_forward(&dw[i], a, &dc) : NULL;
+    }
+    require(y[i]);
+    ut_tensor* go = ut_alloc(4, y[i]->shape.shape, dev);
+    require(go);
+    ut_fill(go, 0.25f);
+    dwW[i] = ut_alloc(3, S(C, k, k), dev);
+    dwb[i] = ut_alloc(1, S(C), dev);
+    bnW[i] = ut_alloc(1, S(C), dev);
+    bnb[i] = ut_alloc(1, S(C), dev);
+    g[i] = ut_dwconv2d_backward(&dw[i], &dc, go, dwW[i], dwb[i]);
+    dx[i] = g[i] ? ut_batchnorm2d_backward(&bn[i], &bc, g[i], bnW[i], bnb[i]) : NULL;
+    require(dx[i]);
+    ut_tensor* all[] = {y[i], g[i], dx[i], dwW[i], dwb[i], bnW[i], bnb[i], bn[i].running_mean,
+                        bn[i].running_var};
+    for (int t = 0; t < 9; t++) ut_sync_cpu(all[t]);
+    ut_free_all(go, a);
+    ut_dwconv2d_cache_free(&dc);
+    ut_batchnorm2d_cache_free(&bc);
+  }
+  assert_tensors_close(y[0], y[1], 0.f);
+  assert_tensors_close(g[0], g[1], 0.f);
+  assert_tensors_close(dx[0], dx[1], 0.f);
+  assert_tensors_close(dwW[0], dwW[1], 0.f);
+  assert_tensors_close(dwb[0], dwb[1], 0.f);
+  assert_tensors_close(bnW[0], bnW[1], 0.f);
+  assert_tensors_close(bnb[0], bnb[1], 0.f);
+  assert_tensors_close(bn[0].running_mean, bn[1].running_mean, 0.f);
+  assert_tensors_close(bn[0].running_var, bn[1].running_var, 0.f);
+  for (int i = 0; i < 2; i++) {
+    ut_free_all(y[i], g[i], dx[i], dwW[i], dwb[i], bnW[i], bnb[i]);
+    ut_batchnorm2d_free(&bn[i]);
+    ut_dwconv2d_free(&dw[i]);
+  }
+  ut_free_all(x, fw);
+}
+static void test_batchnorm2d_dwconv2d_fold(ut_dev dev) {
+  bn_dw_fold_case(dev, 3, 1, UT_ACT_RELU6);
+  bn_dw_fold_case(dev, 3, 2, UT_ACT_RELU);
+  bn_dw_fold_case(dev, 5, 1, UT_ACT_NONE);
+  bn_dw_fold_case(dev, 5, 2, UT_ACT_RELU6);
+  bn_dw_fold_case(dev, 3, 1, UT_ACT_SILU);
+  /* both caches are required; the BatchNorm's channels must be the depthwise's */
+  ut_batchnorm2d bn = ut_batchnorm2d_alloc(3, 1e-5f, 0.1f, dev);
+  ut_dwconv2d dw = ut_dwconv2d_alloc(4, 3, 3, 1, 1, false, dev);
+  ut_tensor* x = ut_alloc(4, S(2, 4, 5, 5), dev);
+  ut_batchnorm2d_cache bc = {0};
+  ut_dwconv2d_cache dc = {0};
+  require(bn.weight && dw.weight && x);
+  expect_null(ut_batchnorm2d_dwconv2d_forward(&bn, &dw, x, NULL, &dc), UT_ERR_ARG);
+  expect_null(ut_batchnorm2d_dwconv2d_forward(&bn, &dw, x, &bc, &dc), UT_ERR_SHAPE);
+  assert(dc.input == NULL && dc.bn == NULL && bc.input == NULL);
+  ut_free(x);
+  ut_batchnorm2d_free(&bn);
+  ut_dwconv2d_free(&dw);
+}
+
 /* issue 32: a convolution and the eval-mode BatchNorm2d after it in one call. By hand, with
    the statistics of test_batchnorm2d_eval and ReLU: weights {2, -1}, bias {1, 0}, x = {1, 3}
    per channel -> conv {3, 7}, {-1, -3} -> bn ch0 (y - 1) = {2, 6}, ch1 2 (y + 1) + 3 = {3, -1}
@@ -3397,6 +3485,7 @@ int main(void) {
   RUN_BOTH(test_batchnorm2d_train);
   RUN_BOTH(test_batchnorm2d_eval);
   RUN_BOTH(test_batchnorm2d_activation);
+  RUN_BOTH(test_batchnorm2d_dwconv2d_fold);
   RUN_BOTH(test_conv_bn_fold);
   RUN_BOTH(test_separable_block); /* issue 32 */
   RUN_BOTH(test_global_avgpool);
