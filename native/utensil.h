@@ -3002,11 +3002,11 @@ static int ut__conv2d_backward(ut_conv2d* l, ut_conv2d_cache* cache, ut_tensor* 
   ut_tensor *dx = NULL, *dcol = NULL;
   const float* gop = ut__in(grad_out, be);
   const float* colp = gop ? ut__in(col, be) : NULL;
-  ut_tensor* wt = colp ? ut__gemm_weight(l->weight, grad_out, who) : NULL;
-  /* the dx GEMMs' weight, [out_c, kp] zero past K */
+  /* the dx GEMMs' weight, [out_c, kp] zero past K (not made when no dx is wanted) */
+  ut_tensor* wt = colp && dxo ? ut__gemm_weight(l->weight, grad_out, who) : NULL;
   if (wt) wt = ut__conv_pad_weight(be, wt, l->out_c, K, kp, who);
   const float* wp = wt ? ut__in(wt, be) : NULL;
-  float* dWp = wp ? ut__inout(dW, be) : NULL;
+  float* dWp = colp && (wp || !dxo) ? ut__inout(dW, be) : NULL;
   float* dbp = (dWp && db && l->bias) ? ut__inout(db, be) : NULL;
   int rc = (!dWp || (db && l->bias && !dbp)) ? ut__err_status : UT_OK;
   if (rc >= 0 && dxo) {
