@@ -1640,6 +1640,11 @@ static void bn_dw_fold_case(ut_dev dev, int k, int s, int act) {
     ut_tensor* a = NULL;
     if (i == 0) {
       y[i] = ut_batchnorm2d_dwconv2d_forward(&bn[i], &dw[i], x, &bc, &dc);
+      /* the GPU's strip kernels fold (cache->bn set); elsewhere the two layers run */
+      bool folds = dev == UT_CUDA && ut_cuda_available() && act <= UT_ACT_RELU6 &&
+                   (k == 3 || s == 1);
+      assert((dc.bn != NULL) == folds);
+      assert(dc.input == (folds ? x : dc.input) && (folds || dc.input != x));
     } else {
       a = ut_batchnorm2d_forward(&bn[i], x, &bc);
       y[i] = a ? ut_dwconv2d_forward(&dw[i], a, &dc) : NULL;

@@ -242,10 +242,10 @@ typedef struct ut_dwconv2d {
 
 typedef struct ut_dwconv2d_cache {
   ut_tensor* input; /* [N, C, H, W] */
-  /* Set by ut_batchnorm2d_dwconv2d_forward, else NULL: the layer's input was act(bn(input)),
-     never written; bn holds [4, C]: the BatchNorm's mean, var, gamma and beta of that forward,
-     with its eps and activation (bn_act, a ut_activation), so backward normalizes input again
-     as it loads it */
+  /* Set by ut_batchnorm2d_dwconv2d_forward where its kernels folded the BatchNorm, else NULL:
+     the layer's input was act(bn(input)), never written; bn holds [4, C]: the BatchNorm's mean,
+     var, gamma and beta of that forward, with its eps and activation (bn_act, a
+     ut_activation), so backward normalizes input again as it loads it */
   ut_tensor* bn;
   float bn_eps;
   int bn_act;
@@ -445,7 +445,8 @@ ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor*
    ut_dwconv2d_backward(l, cache, go, ...) gives the gradient at act(bn(x)), and
    ut_batchnorm2d_backward(bn, bn_cache, that, ...) the rest. Both caches are required. Where the
    kernels have no such load (the CPU, an activation past RELU6, a channel multiplier, filters
-   outside the strip kernels), act(bn(x)) is made in scratch memory and freed after the call.
+   outside the strip kernels) the two layers run as they are: act(bn(x)) is written and kept as
+   cache->input, cache->bn stays NULL.
    x: [N, C, H, W] -> [N, C*mult, Ho, Wo] (ut_dwconv2d_forward's shapes) */
 ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, ut_tensor* x,
                                            ut_batchnorm2d_cache* bn_cache,
@@ -3182,8 +3183,8 @@ static ut_tensor* ut__dw_repeat(ut_tensor* x, const float* xp, int m, const ut__
                                            m, inner));
 }
 
-/* act(bn(x)) written out, for the kernels that cannot normalize as they load: scratch the
-   caller frees (ut_batchnorm2d_dwconv2d_forward) */
+/* act(bn(x)) written out, for a backward whose kernels cannot normalize as they load: scratch
+   the caller frees */
 static ut_tensor* ut__dw_bn_input(const ut__backend* be, const ut_tensor* x, const float* xp,
                                   const ut__dw_bn* bn, const char* who) {
   ut_tensor* y = ut__new_like(x, who);
@@ -3195,37 +3196,24 @@ static ut_tensor* ut__dw_bn_input(const ut__backend* be, const ut_tensor* x, con
                                  bn->eps, bn->act));
 }
 
-/* ut_dwconv2d_forward past its checks, on act(bn(x)) when bn is not NULL */
-static ut_tensor* ut__dw_forward(ut_dwconv2d* l, ut_tensor* x, ut__conv_geom g,
-                                 const ut__dw_bn* bn, const char* who) {
+/* ut_dwconv2d_forward past its checks */
+static ut_tensor* ut__dw_forward(ut_dwconv2d* l, ut_tensor* x, ut__conv_geom g, const char* who) {
   const ut__backend* be = ut__backend_for(x->dev);
   const int m = ut__dw_mult(l);
   const float* xp = ut__in(x, be);
   const float* wp = xp ? ut__in(l->weight, be) : NULL;
   const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
   if (!wp || (l->bias && !bp)) return NULL;
-  const ut_dtype dt = ut__buf_dtype(x, be);
-  ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c * m, g.ho, g.wo}, x->dev, x->dtype, who);
-  if (!out) return NULL;
-  if (bn && m == 1 && be->dw_fwd_bn) {
-    int rc = be->dw_fwd_bn(dt, xp, wp, bp, ut__out(out, be), &g, bn);
-    if (rc != 1) return ut__finish(out, be, rc);
-  }
-  ut_tensor *xb = NULL, *xr = NULL;
-  if (bn) {
-    if (!(xb = ut__dw_bn_input(be, x, xp, bn, who))) return ut__drop(out);
-    xp = ut__in(xb, be);
-  }
+  ut_tensor* xr = NULL;
   if (m > 1) {
-    if (!(xr = ut__dw_repeat(xb ? xb : x, xp, m, be, who))) {
-      ut_free(xb);
-      return ut__drop(out);
-    }
+    if (!(xr = ut__dw_repeat(x, xp, m, be, who))) return NULL;
     xp = ut__out(xr, be);
     g.c *= m;
   }
-  out = ut__finish(out, be, be->dw_fwd(dt, xp, wp, bp, ut__out(out, be), &g));
-  ut_free_all(xr, xb);
+  ut_tensor* out = ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who);
+  if (out)
+    out = ut__finish(out, be, be->dw_fwd(ut__buf_dtype(x, be), xp, wp, bp, ut__out(out, be), &g));
+  ut_free(xr);
   return out;
 }
 
@@ -3236,7 +3224,7 @@ ut_tensor* ut_dwconv2d_forward(ut_dwconv2d* l, ut_tensor* x, ut_dwconv2d_cache* 
       ut__conv_geometry(&g, x, l->c, l->c * ut__dw_mult(l), l->kh, l->kw, l->stride, l->pad,
                         ut__dw_dil(l), who) < 0)
     return NULL;
-  ut_tensor* out = ut__dw_forward(l, x, g, NULL, who);
+  ut_tensor* out = ut__dw_forward(l, x, g, who);
   if (out && cache) {
     cache->input = ut_retain(x);
     cache->bn = NULL;
@@ -3792,33 +3780,62 @@ ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, u
   if (ut__bn_forward_prepare(bn, x, false, false, who, &fw) < 0) return NULL;
   const ut__backend* be = fw.be;
   const int C = bn->c;
-  /* the normalization the dw cache keeps: mean, var, gamma, beta */
-  ut_tensor* st = ut__new(2, (int[]){4, C}, x->dev, who);
-  int rc = st ? ut__bn_forward_stats(bn, x, &fw) : ut__err_status;
-  float* sp = rc >= 0 ? ut__out(st, be) : NULL;
-  float *mp = ut__out(fw.mean, be), *vp = ut__out(fw.var, be);
-  /* rstd alone for the BatchNorm's cache: bn_apply over no values */
-  if (rc >= 0)
-    rc = be->bn_apply(ut__buf_dtype(x, be), fw.xp, NULL, mp, vp, fw.wp, fw.bp,
-                      ut__out(fw.rstd, be), 0, C, 1, bn->eps, bn->activation);
-  if (rc >= 0) rc = be->copy(sp, mp, C);
-  if (rc >= 0) rc = be->copy(sp + C, vp, C);
-  if (rc >= 0) rc = be->copy(sp + 2 * C, fw.wp, C);
-  if (rc >= 0) rc = be->copy(sp + 3 * C, fw.bp, C);
-  ut_free(fw.var);
-  ut_tensor* out = NULL;
-  if (rc >= 0) {
-    ut__wrote(st, be);
-    ut__dw_bn d = {sp, sp + C, sp + 2 * C, sp + 3 * C, bn->eps, bn->activation};
-    out = ut__dw_forward(l, x, g, &d, who);
-    if (!out) rc = ut__err_status;
+  const ut_dtype dt = ut__buf_dtype(x, be);
+  int rc = ut__bn_forward_stats(bn, x, &fw);
+  float *mp = ut__out(fw.mean, be), *vp = ut__out(fw.var, be), *rp = ut__out(fw.rstd, be);
+  ut_tensor *st = NULL, *out = NULL, *y = NULL;
+  bool folded = false;
+  if (rc >= 0 && be->dw_fwd_bn && ut__dw_mult(l) == 1) {
+    /* the normalization the dw cache keeps (mean, var, gamma, beta), rstd alone for the
+       BatchNorm's cache (bn_apply over no values), then the kernels that normalize as they
+       load, where the backend has them for this geometry and activation */
+    st = ut__new(2, (int[]){4, C}, x->dev, who);
+    float* sp = st ? ut__out(st, be) : NULL;
+    rc = sp ? be->bn_apply(dt, fw.xp, NULL, mp, vp, fw.wp, fw.bp, rp, 0, C, 1, bn->eps,
+                           bn->activation)
+            : ut__err_status;
+    if (rc >= 0) rc = be->copy(sp, mp, C);
+    if (rc >= 0) rc = be->copy(sp + C, vp, C);
+    if (rc >= 0) rc = be->copy(sp + 2 * C, fw.wp, C);
+    if (rc >= 0) rc = be->copy(sp + 3 * C, fw.bp, C);
+    const float* wp = rc >= 0 ? ut__in(l->weight, be) : NULL;
+    const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
+    out = (wp && (bp || !l->bias))
+              ? ut__new_typed(4, (int[]){g.n, g.c, g.ho, g.wo}, x->dev, x->dtype, who)
+              : NULL;
+    if (rc >= 0 && !out) rc = ut__err_status;
+    if (rc >= 0) {
+      ut__wrote(st, be);
+      ut__dw_bn d = {sp, sp + C, sp + 2 * C, sp + 3 * C, bn->eps, bn->activation};
+      int took = be->dw_fwd_bn(dt, fw.xp, wp, bp, ut__out(out, be), &g, &d);
+      folded = took != 1;
+      if (took < 0) rc = took;
+    }
+    if (rc >= 0 && folded) {
+      ut__wrote(out, be);
+    } else {
+      ut_free_all(st, out);
+      st = out = NULL;
+    }
   }
+  if (rc >= 0 && !folded) {
+    /* no such kernels here: the two layers as they are, act(bn(x)) kept for backward */
+    y = ut__new_like(x, who);
+    rc = y ? ut__bn_apply(be, x, fw.xp, y, mp, vp, fw.wp, fw.bp, rp, bn->eps, bn->activation)
+           : ut__err_status;
+    if (rc >= 0) {
+      ut__wrote(y, be);
+      out = ut__dw_forward(l, y, g, who);
+      if (!out) rc = ut__err_status;
+    }
+  }
+  ut_free(fw.var);
   ut__bn_forward_done(rc, bn, x, bn_cache, &fw, false);
   if (rc < 0) {
-    ut_free(st);
+    ut_free_all(st, y, out);
     return NULL;
   }
-  cache->input = ut_retain(x);
+  cache->input = folded ? ut_retain(x) : y;
   cache->bn = st;
   cache->bn_eps = bn->eps;
   cache->bn_act = bn->activation;

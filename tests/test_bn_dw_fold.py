@@ -4,10 +4,10 @@ backward's weight gradient, and act(bn(x)) is never written.
 
 The fold must change nothing but the memory traffic: the output, every gradient, the running
 statistics and the layers' caches are compared to the bit with the two layers run one after the
-other (set_training_fold(False)), on the CPU (which writes act(bn(x)) in scratch) and on the GPU
-(the strip kernels' loads: 3x3 stride 1 and 2, 5x5 stride 1, each at plane widths that take the
-wide bf16 kernels (a multiple of 8), the pair kernels (even) and the one-column kernels (odd);
-the other geometries and activations take the scratch path there too), in float32 and in
+other (set_training_fold(False)), on the CPU (where the C call runs the two layers as they are) and on
+the GPU (the strip kernels' loads: 3x3 stride 1 and 2, 5x5 stride 1, each at plane widths that
+take the wide bf16 kernels (a multiple of 8), the pair kernels (even) and the one-column kernels
+(odd); the other geometries and activations run the two layers there too), in float32 and in
 bfloat16 (MixedPrecision). The unfolded layers are themselves checked against float64 in
 test_bn_activation.py and the depthwise tests; here the chain is also checked against a float64
 reference of its own, so that a fold that broke both paths alike would still fail. Non-finite
