@@ -906,6 +906,10 @@ typedef struct ut__backend {
      act(bn(x)) with bn_apply and calls dw_fwd or dw_bwd_dw */
   int (*dw_fwd_bn)(ut_dtype dt, const void* x, const float* w, const float* bias, void* y,
                    const ut__conv_geom* g, const ut__dw_bn* bn);
+  /* the fold's numbers in one pass: rstd[j] as bn_apply computes it, and st [4, c] = mean, var,
+     gamma, beta (what the depthwise cache keeps); NULL where dw_fwd_bn is */
+  int (*bn_fold_pack)(const float* mean, const float* var, const float* gamma,
+                      const float* beta, float* rstd, float* st, int c, float eps);
   int (*dw_bwd_dw_bn)(ut_dtype dt, const void* go, const void* x, float* dw,
                       const ut__conv_geom* g, const ut__dw_bn* bn);
   /* x: [n, c, inner] -> y: [n, c*m, inner], y[i, j*m + r, :] = x[i, j, :] */
@@ -3785,19 +3789,13 @@ ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, u
   float *mp = ut__out(fw.mean, be), *vp = ut__out(fw.var, be), *rp = ut__out(fw.rstd, be);
   ut_tensor *st = NULL, *out = NULL, *y = NULL;
   bool folded = false;
-  if (rc >= 0 && be->dw_fwd_bn && ut__dw_mult(l) == 1) {
-    /* the normalization the dw cache keeps (mean, var, gamma, beta), rstd alone for the
-       BatchNorm's cache (bn_apply over no values), then the kernels that normalize as they
-       load, where the backend has them for this geometry and activation */
+  if (rc >= 0 && be->dw_fwd_bn && be->bn_fold_pack && ut__dw_mult(l) == 1) {
+    /* the normalization the dw cache keeps (mean, var, gamma, beta) and rstd for the
+       BatchNorm's cache, then the kernels that normalize as they load, where the backend has
+       them for this geometry and activation */
     st = ut__new(2, (int[]){4, C}, x->dev, who);
     float* sp = st ? ut__out(st, be) : NULL;
-    rc = sp ? be->bn_apply(dt, fw.xp, NULL, mp, vp, fw.wp, fw.bp, rp, 0, C, 1, bn->eps,
-                           bn->activation)
-            : ut__err_status;
-    if (rc >= 0) rc = be->copy(sp, mp, C);
-    if (rc >= 0) rc = be->copy(sp + C, vp, C);
-    if (rc >= 0) rc = be->copy(sp + 2 * C, fw.wp, C);
-    if (rc >= 0) rc = be->copy(sp + 3 * C, fw.bp, C);
+    rc = sp ? be->bn_fold_pack(mp, vp, fw.wp, fw.bp, rp, sp, C, bn->eps) : ut__err_status;
     const float* wp = rc >= 0 ? ut__in(l->weight, be) : NULL;
     const float* bp = (wp && l->bias) ? ut__in(l->bias, be) : NULL;
     out = (wp && (bp || !l->bias))

@@ -402,6 +402,7 @@ static void ut__cuda_init(void) {
   t->dw_bwd_dw = ut__cuda_dw_bwd_dw;
   t->dw_fwd_bn = ut__cuda_dw_fwd_bn;
   t->dw_bwd_dw_bn = ut__cuda_dw_bwd_dw_bn;
+  t->bn_fold_pack = ut__cuda_bn_fold_pack;
   t->layernorm_fwd = ut__cuda_layernorm_fwd;
   t->layernorm_bwd = ut__cuda_layernorm_bwd;
   t->chan_scale = ut__cuda_chan_scale; /* issue 30: scale.cu */

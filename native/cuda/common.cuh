@@ -469,6 +469,8 @@ int ut__cuda_bn_stats(ut_dtype dt, const void* x, float* mean, float* var, int n
                       ut__i64 inner);
 int ut__cuda_bn_update_running(float* running_mean, float* running_var, const float* mean,
                                const float* var, int c, float momentum, float unbias);
+int ut__cuda_bn_fold_pack(const float* mean, const float* var, const float* gamma,
+                          const float* beta, float* rstd, float* st, int c, float eps);
 int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                       const float* gamma, const float* beta, float* rstd, int n, int c,
                       ut__i64 inner, float eps, int act);

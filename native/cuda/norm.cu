@@ -753,6 +753,32 @@ static int ut__cuda_bn_apply_impl(const T* x, T* y, const float* mean, const flo
   return UT_OK;
 }
 
+/* ut_batchnorm2d_dwconv2d_forward's numbers in one launch: rstd (the apply kernel's value) and
+   st = [mean; var; gamma; beta] */
+static __global__ void ut__cuda_bn_fold_pack_kernel(const float* __restrict__ mean,
+                                                    const float* __restrict__ var,
+                                                    const float* __restrict__ gamma,
+                                                    const float* __restrict__ beta,
+                                                    float* __restrict__ rstd,
+                                                    float* __restrict__ st, int c, float eps) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= c) return;
+  rstd[j] = ut__cuda_bn_rstd(var[j], eps);
+  st[j] = mean[j];
+  st[c + j] = var[j];
+  st[2 * c + j] = gamma[j];
+  st[3 * c + j] = beta[j];
+}
+
+int ut__cuda_bn_fold_pack(const float* mean, const float* var, const float* gamma,
+                          const float* beta, float* rstd, float* st, int c, float eps) {
+  if (c <= 0) return UT_OK;
+  ut__cuda_bn_fold_pack_kernel<<<(unsigned)ut__cuda_cdiv(c, 128), 128, 0, ut__cuda_stream>>>(
+      mean, var, gamma, beta, rstd, st, c, eps);
+  UT__CUDA_LAUNCHED("bn_fold_pack");
+  return UT_OK;
+}
+
 int ut__cuda_bn_apply(ut_dtype dt, const void* x, void* y, const float* mean, const float* var,
                       const float* gamma, const float* beta, float* rstd, int n, int c,
                       ut__i64 inner, float eps, int act) {
