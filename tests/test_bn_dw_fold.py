@@ -183,11 +183,14 @@ def test_fold_non_finite_is_the_two_layers(device, shape):
 
 def test_fold_through_nested_sequentials_and_not_sync_or_eval(device, monkeypatch):
     """An inverted residual's expand and depthwise units are sibling Sequentials: the fold
-    looks through them. Eval mode, SyncBatchNorm and set_training_fold(False) do not fold."""
+    looks through them. Off by default; eval mode and SyncBatchNorm do not fold."""
     calls = _counting(monkeypatch)
     net = models.mobilenet_v2(num_classes=4, width_mult=0.25, device=device)
     net.train()
     x = np.random.RandomState(8).randn(2, 3, 32, 32).astype(np.float32)
+    net(ut.tensor(x, device=device)).close()
+    assert calls == []  # off by default
+    monkeypatch.setattr(fold, "_TRAINING", [True])
     y = net(ut.tensor(x, device=device))
     n_train = len(calls)
     # the 16 blocks with an expand; the first block's depthwise follows the stem's BatchNorm
@@ -206,9 +209,10 @@ def test_fold_through_nested_sequentials_and_not_sync_or_eval(device, monkeypatc
         seq.close()
 
 
-def test_folded_backward_checks_its_input_version(device):
+def test_folded_backward_checks_its_input_version(device, monkeypatch):
     """The depthwise's cache holds the BatchNorm's input: changing it in place between forward
     and backward is refused as for any layer."""
+    monkeypatch.setattr(fold, "_TRAINING", [True])
     net = _net(device, "relu", 3, 1, 1)
     x = ut.tensor(np.random.RandomState(9).randn(2, 5, 8, 8).astype(np.float32), device=device)
     y = net(x)

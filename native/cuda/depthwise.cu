@@ -60,6 +60,12 @@ static int ut__cuda_dwconv2d_stripw_ipt(int s) {
   return s == 1 ? 2 : 1;
 }
 
+/* rows per item of the forward strip kernels that normalize a folded BatchNorm as they load
+   (0: as without; an experiment's build flag, -DUT__CUDA_DW_BN_ROWS=8) */
+#ifndef UT__CUDA_DW_BN_ROWS
+#define UT__CUDA_DW_BN_ROWS 0
+#endif
+
 static int ut__cuda_dwconv2d_stripw_rows(int mode, int s) {
   if (ut__cuda_dwconv2d_stripw_tune_R) return ut__cuda_dwconv2d_stripw_tune_R;
   switch (mode) {
@@ -154,8 +160,8 @@ static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, cons
                                                T* out, int n, int c, int ih, int iw, int oh,
                                                int ow, int k, int s, int pad, bool flip,
                                                const ut__cuda_dw_bnp* bn = nullptr) {
-  const int R =
-      ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
+  const int R = bn && UT__CUDA_DW_BN_ROWS ? UT__CUDA_DW_BN_ROWS
+      : ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = in; p.w = w; p.bias = bias; p.out = out;
@@ -165,8 +171,8 @@ static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, cons
     if (ut__cuda_dwconv2d_stripw_in_fits(in, iw) &&
         ut__cuda_dwconv2d_stripw_po_ok(k, s, ut__cuda_dwconv2d_stripw_po(pad))) {
       /* CW columns per item from 16-byte loads */
-      const int RW =
-          ut__cuda_dwconv2d_stripw_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s);
+      const int RW = bn && UT__CUDA_DW_BN_ROWS ? UT__CUDA_DW_BN_ROWS
+          : ut__cuda_dwconv2d_stripw_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s);
       const int cw = ut__cuda_dwconv2d_stripw_cols(s);
       p.NX = (int)ut__cuda_cdiv(ow, cw); p.NS = (int)ut__cuda_cdiv(oh, RW);
       p.items = (unsigned)((ut__i64)n * c * p.NS * p.NX);

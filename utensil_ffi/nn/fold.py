@@ -21,13 +21,15 @@ whole body is such a chain.
 ``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare;
 ``set_separable_fold(False)`` only the separable chains (each pair still folded).
 
-Training (issue 31): each training-mode BatchNorm2d directly followed by a DWConv2d (nested
-plain Sequentials looked through: the expand and depthwise units of an inverted residual) runs
-its forward as one C call, ``ut_batchnorm2d_dwconv2d_forward``: the GPU's depthwise kernels
-normalize the BatchNorm's input as they load it, so its output is never written to memory or
-held for backward. Both layers' caches are filled as their own forwards fill them, so backward
-is each layer's own, unchanged; values, gradients and running statistics are the same bits.
-``set_training_fold(False)`` runs the two forwards one after the other.
+Training (issue 31), off by default: with ``set_training_fold(True)`` each training-mode
+BatchNorm2d directly followed by a DWConv2d (nested plain Sequentials looked through: the
+expand and depthwise units of an inverted residual) runs its forward as one C call,
+``ut_batchnorm2d_dwconv2d_forward``: the GPU's depthwise kernels normalize the BatchNorm's input
+as they load it, so its output is never written to memory or held for backward. Both layers'
+caches are filled as their own forwards fill them, so backward is each layer's own, unchanged;
+values, gradients and running statistics are the same bits. Off by default because it measured
+slower: the normalization costs the depthwise kernels more arithmetic than the pass it saves
+(bench/RESULTS.md, "the training fold").
 """
 
 from .. import _args
@@ -82,12 +84,12 @@ def get_separable_fold():
     return _SEPARABLE[0]
 
 
-_TRAINING = [True]
+_TRAINING = [False]
 
 
 def set_training_fold(enabled):
-    """Run each training-mode BatchNorm2d and the DWConv2d after it as one forward (True, the
-    default) or as two (False); returns the previous setting. Results are the same bits either
+    """Run each training-mode BatchNorm2d and the DWConv2d after it as one forward (True) or
+    as two (False, the default); returns the previous setting. Results are the same bits either
     way."""
     prev = _TRAINING[0]
     _TRAINING[0] = _args.to_bool(enabled, "enabled")
