@@ -149,11 +149,11 @@ def utensil_graph_side(net, opt, staged):
     return steps, close
 
 
-def _unfolded(steps):
-    """``steps`` with training's BatchNorm -> depthwise fold off (nn.fold.set_training_fold);
+def _folded(steps):
+    """``steps`` with training's BatchNorm -> depthwise fold on (nn.fold.set_training_fold);
     a recorded side records so on its first call."""
     def run(batches):
-        prev = ut.nn.fold.set_training_fold(False)
+        prev = ut.nn.fold.set_training_fold(True)
         try:
             return steps(batches)
         finally:
@@ -303,8 +303,8 @@ def _run(net_name="v1", size=64, batch=8, threads=2, device="cpu", steps=20, rou
         if graph and device == "cuda":
             ours["utensil bf16 graph"], c = utensil_graph_side(mp, opt, ut_staged)
             closers.append(c)
-    if fold_ab:  # each of utensil's sides again with training's BatchNorm fold off
-        ours.update({k + " unfolded": _unfolded(fn) for k, fn in list(ours.items())})
+    if fold_ab:  # each of utensil's sides again with training's BatchNorm fold on
+        ours.update({k + " folded": _folded(fn) for k, fn in list(ours.items())})
     sides = dict(ours, **sides)
     parity = check_parity(torch, net, opt, batches, device,
                           rtol=(1e-4 if precision == "highest" else 2e-3, 2e-2),
@@ -368,7 +368,7 @@ def main(argv=None):
                    help="PyTorch modes, comma-separated: " + ",".join(TORCH_MODES))
     p.add_argument("--fold-ab", action="store_true",
                    help="also time each utensil side with training's BatchNorm -> depthwise "
-                        "fold off (\"<side> unfolded\"), in the same rounds")
+                        "fold on (\"<side> folded\"), in the same rounds")
     p.add_argument("--no-check", action="store_true",
                    help="skip the fp32 loss check against PyTorch before the timed steps")
     a = p.parse_args(argv)
