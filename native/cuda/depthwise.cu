@@ -60,12 +60,6 @@ static int ut__cuda_dwconv2d_stripw_ipt(int s) {
   return s == 1 ? 2 : 1;
 }
 
-/* rows per item of the forward strip kernels that normalize a folded BatchNorm as they load
-   (0: as without; an experiment's build flag, -DUT__CUDA_DW_BN_ROWS=8) */
-#ifndef UT__CUDA_DW_BN_ROWS
-#define UT__CUDA_DW_BN_ROWS 0
-#endif
-
 static int ut__cuda_dwconv2d_stripw_rows(int mode, int s) {
   if (ut__cuda_dwconv2d_stripw_tune_R) return ut__cuda_dwconv2d_stripw_tune_R;
   switch (mode) {
@@ -160,8 +154,8 @@ static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, cons
                                                T* out, int n, int c, int ih, int iw, int oh,
                                                int ow, int k, int s, int pad, bool flip,
                                                const ut__cuda_dw_bnp* bn = nullptr) {
-  const int R = bn && UT__CUDA_DW_BN_ROWS ? UT__CUDA_DW_BN_ROWS
-      : ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
+  const int R =
+      ut__cuda_dwconv2d_strip_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s, oh);
   const int threads = ut__cuda_dwconv2d_strip_threads();
   ut__cuda_dwconv2d_strip_params<T> p = {};
   p.in = in; p.w = w; p.bias = bias; p.out = out;
@@ -171,8 +165,8 @@ static int ut__cuda_dwconv2d_strip_forward_run(const T* in, const float* w, cons
     if (ut__cuda_dwconv2d_stripw_in_fits(in, iw) &&
         ut__cuda_dwconv2d_stripw_po_ok(k, s, ut__cuda_dwconv2d_stripw_po(pad))) {
       /* CW columns per item from 16-byte loads */
-      const int RW = bn && UT__CUDA_DW_BN_ROWS ? UT__CUDA_DW_BN_ROWS
-          : ut__cuda_dwconv2d_stripw_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s);
+      const int RW =
+          ut__cuda_dwconv2d_stripw_rows(flip ? UT__CUDA_DWCONV2D_FLIP : UT__CUDA_DWCONV2D_FWD, s);
       const int cw = ut__cuda_dwconv2d_stripw_cols(s);
       p.NX = (int)ut__cuda_cdiv(ow, cw); p.NS = (int)ut__cuda_cdiv(oh, RW);
       p.items = (unsigned)((ut__i64)n * c * p.NS * p.NX);
@@ -480,7 +474,7 @@ int ut__cuda_dw_bwd_dw(ut_dtype dt, const void* go, const void* x, float* dw,
 /* ---- a BatchNorm folded into the loads (ut_batchnorm2d_dwconv2d_forward) ----
    The strip kernels' shapes take it (the forward and dW kernels with BN; the forward's rerun for
    non-finite weights and dW's re-sum of a non-finite tap normalize as they load too); every
-   other geometry, and the activations past RELU6, return 1 and the core writes act(bn(x)). */
+   other geometry, and the activations past RELU6, return 1 and the core runs the two layers. */
 static bool ut__cuda_dw_bnp_of(const ut__dw_bn* bn, ut__cuda_dw_bnp* p) {
   if (bn->act != UT_ACT_NONE && bn->act != UT_ACT_RELU && bn->act != UT_ACT_RELU6) return false;
   p->mean = bn->mean; p->var = bn->var; p->gamma = bn->gamma; p->beta = bn->beta;

@@ -183,18 +183,18 @@ template int ut__cuda_dwconv2d_direct_dx_run<ut__cuda_bf16>(const ut__cuda_bf16*
 template int ut__cuda_dwconv2d_exact_run<float, false>(const float* in, const float* w,
                                                        const float* bias, float* out,
                                                        const ut__conv_geom* g,
-    const ut__cuda_dw_bnp& bn);
+                                                       const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<float, true>(const float* in, const float* w,
                                                       const float* bias, float* out,
                                                       const ut__conv_geom* g,
-    const ut__cuda_dw_bnp& bn);
+                                                      const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<ut__cuda_bf16, false>(const ut__cuda_bf16* in,
                                                                const float* w, const float* bias,
                                                                ut__cuda_bf16* out,
                                                                const ut__conv_geom* g,
-    const ut__cuda_dw_bnp& bn);
+                                                               const ut__cuda_dw_bnp& bn);
 template int ut__cuda_dwconv2d_exact_run<ut__cuda_bf16, true>(const ut__cuda_bf16* in,
                                                               const float* w, const float* bias,
                                                               ut__cuda_bf16* out,
                                                               const ut__conv_geom* g,
-    const ut__cuda_dw_bnp& bn);
+                                                              const ut__cuda_dw_bnp& bn);
