@@ -29,7 +29,7 @@ as they load it, so its output is never written to memory or held for backward. 
 caches are filled as their own forwards fill them, so backward is each layer's own, unchanged;
 values, gradients and running statistics are the same bits. Off by default because it measured
 slower: the normalization costs the depthwise kernels more arithmetic than the pass it saves
-(bench/RESULTS.md, "the training fold").
+(bench/RESULTS.md, "H100, training's BatchNorm folded into the depthwise").
 """
 
 from .. import _args
