@@ -2911,7 +2911,14 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
     return ut__drop(wt);
   }
 
-  bool merged = ut__conv_merges_batch(&g, be, x->dtype);
+  /* a pointwise convolution over 1x1 planes (squeeze-and-excitation's, on pooled [N, C, 1,
+     1]) is a Linear on the CPU: y [N, out_c] = x [N, in_c] . W^T, one product for the batch
+     reading W in place. As products of one column per image, each column was padded to a
+     whole panel (SE's 1152 -> 48 on one image 41 -> 8 us on 2 cores), and a batch went
+     through two transposes (merged). With epi the per-channel epilogue needs W . x's rows. */
+  bool as_linear = !epi && P == 1 && ut__conv_is_pointwise(&g) && !ut__is_device_backend(be) &&
+                   dt == UT_F32;
+  bool merged = !as_linear && ut__conv_merges_batch(&g, be, x->dtype);
   bool regroup = !merged && ut__conv_regroups_batch(&g, be);
   /* inference (nothing cached) on the CPU: the GEMM packs its panels of the columns from x
      instead of copying them from a column matrix. It pays where each panel is packed once, in
@@ -2959,6 +2966,11 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
     if (rc >= 0) rc = be->gemm(dt, dt, &mm);
     if (rc >= 0) rc = be->transpose(dt, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free_all(yt, xr);
+  } else if (as_linear) {
+    ut__gemm_args mm = {.trans_b = true, .m = g.n, .n = l->out_c, .k = K, .batch = 1,
+                        .alpha = 1.f, .beta = 0.f, .a = xp, .lda = K, .b = wkp, .ldb = K,
+                        .c = op, .ldc = l->out_c};
+    rc = be->gemm(dt, dt, &mm);
   } else {
     ut__gemm_args mm = {.m = l->out_c, .n = P, .k = kp, .batch = g.n, .alpha = 1.f,
                         .beta = 0.f, .a = wkp, .lda = kp, .stride_a = 0,
@@ -7325,10 +7337,15 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
      packed engine was faster, up to 2x: ConvNeXt's 96 <-> 384 weight gradients over 16x16
      planes (k 256 per image, 8 images) 1.37 -> 0.68 ms on 2 cores, MobileNetV2's 192 x 32
      at 28x28 0.65 -> 0.33 ms; the dot engine kept 1.5-4x where m <= 24 or n <= 16 (16 x 96
-     at 112x112, a 10-class head) and at 48 x 48 (1.65x) */
+     at 112x112, a 10-class head) and at 48 x 48 (1.65x). One row or column (a matrix-vector
+     product: a Linear over one sample, squeeze-and-excitation's 1x1 convs over pooled
+     [1, C, 1, 1]) from a depth of 32: the packed engine would pad it to a whole panel and pack
+     the matrix for one use (Linear(48, 1152) on one sample 32 -> 21 us on 2 cores; below 32
+     the dot engine's remainder path costs more: 28 -> 672 14 -> 24 us) */
   if (!g->row_scale && !g->b_conv && (g->sum_batch || g->batch == 1) && !g->trans_a &&
       g->trans_b &&
-      k >= 256 && (m <= 24 || n <= 16 || (g->batch == 1 && (ut__i64)m * n <= 48 * 48)))
+      ((k >= 256 && (m <= 24 || n <= 16 || (g->batch == 1 && (ut__i64)m * n <= 48 * 48))) ||
+       ((m == 1 || n == 1) && k >= 32)))
     return ut__cpu_gemm_dot(g);
   const ut__cpu_isa_kernels* isa = ut__cpu_isa();
   ut__cpu_gemm_kern kern = isa->gemm;

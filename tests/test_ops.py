@@ -305,6 +305,22 @@ def test_pointwise_conv2d_over_small_images(device):
         _conv_random_case(device, False, n, c, o, h, w, 1, 1, 1, 0)
 
 
+def test_pointwise_conv2d_over_1x1_planes(device):
+    """A pointwise conv over 1x1 planes (squeeze-and-excitation's, on pooled [N, C, 1, 1])
+    runs on the CPU as a Linear over the batch, y [N, out] = x [N, in] . W^T (matrix-vector
+    products at one image; depths under and over 32, where the dot-product engine takes
+    them): forward and backward against the float64 reference, bias or not."""
+    ut.seed(19)
+    for n, c, o in [(1, 1152, 48), (1, 48, 1152), (1, 28, 672), (3, 96, 4), (8, 4, 96),
+                    (2, 33, 1), (1, 40, 1)]:
+        _conv_random_case(device, False, n, c, o, 1, 1, 1, 1, 1, 0)
+    with ut.Conv2d(40, 9, 1, bias=False, device=device) as l:
+        x = ut.randn((2, 40, 1, 1), device=device)
+        y, ref = l(x), R.conv2d(x.numpy().astype(float), l.weight.numpy().astype(float),
+                                np.zeros(9), 1, 0)
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_unpadded_conv2d_over_small_planes(device):
     """A k x k convolution without padding over small output planes (ConvNeXt's patchify stem
     and 2x2 downsampling) runs on the CPU as one GEMM over the batch (its im2col columns
@@ -386,10 +402,12 @@ def test_linear(device):
     check(nb.weight.grad, [1, 1, 1, 2, 0, -1])
 
 
-@pytest.mark.parametrize("n, i, o", [(5, 300, 7), (1, 256, 100), (97, 260, 3), (8, 1024, 33)])
+@pytest.mark.parametrize("n, i, o", [(5, 300, 7), (1, 256, 100), (97, 260, 3), (8, 1024, 33),
+                                     (1, 48, 1152), (1, 33, 17), (6, 40, 1), (1, 31, 64)])
 def test_linear_wide_inputs(device, n, i, o):
-    """Linear with k = in_features >= 256 and a short side (the CPU forward then runs on the
-    dot-product engine, no packing): forward and backward against the float64 reference."""
+    """Linear with k = in_features >= 256 and a short side, or one sample or one output from
+    k = 32 on (the CPU forward then runs on the dot-product engine, no packing; 31: the packed
+    one): forward and backward against the float64 reference."""
     ut.seed(21)
     with ut.Linear(i, o, device=device) as l:
         x = ut.randn((n, i), device=device)
