@@ -1,5 +1,6 @@
 """LayerNorm2d, the layer scale and squeeze-and-excitation's channel scale against PyTorch
-(issue 30), on ConvNeXt-T's and EfficientNet-B0's shapes.
+(issue 30), on ConvNeXt-T's and EfficientNet-B0's shapes; SqueezeExcitation's eval forward
+(issue 32).
 
     python bench/bench_se_layernorm2d.py [--device cuda] [--n 32] [--reps 30] [--dtype bf16]
 
@@ -7,6 +8,9 @@ One training step of each op (forward, then backward: dx and the parameter or sc
 on both sides, the median time per step and the ratio (> 1: utensil faster). PyTorch's side is
 what its models run: LayerNorm2d as torchvision writes it (permute to NHWC, F.layer_norm,
 permute back, under autograd), the scales as broadcast multiplies under autograd.
+``se_forward`` is inference instead: the whole SqueezeExcitation module in eval mode (pool,
+1x1 conv to C/24 channels, SiLU, 1x1 conv back, Sigmoid, the channel scale), PyTorch's under
+no_grad (torchvision's SqueezeExcitation); run it with ``--n 1`` and 8 for inference's batches.
 """
 
 import argparse
@@ -28,6 +32,7 @@ from utensil_ffi import functional as F  # noqa: E402
 CASES = [("layernorm2d", c, h) for c, h in ((96, 56), (192, 28), (384, 14), (768, 7))]
 CASES += [("layer_scale", c, h) for c, h in ((96, 56), (768, 7))]
 CASES += [("channel_scale", c, h) for c, h in ((96, 112), (144, 56), (480, 14), (1152, 7))]
+CASES += [("se_forward", c, h) for c, h in ((96, 112), (144, 56), (480, 14), (1152, 7))]
 
 
 def _median_ms(fn, reps, sync):
@@ -60,6 +65,13 @@ def _ours(op, x, g, c, n, device, dtype):
             F.layer_scale_backward(g, x, gamma, dgamma).close()
 
         return step, lambda: (gamma.close(), dgamma.close())
+    if op == "se_forward":
+        se = ut.SqueezeExcitation(c, max(1, c // 24), ut.SiLU, device=device).eval()
+
+        def step():
+            se(x).close()
+
+        return step, se.close
     s = ut.tensor(np.random.rand(n, c, 1, 1).astype(np.float32), device, dtype)
 
     def step():
@@ -86,6 +98,17 @@ def _theirs(torch, op, xa, ga, c, device, dtype):
 
         def fwd():
             return x * gamma.to(dtype)
+    elif op == "se_forward":  # torchvision.ops.SqueezeExcitation's forward
+        nn = torch.nn
+        fc1 = nn.Conv2d(c, max(1, c // 24), 1).to(device, dtype)
+        fc2 = nn.Conv2d(max(1, c // 24), c, 1).to(device, dtype)
+
+        def step():
+            with torch.no_grad():
+                p = nn.functional.adaptive_avg_pool2d(x, 1)
+                x * torch.sigmoid(fc2(nn.functional.silu(fc1(p))))
+
+        return step
     else:
         s = torch.rand(x.shape[0], c, 1, 1, device=device, dtype=dtype, requires_grad=True)
 
@@ -114,6 +137,8 @@ def main(argv=None):
     print("%-14s %5s %4s  %9s  %9s  %6s" % ("op", "C", "H", "ours ms", "torch ms", "ratio"))
     rng = np.random.default_rng(0)
     for op, c, h in CASES:
+        if op == "se_forward" and dtype != ut.float32:
+            continue  # a module's forward: float32 (bfloat16 modules are MixedPrecision's)
         xa = rng.standard_normal((a.n, c, h, h)).astype(np.float32)
         ga = rng.standard_normal((a.n, c, h, h)).astype(np.float32)
         with ut.tensor(xa, a.device, dtype) as x, ut.tensor(ga, a.device, dtype) as g:

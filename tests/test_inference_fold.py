@@ -347,6 +347,74 @@ def test_stale_after_train_then_eval():
     _fresh_check("train then eval", model, conv, bn, x, before)
 
 
+def test_kept_steps_follow_the_layers_the_modes_and_the_settings():
+    """A Sequential keeps its folded steps between calls (fold.kept_fold_steps); they are
+    derived again when a layer is replaced in place, appended or removed, a layer's mode
+    changes or a fold setting changes; a copy derives its own. Each output is checked against
+    the layers run one by one."""
+    import copy
+
+    rng = np.random.default_rng(27)
+    conv, bn, model = _pair(rng, act="relu")
+    model.eval()
+    x = _x(rng, 3)
+    _check("first", model, conv, bn, x)
+    assert model(x).numpy().shape == (2, 4, 6, 7)
+    steps = fold.kept_fold_steps(model, model.layers)
+    assert steps is fold.kept_fold_steps(model, model.layers)  # kept
+    assert len(steps) == 1  # the pair as one step
+    conv2 = ut.Conv2d(3, 4, 3, padding=1)
+    conv2.eval()
+    before = _folded(model, x)
+    model.layers[0] = conv2  # in place: same length
+    _fresh_check("a layer replaced", model, conv2, bn, x, before)
+    model.layers.append(ut.ReLU6())
+    with model(x) as y:
+        assert_close("appended ReLU6", y.numpy(), np.minimum(_reference(conv2, bn, x), 6.0),
+                     rtol=1e-4, atol=2e-6)
+    model.layers.pop()
+    bn.train()  # one layer's mode: the pair no longer folds (a training BatchNorm)
+    with model(x) as y:
+        z = R.conv2d(x.astype(np.float64), conv2.weight.numpy().astype(np.float64),
+                     conv2.bias.numpy().astype(np.float64), 1, 1)
+        mean, var = z.mean(axis=(0, 2, 3), keepdims=True), z.var(axis=(0, 2, 3), keepdims=True)
+        ref = (z - mean) / np.sqrt(var + bn.eps) * bn.weight.numpy()[None, :, None, None] \
+            + bn.bias.numpy()[None, :, None, None]
+        assert_close("BatchNorm in training", y.numpy(), np.maximum(ref, 0.0), rtol=1e-4,
+                     atol=1e-5)
+    bn.eval()
+    assert len(fold.kept_fold_steps(model, model.layers)) == 1
+    prev = fold.set_inference_fold(False)
+    try:
+        assert len(fold.kept_fold_steps(model, model.layers)) == 2
+    finally:
+        fold.set_inference_fold(prev)
+    twin = copy.deepcopy(model)
+    twin.layers[0].weight.copy_from(twin.layers[0].weight.numpy() * -2.0)
+    assert_close("the copy's own layers", _folded(twin, x),
+                 _reference(twin.layers[0], twin.layers[1], x), rtol=1e-4, atol=2e-6)
+    assert_close("the original unchanged", _folded(model, x), _reference(conv2, bn, x),
+                 rtol=1e-4, atol=2e-6)
+
+
+def test_kept_separable_plan_follows_the_modes():
+    """An inverted residual keeps its separable plan between eval calls; a layer of its body
+    put in training mode runs the layers themselves (its BatchNorm's batch statistics)."""
+    rng = np.random.default_rng(28)
+    m = models.mobilenet_v2(num_classes=10, width_mult=0.25)
+    m.eval()
+    block = m.features[2]
+    x = rng.standard_normal((2, block.body[0][0].in_channels, 8, 8)).astype(np.float32)
+    plan = fold.kept_separable_plan(block.body)
+    assert plan is not None and plan is fold.kept_separable_plan(block.body)
+    folded = _folded(block, x)
+    assert_close("block folded vs unfolded", folded, _unfolded(block, x), rtol=1e-4, atol=1e-5)
+    block.body[0][1].train()
+    assert fold.kept_separable_plan(block.body) is None
+    block.body[0][1].eval()
+    assert fold.kept_separable_plan(block.body) is not None
+
+
 def test_an_eval_forward_leaves_training_unchanged():
     """Eval forwards (folded) between training steps: the gradients and running statistics are
     those of the same steps without them."""

@@ -87,7 +87,7 @@ class InvertedResidual(nn.Module):
         sd = self._sd()
         if not self.training and (sd is None or not sd.training):
             # eval: a separable body (and its residual) in one call
-            plan = fold.separable_plan(self.body)
+            plan = fold.kept_separable_plan(self.body)
             if plan is not None:  # (fold's function looked up here: profilers wrap it)
                 return fold.separable_forward(plan, x, residual=self.use_res_connect)
         y = self.body(x)

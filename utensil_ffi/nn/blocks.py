@@ -36,7 +36,7 @@ class Residual(_Wrapper, child="block"):
 
     def _forward(self, x):
         if not self.training:  # eval: a separable chain with its residual in one call
-            plan = fold.separable_plan(self.block)
+            plan = fold.kept_separable_plan(self.block)
             if plan is not None:  # (fold's function looked up here: profilers wrap it)
                 return fold.separable_forward(plan, x, residual=True)
         y = self.block(x)

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from .. import _args
 from .._errors import ArgumentError, ArgumentTypeError
 from .._lifetime import _in_pass
-from .fold import fold_steps
+from .fold import kept_fold_steps
 from ..tensor import Tensor
 from .module import Module, _backward_params_only, _public_state, _rebuild_module, _takes_input_grad
 
@@ -83,7 +83,7 @@ class Sequential(Module):
     def forward(self, x):
         # one outer call even when forward is called directly: layers used twice keep both uses;
         # in eval mode a convolution and the BatchNorm2d after it run as one step (fold.py)
-        return _in_pass(self._chain, (x, fold_steps(self.layers)))
+        return _in_pass(self._chain, (x, kept_fold_steps(self, self.layers)))
 
     @_takes_input_grad
     def backward(self, grad_out, *, input_grad=True):
