@@ -397,6 +397,32 @@ def test_kept_steps_follow_the_layers_the_modes_and_the_settings():
                  rtol=1e-4, atol=2e-6)
 
 
+def test_kept_steps_call_a_forward_wrapped_later():
+    """The kept steps look each layer's forward up when they run: a forward wrapped after the
+    first call (profilers, instrumentation) is the one called."""
+    rng = np.random.default_rng(29)
+    conv, bn, model = _pair(rng, act="relu")
+    tail = ut.Hardswish()
+    model.layers.append(tail)
+    model.eval()
+    x = _x(rng, 3)
+    first = _folded(model, x)
+    calls = []
+    plain = type(tail).forward
+
+    def counted(self, t):
+        calls.append(self)
+        return plain(self, t)
+
+    type(tail).forward = counted
+    try:
+        again = _folded(model, x)
+    finally:
+        type(tail).forward = plain
+    assert calls == [tail]
+    np.testing.assert_array_equal(again, first)
+
+
 def test_kept_separable_plan_follows_the_modes():
     """An inverted residual keeps its separable plan between eval calls; a layer of its body
     put in training mode runs the layers themselves (its BatchNorm's batch statistics)."""

@@ -126,9 +126,15 @@ def _train_steps(layers):
             steps.append(lambda x, b=l, d=flat[i + 1]: bn_dw_forward(b, d, x))
             i += 2
         else:
-            steps.append(l.forward)
+            steps.append(_forward_of(l))
             i += 1
     return steps
+
+
+def _forward_of(layer):
+    # looked up at each call, not bound once: kept steps (kept_fold_steps) must still see a
+    # forward wrapped or replaced later (profilers, a user's instrumentation)
+    return lambda x: layer.forward(x)
 
 
 def _foldable(conv, bn):
@@ -188,7 +194,7 @@ def fold_steps(layers):
     separable_forward step; each training-mode BatchNorm2d -> DWConv2d pair as one
     bn_dw_forward step (_train_steps); every other layer its own forward."""
     if not _FOLD[0]:
-        return [l.forward for l in layers]
+        return [_forward_of(l) for l in layers]
     train = _train_steps(layers) if _TRAINING[0] else None
     if train is not None:
         return train
@@ -202,7 +208,7 @@ def fold_steps(layers):
             continue
         l, bn, act, _ = units[j]
         if bn is None:
-            steps.append(l.forward)
+            steps.append(_forward_of(l))
         else:
             steps.append(lambda x, c=l, b=bn, a=act: conv_bn_forward(c, b, x, a))
         j += 1
