@@ -1,7 +1,8 @@
 """Where utensil's CPU inference spends its time: an eval forward of a network split by the kind of
 folded convolution step (issue 32: every convolution + BatchNorm2d runs as one step, timed as
-one; a separable chain, [1x1] -> depthwise -> 1x1, as one "block" step), with each kind's
-GFLOP/s, and the rest (residual adds, pooling, the classifier, Python).
+one; a separable chain, [1x1] -> depthwise -> [squeeze-and-excitation] -> 1x1, as one "block"
+step), with each kind's GFLOP/s, and the rest (residual adds, pooling, the classifier,
+Python).
 
     python bench/profile_inference.py [--net mobilenet_v2] [--size 224] [--batch 1]
                                       [--threads 2] [--calls 5] [--by-shape] [--onnxruntime]
@@ -51,13 +52,15 @@ def _flops(conv, y):
 
 
 def _block_kind(plan):
-    expand, dw, _ = plan
-    return "block %s%s" % ("1x1+" if expand is not None else "", _kind(dw[0]))
+    expand, dw, _, se = plan
+    return "block %s%s%s" % ("1x1+" if expand is not None else "", _kind(dw[0]),
+                             "+se" if se is not None else "")
 
 
 def _block_flops(plan, x, y):
-    """2 x the multiply-adds of the chain's three convolutions, x -> y [N, O, Ho, Wo]."""
-    expand, dw, project = plan
+    """2 x the multiply-adds of the chain's three convolutions, x -> y [N, O, Ho, Wo] (its
+    squeeze-and-excitation's, under 1%, left out)."""
+    expand, dw, project, _ = plan
     n, cin, h, w = x.shape
     _, o, ho, wo = y.shape
     e = dw[0].channels

@@ -1820,7 +1820,8 @@ static void test_separable_block(ut_dev dev) {
     ut_dwconv2d dw = ut_dwconv2d_alloc(24, 3, 3, stride, 1, false, dev);
     require(dw.weight);
     ut_separable_block b = {k == 2 ? NULL : &ex, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_HARDSWISH,
-                            &pj, &bp, UT_ACT_NONE, stride == 1 && k != 2};
+                            &pj, &bp, UT_ACT_NONE, stride == 1 && k != 2,
+                            NULL, UT_ACT_NONE, NULL, UT_ACT_NONE};
     ut_tensor* in = x;
     if (k == 2) in = ut_conv2d_bn_forward(&ex, &be, x, UT_ACT_NONE); /* 24 channels */
     require(in);
@@ -1842,7 +1843,7 @@ static void test_separable_block(ut_dev dev) {
   ut_conv2d c3 = ut_conv2d_alloc(24, 4, 3, 3, 1, 1, false, dev);
   require(dw.weight && c3.weight);
   ut_separable_block b = {&ex, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_NONE,
-                          &pj, &bp, UT_ACT_NONE, true};
+                          &pj, &bp, UT_ACT_NONE, true, NULL, UT_ACT_NONE, NULL, UT_ACT_NONE};
   assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_SHAPE);
   b.residual = false;
   b.dw = NULL;
@@ -1856,6 +1857,83 @@ static void test_separable_block(ut_dev dev) {
   ut_dwconv2d_free(&dw);
   ut_conv2d_free(&ex);
   ut_conv2d_free(&pj);
+  ut_batchnorm2d_free(&be);
+  ut_batchnorm2d_free(&bd);
+  ut_batchnorm2d_free(&bp);
+}
+
+/* The block with squeeze-and-excitation (EfficientNet's MBConv, MobileNetV3's) against its
+   layers one by one: expand, depthwise, the mean over H and W, fc1 + SiLU, fc2 + Sigmoid,
+   ut_channel_scale, project, residual. On the CPU the scale goes on a copy of x's columns
+   (2x2 planes, batch 1: fewer values than the weight's; 7x7, batch 3: the batch-merged
+   product's regrouped copy) or on the weight (16x16, batch 1 and 3); and a block without an
+   expand. */
+static ut_tensor* se_reference(ut_conv2d* fc1, ut_conv2d* fc2, ut_tensor* d) {
+  ut_tensor* p = ut_global_avgpool2d_forward(d);
+  ut_tensor* p4 = p ? ut_reshape(p, 4, S(p->shape.shape[0], p->shape.shape[1], 1, 1)) : NULL;
+  ut_tensor* r = p4 ? ut_conv2d_forward(fc1, p4, NULL) : NULL;
+  ut_tensor* ra = r ? ut_activation_forward(r, UT_ACT_SILU) : NULL;
+  ut_tensor* q = ra ? ut_conv2d_forward(fc2, ra, NULL) : NULL;
+  ut_tensor* s = q ? ut_activation_forward(q, UT_ACT_SIGMOID) : NULL;
+  ut_tensor* y = s ? ut_channel_scale(d, s) : NULL;
+  ut_free_all(p, p4, r, ra, q, s);
+  return y;
+}
+static void test_separable_block_se(ut_dev dev) {
+  ut_conv2d ex = ut_conv2d_alloc(8, 40, 1, 1, 1, 0, false, dev);
+  ut_conv2d pj = ut_conv2d_alloc(40, 8, 1, 1, 1, 0, false, dev);
+  ut_conv2d fc1 = ut_conv2d_alloc(40, 6, 1, 1, 1, 0, true, dev);
+  ut_conv2d fc2 = ut_conv2d_alloc(6, 40, 1, 1, 1, 0, true, dev);
+  ut_dwconv2d dw = ut_dwconv2d_alloc(40, 5, 5, 1, 2, false, dev);
+  ut_batchnorm2d be, bd, bp;
+  eval_bn(&be, 40, UT_ACT_SILU, dev);
+  eval_bn(&bd, 40, UT_ACT_SILU, dev);
+  eval_bn(&bp, 8, UT_ACT_NONE, dev);
+  require(ex.weight && pj.weight && fc1.weight && fc2.weight && dw.weight);
+  for (int k = 0; k < 5; k++) {
+    int n = k == 1 || k == 3 ? 3 : 1, hw = k == 0 ? 2 : k == 1 ? 7 : 16;
+    bool expand = k != 4;
+    ut_tensor* x = ut_randn(4, S(n, expand ? 8 : 40, hw, hw), 0.f, 1.f, dev);
+    require(x);
+    ut_separable_block b = {expand ? &ex : NULL, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_NONE,
+                            &pj, &bp, UT_ACT_NONE, expand,
+                            &fc1, UT_ACT_SILU, &fc2, UT_ACT_SIGMOID};
+    ut_tensor* got = ut_separable_block_forward(&b, x);
+    ut_tensor* e = expand ? ut_conv2d_bn_forward(&ex, &be, x, UT_ACT_NONE) : ut_retain(x);
+    ut_tensor* d = e ? ut_dwconv2d_bn_forward(&dw, &bd, e, UT_ACT_NONE) : NULL;
+    ut_tensor* ds = d ? se_reference(&fc1, &fc2, d) : NULL;
+    ut_tensor* want = ds ? ut_conv2d_bn_forward(&pj, &bp, ds, UT_ACT_NONE) : NULL;
+    require(got && want);
+    if (b.residual) require(ut_add_into(want, x) == UT_OK);
+    ut_sync_cpu(got);
+    ut_sync_cpu(want);
+    assert_tensors_close(got, want, 1e-5f);
+    ut_free_all(got, e, d, ds, want, x);
+  }
+  /* refusals: one of the two SE convolutions, channels that do not chain, a 3x3 fc1 */
+  ut_tensor* x = ut_randn(4, S(1, 8, 7, 7), 0.f, 1.f, dev);
+  ut_conv2d c3 = ut_conv2d_alloc(40, 6, 3, 3, 1, 1, false, dev);
+  ut_conv2d f7 = ut_conv2d_alloc(40, 7, 1, 1, 1, 0, true, dev);
+  require(x && c3.weight && f7.weight);
+  ut_separable_block b = {&ex, &be, UT_ACT_NONE, &dw, &bd, UT_ACT_NONE,
+                          &pj, &bp, UT_ACT_NONE, false, &fc1, UT_ACT_SILU, NULL, UT_ACT_NONE};
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_ARG);
+  b.se_expand = &fc2;
+  b.se_reduce = &f7;
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_SHAPE);
+  b.se_reduce = &c3;
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_ARG);
+  b.se_reduce = &fc1;
+  b.act_se_expand = (ut_activation)99;
+  assert(!ut_separable_block_forward(&b, x) && ut_last_status() == UT_ERR_ARG);
+  ut_free(x);
+  ut_conv2d_free(&c3);
+  ut_conv2d_free(&f7);
+  ut_conv2d_free(&ex);
+  ut_conv2d_free(&pj);
+  ut_conv2d_free(&fc1);
+  ut_conv2d_free(&fc2);
+  ut_dwconv2d_free(&dw);
   ut_batchnorm2d_free(&be);
   ut_batchnorm2d_free(&bd);
   ut_batchnorm2d_free(&bp);
@@ -3493,6 +3571,7 @@ int main(void) {
   RUN_BOTH(test_batchnorm2d_dwconv2d_fold);
   RUN_BOTH(test_conv_bn_fold);
   RUN_BOTH(test_separable_block); /* issue 32 */
+  RUN_BOTH(test_separable_block_se);
   RUN_BOTH(test_global_avgpool);
   RUN_BOTH(test_mse);
   RUN_BOTH(test_cross_entropy);

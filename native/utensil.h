@@ -454,10 +454,11 @@ ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, u
 
 /* A depthwise-separable block in one call (inference, eval mode; issue 32): MobileNet v1's
    depthwise + pointwise pair, and the inverted residual of MobileNetV2, MNASNet, MobileNetV3
-   and EfficientNet without squeeze-and-excitation:
+   and EfficientNet:
        e = act_expand(bn_expand(expand(x)))       expand: a 1x1 Conv2d, stride 1, no padding;
                                                   NULL: e = x (bn_expand unused)
        d = act_dw(bn_dw(dw(e)))                   dw: a DWConv2d
+       d = d * excitation(d)                      with squeeze-and-excitation (se_reduce set)
        y = act_project(bn_project(project(d)))    project: a 1x1 Conv2d, stride 1, no padding
        y = y + x                                  when residual (x and y of one shape)
    each convolution and its BatchNorm folded as ut_conv2d_bn_forward folds them (the same
@@ -467,8 +468,10 @@ ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, u
    expanded rows and the depthwise's output rows live in a per-thread scratch block that stays
    in cache (the rows a depthwise window shares with the step before are kept, not
    recomputed), and no intermediate tensor is written to memory. Otherwise (smaller planes, no
-   expand, a GPU, bfloat16, other depthwise geometries) the three folded forwards run one after
-   the other. Either way the result is the layers' own forwards within float32 rounding.
+   expand, squeeze-and-excitation, a GPU, bfloat16, other depthwise geometries) the three folded
+   forwards run one after the other; on the CPU in float32 the excitation then scales the
+   project's weight per image instead of d. Either way the result is the layers' own forwards
+   within float32 rounding.
    x: [N, C, H, W] -> [N, project out_c, Ho, Wo] */
 typedef struct ut_separable_block {
   ut_conv2d* expand; /* or NULL */
@@ -481,6 +484,13 @@ typedef struct ut_separable_block {
   ut_batchnorm2d* bn_project;
   ut_activation act_project;
   bool residual;
+  /* squeeze-and-excitation between dw and project (MobileNetV3, EfficientNet), both or neither:
+     d = d * act_se_expand(se_expand(act_se_reduce(se_reduce(mean of d over H and W)))),
+     se_reduce and se_expand 1x1 Conv2ds (stride 1, no padding) as torchvision's fc1 and fc2 */
+  ut_conv2d* se_reduce; /* or NULL */
+  ut_activation act_se_reduce;
+  ut_conv2d* se_expand;
+  ut_activation act_se_expand;
 } ut_separable_block;
 ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x);
 
@@ -2840,6 +2850,34 @@ static ut_tensor* ut__conv_batch_columns(const ut__backend* be, const float* xp,
   return ut__finish(col, be, be->transpose(ut__buf_dtype(x, be), xp, ut__out(col, be), 1, g->n,
                                            1, g->c, P));
 }
+/* A pointwise convolution's columns with each (image, channel) row scaled, x[n, c, P] s[n, c]:
+   [n, c, P], or regrouped [c, n, P] when merged; on the CPU's threads (chan_scale, transpose). */
+static ut_tensor* ut__conv_columns_scaled(const ut__backend* be, const float* xp, const float* s,
+                                          const ut__conv_geom* g, bool merged, const ut_tensor* x,
+                                          const char* who) {
+  int P = g->ho * g->wo;
+  ut_tensor* col = xp ? ut__new_typed(3, (int[]){g->n, g->c, P}, x->dev, x->dtype, who) : NULL;
+  if (!col) return NULL;
+  ut_dtype dt = ut__buf_dtype(x, be);
+  col = ut__finish(col, be, be->chan_scale(dt, dt, xp, s, ut__out(col, be), g->n, g->c, P,
+                                           false));
+  if (!col || !merged) return col;
+  ut_tensor* reg = ut__conv_batch_columns(be, ut__in(col, be), g, x, who);
+  ut_free(col);
+  return reg;
+}
+/* ws[n, o, k] = w[o, k] s[n, k]: a pointwise weight [out_c, kp] scaled per image and input
+   channel (host memory). */
+static void ut__scale_weight_columns(const float* w, const float* s, float* ws, int n, int out_c,
+                                     int kp) {
+  for (int i = 0; i < n; i++)
+    for (int o = 0; o < out_c; o++) {
+      const float* wr = w + (ut__i64)o * kp;
+      const float* sr = s + (ut__i64)i * kp;
+      float* dr = ws + ((ut__i64)i * out_c + o) * kp;
+      for (int k = 0; k < kp; k++) dr[k] = wr[k] * sr[k];
+    }
+}
 /* The rows of an image's im2col columns (g->kp). On the GPU in bf16 a depth K = c*kh*kw that
    is not a multiple of 8 (a 3-channel 3x3 stem: 27) leaves the weight's rows and the weight
    gradient's rows off 16-byte alignment, and cuBLAS then runs align-1 kernels: MobileNet v1's
@@ -2883,6 +2921,9 @@ typedef struct ut__conv_epi {
   const float* scale;
   const float* shift;
   int act;
+  /* or NULL; a pointwise convolution's input scaled per (image, input channel) first:
+     y = conv(x * in_scale[n, c]) (squeeze-and-excitation before a separable block's project) */
+  const float* in_scale;
 } ut__conv_epi;
 
 /* ut_conv2d_forward, and with epi (the CPU's float32 only; no cache) the fused inference
@@ -2929,8 +2970,15 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
   bool implicit = epi && !cache && !merged && !regroup && !ut__conv_is_pointwise(&g) &&
                   !ut__is_device_backend(be) && dt == UT_F32 && g.dil <= 1 &&
                   l->out_c <= UT__IMPLICIT_CONV_MAX_OUT;
+  /* pointwise only (the caller's check). The scale rides on whichever is smaller per image:
+     x's columns (c * P values; the merged product's regrouped copy) or the weight (out_c * c:
+     W[o, c] s[n, c]) */
+  const float* in_scale = epi ? epi->in_scale : NULL;
+  bool scale_w = in_scale && !merged && P >= l->out_c;
   ut_tensor* col;
-  if (merged) { /* backward reuses the regrouped columns */
+  if (in_scale && !scale_w) {
+    col = ut__conv_columns_scaled(be, xp, in_scale, &g, merged, x, who);
+  } else if (merged) { /* backward reuses the regrouped columns */
     col = ut__conv_batch_columns(be, xp, &g, x, who);
   } else if (ut__conv_is_pointwise(&g) || implicit) {
     col = ut_retain(x); /* a 1x1 window's columns are the input itself; implicit: read from x */
@@ -2972,8 +3020,15 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
                         .c = op, .ldc = l->out_c};
     rc = be->gemm(dt, dt, &mm);
   } else {
+    ut_tensor* ws = scale_w ? ut__new(3, (int[]){g.n, l->out_c, kp}, UT_CPU, who) : NULL;
+    if (scale_w && !ws) {
+      ut_free_all(wt, wk, col);
+      return ut__drop(out);
+    }
+    if (ws) ut__scale_weight_columns(wkp, in_scale, ws->data, g.n, l->out_c, kp);
     ut__gemm_args mm = {.m = l->out_c, .n = P, .k = kp, .batch = g.n, .alpha = 1.f,
-                        .beta = 0.f, .a = wkp, .lda = kp, .stride_a = 0,
+                        .beta = 0.f, .a = ws ? ws->data : wkp, .lda = kp,
+                        .stride_a = ws ? (ut__i64)l->out_c * kp : 0,
                         .b = ut__in(col, be), .ldb = P, .stride_b = (ut__i64)kp * P,
                         .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P,
                         .row_scale = epi ? epi->scale : NULL,
@@ -2981,6 +3036,7 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
                         .b_conv = implicit ? &g : NULL};
     if (implicit) mm.stride_b = (ut__i64)g.c * g.h * g.w;
     rc = be->gemm(dt, dt, &mm);
+    ut_free(ws);
   }
   if (rc >= 0 && bp && !epi) rc = be->bias_add(dt, op, bp, g.n, l->out_c, P);
   /* the columns' padding zeros times a non-finite weight: redo with real input only */
@@ -4133,7 +4189,29 @@ ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
   ut_tensor* fold = ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who);
   if (!fold) return NULL;
   if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
-  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act)};
+  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act), NULL};
+  ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
+  ut_free(fold);
+  return out;
+}
+
+/* ut_conv2d_bn_forward of x * s[n, c] for a pointwise l (checked by the caller, as s: [N, c,
+   1, 1] of x's dtype and device). The fused path scales the weight per image instead of x;
+   elsewhere ut_channel_scale runs first. */
+static ut_tensor* ut__conv2d_bn_scaled(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
+                                       ut_tensor* s, int act, const char* who) {
+  const ut__backend* be = ut__backend_for(x->dev);
+  if (!ut__fold_runs_here(x, be)) {
+    ut_tensor* xs = ut_channel_scale(x, s);
+    ut_tensor* y = xs ? ut_conv2d_bn_forward(l, bn, xs, (ut_activation)act) : NULL;
+    ut_free(xs);
+    return y;
+  }
+  const float* sp = ut__in(s, be);
+  ut_tensor* fold = sp ? ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who) : NULL;
+  if (!fold) return NULL;
+  if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
+  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act), sp};
   ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
   ut_free(fold);
   return out;
@@ -4189,6 +4267,28 @@ static int ut__check_pointwise(const ut_conv2d* l, const ut_tensor* x, const cha
   return ut__check_same_dev(x, l->weight, who, name);
 }
 
+/* The block's squeeze-and-excitation: both convolutions or neither, pointwise, c -> r -> c
+   over the depthwise's c output channels, valid activations. */
+static int ut__check_sep_se(const ut_separable_block* b, const ut_tensor* x, int c,
+                            const char* who) {
+  if (!b->se_reduce && !b->se_expand) return UT_OK;
+  UT__CHECK(b->se_reduce && b->se_expand, UT_ERR_ARG,
+            "%s: se_reduce and se_expand are both set or both NULL, got %s NULL", who,
+            b->se_reduce ? "se_expand" : "se_reduce");
+  UT__TRY(ut__check_pointwise(b->se_reduce, x, who, "se_reduce"));
+  UT__TRY(ut__check_pointwise(b->se_expand, x, who, "se_expand"));
+  int r = b->se_reduce->out_c;
+  UT__CHECK(b->se_reduce->in_c == c && b->se_expand->in_c == r && b->se_expand->out_c == c,
+            UT_ERR_SHAPE,
+            "%s: the squeeze-and-excitation must map the depthwise's %d channels to r and back "
+            "(se_reduce %d -> %d, se_expand %d -> %d)", who, c, b->se_reduce->in_c, r,
+            b->se_expand->in_c, b->se_expand->out_c);
+  UT__CHECK(ut__act_valid(b->act_se_reduce) && ut__act_valid(b->act_se_expand), UT_ERR_ARG,
+            "%s: act_se_reduce and act_se_expand must be ut_activations (%d to %d), got %d and "
+            "%d", who, UT_ACT_NONE, UT_ACT_GELU_TANH, b->act_se_reduce, b->act_se_expand);
+  return UT_OK;
+}
+
 /* The block's fused path: the CPU in float32, a depthwise the row engines take on a band of
    rows (pad_h 0 over rows the block zeroes itself) without a pass of its own, a geometry the
    backend takes. */
@@ -4200,7 +4300,33 @@ static bool ut__sep_fused_here(const ut_separable_block* b, const ut_tensor* x,
          be->sep_takes(gd, x->shape.shape[1], b->expand != NULL);
 }
 
-/* The three folded forwards in turn (and the residual): every path but the fused one. */
+/* act(x), consuming x; x itself for UT_ACT_NONE */
+static ut_tensor* ut__act_consume(ut_tensor* x, ut_activation act) {
+  if (!x || act == UT_ACT_NONE) return x;
+  ut_tensor* y = ut_activation_forward(x, act);
+  ut_free(x);
+  return y;
+}
+/* The excitation of d [N, C, H, W]: [N, C, 1, 1] =
+   act_se_expand(se_expand(act_se_reduce(se_reduce(mean over H, W of d)))) */
+static ut_tensor* ut__sep_excitation(const ut_separable_block* b, ut_tensor* d) {
+  ut_tensor* p = ut_global_avgpool2d_forward(d);
+  if (!p) return NULL;
+  ut_shape s4;
+  if (ut__shape_make(&s4, 4, (int[]){p->shape.shape[0], p->shape.shape[1], 1, 1},
+                     "ut_separable_block_forward") < 0)
+    return ut__drop(p);
+  p->shape = s4; /* [N, C] as the 1x1 convolutions' [N, C, 1, 1]: the same values */
+  ut_tensor* r = ut__act_consume(ut_conv2d_forward(b->se_reduce, p, NULL), b->act_se_reduce);
+  ut_free(p);
+  if (!r) return NULL;
+  ut_tensor* e = ut__act_consume(ut_conv2d_forward(b->se_expand, r, NULL), b->act_se_expand);
+  ut_free(r);
+  return e;
+}
+
+/* The three folded forwards in turn (and the excitation, the residual): every path but the
+   fused one. */
 static ut_tensor* ut__sep_unfused(const ut_separable_block* b, ut_tensor* x) {
   ut_tensor* e = x;
   if (b->expand) e = ut_conv2d_bn_forward(b->expand, b->bn_expand, x, b->act_expand);
@@ -4208,7 +4334,15 @@ static ut_tensor* ut__sep_unfused(const ut_separable_block* b, ut_tensor* x) {
   ut_tensor* d = ut_dwconv2d_bn_forward(b->dw, b->bn_dw, e, b->act_dw);
   if (e != x) ut_free(e);
   if (!d) return NULL;
-  ut_tensor* y = ut_conv2d_bn_forward(b->project, b->bn_project, d, b->act_project);
+  ut_tensor* y = NULL;
+  if (b->se_reduce) {
+    ut_tensor* s = ut__sep_excitation(b, d);
+    if (s) y = ut__conv2d_bn_scaled(b->project, b->bn_project, d, s, b->act_project,
+                                    "ut_separable_block_forward");
+    ut_free(s);
+  } else {
+    y = ut_conv2d_bn_forward(b->project, b->bn_project, d, b->act_project);
+  }
   ut_free(d);
   if (y && b->residual && ut_add_into(y, x) < 0) return ut__drop(y);
   return y;
@@ -4245,13 +4379,15 @@ ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x)
                  "%s: the residual needs y of x's shape: x %s, y [%d, %d, %d, %d] (stride 1, "
                  "project out_c == x's channels)",
                  who, ut__shape_text(x).s, gd.n, oc, gd.ho, gd.wo);
+  if (ut__check_sep_se(b, x, e * m, who) < 0) return NULL;
   if ((b->expand && ut__check_fold_bn(b->bn_expand, e, b->expand->weight, (int)b->act_expand,
                                       who) < 0) ||
       ut__check_fold_bn(b->bn_dw, e * m, dl->weight, (int)b->act_dw, who) < 0 ||
       ut__check_fold_bn(b->bn_project, oc, b->project->weight, (int)b->act_project, who) < 0)
     return NULL;
   const ut__backend* be = ut__backend_for(x->dev);
-  if (!ut__sep_fused_here(b, x, &gd, be)) return ut__sep_unfused(b, x);
+  /* the excitation needs the whole depthwise output before the project: no bands */
+  if (b->se_reduce || !ut__sep_fused_here(b, x, &gd, be)) return ut__sep_unfused(b, x);
   /* the folds: expand's and project's scale and shift, the depthwise's filters scaled */
   ut__i64 taps = (ut__i64)dl->kh * dl->kw;
   ut__i64 nf = 2LL * e + 2LL * e + e * taps + 2LL * oc;

@@ -36,7 +36,7 @@ import operator
 import weakref
 
 from .. import _args
-from .._errors import ClosedError
+from .._errors import ArgumentError, ClosedError
 from .._lib import ffi, lib
 from .._lifetime import _PASS, _hold, _let_go
 from ..functional import _Args, fail
@@ -168,6 +168,10 @@ def _units(layers):
 def _role(unit):
     conv, bn = unit[0], unit[1]
     if bn is None:
+        # squeeze-and-excitation between a chain's depthwise and its project
+        if (type(conv).__dict__.get("_folds_into_block", False)
+                and conv._block_parts() is not None):
+            return "se"
         return None
     role = getattr(conv, "_separable_role", None)
     if role == "dense":
@@ -177,13 +181,20 @@ def _role(unit):
 
 
 def _chain_at(units, j):
-    """The separable chain starting at units[j]: (expand unit, dw unit, project unit, units
-    used), or None. Only chains with an expand: without one the C call runs the two folded
-    layers anyway (ut_separable_block_forward's bands need the expand to pay), and MobileNet
-    v1 measured 2-4% slower so than as two steps."""
-    roles = [_role(u) for u in units[j:j + 3]]
-    if roles == ["pointwise", "depthwise", "pointwise"]:
-        return units[j], units[j + 1], units[j + 2], 3
+    """The separable chain starting at units[j]: (expand unit, dw unit, project unit, SE unit,
+    units used), the expand and SE units None when absent, or None. A chain without SE needs an
+    expand: without one the C call runs the two folded layers anyway
+    (ut_separable_block_forward's bands need the expand to pay), and MobileNet v1 measured 2-4%
+    slower so than as two steps. With squeeze-and-excitation (MobileNetV3, EfficientNet) the
+    one call replaces the block's six Python calls and the pass that scales the depthwise's
+    output."""
+    roles = [_role(u) for u in units[j:j + 4]]
+    if roles[:3] == ["pointwise", "depthwise", "pointwise"]:
+        return units[j], units[j + 1], units[j + 2], None, 3
+    if roles == ["pointwise", "depthwise", "se", "pointwise"]:
+        return units[j], units[j + 1], units[j + 3], units[j + 2], 4
+    if roles[:3] == ["depthwise", "se", "pointwise"]:
+        return None, units[j], units[j + 2], units[j + 1], 3
     return None
 
 
@@ -202,9 +213,9 @@ def fold_steps(layers):
     while j < len(units):
         chain = _chain_at(units, j) if _SEPARABLE[0] else None
         if chain is not None:
-            plan = chain[:3]
+            plan = chain[:4]
             steps.append(lambda x, p=plan: separable_forward(p, x))  # looked up at each call
-            j += chain[3]
+            j += chain[4]
             continue
         l, bn, act, _ = units[j]
         if bn is None:
@@ -227,6 +238,7 @@ def _kept(table, owner, layers, derive):
     call was a fifth of the Python time of an eval forward (EfficientNet-B0, batch 1: 75
     Sequentials, 190 -> 60 us a forward). The steps look the fold's functions up when they
     run."""
+    layers = _key_layers(layers)
     flags, trains = (_FOLD[0], _SEPARABLE[0], _TRAINING[0]), tuple([l.training for l in layers])
     kept = table.get(owner)
     if kept is not None:
@@ -254,6 +266,15 @@ def kept_separable_plan(body):
     return _kept(_KEPT_PLANS, body, _flat(body.layers), lambda: separable_plan(body))
 
 
+def _key_layers(layers):
+    # a squeeze-and-excitation's parts run inside a chain's call: replacing one changes the plan
+    out = list(layers)
+    for l in layers:
+        if type(l).__dict__.get("_folds_into_block", False):
+            out += l._children()
+    return out
+
+
 def _flat(layers):
     out = []
     for l in layers:
@@ -265,36 +286,44 @@ def _flat(layers):
 
 
 def separable_plan(body):
-    """(expand unit, dw unit, project unit) when ``body`` (a Sequential; nested plain
+    """(expand unit, dw unit, project unit, SE unit) when ``body`` (a Sequential; nested plain
     Sequentials looked through) is, in eval mode with the fold on, exactly one separable chain;
-    else None. A unit is (conv, bn, act, count)."""
+    else None. A unit is (conv, bn, act, count), the SE's (squeeze-and-excitation, None, None,
+    1); expand and SE are None when the chain has none."""
     if not (_FOLD[0] and _SEPARABLE[0]) or not type(body).__dict__.get("_folds_through", False):
         return None
     units = _units(_flat(body.layers))
     chain = _chain_at(units, 0) if units else None
-    if chain is None or chain[3] != len(units):
+    if chain is None or chain[4] != len(units):
         return None
-    return chain[:3]
+    return chain[:4]
 
 
 def separable_forward(plan, x, residual=False):
     """The chain ``plan`` (separable_plan's) on x in one C call, ``x +`` it when residual."""
-    expand, dw, project = plan
-    units = ((expand, "expand"), (dw, "dw"), (project, "project"))
+    expand, dw, project = plan[:3]
+    se = plan[3] if len(plan) > 3 else None
+    units = [(u, n) for u, n in ((expand, "expand"), (dw, "dw"), (project, "project")) if u]
+    fields = [(l, f) for u, n in units for l, f in ((u[0], n), (u[1], "bn_" + n))]
     blk = ffi.new("ut_separable_block *")
+    for u, name in units:
+        setattr(blk, "act_" + name, u[2])
+    if se is not None:
+        parts = se[0]._block_parts()
+        if parts is None:
+            raise ArgumentError("separable block forward: its SqueezeExcitation changed since "
+                                "the plan was made (no longer two 1x1 Conv2ds and activations)")
+        fields += [(parts[0], "se_reduce"), (parts[2], "se_expand")]
+        blk.act_se_reduce, blk.act_se_expand = parts[1], parts[3]
     entered = []
     try:
-        for u, name in units:
-            if u is None:
-                continue
-            for layer, field in ((u[0], name), (u[1], "bn_" + name)):
-                h = layer._h
-                s = h.enter() if h is not None else None
-                if s is None:
-                    raise ClosedError("operation on a closed %s" % type(layer).__name__)
-                entered.append(h)
-                setattr(blk, field, s)
-            setattr(blk, "act_" + name, u[2])
+        for layer, field in fields:
+            h = layer._h
+            s = h.enter() if h is not None else None
+            if s is None:
+                raise ClosedError("operation on a closed %s" % type(layer).__name__)
+            entered.append(h)
+            setattr(blk, field, s)
         blk.residual = bool(residual)
         what = "separable block forward"
         if isinstance(x, Tensor):

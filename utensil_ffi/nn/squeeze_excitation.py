@@ -67,6 +67,26 @@ class SqueezeExcitation(Module):
         self.activation = self._make(activation, "activation")
         self.scale_activation = self._make(scale_activation, "scale_activation")
 
+    # fold.py: an eval-mode separable block's C call may run this block as its se_* part
+    _folds_into_block = True
+
+    def _block_parts(self):
+        """(fc1, activation's C code, fc2, scale_activation's C code) when the separable
+        block's C call computes what this eval-mode block computes (the pooling, two plain 1x1
+        Conv2ds, two activations with C codes, all in eval mode); else None."""
+        if (self.training or type(self.avgpool) is not GlobalAvgPool2d
+                or any(m.training for m in self._children())):
+            return None
+        for fc in (self.fc1, self.fc2):
+            if (type(fc) is not Conv2d or tuple(fc.kernel_size) != (1, 1) or fc.stride != 1
+                    or fc.padding != 0):
+                return None
+        a = getattr(self.activation, "_fold_act", None)
+        sa = getattr(self.scale_activation, "_fold_act", None)
+        if a is None or sa is None:
+            return None
+        return self.fc1, a, self.fc2, sa
+
     @staticmethod
     def _make(cls, name):
         m = cls()
