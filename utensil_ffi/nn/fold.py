@@ -13,9 +13,10 @@ two layers' own forwards within float32 rounding; training mode (either layer) r
 they are, and so do the GPU and bfloat16 (in C).
 
 A depthwise-separable chain goes further (``ut_separable_block_forward``): folded units
-1x1 Conv2d -> DWConv2d -> 1x1 Conv2d (nested Sequentials looked through) run as one C call,
-which on the CPU takes bands of output rows through all three layers while they are in cache
-(large planes); Residual and InvertedResidual add their residual in the same call when the
+1x1 Conv2d -> DWConv2d -> [SqueezeExcitation] -> 1x1 Conv2d (nested Sequentials looked
+through; the SqueezeExcitation's pooling, fc1, fc2 and activations inside the call) run as one
+C call, which on the CPU takes bands of output rows through all three layers while they are in
+cache (large planes, no SqueezeExcitation); Residual and InvertedResidual add their residual in the same call when the
 whole body is such a chain.
 
 ``set_inference_fold(False)`` turns the fold off (every layer's own forward), e.g. to compare;
