@@ -5168,7 +5168,9 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_separable_block, dw), UT__FIELD(ut_separable_block, bn_dw),
     UT__FIELD(ut_separable_block, act_dw), UT__FIELD(ut_separable_block, project),
     UT__FIELD(ut_separable_block, bn_project), UT__FIELD(ut_separable_block, act_project),
-    UT__FIELD(ut_separable_block, residual),
+    UT__FIELD(ut_separable_block, residual), UT__FIELD(ut_separable_block, se_reduce),
+    UT__FIELD(ut_separable_block, act_se_reduce), UT__FIELD(ut_separable_block, se_expand),
+    UT__FIELD(ut_separable_block, act_se_expand),
     UT__SIZE(ut_dev), UT__SIZE(ut_status),
 };
 
