@@ -98,10 +98,11 @@ GEOMS = [
 
 @pytest.mark.parametrize("kind", sorted(_ACTS))
 @pytest.mark.parametrize("geom", GEOMS, ids=[g[0] for g in GEOMS])
-def test_block_with_se_matches_layers_and_float64(geom, kind, monkeypatch):
+def test_block_with_se_matches_layers_and_float64(geom, kind, device, monkeypatch):
+    """Both devices: the GPU's call runs the layers (composed of the ops themselves)."""
     _, cin, e, cout, k, s, (h, w), expand, n = geom
     rng = np.random.default_rng(11)
-    layers = _mbconv(cin, e, cout, k, s, kind, rng, expand)
+    layers = [l.to(device) for l in _mbconv(cin, e, cout, k, s, kind, rng, expand)]
     x = rng.standard_normal((n, cin, h, w)).astype(np.float32)
     residual = s == 1 and cin == cout
     calls = _spy(monkeypatch)
