@@ -80,6 +80,16 @@ def _block(cin, e, cout, k, stride, pad, acts, rng, expand=True, bias=False):
     return layers
 
 
+def _random_running_stats(net, rng):
+    """net with non-trivial BatchNorm2d running statistics (the fold's scale and shift)."""
+    for m in net.modules():
+        if isinstance(m, ut.BatchNorm2d):
+            c = m.num_features
+            m.running_mean = rng.normal(0.0, 0.2, c).astype(np.float32)
+            m.running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    return net
+
+
 def _folded_and_not(net, x):
     """net(x) with the fold on, then with it off (each layer's own forward)."""
     with net(x) as y:
@@ -205,12 +215,7 @@ def test_the_networks_blocks_take_the_separable_call(monkeypatch):
             ("zoo v2", models.mobilenet_v2(num_classes=7), 16, 10),
             ("flat v2", flat.mobilenet_v2(num_classes=7), 16, 10),
             ("v1", flat.mobilenet_v1(num_classes=7), 6, 0)]:
-        for m in net.modules():
-            if isinstance(m, ut.BatchNorm2d):
-                c = m.num_features
-                m.running_mean = rng.normal(0.0, 0.2, c).astype(np.float32)
-                m.running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
-        net.eval()
+        _random_running_stats(net, rng).eval()
         calls.clear()
         got, want = _folded_and_not(net, x)  # (the unfused forward makes no call)
         assert len(calls) == blocks and sum(calls) == residuals, (name, calls)

@@ -16,7 +16,8 @@ from utensil_ffi import reference as R
 from utensil_ffi._lib import ffi, lib
 from utensil_ffi.nn import fold
 
-from test_separable_block import _bn, _bn_ref, _conv_ref, _folded_and_not
+from test_separable_block import (_bn, _bn_ref, _conv_ref, _folded_and_not,
+                                  _random_running_stats)
 
 _ACTS = {"efficientnet": (ut.SiLU, ut.Sigmoid, R.silu, R.sigmoid),
          "mobilenet_v3": (ut.ReLU, ut.Hardsigmoid, R.relu, R.hardsigmoid)}
@@ -123,12 +124,7 @@ def test_the_networks_se_blocks_take_one_call(monkeypatch):
     x = rng.standard_normal((2, 3, 64, 64)).astype(np.float32)
     for name, net, with_se, without in [("efficientnet_b0", models.efficientnet_b0(), 16, 0),
                                         ("mobilenet_v3_small", models.mobilenet_v3_small(), 9, 2)]:
-        for m in net.modules():
-            if isinstance(m, ut.BatchNorm2d):
-                c = m.num_features
-                m.running_mean = rng.normal(0.0, 0.2, c).astype(np.float32)
-                m.running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
-        net.eval()
+        _random_running_stats(net, rng).eval()
         calls.clear()
         got, want = _folded_and_not(net, x)
         assert (calls.count(True), calls.count(False)) == (with_se, without), name
