@@ -470,8 +470,8 @@ ut_tensor* ut_batchnorm2d_dwconv2d_forward(ut_batchnorm2d* bn, ut_dwconv2d* l, u
    recomputed), and no intermediate tensor is written to memory. Otherwise (smaller planes, no
    expand, squeeze-and-excitation, a GPU, bfloat16, other depthwise geometries) the three folded
    forwards run one after the other; on the CPU in float32 the excitation then scales the
-   project's weight per image instead of d. Either way the result is the layers' own forwards
-   within float32 rounding.
+   project's weight per image, or a copy of its input columns where those are fewer, instead
+   of d. Either way the result is the layers' own forwards within float32 rounding.
    x: [N, C, H, W] -> [N, project out_c, Ho, Wo] */
 typedef struct ut_separable_block {
   ut_conv2d* expand; /* or NULL */
@@ -4196,8 +4196,8 @@ ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
 }
 
 /* ut_conv2d_bn_forward of x * s[n, c] for a pointwise l (checked by the caller, as s: [N, c,
-   1, 1] of x's dtype and device). The fused path scales the weight per image instead of x;
-   elsewhere ut_channel_scale runs first. */
+   1, 1] of x's dtype and device). The fused path scales the weight per image or a copy of the
+   columns (ut__conv2d_forward_epi's in_scale); elsewhere ut_channel_scale runs first. */
 static ut_tensor* ut__conv2d_bn_scaled(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
                                        ut_tensor* s, int act, const char* who) {
   const ut__backend* be = ut__backend_for(x->dev);
