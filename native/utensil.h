@@ -6595,10 +6595,14 @@ static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
 /* Where the turn to channels-last costs less than the padding taps save (2 cores, batch 8,
    forward + backward): 4x4 under 7x7 1.26 -> 0.43 ms (384 channels), 2x2 under 7x7 1.61 ->
    0.21 ms (768), 2x2 under 5x5 0.52 -> 0.18 ms (960); the plane engines stay faster under a
-   3x3 filter (4x4: 0.15 against 0.32 ms) and from 8x8 on (8x8 under 7x7: 1.06 against 1.44). */
+   3x3 filter at stride 1 (4x4: 0.15 against 0.32 ms) and from 8x8 on (8x8 under 7x7: 1.06
+   against 1.44). Strided, a 3x3 filter's small planes are the phase-plane engine's worst case
+   (4x4 -> 2x2 over 512 channels, batch 8: forward 118-167 against 35-48 us, backward 176-182
+   against 85-96 us). */
 static bool ut__cpu_dw_small(const ut__conv_geom* g) {
+  int taps = g->kh * g->kw;
   return (ut__i64)g->h * g->w <= UT__DW_SMALL_HW && (ut__i64)g->ho * g->wo <= UT__DW_SMALL_HW &&
-         g->kh * g->kw >= 25 && g->kh * g->kw <= UT__DW_SMALL_TAPS && g->c >= 8;
+         (taps >= 25 || (taps >= 9 && g->stride >= 2)) && taps <= UT__DW_SMALL_TAPS && g->c >= 8;
 }
 typedef struct {
   const ut__conv_geom* g;
