@@ -7916,7 +7916,8 @@ typedef struct {
   bool training;
   float* sums_out;      /* bn_bwd_sums: the per-channel sums, no dx */
   const float* sums_in; /* bn_bwd_dx: dx from these sums (and count sums_in[2c]) */
-  float* gscratch;      /* act from SILU on: n inner floats per thread (ut__cpu_bn_bwd_run) */
+  float* gscratch;      /* act from SILU on: per thread, n inner floats (ut__cpu_bn_bwd_run), or
+                           n UT__BN_RUN over small planes (ut__cpu_bn_bwd_small) */
 } ut__cpu_bn_ctx;
 
 /* batchnorm's output before its activation, one expression for apply and for backward's mask
@@ -7952,12 +7953,9 @@ UT__CPU_INL float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, in
   case A:                                                                    \
     for (ut__i64 t = 0; t < inner; t++) g[t] = ut__act_grad(A, go[t], g[t]); \
     break
-UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const float* restrict x,
-                                                float* restrict g, ut__i64 inner, float m,
-                                                float sc, float bt, int act) {
-  /* z first, in a loop of its own that vectorizes (tanhf keeps the other scalar);
-     the same loop as bn_apply's for these kinds, so the same z to the bit */
-  for (ut__i64 t = 0; t < inner; t++) g[t] = ut__cpu_bn_z(x[t], m, sc, bt);
+/* g = go f'(g) over inner values: g holds z on entry */
+UT__CPU_ACT_OPT static void ut__cpu_bn_grad_kinds(const float* restrict go, float* restrict g,
+                                                  ut__i64 inner, int act) {
   switch (act) {
     UT__CPU_BN_GRAD_LOOP(UT_ACT_SILU);
     UT__CPU_BN_GRAD_LOOP(UT_ACT_HARDSWISH);
@@ -7968,6 +7966,32 @@ UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const 
   }
 }
 #undef UT__CPU_BN_GRAD_LOOP
+UT__CPU_ACT_OPT static void ut__cpu_bn_grad_row(const float* restrict go, const float* restrict x,
+                                                float* restrict g, ut__i64 inner, float m,
+                                                float sc, float bt, int act) {
+  /* z first, in a loop of its own that vectorizes (tanhf keeps the other scalar);
+     the same loop as bn_apply's for these kinds, so the same z to the bit */
+  for (ut__i64 t = 0; t < inner; t++) g[t] = ut__cpu_bn_z(x[t], m, sc, bt);
+  ut__cpu_bn_grad_kinds(go, g, inner, act);
+}
+/* bn_apply's activation from SILU on over inner values of yr (z on entry): one loop per kind,
+   the switch outside it, as act_fwd's loops (and their options: the piecewise kinds vectorize
+   as selects) */
+#define UT__CPU_BN_ACT_LOOP(A)                                         \
+  case A:                                                              \
+    for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__act_value(A, yr[i]); \
+    break
+UT__CPU_ACT_OPT static void ut__cpu_bn_act_kinds(float* restrict yr, ut__i64 inner, int act) {
+  switch (act) {
+    UT__CPU_BN_ACT_LOOP(UT_ACT_SILU);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSWISH);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSIGMOID);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_SIGMOID);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU);
+    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU_TANH);
+  }
+}
+#undef UT__CPU_BN_ACT_LOOP
 /* Batch norm over small planes (inner < UT__BN_SMALL). The per-row loops below are mostly
    setup there: a 16-lane block and its reductions for 4 values of a 2x2 plane; BatchNorm's
    training forward over [8, 1024, 2, 2] took 8x the time per value of one over [8, 128, 16,
@@ -8040,7 +8064,7 @@ UT__CPU_INL void ut__cpu_bn_factors(const ut__cpu_bn_ctx* cx, int j, float* sc, 
   *sc = rs * (cx->gamma ? cx->gamma[j] : 1.0f);
   *bt = cx->beta ? cx->beta[j] : 0.0f;
 }
-/* bn_apply over channels [lo, hi) of small planes, act NONE, RELU or RELU6 */
+/* bn_apply over channels [lo, hi) of small planes */
 UT__CPU_INL void ut__cpu_bn_apply_small(const ut__cpu_bn_ctx* cx, ut__i64 lo, ut__i64 hi) {
   ut__i64 inner = cx->inner, per = UT__BN_RUN / inner, cs = (ut__i64)cx->c * inner;
   float ms[UT__BN_RUN], scs[UT__BN_RUN], bts[UT__BN_RUN];
@@ -8059,18 +8083,21 @@ UT__CPU_INL void ut__cpu_bn_apply_small(const ut__cpu_bn_ctx* cx, ut__i64 lo, ut
     for (int i = 0; i < cx->n; i++) {
       const float* restrict xr = cx->x + (ut__i64)i * cs + j0 * inner;
       float* restrict yr = cx->y + (ut__i64)i * cs + j0 * inner;
-      if (cx->act == UT_ACT_NONE) {
-        for (ut__i64 k = 0; k < len; k++) yr[k] = ut__cpu_bn_z(xr[k], ms[k], scs[k], bts[k]);
-      } else {
+      if (cx->act == UT_ACT_RELU || cx->act == UT_ACT_RELU6) {
         for (ut__i64 k = 0; k < len; k++)
           yr[k] = ut__cpu_bn_relu(ut__cpu_bn_z(xr[k], ms[k], scs[k], bts[k]), cap);
+      } else {
+        for (ut__i64 k = 0; k < len; k++) yr[k] = ut__cpu_bn_z(xr[k], ms[k], scs[k], bts[k]);
+        if (cx->act != UT_ACT_NONE) ut__cpu_bn_act_kinds(yr, len, cx->act);
       }
     }
   }
 }
-/* bn_bwd over channels [lo, hi) of small planes, act (NONE, RELU or RELU6) a constant where it
-   is inlined, as ut__cpu_bn_bwd_run's; the same sums, outputs and formulas */
-UT__CPU_INL void ut__cpu_bn_bwd_small(const ut__cpu_bn_ctx* cx, ut__i64 lo, ut__i64 hi,
+/* bn_bwd over channels [lo, hi) of small planes for thread tid, act (NONE, RELU or RELU6) a
+   constant where it is inlined, as ut__cpu_bn_bwd_run's, the same sums, outputs and formulas;
+   the kinds from SILU on come with act NONE and first put g = go f'(z) of the block's runs in
+   the thread's scratch, as that function does per channel */
+UT__CPU_INL void ut__cpu_bn_bwd_small(const ut__cpu_bn_ctx* cx, int tid, ut__i64 lo, ut__i64 hi,
                                       const int act) {
   int n = cx->n, c = cx->c;
   ut__i64 inner = cx->inner, per = UT__BN_RUN / inner, cs = (ut__i64)c * inner;
@@ -8090,11 +8117,25 @@ UT__CPU_INL void ut__cpu_bn_bwd_small(const ut__cpu_bn_ctx* cx, ut__i64 lo, ut__
         bts[k] = bt;
       }
     }
+    /* go's run of image i is gb + i gs */
+    const float* gb = cx->go + off;
+    ut__i64 gs = cs;
+    if (act == UT_ACT_NONE && cx->act >= UT_ACT_SILU) {
+      float* sb = cx->gscratch + (size_t)tid * n * UT__BN_RUN;
+      for (int i = 0; i < n; i++) {
+        const float* xq = cx->x + (ut__i64)i * cs + off;
+        float* g = sb + (ut__i64)i * len;
+        for (ut__i64 k = 0; k < len; k++) g[k] = ut__cpu_bn_z(xq[k], ms[k], scs[k], bts[k]);
+        ut__cpu_bn_grad_kinds(cx->go + (ut__i64)i * cs + off, g, len, cx->act);
+      }
+      gb = sb;
+      gs = len;
+    }
     for (ut__i64 k = 0; k < len; k++) s1[k] = s2[k] = 0.0;
     for (int i0 = 0; i0 < (cx->sums_in ? 0 : n); i0 += UT__BN_CHUNK) {
       for (ut__i64 k = 0; k < len; k++) a1[k] = a2[k] = 0.0f;
       for (int i = i0; i < UT__CPU_MIN(n, i0 + UT__BN_CHUNK); i++) {
-        const float* restrict gq = cx->go + (ut__i64)i * cs + off;
+        const float* restrict gq = gb + (ut__i64)i * gs;
         const float* restrict xq = cx->x + (ut__i64)i * cs + off;
         for (ut__i64 k = 0; k < len; k++) {
           float g = ut__cpu_bn_g(gq[k], xq[k], ms[k], scs[k], bts[k], act);
@@ -8134,7 +8175,7 @@ UT__CPU_INL void ut__cpu_bn_bwd_small(const ut__cpu_bn_ctx* cx, ut__i64 lo, ut__
     }
     if (cx->sums_out) continue;
     for (int i = 0; i < n; i++) {
-      const float* restrict gp = cx->go + (ut__i64)i * cs + off;
+      const float* restrict gp = gb + (ut__i64)i * gs;
       const float* restrict xp = cx->x + (ut__i64)i * cs + off;
       float* restrict dp = cx->dx + (ut__i64)i * cs + off;
       if (cx->training) {
@@ -8223,25 +8264,13 @@ static int ut__cpu_bn_update_running(float* running_mean, float* running_var, co
 
 /* one row of bn_apply with an activation from SILU on: one loop per kind, the switch outside
    it, as act_fwd's loops (and their options: the piecewise kinds vectorize as selects) */
-#define UT__CPU_BN_ACT_LOOP(A)                                         \
-  case A:                                                              \
-    for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__act_value(A, yr[i]); \
-    break
 UT__CPU_ACT_OPT static void ut__cpu_bn_apply_act_row(const float* restrict xr, float* restrict yr,
                                                      ut__i64 inner, float m, float sc, float bt,
                                                      int act) {
   /* z first, in a loop of its own that vectorizes (see ut__cpu_bn_grad_row) */
   for (ut__i64 i = 0; i < inner; i++) yr[i] = ut__cpu_bn_z(xr[i], m, sc, bt);
-  switch (act) {
-    UT__CPU_BN_ACT_LOOP(UT_ACT_SILU);
-    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSWISH);
-    UT__CPU_BN_ACT_LOOP(UT_ACT_HARDSIGMOID);
-    UT__CPU_BN_ACT_LOOP(UT_ACT_SIGMOID);
-    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU);
-    UT__CPU_BN_ACT_LOOP(UT_ACT_GELU_TANH);
-  }
+  ut__cpu_bn_act_kinds(yr, inner, act);
 }
-#undef UT__CPU_BN_ACT_LOOP
 
 UT__CPU_ACT_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
   const ut__cpu_bn_ctx* cx = (const ut__cpu_bn_ctx*)vc;
@@ -8256,7 +8285,7 @@ UT__CPU_ACT_OPT static void ut__cpu_bn_apply_part(void* vc, int tid, int nt) {
   ut__i64 inner = cx->inner;
   float eps = cx->eps;
   ut__i64 lo, hi;
-  if (inner < UT__BN_SMALL && cx->act <= UT_ACT_RELU6) {
+  if (inner < UT__BN_SMALL) {
     ut__cpu_part(c, tid, nt, &lo, &hi);
     ut__cpu_bn_apply_small(cx, lo, hi);
     return;
@@ -8325,8 +8354,8 @@ UT__CPU_INL void ut__cpu_bn_bwd_run(const ut__cpu_bn_ctx* cx, int tid, int nt, c
   double cnt = cx->sums_in ? (double)cx->sums_in[2 * c] : (double)n * inner;
   ut__i64 lo, hi;
   ut__cpu_part(c, tid, nt, &lo, &hi);
-  if (inner < UT__BN_SMALL && cx->act <= UT_ACT_RELU6) {
-    ut__cpu_bn_bwd_small(cx, lo, hi, act);
+  if (inner < UT__BN_SMALL) {
+    ut__cpu_bn_bwd_small(cx, tid, lo, hi, act);
     return;
   }
   for (int j = (int)lo; j < hi; j++) {
@@ -8417,7 +8446,9 @@ UT__CPU_ACT_OPT static void ut__cpu_bn_bwd_part(void* vc, int tid, int nt) {
 /* the scratch of ut__cpu_bn_bwd_run for the kinds from SILU on (none for the others) */
 static int ut__cpu_bn_scratch(ut__cpu_bn_ctx* cx, int nt) {
   if (cx->act < UT_ACT_SILU) return UT_OK;
-  cx->gscratch = (float*)malloc((size_t)nt * cx->n * cx->inner * sizeof(float) + 1);
+  /* per thread: a channel's rows, or a block's runs over small planes (ut__cpu_bn_bwd_small) */
+  ut__i64 per = cx->inner < UT__BN_SMALL ? UT__BN_RUN : cx->inner;
+  cx->gscratch = (float*)malloc((size_t)nt * cx->n * per * sizeof(float) + 1);
   return cx->gscratch ? UT_OK : ut__set_error(UT_ERR_MEMORY, "bn_bwd: out of memory");
 }
 UT__CPU_OPT static int ut__cpu_bn_bwd_f32(const float* go, const float* x, const float* mean,

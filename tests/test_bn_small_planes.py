@@ -5,7 +5,7 @@ Checked against numpy float64 in training mode (output, running statistics, dx, 
 and in eval mode, with the cases the run's bookkeeping could get wrong: planes of 1 to 63 values
 (and 64, the per-row path, for comparison), channel counts that leave a partial block, batches
 past the 64 images summed in float before a double, an offset mean with a small spread (the
-variance must not cancel), and ReLU/ReLU6 with many values in the clamped regions.
+variance must not cancel), and every fused activation, the data on both sides of zero.
 """
 
 import numpy as np
@@ -17,7 +17,13 @@ from utensil_ffi.testing import reference as R
 
 ACT = {None: (lambda z: z, lambda g, z: g),
        "relu": (R.relu, R.relu_backward),
-       "relu6": (R.relu6, R.relu6_backward)}
+       "relu6": (R.relu6, R.relu6_backward),
+       "silu": (R.silu, R.silu_backward),
+       "hardswish": (R.hardswish, R.hardswish_backward),
+       "hardsigmoid": (R.hardsigmoid, R.hardsigmoid_backward),
+       "sigmoid": (R.sigmoid, R.sigmoid_backward),
+       "gelu": (R.gelu, R.gelu_backward),
+       "gelu_tanh": (lambda z: R.gelu(z, "tanh"), lambda g, z: R.gelu_backward(g, z, "tanh"))}
 
 # (n, c, h, w): a 1x1 plane with a partial block of channels (300 = 256 + 44), planes of 4, 9,
 # 16, 49, 63 and 64 values, a batch past 64 images
