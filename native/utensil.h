@@ -4171,6 +4171,21 @@ static bool ut__host_all_finite(const float* p, ut__i64 n) {
   return acc == 0.0f;
 }
 
+/* the fused path's call: bn folded into a scale and shift per output channel (fresh from its
+   statistics each call), the conv's epilogue applying them and act; in_scale as
+   ut__conv_epi's (NULL: none) */
+static ut_tensor* ut__conv2d_folded(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x, int act,
+                                    const float* in_scale, const ut__backend* be,
+                                    const char* who) {
+  ut_tensor* fold = ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who);
+  if (!fold) return NULL;
+  if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
+  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act), in_scale};
+  ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
+  ut_free(fold);
+  return out;
+}
+
 ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
                                 ut_activation act) {
   const char* who = "ut_conv2d_bn_forward";
@@ -4186,13 +4201,7 @@ ut_tensor* ut_conv2d_bn_forward(ut_conv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
   if (!w) return NULL;
   if (l->pad > 0 && !ut__host_all_finite(w, l->weight->shape.nelem))
     return ut__bn_after(ut_conv2d_forward(l, x, NULL), bn, act);
-  ut_tensor* fold = ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who);
-  if (!fold) return NULL;
-  if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
-  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act), NULL};
-  ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
-  ut_free(fold);
-  return out;
+  return ut__conv2d_folded(l, bn, x, (int)act, NULL, be, who);
 }
 
 /* ut_conv2d_bn_forward of x * s[n, c] for a pointwise l (checked by the caller, as s: [N, c,
@@ -4208,13 +4217,7 @@ static ut_tensor* ut__conv2d_bn_scaled(ut_conv2d* l, ut_batchnorm2d* bn, ut_tens
     return y;
   }
   const float* sp = ut__in(s, be);
-  ut_tensor* fold = sp ? ut__new(1, (int[]){2 * l->out_c}, UT_CPU, who) : NULL;
-  if (!fold) return NULL;
-  if (ut__fold_bn(bn, l->bias, be, fold->data, fold->data + l->out_c) < 0) return ut__drop(fold);
-  ut__conv_epi epi = {fold->data, fold->data + l->out_c, ut__fold_act(bn, act), sp};
-  ut_tensor* out = ut__conv2d_forward_epi(l, x, NULL, &epi, who);
-  ut_free(fold);
-  return out;
+  return sp ? ut__conv2d_folded(l, bn, x, act, sp, be, who) : NULL;
 }
 
 ut_tensor* ut_dwconv2d_bn_forward(ut_dwconv2d* l, ut_batchnorm2d* bn, ut_tensor* x,
