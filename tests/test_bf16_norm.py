@@ -68,17 +68,7 @@ ACTS = [pytest.param(None, id="plain")] + [
     pytest.param(a, id=a) for a in ("relu6", "relu", "silu", "hardswish", "hardsigmoid",
                                     "sigmoid", "gelu", "gelu_tanh")]
 # float64 forward and backward(go, z) of each, and where its derivative jumps
-F64 = {
-    None: (lambda z: z, lambda g, z: g),
-    "relu6": (R.relu6, R.relu6_backward),
-    "relu": (R.relu, R.relu_backward),
-    "silu": (R.silu, R.silu_backward),
-    "hardswish": (R.hardswish, R.hardswish_backward),
-    "hardsigmoid": (R.hardsigmoid, R.hardsigmoid_backward),
-    "sigmoid": (R.sigmoid, R.sigmoid_backward),
-    "gelu": (R.gelu, R.gelu_backward),
-    "gelu_tanh": (lambda z: R.gelu(z, "tanh"), lambda g, z: R.gelu_backward(g, z, "tanh")),
-}
+F64 = R.ACTIVATIONS
 KINKS = {"relu6": (0.0, 6.0), "relu": (0.0,), "hardswish": (-3.0, 3.0),
          "hardsigmoid": (-3.0, 3.0)}
 MODES = [pytest.param(True, id="train"), pytest.param(False, id="eval")]

@@ -15,15 +15,7 @@ import utensil_ffi as ut
 from tolerances import assert_close
 from utensil_ffi.testing import reference as R
 
-ACT = {None: (lambda z: z, lambda g, z: g),
-       "relu": (R.relu, R.relu_backward),
-       "relu6": (R.relu6, R.relu6_backward),
-       "silu": (R.silu, R.silu_backward),
-       "hardswish": (R.hardswish, R.hardswish_backward),
-       "hardsigmoid": (R.hardsigmoid, R.hardsigmoid_backward),
-       "sigmoid": (R.sigmoid, R.sigmoid_backward),
-       "gelu": (R.gelu, R.gelu_backward),
-       "gelu_tanh": (lambda z: R.gelu(z, "tanh"), lambda g, z: R.gelu_backward(g, z, "tanh"))}
+ACT = R.ACTIVATIONS
 
 # (n, c, h, w): a 1x1 plane with a partial block of channels (300 = 256 + 44), planes of 4, 9,
 # 16, 49, 63 and 64 values, a batch past 64 images

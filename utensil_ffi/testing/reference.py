@@ -328,6 +328,21 @@ def gelu_backward(go, x, approximate="none"):
     return go * (0.5 * (1.0 + _erf(x / np.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi))
 
 
+# every fused activation's name (None: none) -> (forward(z), backward(go, z)), for the layers
+# that take an activation= keyword
+ACTIVATIONS = {
+    None: (lambda z: z, lambda go, z: go),
+    "relu": (relu, relu_backward),
+    "relu6": (relu6, relu6_backward),
+    "silu": (silu, silu_backward),
+    "hardswish": (hardswish, hardswish_backward),
+    "hardsigmoid": (hardsigmoid, hardsigmoid_backward),
+    "sigmoid": (sigmoid, sigmoid_backward),
+    "gelu": (gelu, gelu_backward),
+    "gelu_tanh": (lambda z: gelu(z, "tanh"), lambda go, z: gelu_backward(go, z, "tanh")),
+}
+
+
 def global_avg_pool2d(x):
     """x: [N, C, H, W] -> [N, C]."""
     return x.mean(axis=(2, 3))
