@@ -7956,7 +7956,7 @@ UT__CPU_INL float ut__cpu_bn_g(float g, float x, float m, float sc, float bt, in
   case A:                                                                    \
     for (ut__i64 t = 0; t < inner; t++) g[t] = ut__act_grad(A, go[t], g[t]); \
     break
-/* g = go f'(g) over inner values: g holds z on entry */
+/* g = go f'(z) over inner values, g holding z on entry */
 UT__CPU_ACT_OPT static void ut__cpu_bn_grad_kinds(const float* restrict go, float* restrict g,
                                                   ut__i64 inner, int act) {
   switch (act) {
