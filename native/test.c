@@ -106,7 +106,7 @@ static bool has_shape(const ut_tensor* t, int ndim, const int* shape) {
 /* ---- error checks: the call fails, sets the right status and a non-empty message --------- */
 static void expect_error_(bool failed, ut_status want, const char* expr, const char* file,
                           int line) {
-  char what[512];
+  char what[1024];
   snprintf(what, sizeof what, "%s fails", expr);
   check_(failed, what, file, line);
   ut_status got = ut_last_status();

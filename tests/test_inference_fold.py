@@ -116,6 +116,10 @@ GEOMS = [
     ("dw3x5-dil2", lambda: ut.DWConv2d(4, (3, 5), padding=2, dilation=2, bias=False), 4, (11, 13)),
     ("dw-grouped-x2", lambda: ut.DWConv2d(3, 3, padding=1, out_channels=6), 3, (9, 9)),
     ("dw-stride3", lambda: ut.DWConv2d(4, 3, stride=3, padding=1, bias=False), 4, (20, 19)),
+    # the ReLUs in each row engine's stores: 3x3 over rows wider than the flat engine takes,
+    # and a filter taller than 7 (the general row engine)
+    ("dw3x3s1p1-wide", lambda: ut.DWConv2d(4, 3, padding=1, bias=False), 4, (10, 70)),
+    ("dw9x1p0", lambda: ut.DWConv2d(4, (9, 1), bias=False), 4, (20, 13)),
 ]
 
 
