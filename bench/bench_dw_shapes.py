@@ -1,10 +1,12 @@
 """Depthwise convolution over kernel shapes (square or not), strides and dilations, against
-PyTorch, forward and one training step (forward + backward with dx and dW).
+PyTorch, forward and one training step (forward + backward with dx and dW), and the deployed
+eval forward of depthwise -> BatchNorm2d -> ReLU6.
 
     python bench/bench_dw_shapes.py [--device cpu] [--dtype fp32] [--threads 2]
                                     [--kernels 3x3,5x5,7x7,3x5,5x3,1x7,7x1]
                                     [--strides 1,2,3] [--dilations 1,2] [--channels 32,256]
-                                    [--planes 28,56] [--batch 8] [--reps 5] [--modes fwd,step]
+                                    [--planes 28,56] [--batch 8] [--reps 5]
+                                    [--modes fwd,step,eval]
 
 Padding dilation * (min(kh, kw) // 2). Each case times utensil and PyTorch in alternating
 rounds and keeps the best of --reps rounds each (the machine may be shared: the best is the
@@ -12,7 +14,10 @@ least disturbed). Prints one row per case and mode with PyTorch's time / utensil
 faster), then the geometric mean and the worst case per mode. On --device cuda a round is 20
 calls, synchronized at its end (the kernels, not the host, are timed), PyTorch runs with
 cudnn.benchmark and TF32 off, and --dtype bf16 gives both sides bf16 activations (utensil's
-weights stay float32, PyTorch's are bf16).
+weights stay float32, PyTorch's are bf16). Mode ``eval`` (not in the default modes): utensil's
+eval-mode DWConv2d + BatchNorm2d + ReLU6 as the network runs them, one folded call (the
+BatchNorm in the filters, ReLU6 in the engine's stores), against PyTorch's three modules in
+eval mode under no_grad; float32 only.
 """
 
 import argparse
@@ -27,6 +32,8 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import utensil_ffi as ut  # noqa: E402
+from utensil_ffi._lib import lib  # noqa: E402
+from utensil_ffi.nn import fold  # noqa: E402
 
 
 def _best_pair(a, b, reps, sync=None, calls=1):
@@ -66,6 +73,12 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
         calls = 20
     if dtype not in ("fp32", "bf16"):
         raise ValueError("dtype must be fp32 or bf16, not %r" % (dtype,))
+    unknown = [m for m in modes if m not in ("fwd", "step", "eval")]
+    if unknown:
+        raise ValueError("modes are fwd, step and eval, not %r" % (unknown,))
+    if "eval" in modes and dtype != "fp32":
+        raise ValueError("mode eval is float32 only")
+
     bf16 = dtype == "bf16"
     ut_dt = ut.bfloat16 if bf16 else ut.float32
     t_dt = torch.bfloat16 if bf16 else torch.float32
@@ -81,7 +94,8 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
                             continue
                         x = rng.standard_normal((batch, c, h, h)).astype(np.float32)
                         with ut.DWConv2d(c, (kh, kw), stride=s, padding=pad, bias=False,
-                                         dilation=d).to(device) as layer:
+                                         dilation=d).to(device) as layer, \
+                                ut.BatchNorm2d(c).to(device) as bn:
                             xt = ut.tensor(x, device, ut_dt)
                             y = layer(xt)
                             go = rng.standard_normal(y.shape).astype(np.float32)
@@ -111,10 +125,25 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
                                 tx.grad = None
                                 conv.weight.grad = None
 
+                            tbn = torch.nn.BatchNorm2d(c).to(device=device, dtype=t_dt).eval()
+                            relu6 = torch.nn.ReLU6()
+
+                            def ours_eval():
+                                fold.conv_bn_forward(layer, bn, xt, lib.UT_ACT_RELU6).close()
+
+                            def theirs_eval():
+                                with torch.no_grad():
+                                    relu6(tbn(conv(tx)))
+
+                            pairs = {"fwd": (ours_fwd, theirs_fwd),
+                                     "step": (ours_step, theirs_step),
+                                     "eval": (ours_eval, theirs_eval)}
                             for mode in modes:
-                                a, b = _best_pair(*((ours_fwd, theirs_fwd) if mode == "fwd"
-                                                    else (ours_step, theirs_step)), reps, sync,
-                                                  calls)
+                                if mode == "eval":
+                                    layer.eval()
+                                    bn.eval()
+                                a, b = _best_pair(*pairs[mode], reps, sync, calls)
+                                layer.train()
                                 row = (mode, kh, kw, s, d, c, h, a, b, b / a)
                                 rows.append(row)
                                 out("| %s | %dx%d | %d | %d | %d | %d | %.3f | %.3f | %.2f |" % row)
@@ -147,7 +176,7 @@ def main(argv=None):
     p.add_argument("--planes", default="28,56")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--modes", default="fwd,step")
+    p.add_argument("--modes", default="fwd,step", help="fwd, step and/or eval")
     a = p.parse_args(argv)
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
     kernels = tuple(tuple(int(v) for v in k.split("x")) for k in a.kernels.split(",") if k)

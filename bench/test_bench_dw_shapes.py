@@ -31,3 +31,18 @@ def test_rows_and_summary(device, dtype):
 def test_bad_dtype_is_refused():
     with pytest.raises(ValueError, match="fp32 or bf16"):
         bd.run(kernels=((3, 3),), out=lambda s: None, dtype="fp16")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eval_mode_rows(device):
+    rows = bd.run(threads=1, kernels=((3, 3),), strides=(1, 2), channels=(4,), planes=(7,),
+                  batch=1, reps=1, modes=("eval",), out=lambda s: None, device=device)
+    assert [(r[0], r[3]) for r in rows] == [("eval", 1), ("eval", 2)]
+    assert all(r[7] > 0 and r[8] > 0 for r in rows)
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(ValueError, match="fwd, step and eval"):
+        bd.run(kernels=((3, 3),), out=lambda s: None, modes=("fwd", "infer"))
+    with pytest.raises(ValueError, match="float32 only"):
+        bd.run(kernels=((3, 3),), out=lambda s: None, modes=("eval",), dtype="bf16")
