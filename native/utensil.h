@@ -6583,8 +6583,9 @@ static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
   return g->kh <= 7 && g->kw <= 7;
 }
 
-/* Depthwise over small planes (at most UT__DW_SMALL_HW values in and out: the late layers of a
-   network trained at 64^2, ConvNeXt's 4x4 and 2x2 under a 7x7 filter): the plane engines run
+/* Depthwise over small planes (at most UT__DW_SMALL_HW values in and out, or at a stride up to
+   UT__DW_SMALL_IN in: the late layers of a network trained at 64^2, ConvNeXt's 4x4 and 2x2
+   under a 7x7 filter, MobileNet v1's 8x8 -> 4x4): the plane engines run
    vectors along a plane's rows, four or two values wide there, and over every tap, most of
    them padding (at 4x4, 16 of a 7x7 filter's 49 taps meet the input). Here the (output, tap,
    input) triples that meet real input are listed once per call, and each block of channels is
@@ -6593,6 +6594,7 @@ static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
    engines compute for non-finite values: no check is needed. The order of every sum is fixed
    (taps in order, images in order for dW), whatever the thread count. */
 #define UT__DW_SMALL_HW 16
+#define UT__DW_SMALL_IN 64 /* a strided plane's input values (its output: UT__DW_SMALL_HW) */
 #define UT__DW_SMALL_TAPS 49
 #define UT__DW_SMALL_CB 64 /* channels per block: the scratch planes stay in L1 */
 /* Where the turn to channels-last costs less than the padding taps save (2 cores, batch 8,
@@ -6601,11 +6603,16 @@ static bool ut__cpu_dw_dil_native(const ut__conv_geom* g) {
    3x3 filter at stride 1 (4x4: 0.15 against 0.32 ms) and from 8x8 on (8x8 under 7x7: 1.06
    against 1.44). Strided, a 3x3 filter's small planes are the phase-plane engine's worst case
    (4x4 -> 2x2 over 512 channels, batch 8: forward 118-167 against 35-48 us, backward 176-182
-   against 85-96 us). */
+   against 85-96 us), and so are strided planes of up to 64 values whose outputs fit 16 values
+   (7x7 and 8x8 -> 4x4, 512 channels, batch 8, forward + backward: 3x3 0.58-0.66 against
+   0.39-0.47 ms, 5x5 0.90-0.95 against 0.64-0.75). */
 static bool ut__cpu_dw_small(const ut__conv_geom* g) {
   int taps = g->kh * g->kw;
-  return (ut__i64)g->h * g->w <= UT__DW_SMALL_HW && (ut__i64)g->ho * g->wo <= UT__DW_SMALL_HW &&
-         (taps >= 25 || (taps >= 9 && g->stride >= 2)) && taps <= UT__DW_SMALL_TAPS && g->c >= 8;
+  ut__i64 hw = (ut__i64)g->h * g->w;
+  if ((ut__i64)g->ho * g->wo > UT__DW_SMALL_HW || taps > UT__DW_SMALL_TAPS || g->c < 8)
+    return false;
+  if (g->stride >= 2 && taps >= 9) return hw <= UT__DW_SMALL_IN;
+  return hw <= UT__DW_SMALL_HW && taps >= 25;
 }
 typedef struct {
   const ut__conv_geom* g;
@@ -6622,7 +6629,7 @@ typedef struct {
 } ut__dw_small_ctx;
 /* two channels-last planes of floats and the dW accumulators, in doubles */
 #define UT__DW_SMALL_SCRATCH \
-  (UT__DW_SMALL_HW * UT__DW_SMALL_CB + UT__DW_SMALL_TAPS * UT__DW_SMALL_CB)
+  (UT__DW_SMALL_IN * UT__DW_SMALL_CB + UT__DW_SMALL_TAPS * UT__DW_SMALL_CB)
 /* plane-major [cb][hw] (row stride hw) <-> channels-last [hw][cb] */
 UT__CPU_INL void ut__dw_small_to_last(const float* restrict src, ut__i64 hw, int cb,
                                       float* restrict dst) {
@@ -6642,7 +6649,7 @@ UT__CPU_OPT static void ut__dw_small_part(void* vc, int tid, int nt) {
   ut__i64 hw = (ut__i64)g->h * g->w, ohw = (ut__i64)g->ho * g->wo;
   double* acc = cx->scratch + (size_t)tid * UT__DW_SMALL_SCRATCH;
   float* in = (float*)(void*)(acc + UT__DW_SMALL_TAPS * UT__DW_SMALL_CB);
-  float* out = in + UT__DW_SMALL_HW * UT__DW_SMALL_CB;
+  float* out = in + UT__DW_SMALL_IN * UT__DW_SMALL_CB;
   ut__i64 lo, hi;
   ut__cpu_part(cx->tasks, tid, nt, &lo, &hi);
   for (ut__i64 t = lo; t < hi; t++) {

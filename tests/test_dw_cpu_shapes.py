@@ -145,13 +145,20 @@ def _small_geoms():
     """Planes of at most 16 values under filters of 25 taps or more, or strided under 9 or more
     (the small-plane engine: ConvNeXt's 4x4 and 2x2 planes under 7x7 at 64^2, MobileNet v1's
     last stride-2 3x3 at 64^2), every stride, dilation and padding that leaves an output, and
-    planes of one row or column."""
+    planes of one row or column; then strided planes of up to 64 values whose outputs are at
+    most 16 (MobileNet v1's 8x8 -> 4x4 at 64^2, 7x7 -> 4x4), and a few just past that."""
     out = []
     for i, ((kh, kw), (h, w), s, d) in enumerate(itertools.product(
             ((5, 5), (7, 7), (5, 7), (7, 5), (6, 6), (3, 3), (3, 5)),
             ((1, 1), (2, 2), (4, 4), (3, 5), (1, 4)),
             (1, 2, 3), (1, 2))):
         p = (kh // 2, 0, 1, 3)[i % 4]
+        if h + 2 * p >= d * (kh - 1) + 1 and w + 2 * p >= d * (kw - 1) + 1:
+            out.append((kh, kw, s, d, p, h, w))
+    for i, ((kh, kw), (h, w), s, d) in enumerate(itertools.product(
+            ((3, 3), (5, 5), (7, 7), (3, 5)), ((7, 7), (8, 8), (4, 16), (9, 7), (5, 12)),
+            (2, 3), (1, 2))):
+        p = (kh // 2, 0, 1)[i % 3]
         if h + 2 * p >= d * (kh - 1) + 1 and w + 2 * p >= d * (kw - 1) + 1:
             out.append((kh, kw, s, d, p, h, w))
     return out
