@@ -6641,7 +6641,9 @@ UT__CPU_INL void ut__dw_small_from_last(const float* restrict src, ut__i64 hw, i
   for (int ch = 0; ch < cb; ch++)
     for (ut__i64 i = 0; i < hw; i++) dst[ch * hw + i] = src[i * cb + ch];
 }
-UT__CPU_OPT static void ut__dw_small_part(void* vc, int tid, int nt) {
+/* (UT__CPU_ACT_OPT: built for AVX-512 and AVX2 too, without contraction, so the same bits on
+   every ISA; as the baseline's 4-lane SSE2 the dW of 3x3 over 8x8 -> 4x4 ran 15-20% slower) */
+UT__CPU_ACT_OPT static void ut__dw_small_part(void* vc, int tid, int nt) {
   const ut__dw_small_ctx* cx = (const ut__dw_small_ctx*)vc;
   const ut__conv_geom* g = cx->g;
   const int* tri = cx->tri;
@@ -6716,8 +6718,12 @@ static int ut__cpu_dw_small_run(ut__conv_dir dir, const float* x, const float* g
           tri[3 * ntri + 2] = iy * g->w + ix;
           ntri++;
         }
-  for (int ch = 0; wtt && ch < c; ch++)
-    for (int tp = 0; tp < taps; tp++) wtt[(ut__i64)tp * c + ch] = wt[(ut__i64)ch * taps + tp];
+  /* 16 channels at a time: each write a line of its own, channel by channel, cost a 7x7
+     forward over 4x4 planes (512 channels, batch 8) about a third of its time */
+  for (int c0 = 0; wtt && c0 < c; c0 += 16)
+    for (int tp = 0; tp < taps; tp++)
+      for (int ch = c0; ch < UT__CPU_MIN(c0 + 16, c); ch++)
+        wtt[(ut__i64)tp * c + ch] = wt[(ut__i64)ch * taps + tp];
   ut__i64 cblocks = (c + UT__DW_SMALL_CB - 1) / UT__DW_SMALL_CB;
   ut__i64 tasks = dir == UT__CONV_DW ? cblocks : cblocks * g->n;
   int nt = ut__cpu_nt((double)ntri * g->n * c);
