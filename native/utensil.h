@@ -9713,45 +9713,10 @@ UT__CPU_INL float ut__epi_scalar(float y, float s, float t, int act) {
 UT__CPU_INL void ut__epi_scalar_row(float* y, int n, float s, float t, int act) {
   for (int j = 0; j < n; j++) y[j] = ut__epi_scalar(y[j], s, t, act);
 }
-#if defined(__GNUC__)
-UT__CPU_INL ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
-  if (V == 16) {
-    ut__v16f p = v.z * s, zero = {0}, six = zero + 6.0f;
-    UT__NO_CONTRACT(p);
-    p = p + t;
-    if (act == UT_ACT_RELU || act == UT_ACT_RELU6) p = (ut__v16f)((ut__v16i)p & ~(p < zero));
-    if (act == UT_ACT_RELU6) {
-      ut__v16i m = p > six;
-      p = (ut__v16f)(((ut__v16i)p & ~m) | ((ut__v16i)six & m));
-    }
-    v.z = p;
-  } else if (V == 8) {
-    ut__v8f p = v.y * s, zero = {0}, six = zero + 6.0f;
-    UT__NO_CONTRACT(p);
-    p = p + t;
-    if (act == UT_ACT_RELU || act == UT_ACT_RELU6) p = (ut__v8f)((ut__v8i)p & ~(p < zero));
-    if (act == UT_ACT_RELU6) {
-      ut__v8i m = p > six;
-      p = (ut__v8f)(((ut__v8i)p & ~m) | ((ut__v8i)six & m));
-    }
-    v.y = p;
-  } else {
-    float f[4];
-    ut__v_st(f, v, V);
-    for (int i = 0; i < 4; i++) f[i] = ut__epi_scalar(f[i], s, t, act);
-    v = ut__v_ld(f, V);
-  }
-  return v;
-}
-#else
-static inline ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
-  for (int i = 0; i < V; i++) v.f[i] = ut__epi_scalar(v.f[i], s, t, act);
-  return v;
-}
-#endif
 /* v through act when act is ReLU or ReLU6 (else v): ut__cpu_epi_run's operations, so its bits
-   (-0 and NaN pass). The depthwise engines apply it as they store: a pass of its own over the
-   output, even in cache, cost a 144-channel 56^2 forward a third of its time. */
+   (-0 and NaN pass). The depthwise engines apply it as they store (a pass of its own over the
+   output, even in cache, cost a 144-channel 56^2 forward a third of its time), the GEMM's
+   epilogue after its affine map (ut__v_epi). */
 UT__CPU_INL ut__vec ut__v_relus(ut__vec v, int act, const int V) {
   if (act != UT_ACT_RELU && act != UT_ACT_RELU6) return v;
 #if defined(__GNUC__)
@@ -9784,6 +9749,31 @@ UT__CPU_INL ut__vec ut__v_relus(ut__vec v, int act, const int V) {
   }
   return ut__v_ld(f, V);
 }
+/* act(s v + t) for the ReLU family (else s v + t), ut__epi_scalar's operations lane by lane */
+#if defined(__GNUC__)
+UT__CPU_INL ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
+  if (V == 16) {
+    ut__v16f p = v.z * s;
+    UT__NO_CONTRACT(p);
+    v.z = p + t;
+  } else if (V == 8) {
+    ut__v8f p = v.y * s;
+    UT__NO_CONTRACT(p);
+    v.y = p + t;
+  } else {
+    float f[4];
+    ut__v_st(f, v, V);
+    for (int i = 0; i < 4; i++) f[i] = ut__epi_scalar(f[i], s, t, act);
+    return ut__v_ld(f, V);
+  }
+  return ut__v_relus(v, act, V);
+}
+#else
+static inline ut__vec ut__v_epi(ut__vec v, float s, float t, int act, const int V) {
+  for (int i = 0; i < V; i++) v.f[i] = ut__epi_scalar(v.f[i], s, t, act);
+  return v;
+}
+#endif
 
 /* Store the V lanes of v at p, cut at lim: whole when they end before lim (see "depthwise
    engines" for why the lanes past a row may be stored), else only those before lim. */
