@@ -271,7 +271,7 @@ def test_bfloat16_and_the_gpu_run_the_layers_one_by_one():
 
 
 def _plan(layers):
-    return fold._chain_at(fold._units(layers), 0)[:3]
+    return fold._chain_at(fold._units(layers), 0)[0][:3]
 
 
 def test_refusals():
@@ -298,5 +298,32 @@ def test_refusals():
     assert lib.ut_separable_block_forward(blk, ffi.NULL) == ffi.NULL
     assert "dw is NULL" in ffi.string(lib.ut_last_error()).decode()
     layers[2].close()
+    with pytest.raises(ut.ClosedError):
+        fold.separable_forward(plan, x)
+
+
+def test_a_kept_plan_reuses_its_struct_and_still_sees_what_changes():
+    # the plan a Sequential or block keeps fills its C struct once; each call still enters its
+    # layers (a close is seen), follows the residual flag and reads the layers' values now
+    rng = np.random.default_rng(11)
+    layers = _block(4, 8, 4, 3, 1, 1, ("relu6", "relu6", None), rng)
+    plan = fold.separable_plan(ut.Sequential(*layers))
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    with fold.separable_forward(plan, x) as y1:
+        first = y1.numpy().copy()
+    kept = plan._c
+    with fold.separable_forward(plan, x) as y2:
+        assert plan._c is kept
+        np.testing.assert_array_equal(y2.numpy(), first)
+    with fold.separable_forward(plan, x, residual=True) as y3:
+        assert plan._c is not kept
+        assert_close("fp32", y3.numpy(), first + x)
+    layers[5].bias.copy_from(np.full(4, 2.0, np.float32))  # the project's BatchNorm's beta
+    with fold.separable_forward(plan, x) as y4:
+        assert not np.allclose(y4.numpy(), first)
+        with ut.Sequential(*layers[:4])(x) as d:  # the chain up to the depthwise, unfused
+            with layers[4](d) as p, layers[5](p) as ref:
+                assert_close("fp32", y4.numpy(), ref.numpy())
+    layers[4].close()
     with pytest.raises(ut.ClosedError):
         fold.separable_forward(plan, x)

@@ -181,21 +181,26 @@ def _role(unit):
     return role
 
 
+class _Plan(tuple):
+    """A separable chain's units (expand, dw, project, SE), as _chain_at finds them, with the C
+    struct of its calls kept beside them (_block_struct)."""
+
+
 def _chain_at(units, j):
-    """The separable chain starting at units[j]: (expand unit, dw unit, project unit, SE unit,
-    units used), the expand and SE units None when absent, or None. A chain without SE needs an
-    expand: without one the C call runs the two folded layers anyway
+    """The separable chain starting at units[j]: (a _Plan (expand unit, dw unit, project unit,
+    SE unit), units used), the expand and SE units None when absent, or None. A chain without
+    SE needs an expand: without one the C call runs the two folded layers anyway
     (ut_separable_block_forward's bands need the expand to pay), and MobileNet v1 measured 2-4%
     slower so than as two steps. With squeeze-and-excitation (MobileNetV3, EfficientNet) the
     one call replaces the block's six Python calls and the pass that scales the depthwise's
     output."""
     roles = [_role(u) for u in units[j:j + 4]]
     if roles[:3] == ["pointwise", "depthwise", "pointwise"]:
-        return units[j], units[j + 1], units[j + 2], None, 3
+        return _Plan((units[j], units[j + 1], units[j + 2], None)), 3
     if roles == ["pointwise", "depthwise", "se", "pointwise"]:
-        return units[j], units[j + 1], units[j + 3], units[j + 2], 4
+        return _Plan((units[j], units[j + 1], units[j + 3], units[j + 2])), 4
     if roles[:3] == ["depthwise", "se", "pointwise"]:
-        return None, units[j], units[j + 2], units[j + 1], 3
+        return _Plan((None, units[j], units[j + 2], units[j + 1])), 3
     return None
 
 
@@ -214,9 +219,9 @@ def fold_steps(layers):
     while j < len(units):
         chain = _chain_at(units, j) if _SEPARABLE[0] else None
         if chain is not None:
-            plan = chain[:4]
+            plan = chain[0]
             steps.append(lambda x, p=plan: separable_forward(p, x))  # looked up at each call
-            j += chain[4]
+            j += chain[1]
             continue
         l, bn, act, _ = units[j]
         if bn is None:
@@ -295,13 +300,15 @@ def separable_plan(body):
         return None
     units = _units(_flat(body.layers))
     chain = _chain_at(units, 0) if units else None
-    if chain is None or chain[4] != len(units):
+    if chain is None or chain[1] != len(units):
         return None
-    return chain[:4]
+    return chain[0]
 
 
-def separable_forward(plan, x, residual=False):
-    """The chain ``plan`` (separable_plan's) on x in one C call, ``x +`` it when residual."""
+def _block_struct(plan, parts, residual):
+    """(the ut_separable_block for plan's call, [(layer, its handle)] in the order its fields
+    were filled): the layers' struct pointers (a layer's struct stays where it is until the
+    layer is freed) and the activations."""
     expand, dw, project = plan[:3]
     se = plan[3] if len(plan) > 3 else None
     units = [(u, n) for u, n in ((expand, "expand"), (dw, "dw"), (project, "project")) if u]
@@ -310,22 +317,42 @@ def separable_forward(plan, x, residual=False):
     for u, name in units:
         setattr(blk, "act_" + name, u[2])
     if se is not None:
+        fields += [(parts[0], "se_reduce"), (parts[2], "se_expand")]
+        blk.act_se_reduce, blk.act_se_expand = parts[1], parts[3]
+    for layer, field in fields:
+        s = layer._h.s if layer._h is not None else None
+        if s is None:
+            raise ClosedError("operation on a closed %s" % type(layer).__name__)
+        setattr(blk, field, s)
+    blk.residual = bool(residual)
+    return blk, [(layer, layer._h) for layer, _ in fields]
+
+
+def separable_forward(plan, x, residual=False):
+    """The chain ``plan`` (separable_plan's) on x in one C call, ``x +`` it when residual.
+    A plan of separable_plan or fold_steps keeps the call's C struct for the next call with the
+    same squeeze-and-excitation parts and residual (filling it was half of the Python time of a
+    block's call); each call still enters every layer, so closing one stays safe."""
+    se = plan[3] if len(plan) > 3 else None
+    parts = None
+    if se is not None:
         parts = se[0]._block_parts()
         if parts is None:
             raise ArgumentError("separable block forward: its SqueezeExcitation changed since "
                                 "the plan was made (no longer two 1x1 Conv2ds and activations)")
-        fields += [(parts[0], "se_reduce"), (parts[2], "se_expand")]
-        blk.act_se_reduce, blk.act_se_expand = parts[1], parts[3]
+    residual = bool(residual)
+    kept = plan.__dict__.get("_c") if type(plan) is _Plan else None
+    if kept is None or kept[0] != residual or kept[1] != parts:
+        kept = (residual, parts) + _block_struct(plan, parts, residual)
+        if type(plan) is _Plan:
+            plan._c = kept
+    blk, handles = kept[2], kept[3]
     entered = []
     try:
-        for layer, field in fields:
-            h = layer._h
-            s = h.enter() if h is not None else None
-            if s is None:
+        for layer, h in handles:
+            if h.enter() is None:  # the struct filled in: it never moves
                 raise ClosedError("operation on a closed %s" % type(layer).__name__)
             entered.append(h)
-            setattr(blk, field, s)
-        blk.residual = bool(residual)
         what = "separable block forward"
         if isinstance(x, Tensor):
             xp = _hold(x)
