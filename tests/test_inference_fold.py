@@ -120,6 +120,12 @@ GEOMS = [
     # and a filter taller than 7 (the general row engine)
     ("dw3x3s1p1-wide", lambda: ut.DWConv2d(4, 3, padding=1, bias=False), 4, (10, 70)),
     ("dw9x1p0", lambda: ut.DWConv2d(4, (9, 1), bias=False), 4, (20, 13)),
+    # pointwise over planes of 1-4 values, a depth of 32 or more (one image: the dot-product
+    # engine against the weight in place, the epilogue after; three: the packed engine's
+    # narrow columns), and 17 columns past a vector (AVX-512's narrow path after 16)
+    ("dense1x1-1x1-plane", lambda: ut.Conv2d(40, 12, 1, bias=False), 40, (1, 1)),
+    ("dense1x1-2x2-plane+bias", lambda: ut.Conv2d(64, 10, 1), 64, (2, 2)),
+    ("dense1x1-17-columns", lambda: ut.Conv2d(12, 9, 1, bias=False), 12, (1, 17)),
 ]
 
 
