@@ -6607,7 +6607,7 @@ static bool ut__cpu_dw_small(const ut__conv_geom* g) {
   if ((ut__i64)g->ho * g->wo > UT__DW_SMALL_HW || taps > UT__DW_SMALL_TAPS || g->c < 8)
     return false;
   if (g->stride >= 2 && taps >= 9) return hw <= UT__DW_SMALL_IN;
-  return hw <= UT__DW_SMALL_HW && taps >= 25;
+  return hw <= UT__DW_SMALL_HW && (taps >= 25 || hw <= 4);
 }
 typedef struct {
   const ut__conv_geom* g;
@@ -7505,12 +7505,13 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
      [1, C, 1, 1]) from a depth of 32: the packed engine would pad it to a whole panel and pack
      the matrix for one use (Linear(48, 1152) on one sample 32 -> 21 us on 2 cores; below 32
      the dot engine's remainder path costs more: 28 -> 672 14 -> 24 us) */
-  /* One to four columns of B [k, n] in one product (a 1x1 convolution over 1x1 or 2x2 planes:
-     the last stages of a network at 32^2, one image): the packed engine would pack the whole
-     weight (A) for those columns, more than the products cost (17% of MobileNetV2's 32^2
-     forward). The dot-product engine reads A in place once, against B's columns turned
-     k-contiguous; the epilogue then runs over C's rows. */
-  if (!g->b_conv && !g->sum_batch && g->batch == 1 && !g->trans_a && !g->trans_b && n <= 4 &&
+  /* One to eight columns of B [k, n] in one product (a 1x1 convolution over 1x1 or 2x2 planes:
+     the last stages of a network at 32^2, one image or a batch merged): the packed engine would
+     pack the whole weight (A) for those columns, more than the products cost (17% of
+     MobileNetV2's 32^2 forward), or read it in place at a quarter of its lanes. The dot-product
+     engine reads A in place, against B's columns turned k-contiguous; the epilogue then runs
+     over C's rows. */
+  if (!g->b_conv && !g->sum_batch && g->batch == 1 && !g->trans_a && !g->trans_b && n <= 8 &&
       k >= 32 && g->beta == 0.0f) {
     float* bt = (float*)malloc((size_t)n * k * sizeof(float));
     if (!bt) return ut__set_error(UT_ERR_MEMORY, "gemm: out of memory");

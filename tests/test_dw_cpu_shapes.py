@@ -142,11 +142,12 @@ def test_nonfinite_input_dilated():
 
 
 def _small_geoms():
-    """Planes of at most 16 values under filters of 25 taps or more, or strided under 9 or more
-    (the small-plane engine: ConvNeXt's 4x4 and 2x2 planes under 7x7 at 64^2, MobileNet v1's
-    last stride-2 3x3 at 64^2), every stride, dilation and padding that leaves an output, and
-    planes of one row or column; then strided planes of up to 64 values whose outputs are at
-    most 16 (MobileNet v1's 8x8 -> 4x4 at 64^2, 7x7 -> 4x4), and a few just past that."""
+    """Planes of at most 16 values under filters of 25 taps or more, of at most 4 under any, or
+    strided under 9 or more (the small-plane engine: ConvNeXt's 4x4 and 2x2 planes under 7x7 at
+    64^2, MobileNet v1's last stride-2 3x3 at 64^2, MobileNetV2's 3x3 over 1x1 and 2x2 planes
+    at 32^2), every stride, dilation and padding that leaves an output, and planes of one row or
+    column; then strided planes of up to 64 values whose outputs are at most 16 (MobileNet v1's
+    8x8 -> 4x4 at 64^2, 7x7 -> 4x4), and a few just past that."""
     out = []
     for i, ((kh, kw), (h, w), s, d) in enumerate(itertools.product(
             ((5, 5), (7, 7), (5, 7), (7, 5), (6, 6), (3, 3), (3, 5)),
