@@ -7192,6 +7192,13 @@ UT__CPU_OPT static void ut__cpu_pack_b_conv(const float* x, const ut__conv_geom*
     for (int k = 0; k < kc; k++) ut__cpu_pack_b_put(dst, kc, NR, k, nc, NULL, NR - nc % NR);
 }
 
+/* Whether the micro-kernel computes a last panel of nr columns on its narrow path (AVX-512's
+   8 x 32 tiles; ut__gemm_micro_narrow): 1 to 4 columns, alone or past a vector of 16. It
+   needs A packed (a step's MR values together). */
+static inline bool ut__gemm_narrow(int nr, int MR, int NR) {
+  return MR == 8 && NR == 32 && ((nr > 0 && nr <= 4) || (nr > 16 && nr <= 20));
+}
+
 /* One block of C (rows i0.., columns j0..) summed over batch items [b0, b1), into c0 (row
    stride ldc; beta applies to the first item only). Its rows go in blocks of MC (A's packed
    panels, sized for L2) under each k block's packed B, which is packed once for all of them:
@@ -7202,13 +7209,6 @@ UT__CPU_OPT static void ut__cpu_pack_b_conv(const float* x, const ut__conv_geom*
    panels across (a short side: pointwise convs over small images, Linear layers), the full
    panels are read in place instead (the same products in the same order, so the same result);
    the edge panels are still packed, their padding rows and columns being zeros. */
-/* Whether the micro-kernel computes a last panel of nr columns on its narrow path (AVX-512's
-   8 x 32 tiles; ut__gemm_micro_narrow): 1 to 4 columns, alone or past a vector of 16. It
-   needs A packed (a step's MR values together). */
-static inline bool ut__gemm_narrow(int nr, int MR, int NR) {
-  return MR == 8 && NR == 32 && ((nr > 0 && nr <= 4) || (nr > 16 && nr <= 20));
-}
-
 static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, int MR, int NR,
                               int MC, bool epi_kern, int b0, int b1, float* c0, int ldc,
                               float beta0, int i0, int mt, int j0, int nc, float* abuf,
@@ -7494,17 +7494,6 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
                            m, n, g->beta);
     return UT_OK;
   }
-  /* where packing would cost about as much as the products: a long k and few rows (a Linear
-     forward, x [batch, in] . W^T with W [out, in]; a weight gradient summed over the batch
-     into a narrow layer's weight) or columns, or a small C from one product. Elsewhere the
-     packed engine was faster, up to 2x: ConvNeXt's 96 <-> 384 weight gradients over 16x16
-     planes (k 256 per image, 8 images) 1.37 -> 0.68 ms on 2 cores, MobileNetV2's 192 x 32
-     at 28x28 0.65 -> 0.33 ms; the dot engine kept 1.5-4x where m <= 24 or n <= 16 (16 x 96
-     at 112x112, a 10-class head) and at 48 x 48 (1.65x). One row or column (a matrix-vector
-     product: a Linear over one sample, squeeze-and-excitation's 1x1 convs over pooled
-     [1, C, 1, 1]) from a depth of 32: the packed engine would pad it to a whole panel and pack
-     the matrix for one use (Linear(48, 1152) on one sample 32 -> 21 us on 2 cores; below 32
-     the dot engine's remainder path costs more: 28 -> 672 14 -> 24 us) */
   /* One to eight columns of B [k, n] in one product (a 1x1 convolution over 1x1 or 2x2 planes:
      the last stages of a network at 32^2, one image or a batch merged): the packed engine would
      pack the whole weight (A) for those columns, more than the products cost (17% of
@@ -7529,6 +7518,17 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
       ut__cpu_epi_rows((float*)g->c, g->ldc, m, n, g->row_scale, g->row_shift, g->act);
     return rc;
   }
+  /* where packing would cost about as much as the products: a long k and few rows (a Linear
+     forward, x [batch, in] . W^T with W [out, in]; a weight gradient summed over the batch
+     into a narrow layer's weight) or columns, or a small C from one product. Elsewhere the
+     packed engine was faster, up to 2x: ConvNeXt's 96 <-> 384 weight gradients over 16x16
+     planes (k 256 per image, 8 images) 1.37 -> 0.68 ms on 2 cores, MobileNetV2's 192 x 32
+     at 28x28 0.65 -> 0.33 ms; the dot engine kept 1.5-4x where m <= 24 or n <= 16 (16 x 96
+     at 112x112, a 10-class head) and at 48 x 48 (1.65x). One row or column (a matrix-vector
+     product: a Linear over one sample, squeeze-and-excitation's 1x1 convs over pooled
+     [1, C, 1, 1]) from a depth of 32: the packed engine would pad it to a whole panel and pack
+     the matrix for one use (Linear(48, 1152) on one sample 32 -> 21 us on 2 cores; below 32
+     the dot engine's remainder path costs more: 28 -> 672 14 -> 24 us) */
   if (!g->row_scale && !g->b_conv && (g->sum_batch || g->batch == 1) && !g->trans_a &&
       g->trans_b &&
       ((k >= 256 && (m <= 24 || n <= 16 || (g->batch == 1 && (ut__i64)m * n <= 48 * 48))) ||
@@ -11209,15 +11209,18 @@ static const ut__cpu_isa_kernels* ut__cpu_isa(void) {
    (which blocks vectorizing) even under an optimize("no-math-errno") attribute, so the AVX
    variant names the instruction; the same IEEE operations, so the same bits as the scalar
    loop. */
+/* channel o's scale and shift from its rstd rs */
+static inline void ut__fold_row(float rs, const float* g, const float* b, const float* m,
+                                const float* cb, float* scale, float* shift, int o) {
+  double s = (double)rs * g[o];
+  scale[o] = (float)s;
+  shift[o] = (float)((double)b[o] + ((cb ? (double)cb[o] : 0.0) - m[o]) * s);
+}
 static void ut__fold_rows_scalar(int c, double eps, const float* g, const float* b,
                                  const float* m, const float* v, const float* cb, float* scale,
                                  float* shift, int o) {
-  for (; o < c; o++) {
-    float rs = (float)(1.0 / sqrt((double)v[o] + eps));
-    double s = (double)rs * g[o];
-    scale[o] = (float)s;
-    shift[o] = (float)((double)b[o] + ((cb ? (double)cb[o] : 0.0) - m[o]) * s);
-  }
+  for (; o < c; o++)
+    ut__fold_row((float)(1.0 / sqrt((double)v[o] + eps)), g, b, m, cb, scale, shift, o);
 }
 #ifdef UT__CPU_X86
 typedef double ut__v4d __attribute__((vector_size(32)));
@@ -11230,11 +11233,7 @@ __attribute__((target("avx"))) static void ut__fold_rows_avx(int c, double eps, 
     ut__v4d d = {(double)v[o] + eps, (double)v[o + 1] + eps, (double)v[o + 2] + eps,
                  (double)v[o + 3] + eps};
     ut__v4d r = (ut__v4d){1.0, 1.0, 1.0, 1.0} / __builtin_ia32_sqrtpd256(d);
-    for (int i = 0; i < 4; i++) {
-      double s = (double)(float)r[i] * g[o + i];
-      scale[o + i] = (float)s;
-      shift[o + i] = (float)((double)b[o + i] + ((cb ? (double)cb[o + i] : 0.0) - m[o + i]) * s);
-    }
+    for (int i = 0; i < 4; i++) ut__fold_row((float)r[i], g, b, m, cb, scale, shift, o + i);
   }
   ut__fold_rows_scalar(c, eps, g, b, m, v, cb, scale, shift, o);
 }
