@@ -14,6 +14,9 @@
 #                        the GPU when one is present). Exits non-zero on any failure. The
 #                        sanitized build is always CPU-only (-DUT_NO_CUDA): ASan and the CUDA
 #                        runtime do not mix well.
+#   ./build.sh test-asan   the sanitized half of `test` alone (it never touches the library)
+#   ./build.sh test-plain  the other half: `lib`, the plain test binary and the one-file program
+#                        (.ci/gpu runs the two at once on a GPU machine: UT_CTESTS_ASYNC=1)
 #   ./build.sh asan-lib  build a sanitized, CPU-only $BUILD_DIR/asan/libutensil.so, for loading
 #                        into Python with
 #                          LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0
@@ -266,13 +269,18 @@ run_app_tests() {
   return $status
 }
 
-run_tests() {
-  local status=0
-  # .ci/gpu: a build without CUDA would run the UT_CUDA tests on the CPU and pass; fail before
-  # the minutes of building instead (a GPU that is absent is caught by the test binaries)
+# .ci/gpu: a build without CUDA would run the UT_CUDA tests on the CPU and pass; fail before
+# the minutes of building instead (a GPU that is absent is caught by the test binaries)
+check_expect_cuda() {
   if [[ "${UTENSIL_EXPECT_CUDA:-}" == "1" ]] && ! want_cuda; then
     die "UTENSIL_EXPECT_CUDA=1 but the library would be built without CUDA ($cuda_reason)"
   fi
+}
+
+# The test runs record a failure here and go on (a sanitized failure still runs the plain
+# tests); a build that fails stops the script (set -e), so no stale binary is run.
+test_status=0
+run_asan_tests() {
   say "building the C tests with AddressSanitizer + UBSan (CPU only)"
   build_asan_test
   log "running sanitized tests ($BUILD_DIR/asan/utensil_test)"
@@ -281,17 +289,26 @@ run_tests() {
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     env -u UTENSIL_EXPECT_CUDA "$BUILD_DIR/asan/utensil_test"; then
     log "FAILED: sanitized tests"
-    status=1
+    test_status=1
   fi
+}
+
+run_plain_tests() {
   build_lib
   log "running plain tests ($BUILD_DIR/utensil_test)"
   if ! "$BUILD_DIR/utensil_test"; then
     log "FAILED: plain tests"
-    status=1
+    test_status=1
   fi
-  run_app_tests || status=1
-  [[ $status -eq 0 ]] && log "all tests passed"
-  return $status
+  run_app_tests || test_status=1
+}
+
+run_tests() {
+  check_expect_cuda
+  run_asan_tests
+  run_plain_tests
+  [[ $test_status -eq 0 ]] && log "all tests passed"
+  return $test_status
 }
 
 [[ -f "$HDR" ]] || die "run from the repository (missing $HDR)"
@@ -299,8 +316,11 @@ run_tests() {
 case "${1:-lib}" in
   lib) build_lib ;;
   test) run_tests ;;
+  test-asan) run_asan_tests; exit $test_status ;;
+  test-plain) check_expect_cuda; run_plain_tests; exit $test_status ;;
   asan-lib) build_asan_lib ;;
   clean) run rm -rf "$BUILD_DIR" ;;
   -h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-  *) die "unknown target '$1' (expected lib, test, asan-lib or clean; see ./build.sh --help)" ;;
+  *) die "unknown target '$1' (expected lib, test, test-asan, test-plain, asan-lib or clean;" \
+    "see ./build.sh --help)" ;;
 esac

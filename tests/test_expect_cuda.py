@@ -49,13 +49,15 @@ def test_c_test_binary_fails_when_cuda_is_expected_and_absent(c_test_binary):
     assert " passed, " not in out  # it stopped before running the UT_CUDA tests on the CPU
 
 
-def test_build_sh_test_refuses_a_build_without_cuda(tmp_path):
-    """`./build.sh test` (the ctests step) fails at once, before minutes of building, when the
+@pytest.mark.parametrize("target", ["test", "test-plain"])
+def test_build_sh_test_refuses_a_build_without_cuda(tmp_path, target):
+    """`./build.sh test` (the ctests step) and its half with the library, `test-plain` (the
+    step's half under UT_CTESTS_ASYNC=1), fail at once, before minutes of building, when the
     library would be built without CUDA; nothing is built."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     for extra in ({"UT_CUDA": "0"}, {"NVCC": str(tmp_path / "no-such-nvcc")}):
-        rc, out = _run(["bash", "build.sh", "test"],
+        rc, out = _run(["bash", "build.sh", target],
                        _env(BUILD_DIR=str(tmp_path / "build"), **extra))
         assert rc != 0, out
         assert MESSAGE + " the library would be built without CUDA" in out, out
