@@ -57,16 +57,21 @@ def _block_kind(plan):
                              "+se" if se is not None else "")
 
 
-def _block_flops(plan, x, y):
-    """2 x the multiply-adds of the chain's three convolutions, x -> y [N, O, Ho, Wo] (its
-    squeeze-and-excitation's, under 1%, left out)."""
+def _block_conv_flops(plan, x, y):
+    """[(kind, 2 x multiply-adds)] of the chain's three convolutions, x -> y [N, O, Ho, Wo]
+    (its squeeze-and-excitation's, under 1%, left out)."""
     expand, dw, project, _ = plan
     n, cin, h, w = x.shape
     _, o, ho, wo = y.shape
     e = dw[0].channels
     kh, kw = dw[0].kernel_size
-    return 2.0 * n * ((e * h * w * cin if expand is not None else 0) + e * ho * wo * kh * kw
-                      + o * ho * wo * e)
+    out = [(_kind(expand[0]), 2.0 * n * e * h * w * cin)] if expand is not None else []
+    return out + [(_kind(dw[0]), 2.0 * n * e * ho * wo * kh * kw),
+                  (_kind(project[0]), 2.0 * n * o * ho * wo * e)]
+
+
+def _block_flops(plan, x, y):
+    return sum(f for _, f in _block_conv_flops(plan, x, y))
 
 
 def profile(net_name, size, batch, threads, calls, by_shape=False, separable=True):
@@ -76,6 +81,9 @@ def profile(net_name, size, batch, threads, calls, by_shape=False, separable=Tru
     _randomise_bn(net, np.random.default_rng(0))
     x = ut.tensor(np.random.default_rng(1).standard_normal((batch, 3, size, size)), "cpu")
     secs, flops = collections.Counter(), collections.Counter()
+    # FLOPs by convolution kind whatever the steps: a block's three convolutions each under its
+    # own kind, so onnxruntime's kinds (it runs every convolution as a node) get their rates
+    conv_flops = collections.Counter()
     real = fold.conv_bn_forward
 
     def timed(conv, bn, xin, act=0):
@@ -86,6 +94,7 @@ def profile(net_name, size, batch, threads, calls, by_shape=False, separable=Tru
             k += " %4d->%-4d %3dx%-3d" % (getattr(conv, "in_channels", y.shape[1]), y.shape[1], y.shape[2], y.shape[3])
         secs[k] += time.perf_counter() - t0
         flops[k] += _flops(conv, y)
+        conv_flops[_kind(conv)] += _flops(conv, y)
         return y
 
     real_block = fold.separable_forward
@@ -98,6 +107,8 @@ def profile(net_name, size, batch, threads, calls, by_shape=False, separable=Tru
             k += " %4d->%-4d %3dx%-3d" % (xin.shape[1], y.shape[1], y.shape[2], y.shape[3])
         secs[k] += time.perf_counter() - t0
         flops[k] += _block_flops(plan, xin, y)
+        for kind, f in _block_conv_flops(plan, xin, y):
+            conv_flops[kind] += f
         return y
 
     fold.conv_bn_forward = timed  # fold_steps' steps and the blocks look them up at each call
@@ -108,6 +119,7 @@ def profile(net_name, size, batch, threads, calls, by_shape=False, separable=Tru
             net(x).close()
         secs.clear()
         flops.clear()
+        conv_flops.clear()
         t0 = time.perf_counter()
         for _ in range(calls):
             net(x).close()
@@ -123,7 +135,7 @@ def profile(net_name, size, batch, threads, calls, by_shape=False, separable=Tru
               % (k, s / calls * 1e3, 100 * s / calls / total, flops[k] / s / 1e9))
     rest = total - sum(secs.values()) / calls
     print("  %-12s %8.2f ms  %5.1f%%" % ("rest", rest * 1e3, 100 * rest / total))
-    return {k: f / calls for k, f in flops.items()}
+    return {k: f / calls for k, f in conv_flops.items()}
 
 
 def _ort_kinds(model):
@@ -147,8 +159,9 @@ def _ort_kinds(model):
 
 def profile_onnxruntime(net_name, size, batch, threads, calls, flops=None, out=print):
     """{kind: ms per run} of onnxruntime on utensil's export of the network (node kernel time;
-    the kinds not convolutions by their op type); with ``flops`` ({kind: FLOP per run}, what
-    profile returns) each kind's GFLOP/s too."""
+    the kinds not convolutions by their op type); with ``flops`` ({convolution kind: FLOP per
+    run}, what profile returns, a block's convolutions each by its kind) each kind's GFLOP/s
+    too."""
     try:
         import onnx
         import onnxruntime as ort
@@ -219,8 +232,7 @@ def main(argv=None):
     flops = profile(a.net, a.size, a.batch, a.threads, a.calls, a.by_shape,
                     separable=not a.no_separable)
     if a.onnxruntime:
-        profile_onnxruntime(a.net, a.size, a.batch, a.threads, a.calls,
-                            None if a.by_shape else flops)
+        profile_onnxruntime(a.net, a.size, a.batch, a.threads, a.calls, flops)
 
 
 if __name__ == "__main__":
