@@ -84,3 +84,22 @@ def test_profile_inference_splits_both_engines_by_the_same_kinds(capsys):
     ort = pi.profile_onnxruntime("v1", 32, 1, 1, 2, flops, out=lambda s: None)
     for kind in flops:
         assert ort.get(kind, 0.0) > 0.0, (kind, ort)
+
+
+def test_ops_onnxruntime_times_every_distinct_step_of_the_network():
+    """ops_onnxruntime.py: every folded convolution step of the network, by distinct shape, timed
+    by each side in processes of their own; the counts add up to the network's steps."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    import ops_onnxruntime as oo
+
+    lines = []
+    res = oo.run("v1", 32, 1, 1, rounds=1, reps=1, calls=1, round_s=0.0, out=lines.append)
+    # v1: the stem, then 13 depthwise + pointwise pairs
+    assert sum(v[0] for v in res.values()) == 27
+    # the stem, dw 3x3 s1 / s2 and 1x1 steps, each plane and width its own line
+    assert any(k.startswith("conv 3x3 s2 3->32 16x16 relu") for k in res), list(res)
+    assert sum(1 for k in res if k.startswith("dw 3x3 s2")) == 4
+    for name, (n, *ts) in res.items():
+        assert n >= 1 and all(0.0 < t < 1.0 for t in ts), (name, n, ts)
+    assert lines[-1].split()[:4] == ["all,", "weighted", "by", "count"]
