@@ -9739,9 +9739,6 @@ UT__CPU_INL float ut__epi_scalar(float y, float s, float t, int act) {
   if (act == UT_ACT_RELU6) y = y > 6.0f ? 6.0f : y;
   return y;
 }
-UT__CPU_INL void ut__epi_scalar_row(float* y, int n, float s, float t, int act) {
-  for (int j = 0; j < n; j++) y[j] = ut__epi_scalar(y[j], s, t, act);
-}
 /* v through act when act is ReLU or ReLU6 (else v): ut__cpu_epi_run's operations, so its bits
    (-0 and NaN pass). The depthwise engines apply it as they store (a pass of its own over the
    output, even in cache, cost a 144-channel 56^2 forward a third of its time), the GEMM's
