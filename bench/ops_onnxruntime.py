@@ -47,7 +47,8 @@ _ACT_NAMES = {int(code): name for name, code in ut.nn.BatchNorm2d._ACTIVATIONS.i
 
 def steps_of(net_name, size, batch):
     """[(key, count, conv, bn, act, x shape)] of the network's folded convolution steps, one per
-    distinct key (kind, channels, plane, activation), in first-run order."""
+    distinct key (kind, filter, stride, padding, dilation, input shape, activation), in
+    first-run order."""
     net = build(net_name, "cpu")
     net.eval()
     _randomise_bn(net, np.random.default_rng(0))
@@ -58,7 +59,7 @@ def steps_of(net_name, size, batch):
         a = bn.activation if int(act) == int(lib.UT_ACT_NONE) else _ACT_NAMES[int(act)]
         depthwise = isinstance(conv, ut.DWConv2d)
         key = ("dw" if depthwise else "conv", tuple(conv.kernel_size), conv.stride, conv.padding,
-               tuple(xin.shape), a)
+               getattr(conv, "dilation", 1), tuple(xin.shape), a)
         if key in seen:
             seen[key][1] += 1
         else:
@@ -77,7 +78,6 @@ def steps_of(net_name, size, batch):
 
 
 def _onnx_conv(conv, shape, act, level, threads):
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -86,12 +86,13 @@ def _onnx_conv(conv, shape, act, level, threads):
     cout = w.shape[0]
     if depthwise:
         w = w.reshape(cout, 1, *conv.kernel_size)
-    p, s = conv.padding, conv.stride
+    p, s, d = conv.padding, conv.stride, getattr(conv, "dilation", 1)
     inits = [numpy_helper.from_array(w, "W"),
              numpy_helper.from_array(np.zeros(cout, np.float32), "B")]
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c" if act else "y"],
                               group=cout if depthwise else 1, pads=[p, p, p, p],
-                              strides=[s, s], kernel_shape=list(conv.kernel_size))]
+                              strides=[s, s], dilations=[d, d],
+                              kernel_shape=list(conv.kernel_size))]
     if act == "Clip":
         inits += [numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
                   numpy_helper.from_array(np.array(6.0, np.float32), "hi")]
@@ -148,14 +149,16 @@ def time_side(side, net_name, size, batch, threads, reps, calls, round_s):
                 import onnxruntime as ort
                 level = (ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED if side == "ort nchw"
                          else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-                sess = _onnx_conv(conv, shape, _ONNX_ACT.get(key[5]), level, threads)
+                sess = _onnx_conv(conv, shape, _ONNX_ACT.get(key[6]), level, threads)
                 t = _best(lambda: sess.run(None, {"x": xa}), reps, calls, round_s)
             kind, (kh, kw), s = key[0], key[1], key[2]
             y = "%d->%d" % (shape[1], conv.out_channels if kind == "conv" else shape[1])
-            pad = conv.padding
-            ho, wo = (shape[2] + 2 * pad - kh) // s + 1, (shape[3] + 2 * pad - kw) // s + 1
-            name = "%s %dx%d s%d %s %dx%d %s%s" % (kind, kh, kw, s, y, ho, wo, key[5] or "-",
-                                                  "" if key[5] in _ONNX_ACT else "*")
+            pad, dil = key[3], key[4]
+            ho = (shape[2] + 2 * pad - dil * (kh - 1) - 1) // s + 1
+            wo = (shape[3] + 2 * pad - dil * (kw - 1) - 1) // s + 1
+            name = "%s %dx%d s%d%s %s %dx%d %s%s" % (
+                kind, kh, kw, s, " d%d" % dil if dil > 1 else "", y, ho, wo, key[6] or "-",
+                "" if key[6] in _ONNX_ACT else "*")
             out.append((repr(key), n, name, t))
     finally:
         net.close()
