@@ -1791,6 +1791,70 @@ static void test_conv_bn_fold(ut_dev dev) {
   ut_batchnorm2d_free(&b8);
 }
 
+/* issue 32: the CPU keeps a weight's packed GEMM panels between inference calls only while it
+   sees every write: each way a weight can change (a direct write to an untracked tensor, a
+   library write, a write through an open or a closed view) shows in the next fused forward.
+   40 -> 24 1x1 over 9x9 planes: the GEMM packs the weight (81 columns). */
+/* y = the fused forward, checked against the two layers; with `changed`, also against the last y
+   (the write changed the output: a stale weight would have shown) */
+static void kept_weight_step(ut_conv2d* cv, ut_batchnorm2d* bn, ut_tensor* x, ut_tensor** y,
+                             bool changed) {
+  ut_tensor* c = ut_conv2d_forward(cv, x, NULL);
+  ut_tensor* want = c ? ut_batchnorm2d_forward(bn, c, NULL) : NULL;
+  ut_tensor* got = ut_conv2d_bn_forward(cv, bn, x, UT_ACT_NONE);
+  if (want && got) {
+    assert_tensors_close(got, want, 1e-5f);
+    if (changed && *y) {
+      float d = 0.f;
+      for (int i = 0; i < got->shape.nelem; i++)
+        d = fmaxf(d, fabsf(got->data[i] - (*y)->data[i]));
+      assert(d > 1e-2f);
+    }
+  }
+  require(want && got);
+  ut_free_all(c, want, *y);
+  *y = got;
+}
+static void test_conv_bn_kept_weight(ut_dev dev) {
+  ut_batchnorm2d bn = ut_batchnorm2d_alloc(24, 1e-5f, 0.1f, dev);
+  ut_conv2d cv = ut_conv2d_alloc(40, 24, 1, 1, 1, 0, true, dev);
+  ut_tensor* x = ut_randn(4, S(2, 40, 9, 9), 0.f, 1.f, dev);
+  float mem[4] = {1, 2, 3, 4};
+  ut_tensor* wrapped = ut_wrap(1, S(4), UT_CPU, mem, NULL, NULL);
+  ut_tensor* y = NULL;
+  if (!bn.weight || !cv.weight || !x || !wrapped) goto done;
+  ut_fill(bn.running_var, 1.5f);
+  bn.training = false;
+  float* w = cv.weight->data;
+  int nw = cv.weight->shape.nelem;
+  kept_weight_step(&cv, &bn, x, &y, false);
+  for (int i = 0; i < nw; i++) w[i] = -2.f * w[i]; /* untracked: written behind the library */
+  kept_weight_step(&cv, &bn, x, &y, true);
+  assert(cv.weight->derived == NULL);
+  assert(ut_track_writes(cv.weight) == UT_OK);
+  kept_weight_step(&cv, &bn, x, &y, false); /* packs and keeps */
+  assert(cv.weight->derived != NULL);
+  assert(ut_scale(cv.weight, -0.5f) == UT_OK); /* a library write: the version moves */
+  kept_weight_step(&cv, &bn, x, &y, true);
+  assert(ut_view_open(cv.weight) == UT_OK); /* open: nothing is kept while a view can write */
+  for (int i = 0; i < nw; i++) w[i] += 0.5f;
+  kept_weight_step(&cv, &bn, x, &y, true);
+  for (int i = 0; i < nw; i++) w[i] = -w[i];
+  kept_weight_step(&cv, &bn, x, &y, true);
+  assert(ut_view_close(cv.weight) == UT_OK);
+  kept_weight_step(&cv, &bn, x, &y, false); /* kept again */
+  assert(ut_view_open(cv.weight) == UT_OK); /* a write through a view closed before the call */
+  for (int i = 0; i < nw; i++) w[i] *= 3.f;
+  assert(ut_view_close(cv.weight) == UT_OK);
+  kept_weight_step(&cv, &bn, x, &y, true);
+  assert(ut_view_close(cv.weight) < 0 && ut_last_status() == UT_ERR_ARG);
+  assert(ut_track_writes(wrapped) < 0 && ut_last_status() == UT_ERR_ARG);
+done:
+  ut_free_all(y, x, wrapped);
+  ut_conv2d_free(&cv);
+  ut_batchnorm2d_free(&bn);
+}
+
 /* issue 32: a depthwise-separable block in one call against its three folded layers called
    one by one (and ut_add_into for the residual). 150x150 planes of 24 expanded channels: the
    CPU cuts them in bands of rows; the block without an expand runs as its layers. */
@@ -3570,6 +3634,7 @@ int main(void) {
   RUN_BOTH(test_batchnorm2d_activation);
   RUN_BOTH(test_batchnorm2d_dwconv2d_fold);
   RUN_BOTH(test_conv_bn_fold);
+  RUN(test_conv_bn_kept_weight, UT_CPU);
   RUN_BOTH(test_separable_block); /* issue 32 */
   RUN_BOTH(test_separable_block_se);
   RUN_BOTH(test_global_avgpool);

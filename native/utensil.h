@@ -78,7 +78,7 @@ extern "C" {
 /* Everything from UT_CDEF_BEGIN to UT_CDEF_END is also read by the Python bindings (cffi cdef):
    keep it to plain declarations and integer #defines. */
 /* UT_CDEF_BEGIN */
-#define UT_VERSION 9
+#define UT_VERSION 10
 #define UT_MAX_DIMS 8
 
 typedef enum ut_dev { UT_CPU = 0, UT_CUDA = 1 } ut_dev;
@@ -127,8 +127,20 @@ typedef struct ut_tensor {
      steps) and by ut_sync_cpu, which hands the host a writable copy; the bindings compare it to
      refuse a backward whose saved input was changed after its forward. Wraps around. */
   unsigned int version;
-  ut_dtype dtype;  /* UT_F32 unless made bf16 (ut_alloc_dtype, ut_to_dtype); last, so a zeroed
-                      struct is float32 */
+  ut_dtype dtype;  /* UT_F32 unless made bf16 (ut_alloc_dtype, ut_to_dtype); UT_F32 is 0, so a
+                      zeroed struct is float32 */
+  /* Writes the library does not see: `tracked` (ut_track_writes) says every write to the host
+     values goes through the library or through a view counted in `views` while open
+     (ut_view_open / ut_view_close; `view_closes` counts the closed ones). Only then may the CPU
+     backend keep what it derives from the values (`derived`, private: a weight's packed GEMM
+     panels) across calls, for as long as `version` and `view_closes` are unchanged and no view
+     is open. (A closed view does not move `version`: backward compares that, and reading a
+     layer's input through numpy between forward and backward is fine.) Zero in a new tensor:
+     nothing is kept. */
+  bool tracked;
+  int views;
+  unsigned int view_closes;
+  void* derived;
 } ut_tensor;
 
 /* ---- library and errors ----------------------------------------------------------------------- */
@@ -198,6 +210,14 @@ int ut_sync_cpu(ut_tensor* t);        /* host copy current and owner; returns st
 int ut_sync_cpu_readonly(ut_tensor* t); /* host copy current, device copy stays valid */
 int ut_sync_gpu(ut_tensor* t);        /* device copy current (no-op without one) */
 int ut_to_device(ut_tensor* t, ut_dev dev); /* retag in place, moving data as needed */
+/* Writes outside the library (see the struct's `tracked`). ut_track_writes: from now on every
+   write to t's host values is the library's or goes through a view that ut_view_open announced
+   (a numpy or DLPack view); never for borrowed memory (ut_wrap), whose owner writes unseen.
+   ut_view_close: that view is gone (what was derived before it is not used again). A C
+   program that writes t->data itself simply never calls ut_track_writes. Return status. */
+int ut_track_writes(ut_tensor* t);
+int ut_view_open(ut_tensor* t);
+int ut_view_close(ut_tensor* t);
 ut_tensor* ut_copy(ut_tensor* t);     /* a new tensor with the same shape, device and values */
 /* dst = src (same nelem, same device); dtypes may differ: the values are converted (the step
    that writes a bf16 copy of float32 master weights) */
@@ -774,6 +794,11 @@ typedef struct ut__gemm_args {
      (images stride_b apart) under this geometry (dilation 1): k = (c, ky, kx), j = (oy, ox),
      zero where the window leaves the input. trans_b and ldb are unused. */
   const ut__conv_geom* b_conv;
+  /* Inference's kept weight (the CPU backend's float32 gemm only): A is this tensor's values
+     (a == a_owner->data, not transposed, one A for the whole batch), which the gemm may pack
+     once and keep on the tensor (ut__packed) while they are unchanged. NULL: packed per call. */
+  ut_tensor* a_owner;
+  const float* a_packed; /* the backend's own: A's kept panels for this call, or NULL */
 } ut__gemm_args;
 /* The most rows (out_c) of an implicit convolution: the CPU GEMM's block of rows (UT__CPU_MC,
    a tuning choice, so the two may part without harm), inside which each column panel is
@@ -798,6 +823,7 @@ typedef struct ut__sep_args {
   const float *pscale, *pshift;
   int pact;
   bool residual; /* y += x (oc == c, ho == h, wo == w) */
+  ut_tensor *we_owner, *wp_owner; /* the tensors of we and wp (ut__gemm_args' a_owner) */
 } ut__sep_args;
 
 /* The optimizers' hyperparameters, as their slots take them (ut_sgd_step_many_ex and
@@ -1894,8 +1920,31 @@ ut_tensor* ut_retain(ut_tensor* t) {
   return t;
 }
 
+/* What the CPU backend derives from a tensor's values and keeps on it (ut_tensor.derived):
+   a weight's GEMM panels, packed once (ut__cpu_gemm_f32). Each holder (the tensor, a GEMM
+   using it) counts in rc, so a forward on another thread may replace the tensor's entry while
+   this one still reads the old one. The entry is valid for the values at `version` and
+   `view_closes`. */
+typedef struct ut__packed {
+  int rc;
+  unsigned version, view_closes;
+  int m, k, lda, MR, KC; /* op(A) [m, k], rows lda apart; MR-row panels of KC-deep blocks */
+  void* raw;
+  float* data;
+} ut__packed;
+/* Guards every tensor's `derived` pointer (held for a few loads and stores; the fork handlers
+   take it, like the pool's and the generator's locks). */
+static pthread_mutex_t ut__derived_lock = PTHREAD_MUTEX_INITIALIZER;
+static void ut__packed_release(ut__packed* e) {
+  if (e && __atomic_sub_fetch(&e->rc, 1, __ATOMIC_ACQ_REL) == 0) {
+    free(e->raw);
+    free(e);
+  }
+}
+
 void ut_free(ut_tensor* t) {
   if (!t || __atomic_sub_fetch(&t->rc, 1, __ATOMIC_ACQ_REL) > 0) return;
+  ut__packed_release((ut__packed*)t->derived);
   bool own_gpu = !(t->borrowed && t->dev == UT_CUDA), own_host = !(t->borrowed && t->dev == UT_CPU);
   if (t->gpu_buf && own_gpu) {
     const ut__backend* gpu = ut__cuda_backend();
@@ -1925,6 +1974,28 @@ static int ut__check_tensor(const ut_tensor* t, const char* who, const char* nam
   UT__CHECK(n == t->shape.nelem, UT_ERR_ARG,
             "%s: %s is not a live tensor (its shape does not match its %d elements)", who, name,
             t->shape.nelem);
+  return UT_OK;
+}
+
+int ut_track_writes(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_track_writes", "t"));
+  UT__CHECK(!t->borrowed, UT_ERR_ARG,
+            "ut_track_writes: the memory of a wrapped tensor (ut_wrap) is written by its owner");
+  __atomic_store_n(&t->tracked, true, __ATOMIC_RELEASE);
+  return UT_OK;
+}
+int ut_view_open(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_view_open", "t"));
+  __atomic_fetch_add(&t->views, 1, __ATOMIC_ACQ_REL);
+  return UT_OK;
+}
+int ut_view_close(ut_tensor* t) {
+  UT__TRY(ut__check_tensor(t, "ut_view_close", "t"));
+  UT__CHECK(__atomic_load_n(&t->views, __ATOMIC_ACQUIRE) > 0, UT_ERR_ARG,
+            "ut_view_close: the tensor has no open view");
+  /* the count of closes first: whoever sees the view closed sees the new count too */
+  __atomic_fetch_add(&t->view_closes, 1u, __ATOMIC_ACQ_REL);
+  __atomic_fetch_sub(&t->views, 1, __ATOMIC_ACQ_REL);
   return UT_OK;
 }
 /* Two arguments an op reads and writes in an order that needs them apart. */
@@ -3010,7 +3081,8 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
                         .b = regroup ? ut__out(xr, be) : ut__in(col, be), .ldb = g.n * P,
                         .c = ut__out(yt, be), .ldc = g.n * P,
                         .row_scale = epi ? epi->scale : NULL,
-                        .row_shift = epi ? epi->shift : NULL, .act = epi ? epi->act : 0};
+                        .row_shift = epi ? epi->shift : NULL, .act = epi ? epi->act : 0,
+                        .a_owner = epi ? l->weight : NULL};
     if (rc >= 0) rc = be->gemm(dt, dt, &mm);
     if (rc >= 0) rc = be->transpose(dt, ut__out(yt, be), op, 1, l->out_c, 1, g.n, P);
     ut_free_all(yt, xr);
@@ -3033,7 +3105,7 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
                         .c = op, .ldc = P, .stride_c = (ut__i64)l->out_c * P,
                         .row_scale = epi ? epi->scale : NULL,
                         .row_shift = epi ? epi->shift : NULL, .act = epi ? epi->act : 0,
-                        .b_conv = implicit ? &g : NULL};
+                        .b_conv = implicit ? &g : NULL, .a_owner = epi ? l->weight : NULL};
     if (implicit) mm.stride_b = (ut__i64)g.c * g.h * g.w;
     rc = be->gemm(dt, dt, &mm);
     ut_free(ws);
@@ -4414,7 +4486,8 @@ ut_tensor* ut_separable_block_forward(const ut_separable_block* b, ut_tensor* x)
     int eact = b->expand ? ut__fold_act(b->bn_expand, b->act_expand) : UT_ACT_NONE;
     ut__sep_args a = {xp, out->data, x->shape.shape[1], oc, we, es, eh, eact,
                       wd, dh, ut__fold_act(b->bn_dw, b->act_dw), gd, wp, ps, ph,
-                      ut__fold_act(b->bn_project, b->act_project), b->residual};
+                      ut__fold_act(b->bn_project, b->act_project), b->residual,
+                      b->expand ? b->expand->weight : NULL, b->project->weight};
     out = ut__finish(out, be, be->sep_fwd(&a));
   }
   ut_free(fold);
@@ -5134,7 +5207,9 @@ static const ut__layout_entry ut__layout[] = {
     UT__FIELD(ut_tensor, dirty_gpu), UT__FIELD(ut_tensor, rc), UT__FIELD(ut_tensor, borrowed),
     UT__FIELD(ut_tensor, shared),
     UT__FIELD(ut_tensor, release), UT__FIELD(ut_tensor, release_ctx),
-    UT__FIELD(ut_tensor, version), UT__FIELD(ut_tensor, dtype),
+    UT__FIELD(ut_tensor, version), UT__FIELD(ut_tensor, dtype), UT__FIELD(ut_tensor, tracked),
+    UT__FIELD(ut_tensor, views), UT__FIELD(ut_tensor, view_closes),
+    UT__FIELD(ut_tensor, derived),
     UT__SIZE(ut_conv2d), UT__FIELD(ut_conv2d, weight), UT__FIELD(ut_conv2d, bias),
     UT__FIELD(ut_conv2d, in_c), UT__FIELD(ut_conv2d, out_c), UT__FIELD(ut_conv2d, kh),
     UT__FIELD(ut_conv2d, kw), UT__FIELD(ut_conv2d, stride), UT__FIELD(ut_conv2d, pad),
@@ -5279,14 +5354,17 @@ static inline void ut__pool_relax(void) {
    unlocked-able and consistent; the child then starts without workers. */
 static void ut__pool_prepare(void) {
   pthread_mutex_lock(&ut__rng_lock);
+  pthread_mutex_lock(&ut__derived_lock);
   pthread_mutex_lock(&ut__pool_lock);
 }
 static void ut__pool_parent(void) {
   pthread_mutex_unlock(&ut__pool_lock);
+  pthread_mutex_unlock(&ut__derived_lock);
   pthread_mutex_unlock(&ut__rng_lock);
 }
 static void ut__pool_child(void) {
   pthread_mutex_init(&ut__pool_lock, NULL);
+  pthread_mutex_init(&ut__derived_lock, NULL);
   pthread_mutex_init(&ut__rng_lock, NULL);
   pthread_cond_init(&ut__pool_wake, NULL);
   pthread_cond_init(&ut__pool_idle, NULL);
@@ -7239,8 +7317,13 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
         int a_full = nc <= 2 * NR && !g->trans_a && !ut__gemm_narrow(nc % NR, MR, NR)
                          ? mc / MR * MR
                          : 0;
-        if (a_full < mc)
+        const float* apk = abuf; /* A's packed panels for these rows */
+        if (g->a_packed) {
+          a_full = 0;
+          apk = g->a_packed + (ut__i64)k0 * ((g->m + MR - 1) / MR * MR) + (ut__i64)ir * kc;
+        } else if (a_full < mc) {
           ut__cpu_pack_a(a, g->lda, g->trans_a, ir + a_full, mc - a_full, k0, kc, MR, abuf);
+        }
         for (int jp = 0; jp < nc; jp += NR) {
           const float* bp = jp < b_full ? b + (ut__i64)k0 * g->ldb + j0 + jp
                                         : bbuf + (ut__i64)((jp - b_full) / NR) * kc * NR;
@@ -7258,7 +7341,7 @@ static void ut__cpu_gemm_task(const ut__gemm_args* g, ut__cpu_gemm_kern kern, in
             if (ip < a_full)
               ap = a + (ut__i64)(ir + ip) * a_rs + (ut__i64)k0 * a_ks;
             else
-              ap = abuf + (ut__i64)((ip - a_full) / MR) * kc * MR;
+              ap = apk + (ut__i64)((ip - a_full) / MR) * kc * MR;
             kern(kc, ap, ip < a_full ? a_rs : 1, ip < a_full ? a_ks : MR, bp, b_ks,
                  c + (ut__i64)ip * ldc + jp, ldc, UT__CPU_MIN(MR, mc - ip),
                  UT__CPU_MIN(NR, nc - jp), g->alpha, beta,
@@ -7480,6 +7563,48 @@ static void ut__cpu_gemm_part(void* vc, int tid, int nt) {
   }
 }
 
+/* A's panels as ut__cpu_pack_a lays them out for every row and k block (block k0 at
+   k0 * m rounded up to MR, rows i.. of it at i * kc), kept on g->a_owner and shared by the
+   calls that find its values unchanged; NULL (pack per call) when the owner's writes are not
+   all seen (ut_track_writes, an open view), or when memory is short. The caller releases it. */
+static ut__packed* ut__cpu_packed_a(const ut__gemm_args* g, int MR) {
+  ut_tensor* t = g->a_owner;
+  if (!t || g->trans_a || g->sum_batch || (g->batch > 1 && g->stride_a != 0) ||
+      g->a != (const void*)t->data || t->dev != UT_CPU || t->dtype != UT_F32 || t->borrowed ||
+      !__atomic_load_n(&t->tracked, __ATOMIC_ACQUIRE) || g->lda < g->k ||
+      (ut__i64)(g->m - 1) * g->lda + g->k > t->shape.nelem)
+    return NULL;
+  unsigned vc = __atomic_load_n(&t->view_closes, __ATOMIC_ACQUIRE);
+  if (__atomic_load_n(&t->views, __ATOMIC_ACQUIRE) > 0) return NULL;
+  unsigned v = __atomic_load_n(&t->version, __ATOMIC_ACQUIRE);
+  pthread_mutex_lock(&ut__derived_lock);
+  ut__packed* e = (ut__packed*)t->derived;
+  if (e && (e->version != v || e->view_closes != vc || e->m != g->m || e->k != g->k || e->lda != g->lda ||
+            e->MR != MR || e->KC != UT__CPU_KC))
+    e = NULL;
+  if (e) __atomic_fetch_add(&e->rc, 1, __ATOMIC_RELAXED);
+  pthread_mutex_unlock(&ut__derived_lock);
+  if (e) return e;
+  int mu = (g->m + MR - 1) / MR * MR;
+  e = (ut__packed*)calloc(1, sizeof *e);
+  void* raw = e ? malloc((size_t)mu * g->k * sizeof(float) + 64) : NULL;
+  if (!raw) {
+    free(e);
+    return NULL; /* packed per call instead: slower, not wrong */
+  }
+  *e = (ut__packed){.rc = 2, .version = v, .view_closes = vc, .m = g->m, .k = g->k, .lda = g->lda, .MR = MR,
+                    .KC = UT__CPU_KC, .raw = raw, .data = ut__cpu_align64(raw)};
+  for (int k0 = 0; k0 < g->k; k0 += UT__CPU_KC)
+    ut__cpu_pack_a(t->data, g->lda, false, 0, g->m, k0, UT__CPU_MIN(UT__CPU_KC, g->k - k0), MR,
+                   e->data + (ut__i64)k0 * mu);
+  pthread_mutex_lock(&ut__derived_lock);
+  ut__packed* old = (ut__packed*)t->derived;
+  t->derived = e; /* the tensor's reference; the caller holds the other */
+  pthread_mutex_unlock(&ut__derived_lock);
+  ut__packed_release(old);
+  return e;
+}
+
 static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   int m = g->m, n = g->n, k = g->k;
   int nbt = g->sum_batch ? 1 : g->batch;
@@ -7586,9 +7711,17 @@ static int ut__cpu_gemm_f32(const ut__gemm_args* g) {
   float* base = ut__cpu_align64(raw);
   float* part = base + (asz + bsz) * (size_t)nt;
   size_t pstride = ((size_t)m * n + 15) & ~(size_t)15;
+  ut__packed* kept = ut__cpu_packed_a(g, MR);
+  ut__gemm_args gk;
+  if (kept) {
+    gk = *g;
+    gk.a_packed = kept->data;
+    g = &gk;
+  }
   ut__cpu_gemm_ctx cx = {g, kern, isa->gemm_epi, MR, NR, MC, MT, NC, nck, per, ib, jb, tasks,
                          base, part, asz, bsz, pstride, 0};
   ut__parallel_run(nt, ut__cpu_gemm_part, &cx);
+  ut__packed_release(kept);
   if (nck > 1) {
     /* C = ((beta C + p0) + p1) + ..., each row by one thread */
     ut__cpu_gemm_sum_ctx sc = {g, part, pstride, nck};
@@ -9079,10 +9212,12 @@ typedef struct {
 
 /* GEMM C[m, n] = act(scale A[m, k] B[k, n] + shift) with B's rows ldb apart (a tile or x's
    rows), into C's rows ldc apart. */
-static int ut__cpu_sep_gemm(const float* A, int m, int k, const float* B, int ldb, int n, float* C,
-                            int ldc, const float* scale, const float* shift, int act) {
+static int ut__cpu_sep_gemm(const float* A, ut_tensor* a_owner, int m, int k, const float* B,
+                            int ldb, int n, float* C, int ldc, const float* scale,
+                            const float* shift, int act) {
   ut__gemm_args g;
   memset(&g, 0, sizeof g);
+  g.a_owner = a_owner;
   g.m = m;
   g.n = n;
   g.k = k;
@@ -9132,9 +9267,9 @@ static int ut__cpu_sep_band(const ut__cpu_sep_ctx* cx, int img, int oy_a, int oy
       if (r1 > i1) memset(tc + (ut__i64)(i1 - lo) * w, 0, sizeof(float) * (size_t)(r1 - i1) * w);
     }
     if (i1 > i0) {
-      int st = ut__cpu_sep_gemm(a->we, e, a->c, x + (ut__i64)i0 * w, h * w, (i1 - i0) * w,
-                                cur + (ut__i64)(i0 - lo) * w, (int)rw, a->escale, a->eshift,
-                                a->eact);
+      int st = ut__cpu_sep_gemm(a->we, a->we_owner, e, a->c, x + (ut__i64)i0 * w, h * w,
+                                (i1 - i0) * w, cur + (ut__i64)(i0 - lo) * w, (int)rw, a->escale,
+                                a->eshift, a->eact);
       if (st < 0) return st;
     }
     /* the depthwise over the tile: rows input rows, t output rows, no vertical padding */
@@ -9148,8 +9283,8 @@ static int ut__cpu_sep_band(const ut__cpu_sep_ctx* cx, int img, int oy_a, int oy
                                "ut_separable_block_forward");
     if (st < 0) return st;
     float* yr = y + (ut__i64)oy0 * wo;
-    st = ut__cpu_sep_gemm(a->wp, a->oc, e, dwo, t * wo, t * wo, yr, ho * wo, a->pscale, a->pshift,
-                          a->pact);
+    st = ut__cpu_sep_gemm(a->wp, a->wp_owner, a->oc, e, dwo, t * wo, t * wo, yr, ho * wo,
+                          a->pscale, a->pshift, a->pact);
     if (st < 0) return st;
     if (a->residual) /* oc == c, ho == h, wo == w */
       for (int c = 0; c < a->oc; c++) {

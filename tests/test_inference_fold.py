@@ -13,7 +13,7 @@ import utensil_ffi as ut
 from tolerances import assert_close
 from utensil_ffi import models
 from utensil_ffi import reference as R
-from utensil_ffi._lib import lib
+from utensil_ffi._lib import ffi, lib
 from utensil_ffi.nn import fold
 
 ACTS = [None, "relu", "relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "gelu",
@@ -341,6 +341,38 @@ def test_stale_after_copy_from_and_attribute_assignment():
     conv.weight.copy_from(conv.weight.numpy() * -1.0)
     bn.running_mean = bn.running_mean.numpy() - 0.5
     _fresh_check("copy_from", model, conv, bn, x, before)
+
+
+def test_kept_weight_panels_see_every_write():
+    """The CPU packs a pointwise weight's GEMM panels once and keeps them on the weight while
+    its values are unchanged (ut_track_writes): a write through a numpy view, open during the
+    forward or closed before it, or through a DLPack consumer must still show next time."""
+    rng = np.random.default_rng(26)
+    conv = ut.Conv2d(40, 24, 1)
+    bn = ut.BatchNorm2d(24, activation="relu6")
+    _randomise_bn(bn, rng)
+    model = ut.Sequential(conv, bn).eval()
+    x = rng.standard_normal((2, 40, 9, 9)).astype(np.float32)
+    before = _check("first", model, conv, bn, x)
+    _folded(model, x)
+    assert conv.weight.ptr.derived != ffi.NULL, "the panels were not kept"
+    conv.weight.numpy()[:] *= -1.5  # a view closed before the next forward
+    _fresh_check("closed view", model, conv, bn, x, before)
+    before = _folded(model, x)
+    view = conv.weight.numpy()  # open across forwards: nothing is kept meanwhile
+    _folded(model, x)
+    view += 0.3
+    _fresh_check("open view", model, conv, bn, x, before)
+    before = _folded(model, x)
+    view *= -1.0
+    _fresh_check("open view again", model, conv, bn, x, before)
+    del view
+    torch = pytest.importorskip("torch")
+    before = _folded(model, x)
+    t = torch.from_dlpack(conv.weight)
+    t.mul_(0.5)
+    del t
+    _fresh_check("dlpack", model, conv, bn, x, before)
 
 
 def test_stale_after_train_then_eval():

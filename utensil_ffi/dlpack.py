@@ -114,11 +114,13 @@ class _Export:
 
     def __init__(self, ptr, managed, shape):
         self.ptr = lib.ut_retain(ptr)
+        lib.ut_view_open(ptr)  # the consumer may write the memory, unseen by the library
         self.managed = managed
         self.shape = shape
 
     def release(self):
         if self.ptr is not None:
+            lib.ut_view_close(self.ptr)
             lib.ut_free(self.ptr)
             self.ptr = None
 

@@ -42,6 +42,19 @@ def _release(ptr):
     lib.ut_free(ptr)
 
 
+def _release_view(ptr):
+    lib.ut_view_close(ptr)
+    lib.ut_free(ptr)
+
+
+def _track_writes(ptr):
+    """Tell C that every write to ptr's values from Python is seen (library calls, copy_from,
+    and the writable views, which _HostView and DLPack export announce), so the CPU backend may
+    keep what it derives from them (a weight's packed GEMM panels). Not for borrowed memory."""
+    if not ptr.borrowed:
+        lib.ut_track_writes(ptr)
+
+
 class _HostView:
     """The base object of the arrays Tensor.numpy() returns.
 
@@ -53,7 +66,9 @@ class _HostView:
 
     def __init__(self, ptr, readonly):
         lib.ut_retain(ptr)
-        self._finalizer = weakref.finalize(self, _release, ptr)
+        if not readonly:  # writes through it are unseen while it lives (ut_view_open)
+            lib.ut_view_open(ptr)
+        self._finalizer = weakref.finalize(self, _release if readonly else _release_view, ptr)
         self._finalizer.atexit = False
         s = ptr.shape
         shape = tuple(ffi.unpack(s.shape, s.ndim))
@@ -93,6 +108,7 @@ class Tensor:
             q = lib.ut_to_dtype(p, dt.code)
             lib.ut_free(p)
             p = check_ptr(q, "Tensor")
+        _track_writes(p)
         self._ptr = p
 
     # -- ownership ------------------------------------------------------------------------------
@@ -113,6 +129,7 @@ class Tensor:
         """A Tensor holding a new reference to a borrowed pointer (a layer's weight)."""
         t = _new_object(cls)
         t._ptr = lib.ut_retain(ptr)
+        _track_writes(ptr)
         return t
 
     def __del__(self, _free=lib.ut_free, _exiting=_EXITING):

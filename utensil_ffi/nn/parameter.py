@@ -6,7 +6,7 @@ from .. import _args
 from .._errors import ArgumentTypeError, DeviceError, ShapeError, check_ptr
 from .._lib import lib
 from .._lifetime import _hold, _let_go
-from ..tensor import Tensor, zeros
+from ..tensor import Tensor, _track_writes, zeros
 
 __all__ = ["Parameter"]
 
@@ -66,6 +66,7 @@ class Parameter(Tensor):
         p = _hold(self)
         try:
             new._ptr = check_ptr(lib.ut_copy(p), "Parameter copy")
+            _track_writes(new._ptr)
         finally:
             _let_go(p)
         g = getattr(self, "grad", None)
