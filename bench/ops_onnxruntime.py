@@ -102,7 +102,11 @@ def _onnx_conv(conv, shape, act, level, threads):
     graph = helper.make_graph(nodes, "conv",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    opsets = [helper.make_opsetid("", 13)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    # make_model stamps the onnx package's newest IR version, which an older onnxruntime
+    # refuses (the lent GPU machines' did): the oldest that holds opset 13, as the exporter does
+    model.ir_version = helper.find_min_ir_version_for(opsets)
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     so.graph_optimization_level = level
@@ -181,7 +185,11 @@ def run(net_name="mobilenet_v2", size=224, batch=1, threads=2, rounds=3, reps=3,
             cmd = [sys.executable, os.path.abspath(__file__), "--net", net_name, "--size",
                    str(size), "--batch", str(batch), "--threads", str(threads), "--reps",
                    str(reps), "--calls", str(calls), "--round-s", str(round_s), "--side", side]
-            got = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError("ops_onnxruntime.py --side %r failed (exit %d):\n%s"
+                                   % (side, done.returncode, done.stderr[-3000:]))
+            got = done.stdout
             for key, n, name, t in json.loads(got.strip().splitlines()[-1]):
                 row = best.setdefault(key, [name, n, {}])
                 row[2][side] = min(row[2].get(side, float("inf")), t)
