@@ -2895,6 +2895,7 @@ static bool ut__conv_is_pointwise(const ut__conv_geom* g) {
      none (it is one GEMM over n*P).
    The float32 GEMMs on the GPU keep the per-image form: they have no such cliff. */
 #define UT__PW_BATCH_MERGE_P 256
+#define UT__PW_BATCH_MERGE_P_KEPT 128 /* the CPU's inference forward (its weight panels kept) */
 static bool ut__conv_merges_batch(const ut__conv_geom* g, const ut__backend* be, ut_dtype dt) {
   if (!ut__conv_is_pointwise(g) || g->n <= 1) return false;
   ut__i64 P = (ut__i64)g->h * g->w;
@@ -3030,7 +3031,12 @@ static ut_tensor* ut__conv2d_forward_epi(ut_conv2d* l, ut_tensor* x, ut_conv2d_c
      through two transposes (merged). With epi the per-channel epilogue needs W . x's rows. */
   bool as_linear = !epi && P == 1 && ut__conv_is_pointwise(&g) && !ut__is_device_backend(be) &&
                    dt == UT_F32;
-  bool merged = !as_linear && ut__conv_merges_batch(&g, be, x->dtype);
+  /* inference on the CPU keeps the weight's packed panels (ut__cpu_packed_a), so per-image
+     GEMMs no longer pack it per image: over 14^2 planes they beat the merged GEMM and its two
+     transposes (batch 8, 2 threads, rounds alternated in one process: 96 -> 576, 576 -> 96,
+     64 -> 384, 384 -> 64 1.11-1.18x); over 7^2 the merged one still wins (0.88-0.98x) */
+  bool merged = !as_linear && ut__conv_merges_batch(&g, be, x->dtype) &&
+                !(epi && !ut__is_device_backend(be) && P >= UT__PW_BATCH_MERGE_P_KEPT);
   bool regroup = !merged && ut__conv_regroups_batch(&g, be);
   /* inference (nothing cached) on the CPU: the GEMM packs its panels of the columns from x
      instead of copying them from a column matrix. It pays where each panel is packed once, in

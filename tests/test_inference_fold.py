@@ -86,6 +86,9 @@ GEOMS = [
     ("dense3x5s2p2+bias", lambda: ut.Conv2d(4, 6, (3, 5), stride=2, padding=2), 4, (10, 9)),
     ("dense1x1", lambda: ut.Conv2d(6, 9, 1, bias=False), 6, (17, 18)),
     ("dense1x1-small-plane", lambda: ut.Conv2d(8, 12, 1, bias=False), 8, (5, 5)),
+    # 156 values a plane: merged over a batch in training, per image in inference (its
+    # weight's panels kept)
+    ("dense1x1-156-plane", lambda: ut.Conv2d(10, 14, 1), 10, (12, 13)),
     ("dense2x2s2p0", lambda: ut.Conv2d(4, 8, 2, stride=2, bias=False), 4, (8, 8)),
     # K = 32 * 9 = 288 > the GEMM's 256-deep blocks: the epilogue after the last one only
     ("dense3x3-K288", lambda: ut.Conv2d(32, 10, 3, padding=1, bias=False), 32, (7, 9)),
