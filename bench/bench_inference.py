@@ -3,7 +3,7 @@ export of the same network (what utensil-export writes) and PyTorch eager on its
 
     python bench/bench_inference.py [--net mobilenet_v2] [--size 224] [--batch 1 8]
                                     [--threads 2] [--rounds 5] [--seconds 1.0] [--no-torch]
-                                    [--pairs]
+                                    [--pairs] [--repack]
 
 The network has random weights and BatchNorm running statistics drawn away from (0, 1), so a
 folded or fused path cannot pass by accident. Before timing, the three outputs are compared
@@ -14,6 +14,9 @@ Prints img/s per engine and utensil / onnxruntime, utensil / PyTorch; all float3
 ``--threads`` threads (onnxruntime: intra-op threads, one inter-op; PyTorch:
 torch.set_num_threads). ``--pairs`` adds utensil with its separable chains run as folded pairs
 (fold.set_separable_fold(False)) as one more engine: what the one-call blocks gain, same run.
+``--repack`` adds utensil with a numpy view of every convolution weight open during each call,
+so that the CPU packs the weights' GEMM panels per call instead of keeping them: what the
+kept panels gain, same run.
 """
 
 import argparse
@@ -53,7 +56,7 @@ def _best_rate(fn, batch, seconds):
     return n * batch / (time.perf_counter() - t0)
 
 
-def _engines(net, name, batch, size, threads, tmp, use_torch, pairs=False):
+def _engines(net, name, batch, size, threads, tmp, use_torch, pairs=False, repack=False):
     """name -> (callable on the staged input, its output as numpy) for each engine present."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((batch, 3, size, size)).astype(np.float32)
@@ -76,6 +79,16 @@ def _engines(net, name, batch, size, threads, tmp, use_torch, pairs=False):
             finally:
                 fold.set_separable_fold(prev)
         engines["utensil pairs"] = ours_pairs
+    if repack:
+        weights = [p for _, p in net.named_parameters() if len(p.shape) == 4]
+
+        def ours_repacked():
+            views = [w.numpy() for w in weights]  # open views: nothing derived is kept
+            try:
+                return ours()
+            finally:
+                del views
+        engines["utensil repacked"] = ours_repacked
     try:
         import onnxruntime as ort
 
@@ -109,7 +122,7 @@ def _engines(net, name, batch, size, threads, tmp, use_torch, pairs=False):
 
 
 def run(name="mobilenet_v2", size=224, batches=(1, 8), threads=2, rounds=5, seconds=1.0,
-        use_torch=True, pairs=False):
+        use_torch=True, pairs=False, repack=False):
     """{batch: {engine: img/s}} (with "max diff": utensil against each engine, relative to the
     logits' largest magnitude); raises AssertionError when an engine computes something else."""
     ut.set_num_threads(threads)
@@ -121,7 +134,8 @@ def run(name="mobilenet_v2", size=224, batches=(1, 8), threads=2, rounds=5, seco
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for b in batches:
-                engines, xt = _engines(net, name, b, size, threads, tmp, use_torch, pairs)
+                engines, xt = _engines(net, name, b, size, threads, tmp, use_torch, pairs,
+                                       repack)
                 try:
                     want = engines["utensil"]()
                     scale = float(np.abs(want).max()) or 1.0
@@ -156,8 +170,11 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true", help="leave PyTorch eager out")
     p.add_argument("--pairs", action="store_true",
                    help="also utensil with separable chains as folded pairs (same run)")
+    p.add_argument("--repack", action="store_true",
+                   help="also utensil packing its weights' GEMM panels per call (same run)")
     a = p.parse_args(argv)
-    res = run(a.net, a.size, a.batch, a.threads, a.rounds, a.seconds, not a.no_torch, a.pairs)
+    res = run(a.net, a.size, a.batch, a.threads, a.rounds, a.seconds, not a.no_torch, a.pairs,
+              a.repack)
     print("%s %d^2, CPU, %d threads, float32, eval forward (img/s, best of %d rounds)"
           % (a.net, a.size, a.threads, a.rounds))
     for b, rates in res.items():

@@ -31,6 +31,16 @@ def test_the_pairs_engine_is_utensil_without_its_blocks():
     assert fold.get_separable_fold()  # the engine puts the setting back
 
 
+def test_the_repacked_engine_gives_the_same_bits():
+    """--repack: the weights' GEMM panels packed per call (a numpy view of each weight open)
+    instead of kept: the same products in the same order, so the same logits to the bit."""
+    res = bi.run("mobilenet_v2", size=64, batches=(2,), threads=1, rounds=1, seconds=0.05,
+                 use_torch=False, repack=True)
+    rates = res[2]
+    assert rates["utensil repacked"] > 0 and rates["utensil"] > 0
+    assert rates["max diff"]["utensil repacked"] == 0.0
+
+
 def test_the_check_catches_an_engine_that_differs(monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
