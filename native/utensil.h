@@ -7585,8 +7585,8 @@ static ut__packed* ut__cpu_packed_a(const ut__gemm_args* g, int MR) {
   unsigned v = __atomic_load_n(&t->version, __ATOMIC_ACQUIRE);
   pthread_mutex_lock(&ut__derived_lock);
   ut__packed* e = (ut__packed*)t->derived;
-  if (e && (e->version != v || e->view_closes != vc || e->m != g->m || e->k != g->k || e->lda != g->lda ||
-            e->MR != MR || e->KC != UT__CPU_KC))
+  if (e && (e->version != v || e->view_closes != vc || e->m != g->m || e->k != g->k ||
+            e->lda != g->lda || e->MR != MR || e->KC != UT__CPU_KC))
     e = NULL;
   if (e) __atomic_fetch_add(&e->rc, 1, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&ut__derived_lock);
@@ -7598,8 +7598,9 @@ static ut__packed* ut__cpu_packed_a(const ut__gemm_args* g, int MR) {
     free(e);
     return NULL; /* packed per call instead: slower, not wrong */
   }
-  *e = (ut__packed){.rc = 2, .version = v, .view_closes = vc, .m = g->m, .k = g->k, .lda = g->lda, .MR = MR,
-                    .KC = UT__CPU_KC, .raw = raw, .data = ut__cpu_align64(raw)};
+  *e = (ut__packed){.rc = 2, .version = v, .view_closes = vc, .m = g->m, .k = g->k,
+                    .lda = g->lda, .MR = MR, .KC = UT__CPU_KC, .raw = raw,
+                    .data = ut__cpu_align64(raw)};
   for (int k0 = 0; k0 < g->k; k0 += UT__CPU_KC)
     ut__cpu_pack_a(t->data, g->lda, false, 0, g->m, k0, UT__CPU_MIN(UT__CPU_KC, g->k - k0), MR,
                    e->data + (ut__i64)k0 * mu);
