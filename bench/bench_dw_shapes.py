@@ -10,14 +10,15 @@ eval forward of depthwise -> BatchNorm2d -> ReLU6.
 
 Padding dilation * (min(kh, kw) // 2). Each case times utensil and PyTorch in alternating
 rounds and keeps the best of --reps rounds each (the machine may be shared: the best is the
-least disturbed). Prints one row per case and mode with PyTorch's time / utensil's (> 1: utensil
-faster), then the geometric mean and the worst case per mode. On --device cuda a round is 20
-calls, synchronized at its end (the kernels, not the host, are timed), PyTorch runs with
-cudnn.benchmark and TF32 off, and --dtype bf16 gives both sides bf16 activations (utensil's
-weights stay float32, PyTorch's are bf16). Mode ``eval`` (not in the default modes): utensil's
-eval-mode DWConv2d + BatchNorm2d + ReLU6 as the network runs them, one folded call (the
-BatchNorm in the filters, ReLU6 in the engine's stores), against PyTorch's three modules in
-eval mode under no_grad; float32 only.
+least disturbed); on the CPU each round follows 10 ms of its side's calls, untimed, so that
+the other side's thread pool has gone quiet (WARM_MS). Prints one row per case and mode with
+PyTorch's time / utensil's (> 1: utensil faster), then the geometric mean and the worst case
+per mode. On --device cuda a round is 20 calls, synchronized at its end (the kernels, not the
+host, are timed), PyTorch runs with cudnn.benchmark and TF32 off, and --dtype bf16 gives both
+sides bf16 activations (utensil's weights stay float32, PyTorch's are bf16). Mode ``eval`` (not
+in the default modes): utensil's eval-mode DWConv2d + BatchNorm2d + ReLU6 as the network runs
+them, one folded call (the BatchNorm in the filters, ReLU6 in the engine's stores), against
+PyTorch's three modules in eval mode under no_grad; float32 only.
 """
 
 import argparse
@@ -36,9 +37,26 @@ from utensil_ffi._lib import lib  # noqa: E402
 from utensil_ffi.nn import fold  # noqa: E402
 
 
-def _best_pair(a, b, reps, sync=None, calls=1):
-    """Best ms per call of a and of b over reps alternating rounds of `calls` calls each."""
+# On the CPU each round first runs its side untimed for this long. Rounds of one call straight
+# after the other side's measured the other side's thread pool as much as the call: PyTorch's
+# OpenMP workers spin for milliseconds after a call, our pool's worker for 200 us, and on 2
+# cores a spinning worker takes a core from the next side's threads. Alternating one-call
+# rounds put utensil's 7x7 forward (8 x 32 x 28^2) at 0.300 ms against PyTorch's 0.224 (0.75x)
+# where each side alone (against a no-op) took 0.183 and 0.179 (0.98x); with 5 ms of
+# untimed calls first: 0.187 and 0.177.
+WARM_MS = 10.0
+
+
+def _best_pair(a, b, reps, sync=None, calls=1, warm_ms=0.0):
+    """Best ms per call of a and of b over reps alternating rounds of `calls` calls each, each
+    round after warm_ms of untimed calls of its own side."""
     def round_ms(fn):
+        if warm_ms:
+            t0 = time.perf_counter()
+            while (time.perf_counter() - t0) * 1e3 < warm_ms:
+                fn()
+            if sync:
+                sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -62,7 +80,7 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
     if device == "cpu":
         ut.set_num_threads(threads)
         torch.set_num_threads(threads)
-        sync, calls = None, 1
+        sync, calls, warm_ms = None, 1, WARM_MS
     else:
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.allow_tf32 = False
@@ -70,7 +88,7 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
         def sync():
             ut.synchronize()
             torch.cuda.synchronize()
-        calls = 20
+        calls, warm_ms = 20, 0.0
     if dtype not in ("fp32", "bf16"):
         raise ValueError("dtype must be fp32 or bf16, not %r" % (dtype,))
     unknown = [m for m in modes if m not in ("fwd", "step", "eval")]
@@ -142,7 +160,7 @@ def run(threads=2, kernels=((3, 3),), strides=(1,), dilations=(1,), channels=(32
                                 if mode == "eval":
                                     layer.eval()
                                     bn.eval()
-                                a, b = _best_pair(*pairs[mode], reps, sync, calls)
+                                a, b = _best_pair(*pairs[mode], reps, sync, calls, warm_ms)
                                 layer.train()
                                 row = (mode, kh, kw, s, d, c, h, a, b, b / a)
                                 rows.append(row)

@@ -46,3 +46,26 @@ def test_bad_modes_are_refused():
         bd.run(kernels=((3, 3),), out=lambda s: None, modes=("fwd", "infer"))
     with pytest.raises(ValueError, match="float32 only"):
         bd.run(kernels=((3, 3),), out=lambda s: None, modes=("eval",), dtype="bf16")
+
+
+def test_rounds_follow_untimed_calls_of_their_own_side():
+    """A round is timed only after warm_ms of its side's own calls (the other side's thread
+    pool quiet by then); what is timed is the round's calls alone."""
+    import time
+
+    counts = {"a": 0, "b": 0}
+
+    def side(name):
+        def fn():
+            counts[name] += 1
+            time.sleep(0.001)
+        return fn
+
+    a, b = bd._best_pair(side("a"), side("b"), reps=2, calls=1, warm_ms=0.0)
+    assert counts == {"a": 3, "b": 3}  # one warm-up round, then reps rounds of one call
+    counts.update(a=0, b=0)
+    a, b = bd._best_pair(side("a"), side("b"), reps=2, calls=1, warm_ms=20.0)
+    # each of the 3 rounds: >= 20 ms of 1 ms calls first, then the timed call
+    assert counts["a"] >= 3 * 2 and counts["b"] >= 3 * 2
+    assert counts["a"] <= 3 * 21 + 3 and counts["b"] <= 3 * 21 + 3
+    assert 0.0 < a < 20.0 and 0.0 < b < 20.0  # the warm-up calls are not in the time
